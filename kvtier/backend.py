@@ -1,0 +1,333 @@
+"""The backend contract: what every tier implementation provides.
+
+Two kinds of backend sit behind a tier:
+
+* **arenas** (:class:`ArenaBackend`) hold pages in slots of one preallocated buffer (GPU
+  HBM, host DRAM) and expose each slot without copying;
+* **stores** (:class:`StoreBackend`) map keys to blobs (NVMe, a remote pool).
+
+Both speak the same keyed, batch-first, async interface, so the pipeline moves pages
+between any two tiers the same way. The rules every backend keeps (and that
+:mod:`kvtier.testing` checks):
+
+1. **Batches with per-item results.** Every call takes a sequence and answers item by item;
+   a failure of one item (no room, I/O error, checksum mismatch) is a ``False``/``None`` for
+   that item, never an exception. Exceptions are for caller mistakes only (a buffer of the
+   wrong size or dtype: :class:`~kvtier.errors.KVTierUsageError`) and for calling a closed
+   backend.
+2. **Two-phase put.** :meth:`Backend.reserve` takes space, :meth:`Backend.write` fills it,
+   :meth:`Backend.commit` publishes it. Until commit a key is invisible to :meth:`get`,
+   :meth:`contains`, :meth:`exists` and :meth:`keys`; :meth:`abort` gives the space back.
+   Putting a key that is already committed is a successful no-op (keys are content
+   addresses: equal keys mean equal bytes).
+3. **No policy inside.** A backend never evicts on its own to make room (a remote server
+   that drops keys by itself is the exception callers must tolerate: such keys become
+   misses). ``reserve`` answers ``None`` when full; the tier above decides what to evict.
+4. **Never blocks the event loop.** Blocking work runs on the backend's executor, batched:
+   one hop per call, not per page.
+5. **Never serves wrong bytes.** A read that cannot be verified is a miss.
+
+Buffers are 1-D, C-contiguous ``numpy.uint8`` arrays of exactly ``page_bytes`` bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+
+import numpy as np
+
+from kvtier.errors import KVTierError, KVTierUsageError
+from kvtier.keys import PageKey
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+class BackendKind(StrEnum):
+    """The two kinds of backend."""
+
+    ARENA = "arena"
+    STORE = "store"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Space taken by :meth:`Backend.reserve` for one key, not yet visible.
+
+    Attributes:
+        key: the page key.
+        handle: backend-specific location (an arena slot, a store slot id, ...).
+        present: the key was already committed; write and commit are no-ops for it.
+        view: for arenas, a writable zero-copy view of the slot, so a producer may fill
+            it in place and pass it back to :meth:`Backend.write` (which then skips the
+            copy).
+    """
+
+    key: PageKey
+    handle: int
+    present: bool = False
+    view: np.ndarray | None = None
+
+
+def check_buffer(buf: Any, page_bytes: int, what: str = "buffer") -> np.ndarray:
+    """Return ``buf`` as a 1-D uint8 array of ``page_bytes`` bytes, or raise.
+
+    Accepts numpy arrays and objects with the buffer protocol (bytes, memoryview) without
+    copying. Raises :class:`KVTierUsageError` naming the shape, dtype or size that is wrong.
+    """
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    else:
+        try:
+            arr = np.frombuffer(memoryview(buf), dtype=np.uint8)
+        except TypeError:
+            raise KVTierUsageError(
+                f"{what} must be a numpy uint8 array or a bytes-like object, "
+                f"got {type(buf).__name__}"
+            ) from None
+    if arr.dtype != np.uint8:
+        raise KVTierUsageError(f"{what} must have dtype uint8, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise KVTierUsageError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.nbytes != page_bytes:
+        raise KVTierUsageError(f"{what} must hold {page_bytes} bytes (one page), got {arr.nbytes}")
+    if not arr.flags.c_contiguous:
+        raise KVTierUsageError(f"{what} must be C-contiguous")
+    return arr
+
+
+def check_buffers(
+    bufs: Sequence[Any], count: int, page_bytes: int, writable: bool = False
+) -> list[np.ndarray]:
+    """Validate a batch of page buffers against the number of keys it goes with."""
+    if len(bufs) != count:
+        raise KVTierUsageError(f"got {len(bufs)} buffers for {count} keys")
+    out = [check_buffer(b, page_bytes, f"buffer {i}") for i, b in enumerate(bufs)]
+    if writable:
+        for i, arr in enumerate(out):
+            if not arr.flags.writeable:
+                raise KVTierUsageError(f"buffer {i} must be writable to receive a page")
+    return out
+
+
+class BackendClosedError(KVTierError):
+    """A backend was used before :meth:`Backend.open` or after :meth:`Backend.close`."""
+
+
+class Backend(ABC):
+    """Base of every tier backend. See the module docstring for the contract.
+
+    Subclasses take ``page_bytes`` and ``capacity_pages`` plus their own keyword options,
+    and must reject unknown options with :class:`~kvtier.errors.ConfigError` (the base
+    constructor does this for whatever reaches it).
+    """
+
+    #: Arena or store.
+    kind: ClassVar[BackendKind]
+    #: Default number of worker threads for blocking work.
+    default_io_threads: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        capacity_pages: int,
+        io_threads: int | None = None,
+        **options: Any,
+    ) -> None:
+        from kvtier.errors import ConfigError
+
+        if options:
+            raise ConfigError(
+                f"{type(self).__name__}: unknown option(s) {', '.join(sorted(options))}"
+            )
+        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise KVTierUsageError(f"page_bytes must be a positive integer, got {page_bytes!r}")
+        if (
+            isinstance(capacity_pages, bool)
+            or not isinstance(capacity_pages, int)
+            or capacity_pages < 1
+        ):
+            raise KVTierUsageError(
+                f"{type(self).__name__}: capacity must hold at least one page "
+                f"({page_bytes} bytes), got {capacity_pages!r} pages"
+            )
+        threads = self.default_io_threads if io_threads is None else io_threads
+        if threads < 1:
+            raise KVTierUsageError(f"io_threads must be >= 1, got {threads}")
+        self.page_bytes = page_bytes
+        self.capacity_pages = capacity_pages
+        self.io_threads = threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._opened = False
+
+    # -- discovery ---------------------------------------------------------------------
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run on this machine, or ``None`` when it can.
+
+        Must be cheap and must not raise: discovery calls it for every backend.
+        """
+        return None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Acquire resources (memory, files, connections). Idempotent."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.io_threads, thread_name_prefix=f"kvtier-{type(self).__name__}"
+            )
+        self._opened = True
+
+    async def close(self) -> None:
+        """Release resources. Committed pages of persistent backends stay. Idempotent."""
+        self._opened = False
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _check_open(self) -> None:
+        if not self._opened:
+            raise BackendClosedError(f"{type(self).__name__} is not open")
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on this backend's executor and await the result.
+
+        Callers batch: one hop per batch of pages, never one per page.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    # -- the keyed, two-phase interface ------------------------------------------------
+
+    @abstractmethod
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        """Take space for each key; ``None`` for a key that gets no space (full, error).
+
+        ``namespace`` is the :attr:`kvtier.keys.Namespace.label` of the pages, recorded by
+        stores for inspection (keys already carry the namespace digest).
+        """
+
+    @abstractmethod
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        """Fill reserved space with page bytes; ``False`` where a write failed."""
+
+    @abstractmethod
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Publish written pages; after ``True`` they are durable (per the backend) and
+        visible. ``False`` where commit failed: that space is released."""
+
+    @abstractmethod
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        """Release reservations that will not be committed."""
+
+    @abstractmethod
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        """Read each committed page into ``out[i]``; ``False`` for a miss (absent,
+        unreadable or failing verification: then ``out[i]`` holds unspecified bytes)."""
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Which keys are committed here."""
+
+    @abstractmethod
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Remove committed keys; ``True`` where a key was present and is now gone."""
+
+    @abstractmethod
+    async def keys(self) -> list[PageKey]:
+        """Every committed key (for recovery and inspection; may be slow on stores)."""
+
+    @abstractmethod
+    def used_pages(self) -> int:
+        """Pages committed or reserved here (what counts against capacity)."""
+
+    async def exists(self, keys: Sequence[PageKey]) -> int:
+        """How many leading keys are committed (the length of the cached prefix)."""
+        found = await self.contains(keys)
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    async def put(
+        self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
+    ) -> list[bool]:
+        """Reserve, write and commit in one call; ``True`` where the page is now committed."""
+        bufs = check_buffers(data, len(keys), self.page_bytes)
+        reservations = await self.reserve(keys, namespace)
+        ok = [False] * len(keys)
+        taken = [(i, r) for i, r in enumerate(reservations) if r is not None]
+        if not taken:
+            return ok
+        written = await self.write([r for _, r in taken], [bufs[i] for i, _ in taken])
+        to_commit = [(i, r) for (i, r), w in zip(taken, written, strict=True) if w]
+        failed = [r for (_, r), w in zip(taken, written, strict=True) if not w]
+        if failed:
+            await self.abort(failed)
+        if to_commit:
+            committed = await self.commit([r for _, r in to_commit])
+            for (i, _), c in zip(to_commit, committed, strict=True):
+                ok[i] = c
+        return ok
+
+    def stats(self) -> dict[str, Any]:
+        """Backend-specific counters (capacity, use, errors) as plain data."""
+        return {
+            "kind": str(self.kind),
+            "page_bytes": self.page_bytes,
+            "capacity_pages": self.capacity_pages,
+            "used_pages": self.used_pages(),
+        }
+
+
+class ArenaBackend(Backend):
+    """A memory arena: ``capacity_pages`` slots in one preallocated buffer.
+
+    Adds zero-copy access to slots. A slot id is stable while its key stays committed.
+    """
+
+    kind: ClassVar[BackendKind] = BackendKind.ARENA
+
+    @abstractmethod
+    def slot_of(self, key: PageKey) -> int | None:
+        """The slot of a committed key, or ``None``."""
+
+    @abstractmethod
+    def view(self, slot: int) -> np.ndarray:
+        """Zero-copy uint8 view of one slot (``page_bytes`` long)."""
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        """Zero-copy torch uint8 tensor over one slot."""
+        import torch
+
+        return torch.from_numpy(self.view(slot))
+
+
+class StoreBackend(Backend):
+    """A key -> blob store (NVMe, remote pool)."""
+
+    kind: ClassVar[BackendKind] = BackendKind.STORE

@@ -1,0 +1,93 @@
+"""Policy interfaces: what should be where.
+
+Policies are pure bookkeeping on the event-loop thread: they never move bytes and never
+touch a backend. The pipeline (live) and the trace replayer (offline) drive the very same
+objects, so a policy measured in replay behaves the same in a live run.
+
+An :class:`EvictionPolicy` instance tracks the pages of one tier. The tier tells it about
+every insert, access and removal, and asks it for victims when the tier passes its high
+watermark. ``victims`` must only return keys that ``evictable(key)`` accepts (pinned
+pages and pages in flight are not evictable) and must not assume its answer is acted on:
+the tier calls :meth:`EvictionPolicy.on_remove` for what it really removed.
+
+An :class:`AdmissionPolicy` decides whether a page enters a tier at all (selective
+write-through, TinyLFU-style filters).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import ClassVar
+
+from kvtier.keys import PageKey
+
+
+class EvictionPolicy(ABC):
+    """Chooses which resident pages of one tier to evict."""
+
+    #: Name used in config (``eviction = "lru"``).
+    name: ClassVar[str]
+
+    @abstractmethod
+    def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
+        """A page was committed to the tier. ``parent`` is the page before it in its
+        sequence (``None`` for the first page or when unknown)."""
+
+    @abstractmethod
+    def on_access(self, key: PageKey) -> None:
+        """A resident page was read (a hit)."""
+
+    @abstractmethod
+    def on_remove(self, key: PageKey) -> None:
+        """A page left the tier (evicted, deleted, or failed). Unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        """Up to ``n`` distinct resident keys to evict, best victim first, each accepted
+        by ``evictable``. Fewer when not enough pages are evictable."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Pages tracked."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is tracked."""
+
+
+class AdmissionPolicy(ABC):
+    """Decides whether a page may enter a tier."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def admit(self, key: PageKey) -> bool:
+        """Whether to admit ``key`` now."""
+
+    def on_access(self, key: PageKey) -> None:  # noqa: B027 - optional hook
+        """A page was referenced (hit or miss); frequency-based filters count here."""
+
+
+class AdmitAll(AdmissionPolicy):
+    """Admits every page."""
+
+    name: ClassVar[str] = "all"
+
+    def admit(self, key: PageKey) -> bool:
+        return True
+
+
+def first_evictable(
+    order: Iterable[PageKey], n: int, evictable: Callable[[PageKey], bool]
+) -> list[PageKey]:
+    """The first ``n`` keys of ``order`` that ``evictable`` accepts."""
+    out: list[PageKey] = []
+    if n <= 0:
+        return out
+    for key in order:
+        if evictable(key):
+            out.append(key)
+            if len(out) >= n:
+                break
+    return out

@@ -1,0 +1,137 @@
+"""Finding backends: the ``kvtier.backends`` entry-point group and ``module:Class`` paths.
+
+Built-in backends register through the same entry-point group as third-party plugins
+(see ``pyproject.toml``). Discovery never raises: a backend whose module fails to import
+(missing package, no GPU) or whose :meth:`~kvtier.backend.Backend.unavailable_reason`
+says it cannot run is listed as unavailable, with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtier.backend import Backend
+from kvtier.errors import BackendUnavailableError, UnknownBackendError
+
+ENTRY_POINT_GROUP = "kvtier.backends"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What discovery knows of one backend.
+
+    Attributes:
+        name: the name to use in config (entry-point name, or the ``module:Class`` path).
+        target: ``module:Class`` the name resolves to.
+        origin: where it came from: ``entry point (distribution X.Y)`` or ``path``.
+        kind: ``arena`` or ``store``; ``None`` when the class could not be loaded.
+        available: whether it can run here.
+        reason: why not, when ``available`` is false.
+    """
+
+    name: str
+    target: str
+    origin: str
+    kind: str | None
+    available: bool
+    reason: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+
+
+def _load_target(target: str) -> type[Backend]:
+    """Import ``module:Class`` and check it is a backend. Raises on any failure."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UnknownBackendError(f"backend path {target!r} is not of the form 'module:Class'")
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Backend)):
+        raise UnknownBackendError(f"{target!r} is not a kvtier Backend subclass")
+    return obj
+
+
+def _describe(name: str, target: str, origin: str) -> BackendInfo:
+    try:
+        cls = _load_target(target)
+    except Exception as exc:  # discovery must survive any plugin failure
+        return BackendInfo(name, target, origin, None, False, f"cannot load: {exc!r}")
+    try:
+        reason = cls.unavailable_reason()
+    except Exception as exc:
+        reason = f"availability check failed: {exc!r}"
+    return BackendInfo(name, target, origin, str(cls.kind), reason is None, reason)
+
+
+def _origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    if dist is None:
+        return "entry point"
+    return f"entry point ({dist.metadata['Name']} {dist.version})"
+
+
+def discover() -> list[BackendInfo]:
+    """Every backend registered in the entry-point group, sorted by name. Never raises."""
+    infos: dict[str, BackendInfo] = {}
+    try:
+        eps = _entry_points()
+    except Exception:  # a broken metadata file must not break discovery
+        return []
+    for ep in eps:
+        if ep.name in infos:
+            continue  # first registration wins; duplicates are shadowed
+        infos[ep.name] = _describe(ep.name, ep.value, _origin(ep))
+    return list(infos.values())
+
+
+def describe(name: str) -> BackendInfo:
+    """Discovery information for one name or ``module:Class`` path. Never raises."""
+    if ":" in name:
+        return _describe(name, name, "path")
+    for info in discover():
+        if info.name == name:
+            return info
+    return BackendInfo(name, "", "unknown", None, False, "no such backend")
+
+
+def resolve(name: str) -> type[Backend]:
+    """The backend class for an entry-point name or a ``module:Class`` path.
+
+    Raises :class:`UnknownBackendError` for a name nobody registered or a path that does
+    not import, and :class:`BackendUnavailableError` (with the reason) for a backend that
+    cannot run here.
+    """
+    if ":" in name:
+        target = name
+    else:
+        matches = [ep for ep in _entry_points() if ep.name == name]
+        if not matches:
+            known = ", ".join(sorted({ep.name for ep in _entry_points()})) or "none"
+            raise UnknownBackendError(f"unknown backend {name!r}; registered: {known}")
+        target = matches[0].value
+    try:
+        cls = _load_target(target)
+    except UnknownBackendError:
+        raise
+    except Exception as exc:
+        raise BackendUnavailableError(f"backend {name!r} ({target}) cannot load: {exc}") from exc
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable here: {reason}")
+    return cls
+
+
+def create(name: str, *, page_bytes: int, capacity_pages: int, **options: Any) -> Backend:
+    """Resolve ``name`` and construct it (not yet opened)."""
+    cls = resolve(name)
+    return cls(page_bytes=page_bytes, capacity_pages=capacity_pages, **options)
