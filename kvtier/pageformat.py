@@ -1,0 +1,111 @@
+"""The on-media page format shared by every persistent or remote store (NVMe, remote).
+
+Each stored page carries a fixed 64-byte header::
+
+    offset size field
+    0      4    magic b"KVTP"
+    4      2    format version (FORMAT_VERSION)
+    6      2    flags (0)
+    8      8    payload length in bytes
+    16     8    xxh3-64 checksum of the payload
+    24     16   page key
+    40     16   namespace digest (xxh3-128 of the namespace label)
+    56     4    xxh32 of bytes 0..55 (the header's own checksum)
+    60     4    zero padding
+
+All integers little-endian. A store may place the header before or after the payload (the
+NVMe store puts it after, so that payloads start 4 KiB-aligned); it must verify it, with
+:func:`verify_page`, on every read. A page whose header or payload does not verify is a
+miss, never served (design invariant 3).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvtier.errors import IntegrityError
+from kvtier.keys import KEY_BYTES
+
+MAGIC = b"KVTP"
+FORMAT_VERSION = 1
+HEADER_SIZE = 64
+_STRUCT = struct.Struct("<4sHHQQ16s16s")  # 56 bytes, then xxh32 and padding
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """A decoded page header."""
+
+    version: int
+    payload_len: int
+    checksum: int
+    key: bytes
+    namespace_digest: bytes
+
+
+def namespace_digest(label: str) -> bytes:
+    """16-byte digest of a namespace label (equal to ``Namespace.digest``)."""
+    return xxhash.xxh3_128_digest(label.encode())
+
+
+def payload_checksum(payload: np.ndarray | bytes | memoryview) -> int:
+    """xxh3-64 of the payload bytes (no copy for contiguous arrays)."""
+    return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B"))
+
+
+def encode_header(
+    key: bytes, namespace_label: str, payload: np.ndarray | bytes | memoryview
+) -> bytes:
+    """The 64-byte header for ``payload`` stored under ``key``."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"page key must be {KEY_BYTES} bytes, got {len(key)}")
+    body = _STRUCT.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        memoryview(payload).nbytes,
+        payload_checksum(payload),
+        bytes(key),
+        namespace_digest(namespace_label),
+    )
+    return body + struct.pack("<I", xxhash.xxh32_intdigest(body)) + bytes(4)
+
+
+def decode_header(raw: bytes | memoryview | np.ndarray) -> PageHeader:
+    """Parse and check a header; :class:`IntegrityError` names what is wrong."""
+    data = bytes(memoryview(raw).cast("B")[:HEADER_SIZE])
+    if len(data) < HEADER_SIZE:
+        raise IntegrityError(f"page header truncated: {len(data)} of {HEADER_SIZE} bytes")
+    magic, version, _flags, length, checksum, key, ns = _STRUCT.unpack_from(data)
+    if magic != MAGIC:
+        raise IntegrityError(f"bad page magic {magic!r}")
+    (stored,) = struct.unpack_from("<I", data, _STRUCT.size)
+    if xxhash.xxh32_intdigest(data[: _STRUCT.size]) != stored:
+        raise IntegrityError("page header checksum mismatch")
+    if version > FORMAT_VERSION:
+        raise IntegrityError(f"page format version {version} is newer than {FORMAT_VERSION}")
+    return PageHeader(version, length, checksum, key, ns)
+
+
+def verify_page(
+    raw_header: bytes | memoryview | np.ndarray,
+    key: bytes,
+    payload: np.ndarray | bytes | memoryview,
+) -> PageHeader:
+    """Check a page read back: header intact, same key, same length, payload checksum.
+
+    Returns the header; raises :class:`IntegrityError` describing the first mismatch.
+    """
+    header = decode_header(raw_header)
+    if header.key != bytes(key):
+        raise IntegrityError(f"page header holds key {header.key.hex()}, expected {key.hex()}")
+    nbytes = memoryview(payload).nbytes
+    if header.payload_len != nbytes:
+        raise IntegrityError(f"page length {header.payload_len} in header, {nbytes} bytes expected")
+    if payload_checksum(payload) != header.checksum:
+        raise IntegrityError(f"payload checksum mismatch for page {key.hex()}")
+    return header
