@@ -47,19 +47,26 @@ class PageHeader:
     namespace_digest: bytes
 
 
+BytesLike = np.ndarray | bytes | memoryview
+
+
+def _bytes_view(data: BytesLike) -> memoryview:
+    """A flat byte view of ``data`` without copying."""
+    view = data.data if isinstance(data, np.ndarray) else memoryview(data)
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
 def namespace_digest(label: str) -> bytes:
     """16-byte digest of a namespace label (equal to ``Namespace.digest``)."""
     return xxhash.xxh3_128_digest(label.encode())
 
 
-def payload_checksum(payload: np.ndarray | bytes | memoryview) -> int:
+def payload_checksum(payload: BytesLike) -> int:
     """xxh3-64 of the payload bytes (no copy for contiguous arrays)."""
-    return xxhash.xxh3_64_intdigest(memoryview(payload).cast("B"))
+    return xxhash.xxh3_64_intdigest(_bytes_view(payload))
 
 
-def encode_header(
-    key: bytes, namespace_label: str, payload: np.ndarray | bytes | memoryview
-) -> bytes:
+def encode_header(key: bytes, namespace_label: str, payload: BytesLike) -> bytes:
     """The 64-byte header for ``payload`` stored under ``key``."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"page key must be {KEY_BYTES} bytes, got {len(key)}")
@@ -67,7 +74,7 @@ def encode_header(
         MAGIC,
         FORMAT_VERSION,
         0,
-        memoryview(payload).nbytes,
+        _bytes_view(payload).nbytes,
         payload_checksum(payload),
         bytes(key),
         namespace_digest(namespace_label),
@@ -75,9 +82,9 @@ def encode_header(
     return body + struct.pack("<I", xxhash.xxh32_intdigest(body)) + bytes(4)
 
 
-def decode_header(raw: bytes | memoryview | np.ndarray) -> PageHeader:
+def decode_header(raw: BytesLike) -> PageHeader:
     """Parse and check a header; :class:`IntegrityError` names what is wrong."""
-    data = bytes(memoryview(raw).cast("B")[:HEADER_SIZE])
+    data = bytes(_bytes_view(raw)[:HEADER_SIZE])
     if len(data) < HEADER_SIZE:
         raise IntegrityError(f"page header truncated: {len(data)} of {HEADER_SIZE} bytes")
     magic, version, _flags, length, checksum, key, ns = _STRUCT.unpack_from(data)
@@ -92,9 +99,9 @@ def decode_header(raw: bytes | memoryview | np.ndarray) -> PageHeader:
 
 
 def verify_page(
-    raw_header: bytes | memoryview | np.ndarray,
+    raw_header: BytesLike,
     key: bytes,
-    payload: np.ndarray | bytes | memoryview,
+    payload: BytesLike,
 ) -> PageHeader:
     """Check a page read back: header intact, same key, same length, payload checksum.
 
@@ -103,7 +110,7 @@ def verify_page(
     header = decode_header(raw_header)
     if header.key != bytes(key):
         raise IntegrityError(f"page header holds key {header.key.hex()}, expected {key.hex()}")
-    nbytes = memoryview(payload).nbytes
+    nbytes = _bytes_view(payload).nbytes
     if header.payload_len != nbytes:
         raise IntegrityError(f"page length {header.payload_len} in header, {nbytes} bytes expected")
     if payload_checksum(payload) != header.checksum:
