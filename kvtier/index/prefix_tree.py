@@ -1,0 +1,310 @@
+"""The prefix tree: which leading pages of a token sequence are cached, and where.
+
+Page keys chain (``key(i) = hash(key(i-1), tokens of page i, namespace)``), so every key
+names its whole prefix and has exactly one parent: the set of cached keys *is* a radix
+tree over pages, one node per page, and a prefix match is a walk from the root that stops
+at the first page cached nowhere. Each node records the tiers holding its page (a bit
+mask; the tier order is fixed at construction, top first) and how many of its children
+each tier holds, so the questions the eviction side asks are O(1):
+
+* :meth:`PrefixTree.match` — the longest cached prefix of a list of keys and, per page,
+  the topmost tier that holds it;
+* :meth:`PrefixTree.is_leaf` — whether a page may leave a tier without stranding a
+  descendant (leaves are evicted before their ancestors: a page is useless without its
+  prefix); :meth:`PrefixTree.evictable` wraps it as the filter an
+  :class:`~kvtier.policy.base.EvictionPolicy` takes.
+
+A node whose page left every tier but which still has cached descendants stays as a
+*hollow* node (it ends every match that reaches it) and disappears with its last
+descendant. The tree holds committed pages only: it is fed by the directory's commit and
+remove listeners (:meth:`PrefixTree.attach`) or by explicit :meth:`add` /
+:meth:`discard` calls, never by reservations, so a failed or speculative write is never
+visible here. Owned by the event-loop thread; no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import KEY_BYTES, ROOT_KEY, PageKey
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The cached prefix of a key list.
+
+    Attributes:
+        keys: the matched keys, in order (the first ``len(keys)`` of the query).
+        tiers: for each matched key, the name of the topmost tier holding it.
+    """
+
+    keys: list[PageKey]
+    tiers: list[str]
+
+    @property
+    def pages(self) -> int:
+        """Number of leading pages cached somewhere."""
+        return len(self.keys)
+
+
+class _Node:
+    __slots__ = ("child_tiers", "children", "mask", "parent")
+
+    def __init__(self, parent: PageKey | None, ntiers: int) -> None:
+        # None = parent unknown (the node was created hollow, as someone's parent).
+        self.parent = parent
+        self.mask = 0
+        self.children = 0
+        self.child_tiers = [0] * ntiers
+
+
+class DirectoryLike(Protocol):
+    """What :meth:`PrefixTree.attach` needs from a directory."""
+
+    def parent_of(self, key: PageKey) -> PageKey | None: ...
+
+
+class PrefixTree:
+    """Radix tree over page keys with the tiers of each page. See the module docstring.
+
+    Args:
+        tiers: tier names, top first. ``match`` reports the topmost holder of each page.
+    """
+
+    def __init__(self, tiers: Sequence[str]) -> None:
+        names = list(tiers)
+        if not names:
+            raise KVTierUsageError("PrefixTree needs at least one tier name")
+        if len(set(names)) != len(names):
+            raise KVTierUsageError(f"PrefixTree: duplicate tier names in {names}")
+        self.tier_names: tuple[str, ...] = tuple(names)
+        self._bit = {name: i for i, name in enumerate(names)}
+        self._nodes: dict[PageKey, _Node] = {}
+        self._pages_per_tier = [0] * len(names)
+
+    # -- tier names ----------------------------------------------------------------------
+
+    def _tier_index(self, tier: str) -> int:
+        try:
+            return self._bit[tier]
+        except KeyError:
+            raise KVTierUsageError(
+                f"unknown tier {tier!r}; the prefix tree knows {list(self.tier_names)}"
+            ) from None
+
+    def _top(self, mask: int) -> str:
+        return self.tier_names[(mask & -mask).bit_length() - 1]
+
+    # -- updates -------------------------------------------------------------------------
+
+    def add(self, key: PageKey, parent: PageKey | None, tier: str) -> None:
+        """Record that ``key`` (child of ``parent``; ``ROOT_KEY`` or ``None`` for a first
+        page) is committed in ``tier``. Adding a page already recorded there is a no-op."""
+        t = self._tier_index(tier)
+        if len(key) != KEY_BYTES:
+            raise KVTierUsageError(f"page key must be {KEY_BYTES} bytes, got {len(key)}")
+        if parent == ROOT_KEY:
+            parent = None
+        nodes = self._nodes
+        node = nodes.get(key)
+        if node is None:
+            node = _Node(parent, len(self.tier_names))
+            nodes[key] = node
+            if parent is not None:
+                self._link(parent)
+        elif node.parent is None and parent is not None:
+            node.parent = parent  # a hollow node learns its parent
+            self._link(parent)
+            if node.mask:
+                self._count_child_tiers(parent, node.mask, +1)
+        bit = 1 << t
+        if node.mask & bit:
+            return
+        node.mask |= bit
+        self._pages_per_tier[t] += 1
+        if node.parent is not None:
+            self._nodes[node.parent].child_tiers[t] += 1
+
+    def _link(self, parent: PageKey) -> None:
+        """Count one more child under ``parent``, creating it hollow if unknown."""
+        pnode = self._nodes.get(parent)
+        if pnode is None:
+            pnode = _Node(None, len(self.tier_names))
+            self._nodes[parent] = pnode
+        pnode.children += 1
+
+    def _count_child_tiers(self, parent: PageKey, mask: int, delta: int) -> None:
+        counts = self._nodes[parent].child_tiers
+        t = 0
+        while mask:
+            if mask & 1:
+                counts[t] += delta
+            mask >>= 1
+            t += 1
+
+    def insert(self, keys: Sequence[PageKey], tier: str, parent: PageKey = ROOT_KEY) -> None:
+        """Record a chain of pages (``keys[0]``'s parent is ``parent``) as held by ``tier``."""
+        prev: PageKey | None = parent
+        for key in keys:
+            self.add(key, prev, tier)
+            prev = key
+
+    def discard(self, key: PageKey, tier: str) -> bool:
+        """Record that ``key`` left ``tier``; ``True`` if it was recorded there.
+
+        A node left with no page and no children is removed, and so are its hollow
+        ancestors that thereby lose their last child.
+        """
+        t = self._tier_index(tier)
+        node = self._nodes.get(key)
+        bit = 1 << t
+        if node is None or not node.mask & bit:
+            return False
+        node.mask &= ~bit
+        self._pages_per_tier[t] -= 1
+        if node.parent is not None:
+            self._nodes[node.parent].child_tiers[t] -= 1
+        self._prune(key, node)
+        return True
+
+    def discard_all(self, key: PageKey) -> list[str]:
+        """Record that ``key`` left every tier; returns the tiers it was in."""
+        node = self._nodes.get(key)
+        if node is None:
+            return []
+        held = [name for i, name in enumerate(self.tier_names) if node.mask >> i & 1]
+        for name in held:
+            self.discard(key, name)
+        return held
+
+    def _prune(self, key: PageKey, node: _Node) -> None:
+        while node.mask == 0 and node.children == 0:
+            del self._nodes[key]
+            parent = node.parent
+            if parent is None:
+                return
+            pnode = self._nodes[parent]
+            pnode.children -= 1
+            key, node = parent, pnode
+
+    def clear(self) -> None:
+        """Forget every page."""
+        self._nodes.clear()
+        self._pages_per_tier = [0] * len(self.tier_names)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def match(self, keys: Iterable[PageKey]) -> PrefixMatch:
+        """The longest prefix of ``keys`` cached in some tier, with each page's top tier."""
+        nodes = self._nodes
+        names = self.tier_names
+        matched: list[PageKey] = []
+        tiers: list[str] = []
+        for key in keys:
+            node = nodes.get(key)
+            if node is None or not node.mask:
+                break
+            mask = node.mask
+            matched.append(key)
+            tiers.append(names[(mask & -mask).bit_length() - 1])
+        return PrefixMatch(matched, tiers)
+
+    def match_length(self, keys: Iterable[PageKey]) -> int:
+        """How many leading keys are cached somewhere (``match`` without the lists)."""
+        nodes = self._nodes
+        n = 0
+        for key in keys:
+            node = nodes.get(key)
+            if node is None or not node.mask:
+                break
+            n += 1
+        return n
+
+    def tiers_of(self, key: PageKey) -> list[str]:
+        """Tiers holding ``key``, top first (empty when it is cached nowhere)."""
+        node = self._nodes.get(key)
+        if node is None:
+            return []
+        return [name for i, name in enumerate(self.tier_names) if node.mask >> i & 1]
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        """The parent recorded for ``key`` (``None`` for a first page or unknown key)."""
+        node = self._nodes.get(key)
+        return None if node is None else node.parent
+
+    def is_leaf(self, key: PageKey, tier: str | None = None) -> bool:
+        """Whether ``key`` has no child page cached in ``tier`` (any tier when ``None``).
+
+        Use ``tier`` for a move down (the page stays cached below, so only children in
+        the same tier matter) and ``None`` before dropping a page from the hierarchy.
+        An unknown key is a leaf.
+        """
+        node = self._nodes.get(key)
+        if node is None:
+            return True
+        if tier is None:
+            return node.children == 0
+        return node.child_tiers[self._tier_index(tier)] == 0
+
+    def evictable(
+        self, tier: str | None = None, also: Callable[[PageKey], bool] | None = None
+    ) -> Callable[[PageKey], bool]:
+        """A filter for :meth:`EvictionPolicy.victims`: leaves of ``tier`` (see
+        :meth:`is_leaf`), further restricted by ``also`` (e.g. "not pinned")."""
+        if tier is not None:
+            self._tier_index(tier)
+
+        def accept(key: PageKey) -> bool:
+            return self.is_leaf(key, tier) and (also is None or also(key))
+
+        return accept
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is cached in some tier (hollow nodes are not)."""
+        node = self._nodes.get(key)  # type: ignore[call-overload]
+        return node is not None and node.mask != 0
+
+    def __len__(self) -> int:
+        """Pages cached in at least one tier."""
+        return sum(1 for node in self._nodes.values() if node.mask)
+
+    def pages_in(self, tier: str) -> int:
+        """Pages recorded in ``tier``."""
+        return self._pages_per_tier[self._tier_index(tier)]
+
+    def items(self) -> Iterator[tuple[PageKey, frozenset[str]]]:
+        """``(key, tiers)`` for every cached page (for consistency checks and inspection)."""
+        for key, node in self._nodes.items():
+            if node.mask:
+                yield (
+                    key,
+                    frozenset(name for i, name in enumerate(self.tier_names) if node.mask >> i & 1),
+                )
+
+    def node_count(self) -> int:
+        """Nodes held, hollow ones included."""
+        return len(self._nodes)
+
+    # -- staying consistent with the directory -------------------------------------------
+
+    def attach(self, directory: Any) -> None:
+        """Subscribe to ``directory``'s commit and remove events.
+
+        ``directory`` must offer ``on_commit(listener)`` and ``on_remove(listener)``
+        registrations whose listeners receive ``(key, tier)``, and ``parent_of(key)``.
+        """
+        parent_of: Callable[[PageKey], PageKey | None] = directory.parent_of
+
+        def committed(key: PageKey, tier: str) -> None:
+            if tier in self._bit:
+                self.add(key, parent_of(key), tier)
+
+        def removed(key: PageKey, tier: str) -> None:
+            if tier in self._bit:
+                self.discard(key, tier)
+
+        directory.on_commit(committed)
+        directory.on_remove(removed)

@@ -1,0 +1,193 @@
+"""The prefix tree: matches, leaves, hollow nodes, and a stateful check against a model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.errors import KVTierUsageError
+from kvtier.index.prefix_tree import PrefixTree
+from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
+
+NS = Namespace("test-model", page_tokens=4)
+TIERS = ["dram", "disk", "remote"]
+
+
+def chain(tokens: list[int]) -> list[PageKey]:
+    return page_keys(tokens, NS)
+
+
+def test_match_reports_longest_prefix_and_top_tier() -> None:
+    tree = PrefixTree(TIERS)
+    keys = chain(list(range(20)))  # 5 pages
+    tree.insert(keys[:3], "disk")
+    tree.insert(keys[:2], "dram")
+    m = tree.match(keys)
+    assert m.keys == keys[:3]
+    assert m.tiers == ["dram", "dram", "disk"]
+    assert tree.match_length(keys) == 3
+    assert tree.tiers_of(keys[0]) == ["dram", "disk"]
+    assert tree.pages_in("dram") == 2 and tree.pages_in("disk") == 3
+
+
+def test_shared_prefix_branches_and_leaves() -> None:
+    tree = PrefixTree(TIERS)
+    a = chain([1, 2, 3, 4, 5, 6, 7, 8])
+    b = chain([1, 2, 3, 4, 9, 9, 9, 9])
+    assert a[0] == b[0] and a[1] != b[1]
+    tree.insert(a, "dram")
+    tree.insert(b, "disk")
+    assert not tree.is_leaf(a[0])
+    assert not tree.is_leaf(a[0], "dram") and not tree.is_leaf(a[0], "disk")
+    assert tree.is_leaf(a[0], "remote")
+    assert tree.is_leaf(a[1]) and tree.is_leaf(b[1])
+    evict = tree.evictable("dram")
+    assert [k for k in [a[0], a[1]] if evict(k)] == [a[1]]
+    not_pinned = tree.evictable("dram", also=lambda k: k != a[1])
+    assert not not_pinned(a[1])
+
+
+def test_hollow_node_ends_match_and_is_pruned() -> None:
+    tree = PrefixTree(TIERS)
+    keys = chain(list(range(12)))
+    tree.insert(keys, "dram")
+    assert tree.discard(keys[1], "dram")
+    assert tree.match_length(keys) == 1
+    assert keys[1] not in tree and tree.node_count() == 3
+    assert not tree.is_leaf(keys[1])  # still has a cached descendant
+    tree.discard(keys[2], "dram")
+    assert tree.node_count() == 1  # the hollow middle went with its last descendant
+    assert not tree.discard(keys[2], "dram")
+
+
+def test_child_added_before_parent_links_up() -> None:
+    tree = PrefixTree(TIERS)
+    keys = chain(list(range(8)))
+    tree.add(keys[1], keys[0], "disk")
+    assert tree.match_length(keys) == 0
+    assert not tree.is_leaf(keys[0], "disk")
+    tree.add(keys[0], ROOT_KEY, "dram")
+    assert tree.match(keys).tiers == ["dram", "disk"]
+
+
+def test_bad_input() -> None:
+    with pytest.raises(KVTierUsageError, match="at least one tier"):
+        PrefixTree([])
+    with pytest.raises(KVTierUsageError, match="duplicate"):
+        PrefixTree(["a", "a"])
+    tree = PrefixTree(TIERS)
+    with pytest.raises(KVTierUsageError, match="unknown tier 'hbm'"):
+        tree.add(chain([1, 2, 3, 4])[0], None, "hbm")
+    with pytest.raises(KVTierUsageError, match="16 bytes"):
+        tree.add(PageKey(b"short"), None, "dram")
+
+
+class _Directory:
+    """A minimal real directory with listeners (what ``attach`` subscribes to)."""
+
+    def __init__(self) -> None:
+        self.parents: dict[PageKey, PageKey | None] = {}
+        self.commit_listeners: list = []
+        self.remove_listeners: list = []
+
+    def parent_of(self, key: PageKey) -> PageKey | None:
+        return self.parents.get(key)
+
+    def on_commit(self, fn) -> None:
+        self.commit_listeners.append(fn)
+
+    def on_remove(self, fn) -> None:
+        self.remove_listeners.append(fn)
+
+    def commit(self, key: PageKey, parent: PageKey, tier: str) -> None:
+        self.parents[key] = parent
+        for fn in self.commit_listeners:
+            fn(key, tier)
+
+    def remove(self, key: PageKey, tier: str) -> None:
+        for fn in self.remove_listeners:
+            fn(key, tier)
+
+
+def test_attach_follows_directory_events() -> None:
+    tree = PrefixTree(TIERS)
+    d = _Directory()
+    tree.attach(d)
+    keys = chain(list(range(8)))
+    d.commit(keys[0], ROOT_KEY, "dram")
+    d.commit(keys[1], keys[0], "dram")
+    d.commit(keys[0], ROOT_KEY, "unknown-tier")  # tiers the tree does not track are ignored
+    assert tree.match_length(keys) == 2
+    d.remove(keys[1], "dram")
+    assert tree.match_length(keys) == 1
+
+
+# A pool of chains sharing prefixes: 3 roots, branching.
+_TOKENS = [[r] * 4 + [b] * 4 + [c] * 4 for r in range(3) for b in range(2) for c in range(2)]
+_CHAINS = [chain(t) for t in _TOKENS]
+_PAGES: dict[PageKey, PageKey] = {}
+for _c in _CHAINS:
+    for _i, _k in enumerate(_c):
+        _PAGES[_k] = _c[_i - 1] if _i else ROOT_KEY
+_KEYS = sorted(_PAGES)
+
+
+class PrefixTreeModel(RuleBasedStateMachine):
+    """Random adds and discards; the tree must answer as a plain set-of-tiers model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree = PrefixTree(TIERS)
+        self.model: dict[PageKey, set[str]] = {k: set() for k in _KEYS}
+
+    @rule(key=st.sampled_from(_KEYS), tier=st.sampled_from(TIERS))
+    def add(self, key: PageKey, tier: str) -> None:
+        self.tree.add(key, _PAGES[key], tier)
+        self.model[key].add(tier)
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        held = [(k, t) for k, ts in self.model.items() for t in sorted(ts)]
+        key, tier = data.draw(st.sampled_from(held))
+        assert self.tree.discard(key, tier)
+        self.model[key].discard(tier)
+
+    @rule(key=st.sampled_from(_KEYS))
+    def discard_all(self, key: PageKey) -> None:
+        assert sorted(self.tree.discard_all(key)) == sorted(self.model[key])
+        self.model[key].clear()
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        assert dict(self.tree.items()) == {k: frozenset(v) for k, v in self.model.items() if v}
+        for c in _CHAINS:
+            expect = []
+            for k in c:
+                if not self.model[k]:
+                    break
+                expect.append(k)
+            m = self.tree.match(c)
+            assert m.keys == expect
+            assert m.tiers == [next(t for t in TIERS if t in self.model[k]) for k in expect]
+        children = {k: [c for c, p in _PAGES.items() if p == k] for k in _KEYS}
+        for k in _KEYS:
+            # a node survives while some descendant (or itself) is cached
+            for tier in TIERS:
+                expect_leaf = not any(tier in self.model[c] for c in children[k])
+                assert self.tree.is_leaf(k, tier) == expect_leaf
+        live = {k for k in _KEYS if self.model[k]}
+        needed = set(live)
+        for k in live:
+            p = _PAGES[k]
+            while p != ROOT_KEY:
+                needed.add(p)
+                p = _PAGES[p]
+        # hollow nodes exist only on the path of a cached page: nothing leaks
+        assert len(live) <= self.tree.node_count() <= len(needed)
+
+
+TestPrefixTreeModel = PrefixTreeModel.TestCase
+TestPrefixTreeModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
