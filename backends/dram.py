@@ -1,0 +1,404 @@
+"""The host DRAM tier: a preallocated arena of page slots in CPU memory.
+
+Memory comes from one of two places, chosen at :meth:`DramArena.open`:
+
+* **pinned**: when a CUDA driver is present, a page-locked buffer from
+  ``torch.empty(..., pin_memory=True)``, so host<->device copies run at full PCIe speed;
+* otherwise a page-aligned anonymous ``mmap``, pre-faulted (``MAP_POPULATE``) so the first
+  copy into a slot does not pay for page faults, and ``mlock``-ed when the kernel allows it
+  (``RLIMIT_MEMLOCK`` or ``CAP_IPC_LOCK``): **mlocked**. When ``mlock`` is refused the
+  arena still works (**plain**); the refusal is logged once per process.
+
+:meth:`DramArena.stats` reports which of the three (``memory``) the arena got.
+
+Slots are exposed without copying as numpy views (:meth:`DramArena.view`) and torch
+tensors (:meth:`DramArena.tensor`) over the same bytes. Metadata (which slot holds which
+key) lives on the event-loop thread; the executor only copies bytes, one hop per call, and
+a large batch is split across the I/O threads so the copy runs on several cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import functools
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvtier.backend import ArenaBackend, Reservation, check_buffers
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import PageKey
+
+if TYPE_CHECKING:
+    import torch
+
+_log = logging.getLogger(__name__)
+
+#: Below this many bytes per call, a copy runs on one thread (splitting costs more).
+PARALLEL_COPY_MIN_BYTES = 8 << 20
+#: Smallest piece of a split copy.
+_MIN_PIECE_BYTES = 1 << 20
+
+_mlock_refusal_logged = False
+
+CopyPair = tuple[np.ndarray, np.ndarray]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken torch install must not break the CPU path
+        return False
+
+
+def _try_mlock(addr: int, length: int) -> str | None:
+    """``mlock`` the range; ``None`` on success, else why it was refused."""
+    libc_name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+    except OSError as exc:
+        return f"cannot load libc: {exc}"
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mlock.restype = ctypes.c_int
+    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) == 0:
+        return None
+    err = ctypes.get_errno()
+    return f"mlock of {length} bytes refused: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
+
+
+def _copy_pairs(pairs: Sequence[CopyPair]) -> None:
+    """Copy ``src`` into ``dst`` for each pair (runs on a worker thread; numpy drops the
+    GIL for the memcpy)."""
+    for dst, src in pairs:
+        np.copyto(dst, src, casting="no")
+
+
+def _split_pairs(pairs: Sequence[CopyPair], parts: int) -> list[list[CopyPair]]:
+    """Split a batch of copies into ``parts`` groups of about equal bytes, cutting pages
+    into pieces where needed (a single 4 MiB page may go to several threads)."""
+    total = sum(int(d.nbytes) for d, _ in pairs)
+    target = max(_MIN_PIECE_BYTES, -(-total // parts))
+    groups: list[list[CopyPair]] = [[]]
+    room = target
+    for dst, src in pairs:
+        start, end = 0, int(dst.nbytes)
+        while start < end:
+            take = min(room, end - start)
+            groups[-1].append((dst[start : start + take], src[start : start + take]))
+            start += take
+            room -= take
+            if room == 0:
+                groups.append([])
+                room = target
+    return [g for g in groups if g]
+
+
+class DramArena(ArenaBackend):
+    """``capacity_pages`` slots of ``page_bytes`` in host memory (see module docstring).
+
+    Options:
+        numa_node: NUMA node the arena should live on (``None``: wherever the kernel puts
+            it). Stored for :meth:`_bind_memory`; binding is not implemented yet.
+        io_threads: copy threads (default 4; a large batch is split across them).
+
+    Not persistent: a closed arena loses its pages.
+    """
+
+    default_io_threads: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        capacity_pages: int,
+        io_threads: int | None = None,
+        numa_node: int | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            page_bytes=page_bytes,
+            capacity_pages=capacity_pages,
+            io_threads=io_threads,
+            **options,
+        )
+        if numa_node is not None and (
+            isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0
+        ):
+            raise KVTierUsageError(
+                f"numa_node must be a non-negative int or None, got {numa_node!r}"
+            )
+        self.numa_node = numa_node
+        self._buf: np.ndarray | None = None
+        self._torch_buf: torch.Tensor | None = None
+        self._mmap: mmap.mmap | None = None
+        self._memory = "none"
+        self._memory_note: str | None = None
+        self._free: list[int] = []
+        self._committed: dict[PageKey, int] = {}
+        self._reserved: dict[int, PageKey] = {}
+        self._copies = 0
+        self._skipped_copies = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the arena buffer."""
+        return self.page_bytes * self.capacity_pages
+
+    async def open(self) -> None:
+        """Allocate (and pin or lock) the arena. Idempotent; raises ``MemoryError`` when
+        the memory cannot be had at all."""
+        if self._opened:
+            return
+        await super().open()
+        try:
+            await self.run_blocking(self._allocate)
+        except BaseException:
+            await super().close()
+            raise
+        self._free = list(range(self.capacity_pages - 1, -1, -1))
+        self._committed.clear()
+        self._reserved.clear()
+
+    async def close(self) -> None:
+        """Drop every page and release the memory (views already handed out keep their
+        bytes alive). Idempotent."""
+        await super().close()
+        self._committed.clear()
+        self._reserved.clear()
+        self._free = []
+        self._buf = None
+        self._torch_buf = None
+        self._mmap = None  # not mm.close(): outstanding views would make it raise
+
+    def _allocate(self) -> None:
+        if _cuda_available():
+            import torch
+
+            self._torch_buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._buf = self._torch_buf.numpy()
+            self._memory = "pinned"
+            self._bind_memory(self._buf)
+            return
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        self._bind_memory(buf)
+        if not hasattr(mmap, "MAP_POPULATE"):
+            buf[:: mmap.PAGESIZE] = 0  # touch every page so no copy pays for faults
+        refusal = _try_mlock(buf.ctypes.data, self.nbytes)
+        if refusal is None:
+            self._memory = "mlocked"
+        else:
+            self._memory = "plain"
+            self._memory_note = refusal
+            global _mlock_refusal_logged
+            if not _mlock_refusal_logged:
+                _mlock_refusal_logged = True
+                _log.warning("dram arena not locked in memory (continuing): %s", refusal)
+        self._mmap = mm
+        self._buf = buf
+
+    def _bind_memory(self, buf: np.ndarray) -> None:
+        """Hook to bind ``buf`` to :attr:`numa_node` (``mbind``) before it is faulted in.
+
+        A no-op for now; called once per :meth:`open` on the freshly allocated buffer.
+        """
+        del buf
+
+    # -- zero-copy access ---------------------------------------------------------------
+
+    def _arena(self) -> np.ndarray:
+        self._check_open()
+        assert self._buf is not None
+        return self._buf
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
+            raise KVTierUsageError(f"slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.capacity_pages:
+            raise KVTierUsageError(f"slot {slot} out of range [0, {self.capacity_pages})")
+
+    def view(self, slot: int) -> np.ndarray:
+        """Writable zero-copy uint8 view of ``slot``; raises for a slot out of range."""
+        buf = self._arena()
+        self._check_slot(slot)
+        start = int(slot) * self.page_bytes
+        return buf[start : start + self.page_bytes]
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        """Zero-copy torch uint8 tensor over ``slot`` (shares memory with :meth:`view`)."""
+        view = self.view(slot)
+        if self._torch_buf is not None:
+            start = int(slot) * self.page_bytes
+            return self._torch_buf[start : start + self.page_bytes]
+        import torch
+
+        return torch.from_numpy(view)
+
+    def slot_of(self, key: PageKey) -> int | None:
+        return self._committed.get(key)
+
+    # -- copies -------------------------------------------------------------------------
+
+    async def _copy(self, pairs: list[CopyPair]) -> None:
+        """Run a batch of copies off the loop: one hop, split across the I/O threads when
+        the batch is large."""
+        pairs = [(d, s) for d, s in pairs if not _same_memory(d, s)]
+        if not pairs:
+            return
+        self._copies += len(pairs)
+        total = sum(int(d.nbytes) for d, _ in pairs)
+        parts = min(self.io_threads, os.cpu_count() or 1)
+        if parts <= 1 or total < PARALLEL_COPY_MIN_BYTES:
+            await self.run_blocking(_copy_pairs, pairs)
+            return
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(
+                loop.run_in_executor(self._executor, functools.partial(_copy_pairs, group))
+                for group in _split_pairs(pairs, parts)
+            )
+        )
+
+    # -- the keyed, two-phase interface ------------------------------------------------
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        """A free slot per key (``None`` when the arena is full). Committed keys get a
+        ``present`` reservation; other reservations carry the slot's writable view."""
+        self._arena()
+        out: list[Reservation | None] = []
+        for key in keys:
+            slot = self._committed.get(key)
+            if slot is not None:
+                out.append(Reservation(key, slot, present=True))
+            elif self._free:
+                slot = self._free.pop()
+                self._reserved[slot] = key
+                out.append(Reservation(key, slot, view=self.view(slot)))
+            else:
+                out.append(None)
+        return out
+
+    def _live(self, r: Reservation) -> bool:
+        return self._reserved.get(r.handle) == r.key
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        """Copy each buffer into its slot (skipped when the buffer *is* the slot view).
+        ``False`` for a reservation that is no longer live (aborted or committed)."""
+        self._arena()
+        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        ok: list[bool] = []
+        pairs: list[CopyPair] = []
+        for r, buf in zip(reservations, bufs, strict=True):
+            if r.present:
+                ok.append(True)
+            elif self._live(r):
+                dst = self.view(r.handle)
+                if _same_memory(dst, buf):
+                    self._skipped_copies += 1
+                else:
+                    pairs.append((dst, buf))
+                ok.append(True)
+            else:
+                ok.append(False)
+        await self._copy(pairs)
+        return ok
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Publish slots. A key committed meanwhile by another reservation keeps its
+        first slot; the duplicate's slot is freed and the commit still succeeds."""
+        self._arena()
+        ok: list[bool] = []
+        for r in reservations:
+            if r.present:
+                ok.append(r.key in self._committed)
+            elif self._live(r):
+                del self._reserved[r.handle]
+                if r.key in self._committed:
+                    self._free.append(r.handle)
+                else:
+                    self._committed[r.key] = r.handle
+                ok.append(True)
+            else:
+                ok.append(False)
+        return ok
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        self._arena()
+        for r in reservations:
+            if not r.present and self._live(r):
+                del self._reserved[r.handle]
+                self._free.append(r.handle)
+
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        """Copy committed pages into ``out`` (one hop); ``False`` for keys not here."""
+        self._arena()
+        bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        ok: list[bool] = []
+        pairs: list[CopyPair] = []
+        for key, buf in zip(keys, bufs, strict=True):
+            slot = self._committed.get(key)
+            if slot is None:
+                ok.append(False)
+                continue
+            pairs.append((buf, self.view(slot)))
+            ok.append(True)
+        await self._copy(pairs)
+        return ok
+
+    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._arena()
+        return [k in self._committed for k in keys]
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Free the slots of committed keys (the caller guarantees none is pinned)."""
+        self._arena()
+        ok: list[bool] = []
+        for key in keys:
+            slot = self._committed.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+            ok.append(slot is not None)
+        return ok
+
+    async def keys(self) -> list[PageKey]:
+        self._arena()
+        return list(self._committed)
+
+    def used_pages(self) -> int:
+        return len(self._committed) + len(self._reserved)
+
+    def stats(self) -> dict[str, Any]:
+        """Base counters plus ``memory`` (pinned / mlocked / plain / none before open),
+        why memory is not locked (``memory_note``), the NUMA node, and copy counts."""
+        out = super().stats()
+        out.update(
+            memory=self._memory,
+            memory_note=self._memory_note,
+            numa_node=self.numa_node,
+            arena_bytes=self.nbytes,
+            committed_pages=len(self._committed),
+            reserved_pages=len(self._reserved),
+            copies=self._copies,
+            skipped_copies=self._skipped_copies,
+        )
+        return out
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two page buffers are the very same bytes (so a copy is a no-op)."""
+    return bool(a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes)

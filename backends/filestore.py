@@ -1,0 +1,430 @@
+"""A simple directory store: one file per page, the stand-in lower tier.
+
+Layout under ``path``::
+
+    <path>/<hex[:2]>/<hex>     a committed page: 64-byte header + payload
+    <path>/.tmp/<n>-<hex>      a page written but not yet committed
+
+``hex`` is the 32-digit hex form of the page key. A page is written to ``.tmp`` by
+:meth:`FileStore.write` and moved into place with ``os.replace`` by
+:meth:`FileStore.commit`, so a page is never visible (to this process or to a reopened
+store) before commit, and a crash leaves either the whole page or nothing. Every read
+verifies the header and payload checksum (:mod:`kvtier.pageformat`); a page that does not
+verify is a miss, counted in :meth:`FileStore.stats`, logged with its key and path, and
+its file is removed. Opening a directory indexes the pages already there, so a reopened
+store still has them; leftovers in ``.tmp`` are removed.
+
+Durability: with ``fsync=False`` (the default) a committed page survives a process crash
+but not necessarily a power loss; ``fsync=True`` syncs each page and its directory before
+commit returns. One process at a time may open a directory.
+
+The full NVMe tier (slab files, O_DIRECT, an SQLite index) is ``kvtier.backends.nvme``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.errors import ConfigError, IntegrityError
+from kvtier.keys import KEY_BYTES, PageKey
+from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
+
+_log = logging.getLogger(__name__)
+
+_TMP = ".tmp"
+_HEX_LEN = KEY_BYTES * 2
+
+
+@dataclass
+class _Pending:
+    """A reservation's state: where its bytes go before commit."""
+
+    key: PageKey
+    namespace: str
+    tmp: Path
+    written: bool = False
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileStore(StoreBackend):
+    """Pages as files in a directory (see module docstring).
+
+    Options:
+        path: the directory (created if missing). Required.
+        fsync: sync each page to stable storage before commit returns (default False).
+        io_threads: worker threads (default 4).
+
+    Persistent: committed pages are there again after close and reopen.
+    """
+
+    default_io_threads: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        capacity_pages: int,
+        io_threads: int | None = None,
+        path: str | os.PathLike[str] | None = None,
+        fsync: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            page_bytes=page_bytes,
+            capacity_pages=capacity_pages,
+            io_threads=io_threads,
+            **options,
+        )
+        if path is None or str(path) == "":
+            raise ConfigError("FileStore: option 'path' (the store directory) is required")
+        if not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"FileStore: option 'path' must be a path, got {path!r}")
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"FileStore: option 'fsync' must be a bool, got {fsync!r}")
+        self.path = Path(path)
+        self.fsync = fsync
+        self._index: set[PageKey] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._next_handle = 0
+        self._counters = {
+            "checksum_failures": 0,
+            "read_errors": 0,
+            "write_errors": 0,
+            "skipped_files": 0,
+        }
+
+    # -- paths --------------------------------------------------------------------------
+
+    def page_path(self, key: PageKey) -> Path:
+        """Where the committed page for ``key`` lives."""
+        h = bytes(key).hex()
+        return self.path / h[:2] / h
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create the directory if needed, clear ``.tmp`` and index committed pages.
+
+        Idempotent. Raises ``OSError`` when the directory cannot be created or read.
+        """
+        if self._opened:
+            return
+        await super().open()
+        try:
+            keys, skipped = await self.run_blocking(self._scan)
+        except BaseException:
+            await super().close()
+            raise
+        self._index = keys
+        self._counters["skipped_files"] = skipped
+
+    def _scan(self) -> tuple[set[PageKey], int]:
+        """Index ``<path>/<xx>/<hex>`` files of the right size; count what is skipped."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / _TMP
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        expected = HEADER_SIZE + self.page_bytes
+        keys: set[PageKey] = set()
+        skipped = 0
+        for sub in self.path.iterdir():
+            if sub.name == _TMP or not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub):
+                name = entry.name
+                if len(name) != _HEX_LEN or not name.startswith(sub.name):
+                    skipped += 1
+                    continue
+                try:
+                    key = bytes.fromhex(name)
+                    size = entry.stat().st_size
+                except (ValueError, OSError):
+                    skipped += 1
+                    continue
+                if size != expected:
+                    _log.warning(
+                        "file store %s: skipping %s (%d bytes, expected %d)",
+                        self.path,
+                        entry.path,
+                        size,
+                        expected,
+                    )
+                    skipped += 1
+                    continue
+                keys.add(PageKey(key))
+        return keys, skipped
+
+    async def close(self) -> None:
+        """Drop uncommitted writes and release threads; committed pages stay. Idempotent."""
+        if self._opened and self._pending:
+            tmps = [p.tmp for p in self._pending.values()]
+            await self.run_blocking(_unlink_all, tmps)
+        self._pending.clear()
+        await super().close()
+
+    # -- the keyed, two-phase interface ------------------------------------------------
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        """Room for each key while committed + reserved pages < capacity (else ``None``).
+        A committed key gets a ``present`` reservation."""
+        self._check_open()
+        out: list[Reservation | None] = []
+        for key in keys:
+            if key in self._index:
+                out.append(Reservation(key, -1, present=True))
+                continue
+            if self.used_pages() >= self.capacity_pages:
+                out.append(None)
+                continue
+            handle = self._next_handle
+            self._next_handle += 1
+            tmp = self.path / _TMP / f"{handle}-{bytes(key).hex()}"
+            self._pending[handle] = _Pending(key, namespace, tmp)
+            out.append(Reservation(key, handle))
+        return out
+
+    def _live(self, r: Reservation) -> _Pending | None:
+        p = self._pending.get(r.handle)
+        return p if p is not None and p.key == r.key else None
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        """Write each page with its header to its temp file (one hop for the batch)."""
+        self._check_open()
+        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        ok = [False] * len(reservations)
+        jobs: list[tuple[int, _Pending, np.ndarray]] = []
+        for i, (r, buf) in enumerate(zip(reservations, bufs, strict=True)):
+            if r.present:
+                ok[i] = True
+            elif (p := self._live(r)) is not None:
+                jobs.append((i, p, buf))
+        if jobs:
+            results = await self.run_blocking(self._write_files, jobs)
+            for (i, p, _), res in zip(jobs, results, strict=True):
+                ok[i] = res
+                p.written = res
+                self._counters["write_errors"] += not res
+        return ok
+
+    def _write_files(self, jobs: list[tuple[int, _Pending, np.ndarray]]) -> list[bool]:
+        out: list[bool] = []
+        for _, p, buf in jobs:
+            try:
+                header = encode_header(p.key, p.namespace, buf)
+                fd = os.open(p.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    want = HEADER_SIZE + buf.nbytes
+                    done = os.writev(fd, [header, buf.data])
+                    if done != want:  # a short write: finish it
+                        rest = memoryview(header + buf.tobytes())[done:]
+                        while rest:
+                            n = os.write(fd, rest)
+                            rest = rest[n:]
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                out.append(True)
+            except OSError as exc:
+                _log.warning("file store: write of %s to %s failed: %s", p.key.hex(), p.tmp, exc)
+                out.append(False)
+        return out
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Move written pages into place (one hop). ``False`` (space released) for a
+        reservation that was not written or whose move failed."""
+        self._check_open()
+        ok = [False] * len(reservations)
+        jobs: list[tuple[int, _Pending]] = []
+        for i, r in enumerate(reservations):
+            if r.present:
+                ok[i] = r.key in self._index
+                continue
+            p = self._live(r)
+            if p is None:
+                continue
+            del self._pending[r.handle]
+            if r.key in self._index or not p.written:
+                # committed meanwhile by another reservation (equal bytes), or never written
+                ok[i] = r.key in self._index
+                jobs.append((-1, p))
+            else:
+                jobs.append((i, p))
+        if jobs:
+            results = await self.run_blocking(self._commit_files, jobs)
+            for (i, p), res in zip(jobs, results, strict=True):
+                if i >= 0 and res:
+                    self._index.add(p.key)
+                    ok[i] = True
+                elif i >= 0:
+                    self._counters["write_errors"] += 1
+        return ok
+
+    def _commit_files(self, jobs: list[tuple[int, _Pending]]) -> list[bool]:
+        out: list[bool] = []
+        dirs: set[Path] = set()
+        for i, p in jobs:
+            if i < 0:
+                _unlink_all([p.tmp])
+                out.append(False)
+                continue
+            final = self.page_path(p.key)
+            try:
+                final.parent.mkdir(exist_ok=True)
+                os.replace(p.tmp, final)
+                dirs.add(final.parent)
+                out.append(True)
+            except OSError as exc:
+                _log.warning("file store: commit of %s to %s failed: %s", p.key.hex(), final, exc)
+                _unlink_all([p.tmp])
+                out.append(False)
+        if self.fsync:
+            for d in dirs:
+                _fsync_dir(d)
+        return out
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        """Release reservations and remove their temp files (one hop)."""
+        self._check_open()
+        tmps: list[Path] = []
+        for r in reservations:
+            if not r.present and (p := self._live(r)) is not None:
+                del self._pending[r.handle]
+                tmps.append(p.tmp)
+        if tmps:
+            await self.run_blocking(_unlink_all, tmps)
+
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        """Read and verify committed pages into ``out`` (one hop). A page that fails
+        verification is a miss: counted, logged and its file removed."""
+        self._check_open()
+        bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        ok = [False] * len(keys)
+        jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in self._index]
+        if not jobs:
+            return ok
+        results = await self.run_blocking(self._read_files, jobs)
+        for (i, key, _), res in zip(jobs, results, strict=True):
+            if res == "ok":
+                ok[i] = True
+            elif res == "bad":
+                self._counters["checksum_failures"] += 1
+                self._index.discard(key)
+            else:
+                self._counters["read_errors"] += 1
+                if res == "gone":
+                    self._index.discard(key)
+        return ok
+
+    def _read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[str]:
+        """Per job: ``ok``, ``bad`` (failed verification, removed), ``gone`` (file
+        missing) or ``error`` (I/O error, left in place)."""
+        out: list[str] = []
+        header = bytearray(HEADER_SIZE)
+        for _, key, buf in jobs:
+            path = self.page_path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                _log.warning("file store: page %s vanished from %s", key.hex(), path)
+                out.append("gone")
+                continue
+            except OSError as exc:
+                _log.warning("file store: cannot open %s for %s: %s", path, key.hex(), exc)
+                out.append("error")
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                got = os.preadv(fd, [header, buf.data], 0)
+            except OSError as exc:
+                _log.warning("file store: read of %s from %s failed: %s", key.hex(), path, exc)
+                out.append("error")
+                continue
+            finally:
+                os.close(fd)
+            try:
+                if size != HEADER_SIZE + buf.nbytes or got != size:
+                    raise IntegrityError(
+                        f"file holds {size} bytes (read {got}), expected {HEADER_SIZE + buf.nbytes}"
+                    )
+                verify_page(memoryview(header), key, buf)
+            except IntegrityError as exc:
+                _log.warning(
+                    "file store: page %s at %s failed verification (%s); removed",
+                    key.hex(),
+                    path,
+                    exc,
+                )
+                _unlink_all([path])
+                out.append("bad")
+                continue
+            out.append("ok")
+        return out
+
+    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_open()
+        return [k in self._index for k in keys]
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Remove committed pages (one hop)."""
+        self._check_open()
+        ok = [False] * len(keys)
+        present: list[tuple[int, PageKey]] = []
+        for i, k in enumerate(keys):
+            if k in self._index:
+                self._index.discard(k)
+                present.append((i, k))
+                ok[i] = True
+        if present:
+            await self.run_blocking(_unlink_all, [self.page_path(k) for _, k in present])
+        return ok
+
+    async def keys(self) -> list[PageKey]:
+        self._check_open()
+        return list(self._index)
+
+    def used_pages(self) -> int:
+        return len(self._index) + len(self._pending)
+
+    def stats(self) -> dict[str, Any]:
+        """Base counters plus the directory, pending writes and error counts
+        (``checksum_failures``, ``read_errors``, ``write_errors``, ``skipped_files``)."""
+        out = super().stats()
+        out.update(
+            path=str(self.path),
+            fsync=self.fsync,
+            committed_pages=len(self._index),
+            reserved_pages=len(self._pending),
+            **self._counters,
+        )
+        return out
+
+
+def _unlink_all(paths: Sequence[Path]) -> None:
+    """Remove files, ignoring ones already gone."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("file store: cannot remove %s: %s", p, exc)
