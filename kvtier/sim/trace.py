@@ -1,0 +1,210 @@
+"""Request traces: what a replay feeds through the tiers.
+
+A :class:`Trace` is a time-ordered list of :class:`Request` objects, each naming the
+blocks (pages) of its prompt in order. Block ids of public traces are remapped hashes of a
+block together with every block before it, exactly like kvtier's page keys, so a shared
+id means a shared prefix. Readers turn them into :data:`~kvtier.keys.PageKey` values
+(16 bytes, the id little-endian), so the replay drives the very policy objects a live
+tier uses.
+
+Readers:
+
+* :func:`read_mooncake` - Mooncake FAST'25 JSONL (``timestamp`` ms, ``input_length``,
+  ``output_length``, ``hash_ids``).
+* :func:`read_azure_arrivals` - the Azure LLM inference CSVs (arrival times and lengths
+  only, no prefix information): used as arrival processes for synthetic workloads.
+
+Both raise :class:`~kvtier.errors.KVTierUsageError` naming the file and line of a bad row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import KEY_BYTES, PageKey
+
+
+def block_key(block_id: int) -> PageKey:
+    """The page key standing for trace block ``block_id`` (16 bytes, little-endian)."""
+    if block_id < 0:
+        raise KVTierUsageError(f"block ids must be >= 0, got {block_id}")
+    return PageKey(block_id.to_bytes(KEY_BYTES, "little"))
+
+
+def key_block(key: PageKey) -> int:
+    """Inverse of :func:`block_key`."""
+    return int.from_bytes(key, "little")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a trace.
+
+    Attributes:
+        timestamp_s: arrival time in seconds since the trace start.
+        input_tokens: prompt length in tokens.
+        output_tokens: generated tokens.
+        blocks: page keys of the prompt's blocks, in order (the last one may be partial).
+        last_partial: whether the last block holds fewer than ``block_tokens`` tokens
+            (such a block gets no page key in a live kvtier: it is never shared).
+    """
+
+    timestamp_s: float
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[PageKey, ...]
+    last_partial: bool = False
+
+
+@dataclass
+class Trace:
+    """A named, time-ordered request list with its block size in tokens."""
+
+    name: str
+    block_tokens: int
+    requests: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0:
+            raise KVTierUsageError(f"block_tokens must be > 0, got {self.block_tokens}")
+
+    @property
+    def total_refs(self) -> int:
+        """Block references over all requests."""
+        return sum(len(r.blocks) for r in self.requests)
+
+    def distinct_blocks(self) -> int:
+        """Number of distinct blocks referenced."""
+        seen: set[PageKey] = set()
+        for r in self.requests:
+            seen.update(r.blocks)
+        return len(seen)
+
+    @property
+    def duration_s(self) -> float:
+        """Time from the first to the last arrival."""
+        if not self.requests:
+            return 0.0
+        return self.requests[-1].timestamp_s - self.requests[0].timestamp_s
+
+    def head(self, n: int) -> Trace:
+        """The first ``n`` requests as a new trace."""
+        return Trace(f"{self.name}[:{n}]", self.block_tokens, self.requests[:n])
+
+
+def requests_from_ids(
+    rows: Iterable[tuple[float, int, int, list[int]]], block_tokens: int
+) -> list[Request]:
+    """Build requests from ``(timestamp_s, input_tokens, output_tokens, block ids)`` rows."""
+    cache: dict[int, PageKey] = {}
+    out: list[Request] = []
+    for ts, n_in, n_out, ids in rows:
+        keys: list[PageKey] = []
+        for b in ids:
+            k = cache.get(b)
+            if k is None:
+                k = cache[b] = block_key(b)
+            keys.append(k)
+        out.append(Request(ts, n_in, n_out, tuple(keys), n_in % block_tokens != 0))
+    return out
+
+
+def _int_field(row: dict[str, object], name: str, where: str) -> int:
+    value = row.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise KVTierUsageError(f"{where}: field {name!r} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> Trace:
+    """Read a Mooncake-format JSONL trace.
+
+    Each line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids":
+    [...]}``. Raises :class:`KVTierUsageError` for a missing file, invalid JSON, a missing or
+    ill-typed field, or timestamps that go backwards (naming the line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise KVTierUsageError(f"trace file not found: {p}")
+    rows: list[tuple[float, int, int, list[int]]] = []
+    last_ts = -1.0
+    with p.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise KVTierUsageError(f"{where}: invalid JSON: {exc.msg}") from None
+            if not isinstance(row, dict):
+                raise KVTierUsageError(f"{where}: expected a JSON object per line")
+            ts = row.get("timestamp")
+            if isinstance(ts, bool) or not isinstance(ts, int | float):
+                raise KVTierUsageError(f"{where}: field 'timestamp' must be a number")
+            ids = row.get("hash_ids")
+            if not isinstance(ids, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
+            ):
+                raise KVTierUsageError(f"{where}: field 'hash_ids' must be a list of ints >= 0")
+            n_in = _int_field(row, "input_length", where)
+            n_out = _int_field(row, "output_length", where)
+            t_s = float(ts) / 1000.0
+            if t_s < last_ts:
+                raise KVTierUsageError(f"{where}: timestamps must not decrease")
+            last_ts = t_s
+            rows.append((t_s, n_in, n_out, ids))
+    return Trace(p.stem, block_tokens, requests_from_ids(rows, block_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One arrival of an arrival-process trace (no prefix information)."""
+
+    timestamp_s: float
+    context_tokens: int
+    generated_tokens: int
+
+
+def read_azure_arrivals(path: str | Path, limit: int | None = None) -> list[Arrival]:
+    """Read an Azure LLM inference CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+
+    Timestamps become seconds since the first row. Raises :class:`KVTierUsageError` for a
+    missing file, a wrong header or an unparsable row (naming the line).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise KVTierUsageError(f"arrival trace not found: {p}")
+    out: list[Arrival] = []
+    with p.open(newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if header is None or [h.strip() for h in header[:3]] != [
+            "TIMESTAMP",
+            "ContextTokens",
+            "GeneratedTokens",
+        ]:
+            raise KVTierUsageError(
+                f"{p}: expected header TIMESTAMP,ContextTokens,GeneratedTokens, got {header}"
+            )
+        t0: datetime | None = None
+        for lineno, row in enumerate(reader, 2):
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                ts = datetime.fromisoformat(row[0][:26])
+                ctx, gen = int(row[1]), int(row[2])
+            except (ValueError, IndexError) as exc:
+                raise KVTierUsageError(f"{p}:{lineno}: bad row {row}: {exc}") from None
+            if t0 is None:
+                t0 = ts
+            out.append(Arrival((ts - t0).total_seconds(), ctx, gen))
+    return out
