@@ -1,0 +1,243 @@
+"""Tier I/O measurement: kvtier's own path next to a raw baseline, in the same run.
+
+For each backend, every repeat writes ``pages`` pages through the backend contract
+(:meth:`~kvtier.backend.Backend.put`: reserve -> write -> commit, checksums included where
+the backend computes them), drops the page cache of disk stores, reads them back with
+:meth:`~kvtier.backend.Backend.get` (verification included), checks every byte outside the
+timed region, then runs the backend's raw baseline (:mod:`kvtier.bench.baselines`) on the
+same memory, directory or server. Figures are medians over repeats; the ratio
+kvtier / baseline is what to read, since absolute figures on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvtier import registry
+from kvtier.backend import Backend
+from kvtier.bench.baselines import BaselineSample, IOTarget, profile_for
+from kvtier.bench.pagecache import drop_page_cache
+from kvtier.errors import KVTierUsageError, TierIOError
+from kvtier.keys import PageKey
+
+DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class IOBenchParams:
+    """What ``kvtier bench io`` measures.
+
+    Attributes:
+        page_bytes: bytes per page (the transfer unit).
+        pages: pages written and read per repeat.
+        repeats: timed repeats; figures are medians. One untimed warm-up pass runs first
+            (first-touch effects would otherwise land on kvtier's side only).
+        batch_pages: pages per backend call (and the remote baseline's pipeline depth).
+        workdir: directory for disk stores (a sub-directory per backend is created and
+            removed); ``None`` = a temporary directory.
+        seed: seed of the page contents.
+    """
+
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    pages: int = 64
+    repeats: int = 5
+    batch_pages: int = 8
+    workdir: Path | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("page_bytes", "pages", "repeats", "batch_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise KVTierUsageError(f"bench io: {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TierIOResult:
+    """The figures of one backend. Rates in GB/s (1e9 bytes per second)."""
+
+    tier: str
+    kind: str
+    baseline_method: str
+    page_bytes: int
+    pages: int
+    repeats: int
+    threads: int
+    kvtier_write_gbps: float
+    kvtier_read_gbps: float
+    baseline_write_gbps: float
+    baseline_read_gbps: float
+    write_ratio: float
+    read_ratio: float
+    verified_pages: int
+    mismatches: int
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def page_data(n: int, page_bytes: int, seed: int) -> list[np.ndarray]:
+    """``n`` pages of pseudo-random bytes (incompressible, distinct)."""
+    rng = np.random.default_rng(seed)
+    blob = np.frombuffer(rng.bytes(n * page_bytes), dtype=np.uint8)
+    return [blob[i * page_bytes : (i + 1) * page_bytes] for i in range(n)]
+
+
+def bench_keys(tier: str, repeat: int, n: int, seed: int) -> list[PageKey]:
+    """Distinct keys for one repeat (so a put is never a no-op on a present key)."""
+    return [
+        PageKey(xxhash.xxh3_128_digest(f"kvtier-bench-io/{tier}/{seed}/{repeat}/{i}".encode()))
+        for i in range(n)
+    ]
+
+
+def copy_threads(backend: Backend) -> int:
+    """Threads a backend's batch copies run on (its I/O threads, at most one per core)."""
+    return max(1, min(backend.io_threads, os.cpu_count() or 1))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+async def _timed_batches(
+    fn: Callable[[Sequence[PageKey], Sequence[Any]], Any],
+    keys: Sequence[PageKey],
+    bufs: Sequence[np.ndarray],
+    batch: int,
+) -> tuple[float, list[bool]]:
+    results: list[bool] = []
+    start = time.perf_counter()
+    for i in range(0, len(keys), batch):
+        results.extend(await fn(keys[i : i + batch], bufs[i : i + batch]))
+    return time.perf_counter() - start, results
+
+
+async def bench_backend(
+    name: str,
+    params: IOBenchParams,
+    scratch: Path,
+    on_repeat: Callable[[], None] | None = None,
+) -> TierIOResult:
+    """Measure backend ``name`` (an entry-point name or ``module:Class``).
+
+    Raises :class:`~kvtier.errors.UnknownBackendError` (usage) for an unknown name,
+    :class:`~kvtier.errors.BackendUnavailableError` when it cannot run here, and
+    :class:`~kvtier.errors.TierIOError` when a page cannot be written or read.
+    """
+    cls = registry.resolve(name)
+    profile = profile_for(name, cls.kind)
+    workdir = scratch / name.replace(":", "_").replace("/", "_")
+    pages = page_data(params.pages, params.page_bytes, params.seed)
+    outs = [np.ones(params.page_bytes, dtype=np.uint8) for _ in range(params.pages)]
+    kv_w: list[float] = []
+    kv_r: list[float] = []
+    base: list[BaselineSample] = []
+    verified = mismatches = 0
+    async with profile.options(workdir) as options:
+        backend: Backend = cls(
+            page_bytes=params.page_bytes, capacity_pages=params.pages, **options
+        )
+        async with backend:
+            for repeat in range(-1, params.repeats):  # -1: the warm-up pass
+                keys = bench_keys(name, repeat, params.pages, params.seed)
+                write_s, ok = await _timed_batches(backend.put, keys, pages, params.batch_pages)
+                if not all(ok):
+                    raise TierIOError(
+                        f"{name}: {ok.count(False)} of {len(ok)} pages could not be written"
+                    )
+                drop_page_cache(workdir)
+                read_s, hits = await _timed_batches(backend.get, keys, outs, params.batch_pages)
+                if not all(hits):
+                    raise TierIOError(
+                        f"{name}: {hits.count(False)} of {len(hits)} pages missing on read"
+                    )
+                mismatches += sum(
+                    not np.array_equal(o, p) for o, p in zip(outs, pages, strict=True)
+                )
+                verified += len(keys)
+                target = IOTarget(
+                    name,
+                    backend,
+                    keys,
+                    pages,
+                    params.page_bytes,
+                    Path(options["path"]) if "path" in options else None,
+                    options,
+                    copy_threads(backend),
+                    params.batch_pages,
+                )
+                sample = await profile.baseline(target)
+                await backend.delete(keys)
+                if repeat >= 0:
+                    kv_w.append(write_s)
+                    kv_r.append(read_s)
+                    base.append(sample)
+                if on_repeat is not None:
+                    on_repeat()
+    nbytes = params.pages * params.page_bytes
+    kw = _gbps(nbytes, statistics.median(kv_w))
+    kr = _gbps(nbytes, statistics.median(kv_r))
+    bw = statistics.median(_gbps(s.nbytes, s.write_seconds) for s in base)
+    br = statistics.median(_gbps(s.nbytes, s.read_seconds) for s in base)
+    return TierIOResult(
+        tier=name,
+        kind=str(cls.kind),
+        baseline_method=base[-1].method,
+        page_bytes=params.page_bytes,
+        pages=params.pages,
+        repeats=params.repeats,
+        threads=copy_threads(backend),
+        kvtier_write_gbps=kw,
+        kvtier_read_gbps=kr,
+        baseline_write_gbps=bw,
+        baseline_read_gbps=br,
+        write_ratio=kw / bw,
+        read_ratio=kr / br,
+        verified_pages=verified,
+        mismatches=mismatches,
+        samples={
+            "kvtier_write_s": kv_w,
+            "kvtier_read_s": kv_r,
+            "baseline_write_s": [s.write_seconds for s in base],
+            "baseline_read_s": [s.read_seconds for s in base],
+        },
+    )
+
+
+def default_tiers() -> list[str]:
+    """Backends ``bench io`` measures when none is named: every available one."""
+    return [info.name for info in registry.discover() if info.available]
+
+
+async def bench_io(
+    tiers: Sequence[str],
+    params: IOBenchParams,
+    on_repeat: Callable[[], None] | None = None,
+) -> list[TierIOResult]:
+    """Measure each backend in ``tiers`` in turn (see :func:`bench_backend`).
+
+    Disk stores write under ``params.workdir`` (a sub-directory per backend, removed
+    afterwards) or a temporary directory.
+    """
+    if not tiers:
+        raise KVTierUsageError("bench io: no tier to measure")
+    parent = str(params.workdir) if params.workdir is not None else None
+    if params.workdir is not None:
+        params.workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in tiers:
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-io-", dir=parent) as tmp:
+            results.append(await bench_backend(name, params, Path(tmp), on_repeat))
+    return results
