@@ -1,0 +1,175 @@
+"""Options of the Redis-protocol remote store, validated once at construction.
+
+Every option can come from a config file or ``KVTIER_*`` environment variable (as strings)
+or from Python. :func:`parse_options` converts and checks them and raises
+:class:`~kvtier.errors.ConfigError` naming the option for anything unknown or invalid.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvtier.errors import ConfigError
+
+#: Characters a key prefix may not hold: hash-tag braces (they decide the cluster slot),
+#: glob metacharacters (``keys()`` scans with a pattern) and whitespace.
+_BAD_PREFIX = re.compile(r"[{}*?\[\]\\\s]")
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """Validated options of :class:`~kvtier.backends.remote.RedisStore`.
+
+    Attributes:
+        url: ``redis://[user:pass@]host:port/db`` or ``rediss://`` for TLS. For a
+            cluster, any one node (the client discovers the others).
+        cluster: use ``redis.asyncio.RedisCluster`` (cluster mode).
+        key_prefix: readable prefix of every key (e.g. a namespace label), so operators can
+            tell kvtier pages apart; keys are ``<prefix>:{<32 hex digits>}``.
+        ttl_s: expire committed pages after this many seconds; ``None`` keeps them until
+            deleted or evicted by the server.
+        staging_ttl_s: lifetime of written-but-uncommitted data (left by a crashed writer).
+        batch_pages: pages per pipelined round trip (the pipeline depth).
+        max_inflight: pipelines in flight at once per store (bounded concurrency).
+        op_timeout_s: deadline of one pipelined batch; past it the batch is a miss.
+        connect_timeout_s: deadline of establishing one connection.
+        username / password: AUTH credentials (ACL user, or ``requirepass`` alone).
+        tls: force TLS (also implied by a ``rediss://`` URL).
+        tls_ca_certs / tls_certfile / tls_keyfile: CA bundle, client certificate and key.
+        tls_verify: verify the server certificate and host name.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    key_prefix: str = "kvtier"
+    ttl_s: float | None = None
+    staging_ttl_s: float = 300.0
+    batch_pages: int = 16
+    max_inflight: int = 4
+    op_timeout_s: float = 5.0
+    connect_timeout_s: float = 1.0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca_certs: str | None = None
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    tls_verify: bool = True
+
+    def public(self) -> dict[str, Any]:
+        """The options as plain data, with the password masked (for ``stats``/logs)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["password"] is not None:
+            out["password"] = "***"
+        parts = urlsplit(self.url)
+        if parts.password:
+            out["url"] = self.url.replace(f":{parts.password}@", ":***@", 1)
+        return out
+
+
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+_BOOL_FALSE = {"0", "false", "no", "off"}
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _BOOL_TRUE | _BOOL_FALSE:
+        return value.strip().lower() in _BOOL_TRUE
+    raise ConfigError(f"redis option {name!r} must be a boolean, got {value!r}")
+
+
+def _as_number(name: str, value: Any, *, integer: bool, minimum: float) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"redis option {name!r} must be a number, got {value!r}")
+    try:
+        num = int(value) if integer else float(value)
+    except (TypeError, ValueError):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"redis option {name!r} must be {kind}, got {value!r}") from None
+    if integer and isinstance(value, float) and value != int(value):
+        raise ConfigError(f"redis option {name!r} must be an integer, got {value!r}")
+    if not num >= minimum:
+        raise ConfigError(f"redis option {name!r} must be >= {minimum}, got {value!r}")
+    return num
+
+
+def _as_opt_str(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"redis option {name!r} must be a string, got {value!r}")
+    return value
+
+
+def parse_options(raw: dict[str, Any]) -> RemoteOptions:
+    """Validate ``raw`` (strings allowed for every value) into :class:`RemoteOptions`.
+
+    Raises :class:`ConfigError` naming the first unknown or invalid option.
+    """
+    known = {f.name for f in fields(RemoteOptions)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(
+            f"redis: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    d = RemoteOptions()
+    url = raw.get("url", d.url)
+    if not isinstance(url, str) or urlsplit(url).scheme not in ("redis", "rediss"):
+        raise ConfigError(f"redis option 'url' must be a redis:// or rediss:// URL, got {url!r}")
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        raise ConfigError(f"redis option 'url' has a bad port: {url!r}") from None
+    if not urlsplit(url).hostname or port is None:
+        raise ConfigError(f"redis option 'url' must name a host and a port, got {url!r}")
+    prefix = raw.get("key_prefix", d.key_prefix)
+    if not isinstance(prefix, str) or not prefix or _BAD_PREFIX.search(prefix):
+        raise ConfigError(
+            "redis option 'key_prefix' must be a non-empty string without braces, "
+            f"glob characters (*?[]\\) or whitespace, got {prefix!r}"
+        )
+    ttl_raw = raw.get("ttl_s", d.ttl_s)
+    ttl = (
+        None
+        if ttl_raw in (None, "", "none", 0, "0")
+        else _as_number("ttl_s", ttl_raw, integer=False, minimum=0.001)
+    )
+    return RemoteOptions(
+        url=url,
+        cluster=_as_bool("cluster", raw.get("cluster", d.cluster)),
+        key_prefix=prefix,
+        ttl_s=ttl,
+        staging_ttl_s=_as_number(
+            "staging_ttl_s", raw.get("staging_ttl_s", d.staging_ttl_s), integer=False, minimum=1
+        ),
+        batch_pages=int(
+            _as_number(
+                "batch_pages", raw.get("batch_pages", d.batch_pages), integer=True, minimum=1
+            )
+        ),
+        max_inflight=int(
+            _as_number(
+                "max_inflight", raw.get("max_inflight", d.max_inflight), integer=True, minimum=1
+            )
+        ),
+        op_timeout_s=_as_number(
+            "op_timeout_s", raw.get("op_timeout_s", d.op_timeout_s), integer=False, minimum=0.001
+        ),
+        connect_timeout_s=_as_number(
+            "connect_timeout_s",
+            raw.get("connect_timeout_s", d.connect_timeout_s),
+            integer=False,
+            minimum=0.001,
+        ),
+        username=_as_opt_str("username", raw.get("username")),
+        password=_as_opt_str("password", raw.get("password")),
+        tls=_as_bool("tls", raw.get("tls", d.tls)) or urlsplit(url).scheme == "rediss",
+        tls_ca_certs=_as_opt_str("tls_ca_certs", raw.get("tls_ca_certs")),
+        tls_certfile=_as_opt_str("tls_certfile", raw.get("tls_certfile")),
+        tls_keyfile=_as_opt_str("tls_keyfile", raw.get("tls_keyfile")),
+        tls_verify=_as_bool("tls_verify", raw.get("tls_verify", d.tls_verify)),
+    )
