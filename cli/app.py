@@ -35,7 +35,10 @@ def _register_commands() -> None:
 
 
 #: Command modules, one job each.
-_COMMAND_MODULES: list[str] = []
+_COMMAND_MODULES: list[str] = [
+    "inspect_backends",
+    "bench_io",
+]
 
 
 def get_app() -> typer.Typer:

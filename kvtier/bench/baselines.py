@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Backend, BackendKind
-from kvtier.bench.pagecache import drop_page_cache
 from kvtier.errors import KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
 
@@ -226,11 +225,11 @@ def _threaded_direct_io(
 
         def write(chunk: list[int]) -> None:
             for i in chunk:
-                os.pwritev(fd, [src[i]], i * page_bytes)
+                os.pwritev(fd, [src[i].data], i * page_bytes)
 
         def read(chunk: list[int]) -> None:
             for i in chunk:
-                os.preadv(fd, [dst[i]], i * page_bytes)
+                os.preadv(fd, [dst[i].data], i * page_bytes)
 
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             start = time.perf_counter()
@@ -338,7 +337,7 @@ async def redis_baseline(target: IOTarget) -> BaselineSample:
         for i in range(0, len(names), depth):
             pipe = client.pipeline(transaction=False)
             for name, page in zip(names[i : i + depth], target.pages[i : i + depth], strict=True):
-                pipe.set(name, memoryview(page))
+                pipe.set(name, page.data)
             await pipe.execute()
         write_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -354,9 +353,7 @@ async def redis_baseline(target: IOTarget) -> BaselineSample:
         await client.aclose()
     if got != len(names) * target.page_bytes:
         raise TierIOError(f"redis baseline read back {got} of {len(names) * target.page_bytes} B")
-    return BaselineSample(
-        f"redis.asyncio SET/GET, pipeline {depth}", write_s, read_s, got
-    )
+    return BaselineSample(f"redis.asyncio SET/GET, pipeline {depth}", write_s, read_s, got)
 
 
 # -- the registry ----------------------------------------------------------------------------

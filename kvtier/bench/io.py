@@ -59,7 +59,9 @@ class IOBenchParams:
         for name in ("page_bytes", "pages", "repeats", "batch_pages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise KVTierUsageError(f"bench io: {name} must be a positive integer, got {value!r}")
+                raise KVTierUsageError(
+                    f"bench io: {name} must be a positive integer, got {value!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -146,9 +148,7 @@ async def bench_backend(
     base: list[BaselineSample] = []
     verified = mismatches = 0
     async with profile.options(workdir) as options:
-        backend: Backend = cls(
-            page_bytes=params.page_bytes, capacity_pages=params.pages, **options
-        )
+        backend: Backend = cls(page_bytes=params.page_bytes, capacity_pages=params.pages, **options)
         async with backend:
             for repeat in range(-1, params.repeats):  # -1: the warm-up pass
                 keys = bench_keys(name, repeat, params.pages, params.seed)
