@@ -1,0 +1,710 @@
+"""The NVMe tier: a crash-safe, checksummed, persistent page store on a local disk.
+
+Layout under ``path`` (see :mod:`~kvtier.backends.nvme_layout`,
+:mod:`~kvtier.backends.nvme_index`)::
+
+    <path>/index.sqlite     SQLite (WAL) index: key -> slab, offset, length, checksum,
+                            namespace, times; the store's format version and geometry
+    <path>/slabs/slab-N.dat preallocated slab files of 4 KiB-aligned slots
+    <path>/lock             flock'ed by the one process that has the store open
+
+Guarantees:
+
+* **Visible only when durable.** ``commit`` makes the pages' bytes durable
+  (``fdatasync`` of their slabs) and then commits their index rows in one SQLite
+  transaction; only then do they become visible to ``get``/``contains``/``keys``.
+  Concurrent ``commit`` calls are grouped: one ``fdatasync`` per slab and one transaction
+  per group, not per page.
+* **Crash-safe.** After ``kill -9`` at any point, reopening recovers every page whose
+  commit returned ``True``; pages not yet committed are simply absent (their slots are
+  free again). Recovery reads the index only; its duration is ``stats()["recovery_seconds"]``.
+* **Verified reads.** Every page has a header (:mod:`kvtier.pageformat`) after its payload;
+  every read checks header, key, namespace, length and payload checksum. A page that
+  fails is a miss: counted, logged once with its key, slab and offset, dropped from the
+  index and its slot quarantined (never reused, never served).
+* **Capacity.** At most ``capacity_pages`` slots are in use (committed + reserved +
+  quarantined); ``reserve`` answers ``None`` beyond that. Deleted slots are reused.
+* **Faults.** A full disk or an I/O error fails the affected pages only (``None`` from
+  ``reserve``, ``False`` from ``write``/``commit``), is logged once per cause, and leaves
+  the store consistent.
+
+Options (besides ``page_bytes``, ``capacity_pages``, ``io_threads``):
+
+* ``path``: the store directory (created when missing; must be empty or a store).
+* ``engine``: ``"posix"`` (``os.pwritev``/``os.preadv`` on the worker pool), ``"kvikio"``
+  (KvikIO ``CuFile``; needs a CUDA driver) or ``"auto"`` (kvikio when it can run).
+* ``direct_io``: ``"auto"`` (O_DIRECT when the file system supports it), ``True``
+  (required), ``False`` (buffered I/O).
+* ``slab_bytes``: size of each slab file (default 1 GiB; fixed when a store is created).
+* ``preallocate``: reserve slab space up front (``posix_fallocate``, default) so a full
+  disk fails ``reserve`` rather than ``write``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import heapq
+import os
+import struct
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+from kvtier.backends.nvme_engines import (
+    ENGINES,
+    IoEngine,
+    PageRead,
+    PageWrite,
+    kvikio_unavailable_reason,
+)
+from kvtier.backends.nvme_index import (
+    INDEX_FILE,
+    STORE_FORMAT_VERSION,
+    NotAStoreError,
+    PageRow,
+    StoreIndex,
+    StoreLock,
+    StoreVersionError,
+    check_store_dir,
+)
+from kvtier.backends.nvme_layout import SlotLayout
+from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io
+
+from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.errors import BackendUnavailableError, ConfigError, IntegrityError, KVTierUsageError
+from kvtier.keys import KEY_BYTES, PageKey
+from kvtier.log import get_logger
+from kvtier.pageformat import encode_header, namespace_digest, verify_page
+
+_log = get_logger("kvtier.backends.nvme")
+
+EngineName = Literal["posix", "kvikio", "auto"]
+DEFAULT_SLAB_BYTES = 1 << 30
+_CHECKSUM_AT = struct.Struct("<Q")  # payload checksum at byte 16 of the header
+
+
+@dataclass
+class _Pending:
+    """A reserved slot: whose page it will hold and whether its bytes are written."""
+
+    key: bytes
+    namespace: str
+    written: bool = False
+    checksum: int = 0
+
+
+def _check_key(key: Any, i: int) -> bytes:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise KVTierUsageError(
+            f"key {i} must be {KEY_BYTES} bytes, got {type(key).__name__} "
+            f"of length {len(key) if isinstance(key, bytes) else '?'}"
+        )
+    return key
+
+
+def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """``items`` cut into at most ``parts`` contiguous, non-empty chunks."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (1 if p < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+def _cause(exc: BaseException) -> str:
+    """A short name for an error's cause, for log-once de-duplication."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+    return type(exc).__name__
+
+
+class NvmeStore(StoreBackend):
+    """Slab files + SQLite index; see the module docstring for the guarantees."""
+
+    default_io_threads: ClassVar[int] = 8
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        capacity_pages: int,
+        path: str | os.PathLike[str] | None = None,
+        engine: str = "auto",
+        direct_io: bool | str = "auto",
+        slab_bytes: int = DEFAULT_SLAB_BYTES,
+        preallocate: bool = True,
+        io_threads: int | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            page_bytes=page_bytes, capacity_pages=capacity_pages, io_threads=io_threads, **options
+        )
+        if path is None or str(path) == "":
+            raise ConfigError("nvme: option 'path' (the store directory) is required")
+        if engine not in ("posix", "kvikio", "auto"):
+            raise ConfigError(
+                f"nvme: option 'engine' must be posix, kvikio or auto, got {engine!r}"
+            )
+        if direct_io not in (True, False, "auto"):
+            raise ConfigError(
+                f"nvme: option 'direct_io' must be true, false or 'auto', got {direct_io!r}"
+            )
+        if isinstance(slab_bytes, bool) or not isinstance(slab_bytes, int) or slab_bytes <= 0:
+            raise ConfigError(
+                f"nvme: option 'slab_bytes' must be a positive integer, got {slab_bytes!r}"
+            )
+        if engine == "kvikio":
+            reason = kvikio_unavailable_reason()
+            if reason is not None:
+                raise BackendUnavailableError(f"nvme engine 'kvikio' is unavailable here: {reason}")
+        self.path = Path(path)
+        self.engine_name: str = (
+            engine
+            if engine != "auto"
+            else ("kvikio" if kvikio_unavailable_reason() is None else "posix")
+        )
+        self._direct_opt = direct_io
+        self._slab_opt = slab_bytes
+        self._preallocate = bool(preallocate)
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._lock: StoreLock | None = None
+        self._index: StoreIndex | None = None
+        self._slabs: SlabFiles | None = None
+        self._engine: IoEngine | None = None
+        self.layout: SlotLayout | None = None
+        self.direct = False
+        self.direct_reason: str | None = None
+        self._entries: dict[bytes, PageRow] = {}
+        self._reserved: dict[int, _Pending] = {}
+        self._quarantined: dict[int, str] = {}
+        self._free: list[int] = []
+        self._hwm = 0
+        self._ready_slabs: set[int] = set()
+        self._slab_lock = asyncio.Lock()
+        self._reading: Counter[int] = Counter()
+        self._free_after_read: set[int] = set()
+        self._accessed: dict[bytes, float] = {}
+        self._commit_queue: list[
+            tuple[list[tuple[int, _Pending]], asyncio.Future[dict[int, bool]]]
+        ] = []
+        self._commit_task: asyncio.Task[None] | None = None
+        self._logged: set[str] = set()
+        self._counters: Counter[str] = Counter()
+        self.recovery_seconds = 0.0
+        self.recovered_pages = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open (creating or recovering) the store. Idempotent.
+
+        Raises :class:`~kvtier.backends.nvme_index.NotAStoreError` (path is not a store),
+        :class:`~kvtier.backends.nvme_index.StoreVersionError` (newer format),
+        :class:`~kvtier.backends.nvme_index.StoreLockedError` (opened elsewhere),
+        :class:`~kvtier.backends.nvme_index.StoreReadOnlyError` (cannot write),
+        :class:`ConfigError` (page size differs from the store's, O_DIRECT required but
+        unsupported).
+        """
+        if self._opened:
+            return
+        await super().open()
+        try:
+            await self.run_blocking(self._open_blocking)
+        except BaseException:
+            await super().close()
+            raise
+
+    def _open_blocking(self) -> None:
+        start = time.perf_counter()
+        check_store_dir(self.path, create=True)
+        lock = StoreLock(self.path, exclusive=True)
+        index: StoreIndex | None = None
+        try:
+            index = StoreIndex(self.path / INDEX_FILE)
+            layout = self._load_or_init_meta(index)
+            if self._direct_opt is False:
+                self.direct, self.direct_reason = False, "disabled by option"
+            else:
+                reason = probe_direct_io(self.path)
+                if reason is not None and self._direct_opt is True:
+                    raise ConfigError(f"nvme: direct_io=true but {self.path} refuses it: {reason}")
+                self.direct, self.direct_reason = reason is None, reason
+            slabs = SlabFiles(self.path, layout, self.direct)
+            engine = ENGINES[self.engine_name](layout, slabs)
+            rows, quarantined = index.load()
+        except BaseException:
+            if index is not None:
+                index.close()
+            lock.release()
+            raise
+        self._lock, self._index, self._slabs, self._engine = lock, index, slabs, engine
+        self.layout = layout
+        self._recover(rows, quarantined, slabs)
+        self.recovery_seconds = time.perf_counter() - start
+
+    def _load_or_init_meta(self, index: StoreIndex) -> SlotLayout:
+        meta = index.meta()
+        if "format_version" not in meta:
+            if index.load()[0]:
+                raise NotAStoreError(f"{self.path}: the index has pages but no format record")
+            layout = SlotLayout.for_page(self.page_bytes, self._slab_opt)
+            index.set_meta(
+                {
+                    "format_version": STORE_FORMAT_VERSION,
+                    "page_bytes": self.page_bytes,
+                    "slot_bytes": layout.slot_bytes,
+                    "slots_per_slab": layout.slots_per_slab,
+                    "created": time.time(),
+                }
+            )
+        else:
+            version = int(meta["format_version"])
+            if version > STORE_FORMAT_VERSION:
+                raise StoreVersionError(
+                    f"NVMe store {self.path} has format version {version}, newer than the "
+                    f"{STORE_FORMAT_VERSION} this kvtier reads; upgrade kvtier"
+                )
+            stored = int(meta["page_bytes"])
+            if stored != self.page_bytes:
+                raise ConfigError(
+                    f"NVMe store {self.path} holds pages of {stored} bytes, not "
+                    f"{self.page_bytes}: use another directory for this page size"
+                )
+            layout = SlotLayout(stored, int(meta["slots_per_slab"]))
+        index.set_meta({"capacity_pages": self.capacity_pages, "engine": self.engine_name})
+        return layout
+
+    def _recover(self, rows: list[PageRow], quarantined: dict[int, str], slabs: SlabFiles) -> None:
+        assert self.layout is not None
+        self._entries = {r.key: r for r in rows}
+        self._quarantined = dict(quarantined)
+        used = {r.slot for r in rows} | set(quarantined)
+        self._hwm = max(used) + 1 if used else 0
+        self._free = [s for s in range(self._hwm) if s not in used]
+        heapq.heapify(self._free)
+        size = self.layout.slab_bytes
+        for slab in slabs.existing():
+            try:
+                if os.stat(self.path / "slabs" / f"slab-{slab:05d}.dat").st_size >= size:
+                    self._ready_slabs.add(slab)
+            except OSError:
+                continue
+        self.recovered_pages = len(rows)
+
+    async def close(self) -> None:
+        """Finish pending commits, drop uncommitted reservations, release the store."""
+        if not self._opened:
+            return
+        if self._commit_task is not None:
+            await asyncio.shield(self._commit_task)
+        self._reserved.clear()
+        accessed, self._accessed = self._accessed, {}
+        try:
+            await self.run_blocking(self._close_blocking, accessed)
+        finally:
+            await super().close()
+            self._reset_state()
+
+    def _close_blocking(self, accessed: dict[bytes, float]) -> None:
+        try:
+            if self._index is not None and accessed:
+                self._index.touch(accessed)
+        except Exception as exc:  # access times are advisory
+            _log.warning("nvme.touch_failed", path=str(self.path), error=str(exc))
+        if self._engine is not None:
+            self._engine.close()
+        if self._slabs is not None:
+            self._slabs.close()
+        if self._index is not None:
+            self._index.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _log_once(self, cause: str, event: str, **fields: Any) -> None:
+        """Log an error the first time its cause is seen (counted every time)."""
+        self._counters[f"errors.{event}"] += 1
+        if cause in self._logged:
+            return
+        self._logged.add(cause)
+        _log.error(event, path=str(self.path), cause=cause, **fields)
+
+    def _alloc_slot(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        slot = self._hwm
+        self._hwm += 1
+        return slot
+
+    def _free_slot(self, slot: int) -> None:
+        if self._reading[slot]:
+            self._free_after_read.add(slot)
+        else:
+            heapq.heappush(self._free, slot)
+
+    def _release(self, slot: int) -> None:
+        if self._reserved.pop(slot, None) is not None:
+            self._free_slot(slot)
+
+    def _ensure_slabs(self, slabs: list[int]) -> dict[int, BaseException]:
+        assert self._slabs is not None
+        failed: dict[int, BaseException] = {}
+        for slab in slabs:
+            try:
+                self._slabs.ensure(slab, self._preallocate)
+            except OSError as exc:
+                failed[slab] = exc
+        return failed
+
+    # -- the keyed, two-phase interface ------------------------------------------------
+
+    def used_pages(self) -> int:
+        return len(self._entries) + len(self._reserved) + len(self._quarantined)
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        self._check_open()
+        assert self.layout is not None
+        out: list[Reservation | None] = []
+        needed: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            k = _check_key(key, i)
+            row = self._entries.get(k)
+            if row is not None:
+                out.append(Reservation(PageKey(k), row.slot, present=True))
+                continue
+            if self.used_pages() >= self.capacity_pages:
+                self._counters["reserve_full"] += 1
+                out.append(None)
+                continue
+            slot = self._alloc_slot()
+            self._reserved[slot] = _Pending(k, namespace)
+            slab = self.layout.locate(slot)[0]
+            if slab not in self._ready_slabs:
+                needed.setdefault(slab, []).append(i)
+            out.append(Reservation(PageKey(k), slot))
+        if needed:
+            async with self._slab_lock:
+                todo = sorted(s for s in needed if s not in self._ready_slabs)
+                failed = await self.run_blocking(self._ensure_slabs, todo) if todo else {}
+            for slab, exc in failed.items():
+                self._log_once(
+                    f"slab:{_cause(exc)}", "nvme.slab_allocation_failed", slab=slab, error=str(exc)
+                )
+                for i in needed[slab]:
+                    r = out[i]
+                    assert r is not None
+                    self._release(r.handle)
+                    out[i] = None
+            self._ready_slabs.update(s for s in needed if s not in failed)
+        return out
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        self._check_open()
+        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        ok = [False] * len(reservations)
+        jobs: list[tuple[int, int, _Pending, np.ndarray]] = []
+        for i, (r, buf) in enumerate(zip(reservations, bufs, strict=True)):
+            if r.present:
+                ok[i] = True
+                continue
+            pending = self._reserved.get(r.handle)
+            if pending is None or pending.key != bytes(r.key):
+                continue  # aborted, committed or unknown reservation
+            jobs.append((i, r.handle, pending, buf))
+        if not jobs:
+            return ok
+        assert self._engine is not None
+        groups = _split(jobs, self.io_threads) if self._engine.splits_batches else [jobs]
+        results = await asyncio.gather(
+            *(self.run_blocking(self._write_blocking, g) for g in groups)
+        )
+        for group, res in zip(groups, results, strict=True):
+            for (i, slot, pending, _), (checksum, err) in zip(group, res, strict=True):
+                if err is None:
+                    if self._reserved.get(slot) is pending:
+                        pending.written, pending.checksum = True, checksum
+                        ok[i] = True
+                        self._counters["pages_written"] += 1
+                        self._counters["bytes_written"] += self.page_bytes
+                else:
+                    slab, offset = self.layout.locate(slot) if self.layout else (-1, -1)
+                    self._log_once(
+                        f"write:{_cause(err)}",
+                        "nvme.write_failed",
+                        key=pending.key.hex(),
+                        slab=slab,
+                        offset=offset,
+                        error=str(err),
+                    )
+        return ok
+
+    def _write_blocking(
+        self, jobs: list[tuple[int, int, _Pending, np.ndarray]]
+    ) -> list[tuple[int, BaseException | None]]:
+        assert self._engine is not None and self.layout is not None
+        items: list[PageWrite] = []
+        sums: list[int] = []
+        for _, slot, pending, buf in jobs:
+            header = encode_header(pending.key, pending.namespace, buf)
+            sums.append(_CHECKSUM_AT.unpack_from(header, 16)[0])
+            slab, offset = self.layout.locate(slot)
+            items.append(PageWrite(slab, offset, buf, header))
+        return list(zip(sums, self._engine.write_batch(items), strict=True))
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        self._check_open()
+        ok = [False] * len(reservations)
+        batch: list[tuple[int, _Pending]] = []
+        where: list[tuple[int, int]] = []
+        for i, r in enumerate(reservations):
+            if r.present:
+                ok[i] = bytes(r.key) in self._entries
+                continue
+            pending = self._reserved.get(r.handle)
+            if pending is None or pending.key != bytes(r.key):
+                continue
+            if not pending.written:
+                self._release(r.handle)
+                continue
+            batch.append((r.handle, pending))
+            where.append((i, r.handle))
+        if not batch:
+            return ok
+        fut: asyncio.Future[dict[int, bool]] = asyncio.get_running_loop().create_future()
+        self._commit_queue.append((batch, fut))
+        if self._commit_task is None:
+            self._commit_task = asyncio.create_task(self._commit_runner())
+        done = await fut
+        for i, slot in where:
+            ok[i] = done.get(slot, False)
+        return ok
+
+    async def _commit_runner(self) -> None:
+        """Group commit: drain every queued commit into one fsync pass + one transaction."""
+        try:
+            while self._commit_queue:
+                queued, self._commit_queue = self._commit_queue, []
+                results: dict[int, bool] = {}
+                rows: list[PageRow] = []
+                seen: set[bytes] = set()
+                now = time.time()
+                assert self.layout is not None
+                for batch, _ in queued:
+                    for slot, pending in batch:
+                        if self._reserved.get(slot) is not pending:
+                            results[slot] = False
+                        elif pending.key in self._entries or pending.key in seen:
+                            results[slot] = True  # same key committed already: no-op
+                            self._release(slot)
+                        else:
+                            seen.add(pending.key)
+                            slab, offset = self.layout.locate(slot)
+                            rows.append(
+                                PageRow(
+                                    pending.key,
+                                    slot,
+                                    slab,
+                                    offset,
+                                    self.page_bytes,
+                                    pending.checksum,
+                                    pending.namespace,
+                                    now,
+                                )
+                            )
+                error: BaseException | None = None
+                if rows:
+                    try:
+                        await self.run_blocking(self._durable_commit, rows)
+                    except Exception as exc:
+                        error = exc
+                        self._log_once(
+                            f"commit:{_cause(exc)}",
+                            "nvme.commit_failed",
+                            pages=len(rows),
+                            error=str(exc),
+                        )
+                for row in rows:
+                    if error is None:
+                        self._reserved.pop(row.slot, None)
+                        self._entries[row.key] = row
+                    else:
+                        self._release(row.slot)
+                    results[row.slot] = error is None
+                if rows and error is None:
+                    self._counters["group_commits"] += 1
+                    self._counters["pages_committed"] += len(rows)
+                for _, fut in queued:
+                    if not fut.done():
+                        fut.set_result(results)
+        finally:
+            self._commit_task = None
+
+    def _durable_commit(self, rows: list[PageRow]) -> None:
+        assert self._slabs is not None and self._index is not None
+        self._slabs.sync(r.slab for r in rows)
+        self._index.insert(rows)
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        self._check_open()
+        for r in reservations:
+            if not r.present:
+                pending = self._reserved.get(r.handle)
+                if pending is not None and pending.key == bytes(r.key):
+                    self._release(r.handle)
+
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        self._check_open()
+        bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        ok = [False] * len(keys)
+        jobs: list[tuple[int, PageRow, np.ndarray]] = []
+        for i, key in enumerate(keys):
+            row = self._entries.get(_check_key(key, i))
+            if row is None:
+                self._counters["misses"] += 1
+                continue
+            jobs.append((i, row, bufs[i]))
+            self._reading[row.slot] += 1
+        if not jobs:
+            return ok
+        assert self._engine is not None
+        groups = _split(jobs, self.io_threads) if self._engine.splits_batches else [jobs]
+        try:
+            results = await asyncio.gather(
+                *(self.run_blocking(self._read_blocking, g) for g in groups)
+            )
+        finally:
+            for _, row, _ in jobs:
+                self._reading[row.slot] -= 1
+                if not self._reading[row.slot]:
+                    del self._reading[row.slot]
+                    if row.slot in self._free_after_read:
+                        self._free_after_read.discard(row.slot)
+                        heapq.heappush(self._free, row.slot)
+        bad: list[tuple[PageRow, BaseException]] = []
+        now = time.time()
+        for group, res in zip(groups, results, strict=True):
+            for (i, row, _), err in zip(group, res, strict=True):
+                if err is None:
+                    ok[i] = True
+                    self._accessed[row.key] = now
+                    self._counters["hits"] += 1
+                    self._counters["bytes_read"] += self.page_bytes
+                else:
+                    self._counters["misses"] += 1
+                    bad.append((row, err))
+        if bad:
+            await self._quarantine(bad)
+        return ok
+
+    def _read_blocking(
+        self, jobs: list[tuple[int, PageRow, np.ndarray]]
+    ) -> list[BaseException | None]:
+        assert self._engine is not None
+        items = [PageRead(row.slab, row.offset, buf) for _, row, buf in jobs]
+        out: list[BaseException | None] = []
+        for (_, row, buf), res in zip(jobs, self._engine.read_batch(items), strict=True):
+            if isinstance(res, BaseException):
+                out.append(res)
+                continue
+            try:
+                header = verify_page(res, row.key, buf)
+                if header.checksum != row.checksum:
+                    raise IntegrityError("payload checksum differs from the index")
+                if header.namespace_digest != namespace_digest(row.namespace):
+                    raise IntegrityError(f"page header namespace differs from {row.namespace!r}")
+                out.append(None)
+            except IntegrityError as exc:
+                out.append(exc)
+        return out
+
+    async def _quarantine(self, bad: list[tuple[PageRow, BaseException]]) -> None:
+        """Drop damaged pages from the index and take their slots out of service."""
+        entries: list[tuple[int, bytes | None, str]] = []
+        for row, err in bad:
+            kind = "integrity" if isinstance(err, IntegrityError) else "io"
+            self._counters[f"{kind}_errors"] += 1
+            _log.error(
+                "nvme.page_unreadable",
+                path=str(self.path),
+                key=row.key.hex(),
+                slab=row.slab,
+                offset=row.offset,
+                error=str(err),
+                kind=kind,
+            )
+            if self._entries.get(row.key) is row:
+                del self._entries[row.key]
+                self._quarantined[row.slot] = str(err)
+                entries.append((row.slot, row.key, str(err)))
+        if entries:
+            assert self._index is not None
+            try:
+                await self.run_blocking(self._index.quarantine, entries)
+            except Exception as exc:
+                self._log_once(
+                    f"quarantine:{_cause(exc)}", "nvme.quarantine_failed", error=str(exc)
+                )
+
+    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_open()
+        return [_check_key(k, i) in self._entries for i, k in enumerate(keys)]
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_open()
+        gone: list[PageRow] = []
+        ok = []
+        for i, key in enumerate(keys):
+            row = self._entries.pop(_check_key(key, i), None)
+            ok.append(row is not None)
+            if row is not None:
+                gone.append(row)
+                self._accessed.pop(row.key, None)
+        if gone:
+            assert self._index is not None
+            try:
+                await self.run_blocking(self._index.delete, [r.key for r in gone])
+            except Exception as exc:
+                # The rows stay on disk (and come back on reopen); their slots stay taken.
+                self._log_once(f"delete:{_cause(exc)}", "nvme.delete_failed", error=str(exc))
+                self._counters["slots_leaked_until_reopen"] += len(gone)
+                return ok
+            for row in gone:
+                self._free_slot(row.slot)
+        return ok
+
+    async def keys(self) -> list[PageKey]:
+        self._check_open()
+        return [PageKey(k) for k in self._entries]
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(
+            {
+                "path": str(self.path),
+                "engine": self.engine_name,
+                "direct_io": self.direct,
+                "direct_io_reason": self.direct_reason,
+                "committed_pages": len(self._entries),
+                "reserved_pages": len(self._reserved),
+                "quarantined_slots": len(self._quarantined),
+                "recovered_pages": self.recovered_pages,
+                "recovery_seconds": self.recovery_seconds,
+                "slot_bytes": self.layout.slot_bytes if self.layout else None,
+                "slabs": len(self._ready_slabs),
+            }
+        )
+        out.update(dict(self._counters))
+        return out

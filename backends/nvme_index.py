@@ -1,0 +1,315 @@
+"""The NVMe store's index: an SQLite database (WAL mode) beside the slab files.
+
+Tables::
+
+    meta(k, v)            store format version, page size, slot geometry, capacity
+    pages(key, slot, slab, offset, length, checksum, namespace, created, accessed)
+    quarantine(slot, key, reason, at)     slots that failed verification; never reused
+
+A ``pages`` row exists only for a page whose bytes were made durable (``fdatasync``)
+before the row's transaction committed, so after any crash every row points at a whole
+page. ``synchronous=FULL``: a committed transaction survives power loss as well.
+
+The index also owns the store directory's identity checks and the single-writer lock
+(``fcntl.flock`` on ``<store>/lock``).
+
+Thread-safety: every method takes the index lock; call from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.errors import KVTierError, KVTierUsageError
+
+#: Version of the store layout (slabs + index). Stores of a newer version are refused.
+STORE_FORMAT_VERSION = 1
+INDEX_FILE = "index.sqlite"
+LOCK_FILE = "lock"
+#: Files that may sit in a store directory; anything else there means it is not a store.
+_STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS pages (
+    key BLOB PRIMARY KEY,
+    slot INTEGER NOT NULL UNIQUE,
+    slab INTEGER NOT NULL,
+    offset INTEGER NOT NULL,
+    length INTEGER NOT NULL,
+    checksum INTEGER NOT NULL,
+    namespace TEXT NOT NULL,
+    created REAL NOT NULL,
+    accessed REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS quarantine (
+    slot INTEGER PRIMARY KEY,
+    key BLOB,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+"""
+
+
+class NotAStoreError(KVTierUsageError):
+    """The path exists but is not an NVMe store (and is not an empty directory)."""
+
+
+class StoreVersionError(KVTierUsageError):
+    """The store was written by a newer kvtier (format version too new)."""
+
+
+class StoreLockedError(KVTierError):
+    """Another process (or another open store object) holds the store."""
+
+
+class StoreReadOnlyError(KVTierError):
+    """The store directory cannot be written."""
+
+
+def _signed(u: int) -> int:
+    """A uint64 as SQLite's int64."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _unsigned(s: int) -> int:
+    return s + (1 << 64) if s < 0 else s
+
+
+@dataclass(frozen=True)
+class PageRow:
+    """One committed page as the index records it."""
+
+    key: bytes
+    slot: int
+    slab: int
+    offset: int
+    length: int
+    checksum: int
+    namespace: str
+    created: float
+
+
+def check_store_dir(root: Path, create: bool) -> bool:
+    """Check that ``root`` is a store directory; return whether it holds a store already.
+
+    With ``create``, a missing directory is created. Raises :class:`NotAStoreError` for a
+    file, or a directory with foreign content and no index; :class:`KVTierUsageError` for
+    a missing directory when not creating.
+    """
+    if root.exists() and not root.is_dir():
+        raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
+    if not root.exists():
+        if not create:
+            raise KVTierUsageError(f"no NVMe store at {root}: the directory does not exist")
+        try:
+            root.mkdir(parents=True)
+        except OSError as exc:
+            raise StoreReadOnlyError(f"cannot create store directory {root}: {exc}") from exc
+        return False
+    if (root / INDEX_FILE).exists():
+        return True
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_FILES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise NotAStoreError(
+            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
+            f"({shown}); pick an empty or new directory"
+        )
+    if not create:
+        raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
+    return False
+
+
+class StoreLock:
+    """Exclusive (writer) or shared (inspection) ``flock`` on ``<store>/lock``."""
+
+    def __init__(self, root: Path, exclusive: bool = True) -> None:
+        path = root / LOCK_FILE
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise StoreReadOnlyError(
+                    f"NVMe store directory {root} is read-only ({exc.strerror}); "
+                    "the store needs write access"
+                ) from exc
+            raise
+        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        try:
+            fcntl.flock(self._fd, op)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise StoreLockedError(
+                f"NVMe store {root} is already open in another process or object "
+                f"(holder pid {holder}); a store has one writer at a time"
+            ) from None
+        if exclusive:
+            try:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as exc:
+                self.release()
+                raise StoreReadOnlyError(
+                    f"NVMe store directory {root} is not writable ({exc.strerror})"
+                ) from exc
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class StoreIndex:
+    """The SQLite index of one store.
+
+    Args:
+        path: the database file.
+        readonly: open for inspection only (``mode=ro``).
+    """
+
+    def __init__(self, path: Path, readonly: bool = False) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            if readonly:
+                self._db = sqlite3.connect(
+                    f"file:{path}?mode=ro", uri=True, check_same_thread=False
+                )
+            else:
+                self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.executescript(_SCHEMA)
+            self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise NotAStoreError(f"{path} is not a kvtier store index: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # -- meta --------------------------------------------------------------------------
+
+    def meta(self) -> dict[str, str]:
+        """Every meta entry (empty for a new index)."""
+        with self._lock:
+            try:
+                rows = self._db.execute("SELECT k, v FROM meta").fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise NotAStoreError(f"{self.path} is not a kvtier store index: {exc}") from exc
+        return {str(k): str(v) for k, v in rows}
+
+    def set_meta(self, values: dict[str, object]) -> None:
+        """Insert or replace meta entries in one transaction."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)",
+                [(k, str(v)) for k, v in values.items()],
+            )
+
+    # -- pages -------------------------------------------------------------------------
+
+    def load(self) -> tuple[list[PageRow], dict[int, str]]:
+        """Every committed page and every quarantined slot (with its reason)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT key, slot, slab, offset, length, checksum, namespace, created FROM pages"
+            ).fetchall()
+            quarantined = self._db.execute("SELECT slot, reason FROM quarantine").fetchall()
+        pages = [
+            PageRow(bytes(k), s, sl, off, ln, _unsigned(c), ns, cr)
+            for k, s, sl, off, ln, c, ns, cr in rows
+        ]
+        return pages, {int(s): str(r) for s, r in quarantined}
+
+    def insert(self, rows: Iterable[PageRow]) -> None:
+        """Commit rows in one transaction (the group commit)."""
+        now = time.time()
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO pages "
+                "(key, slot, slab, offset, length, checksum, namespace, created, accessed) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        r.key,
+                        r.slot,
+                        r.slab,
+                        r.offset,
+                        r.length,
+                        _signed(r.checksum),
+                        r.namespace,
+                        r.created,
+                        now,
+                    )
+                    for r in rows
+                ],
+            )
+
+    def delete(self, keys: Iterable[bytes]) -> None:
+        """Remove rows in one transaction."""
+        with self._tx() as db:
+            db.executemany("DELETE FROM pages WHERE key = ?", [(k,) for k in keys])
+
+    def touch(self, accessed: dict[bytes, float]) -> None:
+        """Record last-access times (best effort, batched)."""
+        if not accessed:
+            return
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE pages SET accessed = ? WHERE key = ?",
+                [(t, k) for k, t in accessed.items()],
+            )
+
+    def quarantine(self, entries: Iterable[tuple[int, bytes | None, str]]) -> None:
+        """Drop the rows of damaged pages and mark their slots unusable, atomically."""
+        now = time.time()
+        items = list(entries)
+        with self._tx() as db:
+            db.executemany("DELETE FROM pages WHERE slot = ?", [(slot,) for slot, _, _ in items])
+            db.executemany(
+                "INSERT OR REPLACE INTO quarantine (slot, key, reason, at) VALUES (?, ?, ?, ?)",
+                [(slot, key, reason, now) for slot, key, reason in items],
+            )
+
+    def summary(self) -> dict[str, object]:
+        """Counts for inspection: pages, payload bytes, pages per namespace, quarantined."""
+        with self._lock:
+            n, total = self._db.execute(
+                "SELECT count(*), coalesce(sum(length), 0) FROM pages"
+            ).fetchone()
+            per_ns = self._db.execute(
+                "SELECT namespace, count(*), sum(length) FROM pages GROUP BY namespace "
+                "ORDER BY namespace"
+            ).fetchall()
+            q = self._db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+        return {
+            "pages": int(n),
+            "bytes": int(total),
+            "namespaces": {str(ns): {"pages": int(c), "bytes": int(b)} for ns, c, b in per_ns},
+            "quarantined": int(q),
+        }
+
+    def close(self) -> None:
+        """Close the database (checkpointing the WAL when writable)."""
+        with self._lock:
+            self._db.close()

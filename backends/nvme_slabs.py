@@ -1,0 +1,152 @@
+"""The slab files of one NVMe store: creation, preallocation, descriptors, durability.
+
+Slab ``i`` is ``<store>/slabs/slab-<i>.dat``, preallocated to its full size on first use
+(``posix_fallocate``, so a full disk shows up when space is taken, not in the middle of a
+page write). Each slab is opened once; with O_DIRECT when the file system allows it
+(probed once per store), buffered otherwise (tmpfs on older kernels, some network file
+systems): the on-disk format is the same either way.
+
+Thread-safety: :meth:`SlabFiles.ensure` and :meth:`SlabFiles.sync` may run on worker
+threads concurrently; descriptor creation is serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvtier.backends.nvme_layout import BLOCK, SlotLayout, aligned_empty
+
+SLAB_DIR = "slabs"
+
+
+def slab_path(root: Path, slab: int) -> Path:
+    """Path of slab file ``slab`` of the store at ``root``."""
+    return root / SLAB_DIR / f"slab-{slab:05d}.dat"
+
+
+def probe_direct_io(directory: Path) -> str | None:
+    """Check that O_DIRECT works in ``directory``: ``None`` when it does, else why not.
+
+    Opens, writes and reads one aligned block of a scratch file, which is removed.
+    """
+    if not hasattr(os, "O_DIRECT"):
+        return "O_DIRECT is not supported on this platform"
+    probe = directory / ".direct-io-probe"
+    buf = aligned_empty(BLOCK)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        return f"O_DIRECT open failed: {exc.strerror}"
+    try:
+        os.pwritev(fd, [buf], 0)
+        os.preadv(fd, [buf], 0)
+    except OSError as exc:
+        return f"O_DIRECT I/O failed: {exc.strerror}"
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+    return None
+
+
+class SlabFiles:
+    """Open descriptors of one store's slab files.
+
+    Args:
+        root: the store directory.
+        layout: slot geometry.
+        direct: open slabs with O_DIRECT.
+    """
+
+    def __init__(self, root: Path, layout: SlotLayout, direct: bool) -> None:
+        self.root = root
+        self.layout = layout
+        self.direct = direct
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        (root / SLAB_DIR).mkdir(exist_ok=True)
+
+    def existing(self) -> list[int]:
+        """Indices of the slab files present on disk."""
+        out = []
+        for p in (self.root / SLAB_DIR).glob("slab-*.dat"):
+            try:
+                out.append(int(p.stem.removeprefix("slab-")))
+            except ValueError:
+                continue
+        return sorted(out)
+
+    def fd(self, slab: int) -> int:
+        """Descriptor of an existing slab (opened on first use).
+
+        Raises :class:`OSError` when the file is missing or cannot be opened.
+        """
+        fd = self._fds.get(slab)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(slab)
+            if fd is None:
+                flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
+                fd = os.open(slab_path(self.root, slab), flags)
+                self._fds[slab] = fd
+            return fd
+
+    def ensure(self, slab: int, preallocate: bool = True) -> None:
+        """Create slab ``slab`` if needed and make sure its full size is allocated.
+
+        Without ``preallocate`` the file only gets its full length (sparse): disk space is
+        then taken by page writes, which is where a full disk will show.
+
+        Raises :class:`OSError` (``ENOSPC`` when the disk is full); a slab that could not
+        be allocated is removed again if this call created it.
+        """
+        path = slab_path(self.root, slab)
+        created = not path.exists()
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+        with self._lock:
+            fd = self._fds.get(slab)
+            if fd is None:
+                fd = os.open(path, flags, 0o644)
+                self._fds[slab] = fd
+        size = self.layout.slab_bytes
+        try:
+            if os.fstat(fd).st_size < size:
+                if preallocate:
+                    _allocate(fd, size)
+                else:
+                    os.ftruncate(fd, size)
+        except OSError:
+            if created:
+                with self._lock:
+                    self._fds.pop(slab, None)
+                os.close(fd)
+                path.unlink(missing_ok=True)
+            raise
+
+    def sync(self, slabs: Iterable[int]) -> None:
+        """``fdatasync`` each slab: after it returns, their written bytes are durable."""
+        for slab in sorted(set(slabs)):
+            os.fdatasync(self.fd(slab))
+
+    def close(self) -> None:
+        """Close every descriptor."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve ``size`` bytes of disk for ``fd``; falls back to ftruncate where the file
+    system cannot preallocate (the space is then taken by the first write)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.ftruncate(fd, size)
+        else:
+            raise
