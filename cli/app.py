@@ -38,6 +38,7 @@ def _register_commands() -> None:
 _COMMAND_MODULES: list[str] = [
     "inspect_backends",
     "bench_io",
+    "inspect_config",
 ]
 
 

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from kvtier.cli.app import bench_app
-from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
 
 from kvtier import registry
-from kvtier.bench.io import DEFAULT_PAGE_BYTES, IOBenchParams, bench_io, default_tiers
-from kvtier.bench.units import format_size, parse_size
+from kvtier.bench.io import IOBenchParams, bench_io, default_tiers
+from kvtier.cli.app import bench_app
+from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
+from kvtier.config import format_size, parse_size
 from kvtier.errors import KVTierError, KVTierUsageError
 
 
@@ -80,7 +80,7 @@ def bench_io_command(
     ] = None,
     page_size: Annotated[
         str, typer.Option("--page-size", help="Bytes per page, e.g. 256KiB, 4MiB.")
-    ] = format_size(DEFAULT_PAGE_BYTES),
+    ] = "4MiB",
     pages: Annotated[int, typer.Option("--pages", help="Pages per repeat.")] = IOBenchParams.pages,
     repeats: Annotated[
         int, typer.Option("--repeats", help="Timed repeats (medians are reported).")
