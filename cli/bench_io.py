@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from kvtier.cli.app import bench_app
+from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
 
 from kvtier import registry
 from kvtier.bench.io import IOBenchParams, bench_io, default_tiers
-from kvtier.cli.app import bench_app
-from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
 from kvtier.config import format_size, parse_size
 from kvtier.errors import KVTierError, KVTierUsageError
 

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-
 from kvtier.cli.app import inspect_app
 from kvtier.cli.output import console, emit, run_guarded, table
+
 from kvtier.config import load_config
 
 
