@@ -1,0 +1,495 @@
+"""The conformance cases: one function per rule of :mod:`kvtier.backend`'s contract.
+
+Each case gets a :class:`CaseContext`, opens a fresh (emptied) backend through it, and
+fails with :class:`~kvtier.testing.conformance.ConformanceError` saying what broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.backend import ArenaBackend, Backend, BackendClosedError, Reservation
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.testing.conformance import (
+    BackendFactory,
+    Case,
+    CaseSkipped,
+    ConformanceError,
+    build,
+)
+
+#: Cases that fill a backend skip it when it holds more pages than this.
+MAX_FILL_PAGES = 4096
+
+
+def expect(cond: object, what: str) -> None:
+    """Fail the running case with ``what`` unless ``cond`` holds."""
+    if not cond:
+        raise ConformanceError(what)
+
+
+class CaseContext:
+    """What a case works with: fresh backends, random pages and keys, and cleanup."""
+
+    def __init__(self, factory: BackendFactory, *, persistent: bool) -> None:
+        self.factory = factory
+        self.persistent = persistent
+        self.rng = np.random.default_rng(20251129)
+        self._open: list[Backend] = []
+
+    async def backend(self, *, clear: bool = True) -> Backend:
+        """A new backend from the factory, opened, and emptied unless ``clear=False``."""
+        b = await build(self.factory)
+        await b.open()
+        self._open.append(b)
+        if clear:
+            old = await b.keys()
+            if old:
+                await b.delete(old)
+            expect(await b.keys() == [], "keys() not empty after deleting every key")
+        return b
+
+    async def cleanup(self) -> None:
+        """Close every backend the case opened (errors here are not the case's)."""
+        for b in self._open:
+            with contextlib.suppress(Exception):
+                await b.close()
+        self._open.clear()
+
+    def keys(self, n: int) -> list[PageKey]:
+        return [PageKey(self.rng.bytes(16)) for _ in range(n)]
+
+    def pages(self, n: int, page_bytes: int) -> list[np.ndarray]:
+        return [self.rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+def _empty(b: Backend, n: int) -> list[np.ndarray]:
+    return [np.zeros(b.page_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+async def _expect_usage_error(what: str, call: Callable[[], Awaitable[Any]]) -> None:
+    try:
+        await call()
+    except KVTierUsageError:
+        return
+    except Exception as exc:
+        raise ConformanceError(f"{what}: raised {exc!r}, expected KVTierUsageError") from exc
+    raise ConformanceError(f"{what}: accepted, expected KVTierUsageError")
+
+
+async def _read_back(b: Backend, keys: Sequence[PageKey]) -> tuple[list[bool], list[np.ndarray]]:
+    out = _empty(b, len(keys))
+    return await b.get(keys, out), out
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.array_equal(a, b))
+
+
+# -- lifecycle --------------------------------------------------------------------------
+
+
+async def open_close_idempotent(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    await b.open()  # second open: no error, nothing lost
+    keys = ctx.keys(1)
+    expect(await b.put(keys, ctx.pages(1, b.page_bytes)) == [True], "put after open failed")
+    await b.open()
+    expect(await b.contains(keys) == [True], "a second open() lost a committed page")
+    await b.close()
+    await b.close()
+
+
+async def closed_raises(ctx: CaseContext) -> None:
+    fresh = await build(ctx.factory)
+    page = np.zeros(fresh.page_bytes, dtype=np.uint8)
+    k = ctx.keys(1)
+
+    async def all_calls(b: Backend, when: str) -> None:
+        calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("reserve", lambda: b.reserve(k)),
+            ("put", lambda: b.put(k, [page])),
+            ("get", lambda: b.get(k, [page])),
+            ("contains", lambda: b.contains(k)),
+            ("exists", lambda: b.exists(k)),
+            ("delete", lambda: b.delete(k)),
+            ("keys", lambda: b.keys()),
+        ]
+        for name, call in calls:
+            try:
+                await call()
+            except BackendClosedError:
+                continue
+            except Exception as exc:
+                raise ConformanceError(
+                    f"{name}() {when} raised {exc!r}, expected BackendClosedError"
+                ) from exc
+            raise ConformanceError(f"{name}() {when} did not raise BackendClosedError")
+
+    await all_calls(fresh, "before open()")
+    b = await ctx.backend()
+    await b.close()
+    await all_calls(b, "after close()")
+
+
+# -- the keyed interface ----------------------------------------------------------------
+
+
+async def round_trip(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(5)
+    data = ctx.pages(5, b.page_bytes)
+    expect(await b.put(keys, data) == [True] * 5, "put of 5 pages into an empty backend failed")
+    expect(b.used_pages() == 5, f"used_pages() is {b.used_pages()} after 5 puts, expected 5")
+    ok, out = await _read_back(b, keys)
+    expect(ok == [True] * 5, f"get of 5 committed pages answered {ok}")
+    for i in range(5):
+        expect(_same(out[i], data[i]), f"page {i} read back differs from what was put")
+    expect(await b.contains(keys) == [True] * 5, "contains() misses committed pages")
+    expect(set(await b.keys()) == set(keys), "keys() differs from the committed keys")
+    # bytes-like buffers are accepted too
+    more = ctx.keys(1)
+    expect(await b.put(more, [bytes(data[0])]) == [True], "put of a bytes buffer failed")
+    ok, out = await _read_back(b, more)
+    expect(ok == [True] and _same(out[0], data[0]), "bytes buffer did not round-trip")
+
+
+async def per_item_results(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(4)
+    data = ctx.pages(4, b.page_bytes)
+    expect(await b.put(keys[0::2], data[0::2]) == [True, True], "put of 2 pages failed")
+    ok, out = await _read_back(b, keys)
+    expect(ok == [True, False, True, False], f"mixed get answered {ok}, expected T,F,T,F")
+    expect(
+        _same(out[0], data[0]) and _same(out[2], data[2]), "hits in a mixed get hold wrong bytes"
+    )
+    expect(await b.contains(keys) == [True, False, True, False], "mixed contains() per item wrong")
+
+
+async def uncommitted_invisible(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(2)
+    data = ctx.pages(2, b.page_bytes)
+    res = await b.reserve(keys)
+    expect(all(r is not None for r in res), "reserve of 2 keys in an empty backend failed")
+    taken = [r for r in res if r is not None]
+    expect(b.used_pages() == 2, f"used_pages() {b.used_pages()} does not count reservations")
+    for phase in ("reserved", "written"):
+        expect(await b.contains(keys) == [False, False], f"{phase} page visible to contains()")
+        expect(await b.exists(keys) == 0, f"{phase} page counted by exists()")
+        expect(await b.keys() == [], f"{phase} page listed by keys()")
+        ok, _ = await _read_back(b, keys)
+        expect(ok == [False, False], f"{phase} page served by get()")
+        if phase == "reserved":
+            expect(await b.write(taken, data) == [True, True], "write of reserved pages failed")
+    expect(await b.commit(taken[:1]) == [True], "commit of a written page failed")
+    expect(await b.contains(keys) == [True, False], "only the committed page may be visible")
+    ok, out = await _read_back(b, keys[:1])
+    expect(ok == [True] and _same(out[0], data[0]), "committed page reads back wrong")
+    await b.abort(taken[1:])
+
+
+async def abort_frees_space(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    n = b.capacity_pages
+    if n > MAX_FILL_PAGES:
+        raise CaseSkipped(f"capacity {n} pages is too large to fill in a test")
+    keys = ctx.keys(n + 1)
+    res = await b.reserve(keys[:n])
+    expect(all(r is not None for r in res), f"could not reserve all {n} pages of capacity")
+    expect(await b.reserve(keys[n:]) == [None], "reserve beyond capacity did not answer None")
+    taken = [r for r in res if r is not None]
+    await b.abort(taken[:1])
+    expect(b.used_pages() == n - 1, f"used_pages() {b.used_pages()} after abort, expected {n - 1}")
+    again = await b.reserve(keys[n:])
+    expect(again[0] is not None, "space given back by abort() cannot be reserved again")
+    rest = [r for r in again if r is not None] + taken[1:]
+    await b.abort(rest)
+    expect(b.used_pages() == 0, f"used_pages() {b.used_pages()} after aborting everything")
+    expect(await b.contains(keys) == [False] * (n + 1), "an aborted key is visible")
+    # an aborted reservation can no longer be committed
+    expect(await b.commit(taken[:1]) == [False], "commit of an aborted reservation succeeded")
+    expect(await b.contains(keys[:1]) == [False], "an aborted key became visible at commit")
+
+
+async def put_existing_is_noop(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(1)
+    first, second = ctx.pages(2, b.page_bytes)
+    expect(await b.put(keys, [first]) == [True], "first put failed")
+    used = b.used_pages()
+    expect(await b.put(keys, [second]) == [True], "put of a committed key did not succeed")
+    expect(b.used_pages() == used, "put of a committed key took more space")
+    ok, out = await _read_back(b, keys)
+    expect(ok == [True] and _same(out[0], first), "put of a committed key changed its bytes")
+    res = await b.reserve(keys)
+    expect(res[0] is not None and res[0].present, "reserve of a committed key is not 'present'")
+    # the same key twice in one batch
+    dup = ctx.keys(1) * 2
+    expect(await b.put(dup, [first, first]) == [True, True], "one key twice in a batch failed")
+    expect(b.used_pages() == used + 1, "one key twice in a batch took two pages")
+
+
+async def exists_counts_prefix(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(4)
+    data = ctx.pages(4, b.page_bytes)
+    expect(await b.put([keys[0], keys[2], keys[3]], [data[0], data[2], data[3]]) == [True] * 3,
+           "put of 3 pages failed")  # fmt: skip
+    expect(await b.exists(keys) == 1, "exists() with the 2nd key missing is not 1")
+    expect(await b.exists(keys[1:]) == 0, "exists() with the 1st key missing is not 0")
+    expect(await b.exists(keys[2:]) == 2, "exists() of 2 present keys is not 2")
+    expect(await b.exists([]) == 0, "exists([]) is not 0")
+
+
+async def delete_removes(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(2)
+    data = ctx.pages(2, b.page_bytes)
+    expect(await b.put(keys[:1], data[:1]) == [True], "put failed")
+    expect(await b.delete(keys) == [True, False], "delete of [present, missing] is not [T, F]")
+    expect(await b.contains(keys[:1]) == [False], "deleted key still contained")
+    ok, _ = await _read_back(b, keys[:1])
+    expect(ok == [False], "deleted key still served")
+    expect(b.used_pages() == 0, f"used_pages() {b.used_pages()} after deleting everything")
+    expect(await b.delete(keys[:1]) == [False], "second delete of a key answered True")
+    expect(await b.put(keys[:1], data[1:]) == [True], "put after delete failed")
+    ok, out = await _read_back(b, keys[:1])
+    expect(ok == [True] and _same(out[0], data[1]), "a key put again after delete reads wrong")
+
+
+async def capacity_honoured(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    n = b.capacity_pages
+    if n > MAX_FILL_PAGES:
+        raise CaseSkipped(f"capacity {n} pages is too large to fill in a test")
+    keys = ctx.keys(n + 2)
+    data = ctx.pages(1, b.page_bytes) * (n + 2)
+    ok = await b.put(keys, data)
+    expect(ok == [True] * n + [False] * 2, f"put of capacity+2 pages answered {ok.count(True)} "
+           f"True of {n + 2}, expected the first {n}")  # fmt: skip
+    expect(b.used_pages() == n, f"used_pages() {b.used_pages()} at capacity {n}")
+    expect(await b.reserve(keys[-1:]) == [None], "reserve when full did not answer None")
+    expect(await b.delete(keys[:1]) == [True], "delete when full failed")
+    expect(await b.put(keys[-1:], data[:1]) == [True], "put after freeing one page failed")
+
+
+async def bad_buffers_rejected(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    pb = b.page_bytes
+    k = ctx.keys(1)
+    bad: list[tuple[str, Any]] = [
+        ("a buffer one byte short", np.zeros(pb - 1, dtype=np.uint8)),
+        ("a buffer one byte long", np.zeros(pb + 1, dtype=np.uint8)),
+        ("a float32 buffer", np.zeros(max(1, pb // 4), dtype=np.float32)),
+        ("a 2-D buffer", np.zeros((1, pb), dtype=np.uint8)),
+        ("a non-contiguous buffer", np.zeros(2 * pb, dtype=np.uint8)[::2]),
+        ("a list", [0] * pb),
+    ]
+    for what, buf in bad:
+        await _expect_usage_error(f"put of {what}", functools.partial(b.put, k, [buf]))
+        expect(b.used_pages() == 0, f"a rejected put of {what} left space taken")
+    good = ctx.pages(1, pb)
+    await _expect_usage_error("put of 2 buffers for 1 key", lambda: b.put(k, good * 2))
+    res = [r for r in await b.reserve(k) if r is not None]
+    expect(len(res) == 1, "reserve of one key in an empty backend failed")
+    for what, buf in bad[:4]:
+        await _expect_usage_error(f"write of {what}", functools.partial(b.write, res, [buf]))
+    await b.abort(res)
+    expect(await b.put(k, good) == [True], "put failed")
+    await _expect_usage_error(
+        "get into a too-small buffer", lambda: b.get(k, [np.zeros(pb - 1, dtype=np.uint8)])
+    )
+    ro = np.zeros(pb, dtype=np.uint8)
+    ro.flags.writeable = False
+    await _expect_usage_error("get into a read-only buffer", lambda: b.get(k, [ro]))
+    await _expect_usage_error("get with 2 buffers for 1 key", lambda: b.get(k, _empty(b, 2)))
+    ok, out = await _read_back(b, k)
+    expect(ok == [True] and _same(out[0], good[0]), "a rejected call damaged a committed page")
+
+
+async def missing_keys_miss(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    keys = ctx.keys(3)
+    ok, _ = await _read_back(b, keys)
+    expect(ok == [False] * 3, f"get of never-stored keys answered {ok}")
+    expect(await b.contains(keys) == [False] * 3, "contains() of never-stored keys not False")
+
+
+async def empty_batches(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    expect(await b.reserve([]) == [], "reserve([]) is not []")
+    expect(await b.write([], []) == [], "write([], []) is not []")
+    expect(await b.commit([]) == [], "commit([]) is not []")
+    await b.abort([])
+    expect(await b.get([], []) == [], "get([], []) is not []")
+    expect(await b.contains([]) == [], "contains([]) is not []")
+    expect(await b.delete([]) == [], "delete([]) is not []")
+    expect(await b.put([], []) == [], "put([], []) is not []")
+    expect(await b.exists([]) == 0, "exists([]) is not 0")
+
+
+async def concurrent_calls(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    n = min(b.capacity_pages // 2, 32)
+    expect(n >= 1, "capacity too small for the concurrency case (needs >= 2 pages)")
+    keys = ctx.keys(n)
+    data = ctx.pages(n, b.page_bytes)
+    # every key put by two tasks at once: both succeed, one copy is kept
+    puts = [b.put([keys[i]], [data[i]]) for i in range(n)] * 2
+    results = await asyncio.gather(*puts)
+    expect(all(r == [True] for r in results), f"concurrent puts answered {results}")
+    expect(b.used_pages() == n, f"used_pages() {b.used_pages()} after {n} distinct keys")
+
+    async def read_one(i: int) -> bool:
+        out = _empty(b, 1)
+        ok = await b.get([keys[i]], out)
+        return ok == [True] and _same(out[0], data[i])
+
+    reads = await asyncio.gather(*(read_one(i) for i in range(n) for _ in range(2)))
+    expect(all(reads), f"{reads.count(False)} of {len(reads)} concurrent gets wrong")
+    deleted = await asyncio.gather(*(b.delete([k]) for k in keys))
+    expect(all(d == [True] for d in deleted), "concurrent deletes of distinct keys failed")
+    expect(b.used_pages() == 0, "space left taken after concurrent deletes")
+
+
+class _Heartbeat:
+    """A task that records a timestamp every time the loop runs it."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.ticks: list[float] = []
+
+    async def run(self) -> None:
+        while not self.stop:
+            self.ticks.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+
+async def loop_not_blocked(ctx: CaseContext) -> None:
+    """While a full-capacity put and get run, the loop keeps serving other tasks: the
+    longest stretch it is held is well under the call's duration. A heuristic on a busy
+    machine, so the best of several attempts counts."""
+    b = await ctx.backend()
+    n = min(b.capacity_pages, 256)
+    keys = ctx.keys(n)
+    data = ctx.pages(n, b.page_bytes)
+    out = _empty(b, n)
+    worst = ""
+    for _attempt in range(5):
+        beat = _Heartbeat()
+        hb = asyncio.create_task(beat.run())
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        ok_put = await b.put(keys, data)
+        ok_get = await b.get(keys, out)
+        t1 = time.perf_counter()
+        beat.stop = True
+        await hb
+        ticks = beat.ticks
+        expect(ok_put == [True] * n and ok_get == [True] * n, "full-capacity put/get failed")
+        expect(all(_same(o, d) for o, d in zip(out, data, strict=True)), "wrong bytes read")
+        await b.delete(keys)
+        during = [t for t in ticks if t0 <= t <= t1]
+        stamps = [t0, *during, t1]
+        gap = max(y - x for x, y in itertools.pairwise(stamps))
+        if during and gap <= 0.5 * (t1 - t0):
+            return
+        worst = (
+            f"the loop was held {gap * 1e3:.2f} ms of a {(t1 - t0) * 1e3:.2f} ms put+get "
+            f"({len(during)} heartbeats ran meanwhile)"
+        )
+    raise ConformanceError(f"blocking work seems to run on the event loop: {worst}")
+
+
+# -- arenas -----------------------------------------------------------------------------
+
+
+async def arena_zero_copy(ctx: CaseContext) -> None:
+    b = await ctx.backend()
+    if not isinstance(b, ArenaBackend):
+        raise CaseSkipped("not an arena")
+    keys = ctx.keys(3)
+    data = ctx.pages(3, b.page_bytes)
+    expect(await b.put(keys[:1], data[:1]) == [True], "put failed")
+    slot = b.slot_of(keys[0])
+    expect(slot is not None, "slot_of() of a committed key is None")
+    assert slot is not None
+    expect(b.slot_of(keys[1]) is None, "slot_of() of a missing key is not None")
+    view = b.view(slot)
+    expect(view.dtype == np.uint8 and view.shape == (b.page_bytes,), "view() has wrong shape")
+    expect(_same(view, data[0]), "view() of the slot does not show the page")
+    tensor = b.tensor(slot)
+    expect(tensor.data_ptr() == view.ctypes.data, "tensor() and view() are different memory")
+    expect(np.shares_memory(b.view(slot), view), "two views of one slot do not share memory")
+    tensor[0] = (int(view[0]) + 1) % 256
+    expect(int(view[0]) == int(tensor[0]), "a write through tensor() is not seen through view()")
+    ok, out = await _read_back(b, keys[:1])
+    expect(ok == [True] and int(out[0][0]) == int(tensor[0]), "get() misses a write via tensor()")
+    # slot stable while committed, across other puts and deletes
+    expect(await b.put(keys[1:], data[1:]) == [True, True], "put of 2 more pages failed")
+    expect(await b.delete(keys[1:2]) == [True], "delete failed")
+    expect(b.slot_of(keys[0]) == slot, "slot of a committed key moved")
+    # fill in place through the reservation's view: write() must accept it (no copy needed)
+    res = await b.reserve(keys[1:2])
+    r = res[0]
+    expect(r is not None and r.view is not None, "arena reservation carries no slot view")
+    assert r is not None and r.view is not None
+    r.view[:] = data[1]
+    expect(await b.write([r], [r.view]) == [True], "write of the slot's own view failed")
+    expect(await b.commit([r]) == [True], "commit failed")
+    ok, out = await _read_back(b, keys[1:2])
+    expect(ok == [True] and _same(out[0], data[1]), "page filled in place reads back wrong")
+
+
+# -- persistence ------------------------------------------------------------------------
+
+
+async def survives_reopen(ctx: CaseContext) -> None:
+    if not ctx.persistent:
+        raise CaseSkipped("backend not declared persistent")
+    b = await ctx.backend()
+    keys = ctx.keys(4)
+    data = ctx.pages(4, b.page_bytes)
+    expect(await b.put(keys[:3], data[:3]) == [True] * 3, "put failed")
+    pending: list[Reservation] = [r for r in await b.reserve(keys[3:]) if r is not None]
+    await b.write(pending, data[3:4][: len(pending)])
+    await b.close()
+    again = await ctx.backend(clear=False)
+    expect(set(await again.keys()) == set(keys[:3]), "keys() after reopen differs")
+    expect(again.used_pages() == 3, f"used_pages() {again.used_pages()} after reopen, expected 3")
+    ok, out = await _read_back(again, keys)
+    expect(ok == [True, True, True, False], f"get after reopen answered {ok}")
+    for i in range(3):
+        expect(_same(out[i], data[i]), f"page {i} differs after reopen")
+
+
+CASES: tuple[Case, ...] = (
+    Case("open_close_idempotent", "open() and close() may be called twice", open_close_idempotent),
+    Case("closed_raises", "use before open / after close raises BackendClosedError", closed_raises),
+    Case("round_trip", "put pages read back byte for byte", round_trip),
+    Case("per_item_results", "a batch answers item by item (hits and misses)", per_item_results),
+    Case("uncommitted_invisible", "reserved/written pages are invisible", uncommitted_invisible),
+    Case("abort_frees_space", "abort gives reserved space back", abort_frees_space),
+    Case("put_existing_is_noop", "put of a committed key is a no-op", put_existing_is_noop),
+    Case("exists_counts_prefix", "exists() counts the leading present keys", exists_counts_prefix),
+    Case("delete_removes", "delete removes committed keys, per item", delete_removes),
+    Case("capacity_honoured", "reserve answers None when full", capacity_honoured),
+    Case("bad_buffers_rejected", "bad buffers raise KVTierUsageError", bad_buffers_rejected),
+    Case("missing_keys_miss", "get of missing keys answers False", missing_keys_miss),
+    Case("empty_batches", "empty batches are fine", empty_batches),
+    Case("concurrent_calls", "concurrent calls on one loop stay correct", concurrent_calls),
+    Case("loop_not_blocked", "a large batch does not block the event loop", loop_not_blocked),
+    Case("arena_zero_copy", "arena views/tensors are zero-copy, slots stable", arena_zero_copy),
+    Case("survives_reopen", "committed pages survive close and reopen", survives_reopen),
+)
