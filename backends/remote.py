@@ -440,7 +440,11 @@ class RedisStore(StoreBackend):
 
     async def keys(self) -> list[PageKey]:
         """Every committed page under this prefix on the server (a SCAN; slow on big
-        pools). When the server cannot be reached the answer is empty (logged)."""
+        pools). When the server cannot be reached the answer is empty (logged).
+
+        This is the recovery call: the pages listed are adopted into the client-side
+        count (:meth:`used_pages`), as the tier above now tracks them.
+        """
         self._check_open()
         client = self._client
         assert client is not None
@@ -459,10 +463,12 @@ class RedisStore(StoreBackend):
             self.health.failed(_describe(exc))
             return []
         self.health.succeeded()
+        self._committed.update(found)
         return sorted(set(found))
 
     def used_pages(self) -> int:
-        """Pages this client reserved or committed and still believes present."""
+        """Pages this client reserved, committed or adopted (:meth:`keys`) and still
+        believes present."""
         return len(self._committed) + len(self._pending)
 
     def stats(self) -> dict[str, Any]:
