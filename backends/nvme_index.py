@@ -135,8 +135,16 @@ class StoreLock:
 
     def __init__(self, root: Path, exclusive: bool = True) -> None:
         path = root / LOCK_FILE
+        self._fd = -1
+        if not exclusive:
+            # Readers only need to see a writer's lock; they may sit on read-only media.
+            try:
+                self._fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return  # never opened for writing: nobody to exclude
         try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if self._fd < 0:
+                self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise StoreReadOnlyError(
@@ -152,7 +160,12 @@ class StoreLock:
             os.close(self._fd)
             raise StoreLockedError(
                 f"NVMe store {root} is already open in another process or object "
-                f"(holder pid {holder}); a store has one writer at a time"
+                f"(holder pid {holder}); "
+                + (
+                    "a store has one writer at a time"
+                    if exclusive
+                    else "--verify needs it closed (plain inspect works on a live store)"
+                )
             ) from None
         if exclusive:
             try:
