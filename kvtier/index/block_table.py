@@ -1,0 +1,525 @@
+"""Block tables: per sequence, logical page number -> page, with forks and versions.
+
+This module is pure bookkeeping on the event-loop thread: it never touches a backend and
+never awaits. It decides which pages a sequence points to, when a page must be copied,
+and when a page may be published or freed; the caller (:mod:`kvtier.sequences`) moves
+the bytes.
+
+Pages
+    A :class:`Page` is either *working* (it holds a slot of the working pool: the top
+    tier's memory that running sequences write into) or *published* (full, verified,
+    stored in the cache under its content key; its working slot is given back). Working
+    pages are private: they are never in the directory, never written down the
+    hierarchy.
+
+Reference counts and copy-on-write
+    Every holder of a page counts: each block table that points to it and each snapshot
+    that does. A page is written only while exactly one table holds it; a write to a page
+    with more holders first copies it (:meth:`BlockTables.append`). So a page's contents,
+    once shared, never change, and ``Page.filled`` is the same for every holder. A
+    working page whose count drops to zero gives its slot back at once; a published page
+    stays in the cache (the prefix cache keeps it for reuse until evicted).
+
+Versions (speculative decoding)
+    :meth:`BlockTables.snapshot` records a table (holding its pages);
+    :meth:`BlockTables.rollback` restores it exactly and drops every page written since;
+    :meth:`BlockTables.commit` accepts what was written since (optionally only the first
+    ``keep`` tokens). Versions form a stack per sequence: rolling back or committing a
+    version consumes it and every newer one. Tokens past the oldest live snapshot are
+    *unverified*: pages holding any are never reported by :meth:`BlockTables.publishable`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.keys import PageKey
+
+#: Value of an unused entry in a packed block table.
+PAD_SLOT = -1
+
+
+class UnknownSequenceError(KVTierUsageError):
+    """A sequence id that was never created, or was freed."""
+
+
+class SequenceFinishedError(KVTierUsageError):
+    """An operation other than ``free`` on a finished sequence."""
+
+
+class VersionError(KVTierUsageError):
+    """A version that does not exist for this sequence or was already consumed."""
+
+
+class SequenceLengthError(KVTierUsageError):
+    """An append would take a sequence past its configured maximum length."""
+
+
+class Page:
+    """One page a block table points to. See the module docstring.
+
+    Attributes:
+        pid: unique id, stable for the page's life.
+        slot: working-pool slot, or :data:`PAD_SLOT` once published.
+        key: content key once published, else ``None``.
+        filled: tokens written (the same for every holder).
+        refs: holders (tables and snapshots).
+    """
+
+    __slots__ = ("filled", "key", "pid", "refs", "slot")
+
+    def __init__(self, pid: int, slot: int) -> None:
+        self.pid = pid
+        self.slot = slot
+        self.key: PageKey | None = None
+        self.filled = 0
+        self.refs = 0
+
+    @property
+    def published(self) -> bool:
+        return self.key is not None
+
+    def __repr__(self) -> str:
+        where = f"key={self.key.hex()[:8]}" if self.key else f"slot={self.slot}"
+        return f"Page({self.pid}, {where}, filled={self.filled}, refs={self.refs})"
+
+
+class SlotPool:
+    """The working pool: a fixed set of slot ids handed out and given back.
+
+    Raises :class:`CapacityError` when empty, naming the pool size.
+    """
+
+    def __init__(self, slots: Iterable[int]) -> None:
+        self._all = list(slots)
+        if len(set(self._all)) != len(self._all):
+            raise KVTierUsageError("SlotPool: duplicate slot ids")
+        self._free = list(reversed(self._all))
+        self._used: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return len(self._all)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._used)
+
+    def used(self) -> frozenset[int]:
+        return frozenset(self._used)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise CapacityError(
+                f"working pool exhausted: all {len(self._all)} slots hold pages of live "
+                "sequences (free or finish sequences, or give the pool more slots)"
+            )
+        slot = self._free.pop()
+        self._used.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise KVTierUsageError(f"SlotPool: slot {slot} is not allocated")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+
+@dataclass
+class _Version:
+    vid: int
+    num_tokens: int
+    pages: list[Page]
+
+
+@dataclass
+class BlockTable:
+    """The table of one sequence (read it; change it only through :class:`BlockTables`).
+
+    Attributes:
+        seq_id: the sequence.
+        pages: logical page number -> page.
+        tokens: token ids, ``num_tokens`` of them.
+        finished: freed by the engine.
+    """
+
+    seq_id: int
+    pages: list[Page] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    versions: list[_Version] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens before the oldest live snapshot (all of them without one)."""
+        return self.versions[0].num_tokens if self.versions else len(self.tokens)
+
+    def live_versions(self) -> list[int]:
+        return [v.vid for v in self.versions]
+
+
+@dataclass(frozen=True)
+class PageWrite:
+    """A copy the caller performs: ``count`` tokens from ``src_start`` of the appended
+    chunk into page ``page`` (working slot ``slot``) at token offset ``offset``."""
+
+    page: Page
+    slot: int
+    offset: int
+    src_start: int
+    count: int
+
+
+def check_token_ids(tokens: Any) -> list[int]:
+    """Token ids as a list of ints; :class:`KVTierUsageError` for the wrong dtype/shape.
+
+    Accepts a list or tuple of Python ints, or a 1-D numpy array / torch tensor of an
+    integer dtype. Floats, bools and values outside ``[0, 2**32)`` are rejected.
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise KVTierUsageError(f"token ids must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu":
+            raise KVTierUsageError(f"token ids must have an integer dtype, got {tokens.dtype}")
+        out = [int(t) for t in tokens.tolist()]
+    elif isinstance(tokens, list | tuple):
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                raise KVTierUsageError(f"token ids must be integers, got {type(t).__name__} {t!r}")
+        out = [int(t) for t in tokens]
+    else:
+        raise KVTierUsageError(
+            f"token ids must be a list, numpy array or torch tensor, got {type(tokens).__name__}"
+        )
+    if out and (min(out) < 0 or max(out) > 0xFFFFFFFF):
+        raise KVTierUsageError("token ids must lie in [0, 2**32)")
+    return out
+
+
+class BlockTables:
+    """The block tables of every sequence of one namespace, with page reference counts.
+
+    Args:
+        page_tokens: tokens per page.
+        pool: the working pool pages are allocated from.
+        copy_page: ``copy_page(src_slot, dst_slot, tokens)`` copies the first ``tokens``
+            token positions of one working slot into another (copy-on-write).
+        max_tokens: the longest a sequence may grow (``None``: unbounded).
+    """
+
+    def __init__(
+        self,
+        page_tokens: int,
+        pool: SlotPool,
+        copy_page: Callable[[int, int, int], None],
+        max_tokens: int | None = None,
+    ) -> None:
+        if page_tokens <= 0:
+            raise KVTierUsageError(f"page_tokens must be > 0, got {page_tokens}")
+        if max_tokens is not None and max_tokens <= 0:
+            raise KVTierUsageError(f"max_tokens must be > 0, got {max_tokens}")
+        self.page_tokens = page_tokens
+        self.pool = pool
+        self.max_tokens = max_tokens
+        self._copy_page = copy_page
+        self._tables: dict[int, BlockTable] = {}
+        self._seq_ids = itertools.count(1)
+        self._pids = itertools.count(1)
+        self._vids = itertools.count(1)
+        #: Counters: pages copied on write, pages dropped by rollbacks.
+        self.cow_copies = 0
+        self.rollback_discarded = 0
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def table(self, seq_id: int) -> BlockTable:
+        """The table of ``seq_id``; :class:`UnknownSequenceError` if there is none."""
+        try:
+            return self._tables[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequenceError(f"unknown sequence id {seq_id!r}") from None
+
+    def _live(self, seq_id: int) -> BlockTable:
+        table = self.table(seq_id)
+        if table.finished:
+            raise SequenceFinishedError(f"sequence {seq_id} is finished")
+        return table
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._tables
+
+    def seq_ids(self) -> list[int]:
+        return list(self._tables)
+
+    # -- references ----------------------------------------------------------------------
+
+    def _ref(self, pages: Iterable[Page]) -> None:
+        for p in pages:
+            p.refs += 1
+
+    def _unref(self, pages: Iterable[Page]) -> int:
+        """Drop one reference from each page; returns working pages freed."""
+        freed = 0
+        for p in pages:
+            p.refs -= 1
+            if p.refs < 0:
+                raise AssertionError(f"{p!r}: reference count below zero")
+            if p.refs == 0 and p.slot != PAD_SLOT:
+                self.pool.free(p.slot)
+                p.slot = PAD_SLOT
+                freed += 1
+        return freed
+
+    def _new_page(self) -> Page:
+        page = Page(next(self._pids), self.pool.alloc())
+        page.refs = 1
+        return page
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def create(self) -> int:
+        """A new empty sequence; returns its id."""
+        seq_id = next(self._seq_ids)
+        self._tables[seq_id] = BlockTable(seq_id)
+        return seq_id
+
+    def append(self, seq_id: int, tokens: Any) -> list[PageWrite]:
+        """Append token ids; returns the writes of their KV into working slots.
+
+        Pages are allocated as they fill. A partial last page held by anyone else (a fork,
+        a snapshot) is first copied to a fresh slot. All-or-nothing: on
+        :class:`CapacityError` (pool exhausted) or :class:`SequenceLengthError` the table
+        is unchanged.
+        """
+        table = self._live(seq_id)
+        ids = check_token_ids(tokens)
+        n = len(ids)
+        if n == 0:
+            return []
+        if self.max_tokens is not None and table.num_tokens + n > self.max_tokens:
+            raise SequenceLengthError(
+                f"sequence {seq_id}: appending {n} tokens to {table.num_tokens} exceeds the "
+                f"maximum length of {self.max_tokens}"
+            )
+        pt = self.page_tokens
+        start = table.num_tokens
+        offset = start % pt
+        cow = offset != 0 and table.pages[-1].refs > 1
+        new_pages = -(-(start + n) // pt) - len(table.pages)
+        needed = new_pages + (1 if cow else 0)
+        if needed > self.pool.capacity - self.pool.in_use:
+            raise CapacityError(
+                f"sequence {seq_id}: appending {n} tokens needs {needed} working slots, "
+                f"{self.pool.capacity - self.pool.in_use} of {self.pool.capacity} are free"
+            )
+        if cow:
+            old = table.pages[-1]
+            copy = self._new_page()
+            self._copy_page(old.slot, copy.slot, old.filled)
+            copy.filled = old.filled
+            table.pages[-1] = copy
+            self._unref([old])
+            self.cow_copies += 1
+        writes: list[PageWrite] = []
+        pos = start
+        src = 0
+        while src < n:
+            lp = pos // pt
+            if lp == len(table.pages):
+                table.pages.append(self._new_page())
+            page = table.pages[lp]
+            off = pos % pt
+            count = min(pt - off, n - src)
+            writes.append(PageWrite(page, page.slot, off, src, count))
+            page.filled = off + count
+            pos += count
+            src += count
+        table.tokens.extend(ids)
+        return writes
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every page (and the version stack) of ``seq_id``."""
+        src = self._live(seq_id)
+        child = BlockTable(next(self._seq_ids), list(src.pages), list(src.tokens))
+        self._ref(child.pages)
+        for v in src.versions:
+            child.versions.append(_Version(v.vid, v.num_tokens, list(v.pages)))
+            self._ref(v.pages)
+        self._tables[child.seq_id] = child
+        return child.seq_id
+
+    def free(self, seq_id: int) -> int:
+        """Finish ``seq_id``: drop its pages and versions and forget it. Returns working
+        pages freed. Freeing twice raises :class:`UnknownSequenceError`."""
+        table = self.table(seq_id)
+        freed = self._unref(table.pages)
+        for v in table.versions:
+            freed += self._unref(v.pages)
+        table.pages.clear()
+        table.versions.clear()
+        table.finished = True
+        del self._tables[seq_id]
+        return freed
+
+    # -- versions ------------------------------------------------------------------------
+
+    def snapshot(self, seq_id: int) -> int:
+        """Record the table before a speculative step; returns the version id."""
+        table = self._live(seq_id)
+        v = _Version(next(self._vids), table.num_tokens, list(table.pages))
+        self._ref(v.pages)
+        table.versions.append(v)
+        return v.vid
+
+    def _version_index(self, table: BlockTable, vid: int, verb: str) -> int:
+        for i, v in enumerate(table.versions):
+            if v.vid == vid:
+                return i
+        raise VersionError(
+            f"cannot {verb} sequence {table.seq_id} to version {vid!r}: it is not a live "
+            f"version (already committed or rolled back, or never taken); live versions: "
+            f"{table.live_versions()}"
+        )
+
+    def rollback(self, seq_id: int, vid: int) -> int:
+        """Restore the table as of version ``vid``; consumes it and every newer version.
+
+        Returns the number of working pages freed (pages written after the snapshot).
+        """
+        table = self._live(seq_id)
+        i = self._version_index(table, vid, "roll back")
+        v = table.versions[i]
+        dropped = table.versions[i:]
+        del table.versions[i:]
+        freed = self._unref(table.pages)
+        table.pages = v.pages  # the snapshot's references move to the table
+        for later in dropped[1:]:
+            freed += self._unref(later.pages)
+        del table.tokens[v.num_tokens :]
+        self.rollback_discarded += freed
+        return freed
+
+    def commit(self, seq_id: int, vid: int, keep: int | None = None) -> int:
+        """Accept the tokens appended since version ``vid`` (only the first ``keep`` of
+        them when given: the rest are dropped as by a rollback). Consumes ``vid`` and
+        every newer version. Returns working pages freed."""
+        table = self._live(seq_id)
+        i = self._version_index(table, vid, "commit")
+        v = table.versions[i]
+        since = table.num_tokens - v.num_tokens
+        if keep is not None and not 0 <= keep <= since:
+            raise KVTierUsageError(
+                f"commit keep={keep} must lie in [0, {since}] (tokens appended since version {vid})"
+            )
+        freed = 0
+        if keep is not None and keep < since:
+            freed += self._truncate(table, v.num_tokens + keep)
+        dropped = table.versions[i:]
+        del table.versions[i:]
+        for d in dropped:
+            freed += self._unref(d.pages)
+        return freed
+
+    def _truncate(self, table: BlockTable, num_tokens: int) -> int:
+        """Cut the table to ``num_tokens``; the now-partial last page, if its contents
+        beyond that point are held by another holder, is left shared (it is copied on
+        the next write, since positions past ``num_tokens`` are then overwritten)."""
+        keep_pages = -(-num_tokens // self.page_tokens)
+        gone = table.pages[keep_pages:]
+        del table.pages[keep_pages:]
+        del table.tokens[num_tokens:]
+        freed = self._unref(gone)
+        if table.pages:
+            last = table.pages[-1]
+            fill = num_tokens - (keep_pages - 1) * self.page_tokens
+            if last.filled != fill and last.refs == 1 and last.key is None:
+                last.filled = fill  # sole holder: shrink in place
+            elif last.filled != fill:
+                # Every holder must see the same fill: give this table its own copy.
+                copy = self._new_page()
+                self._copy_page(last.slot, copy.slot, fill)
+                copy.filled = fill
+                table.pages[-1] = copy
+                freed += self._unref([last])
+                self.cow_copies += 1
+        self.rollback_discarded += freed
+        return freed
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def publishable(self, seq_id: int) -> list[tuple[int, Page]]:
+        """``(logical page, page)`` of each full, verified, unpublished page of
+        ``seq_id`` whose predecessors are all published, in order: what may now be
+        stored in the cache (its key chains from the previous page's key)."""
+        table = self._live(seq_id)
+        limit = table.verified_tokens // self.page_tokens
+        out: list[tuple[int, Page]] = []
+        for lp in range(limit):
+            page = table.pages[lp]
+            if page.key is None:
+                out.append((lp, page))
+        return out
+
+    def mark_published(self, page: Page, key: PageKey) -> None:
+        """``page`` is now stored in the cache as ``key``: its working slot is freed
+        (once no other holder remains)."""
+        if page.filled != self.page_tokens:
+            raise KVTierUsageError(f"{page!r} is not full; only full pages are published")
+        page.key = key
+        # Another holder may still cut this page short (a fork truncating in a commit):
+        # it keeps its working copy until that holder lets go.
+        if page.slot != PAD_SLOT and page.refs == 1:
+            self.pool.free(page.slot)
+            page.slot = PAD_SLOT
+
+    # -- packing -------------------------------------------------------------------------
+
+    def pack(
+        self,
+        seq_ids: Sequence[int],
+        slot_of: Callable[[Page], int],
+        max_pages: int | None = None,
+    ) -> np.ndarray:
+        """The int32 ``[len(seq_ids), max_pages]`` table of slots, padded with
+        :data:`PAD_SLOT`. ``slot_of`` maps a page to its top-tier slot."""
+        tables = [self._live(s) for s in seq_ids]
+        width = max((len(t.pages) for t in tables), default=0)
+        if max_pages is None:
+            max_pages = width
+        elif max_pages < width:
+            raise KVTierUsageError(f"max_pages={max_pages} < longest table ({width} pages)")
+        return pack_slots([[slot_of(p) for p in t.pages] for t in tables], max_pages)
+
+    def live_pages(self) -> dict[int, Page]:
+        """Every page held by a table or snapshot, by pid (for invariant checks)."""
+        out: dict[int, Page] = {}
+        for t in self._tables.values():
+            for p in t.pages:
+                out[p.pid] = p
+            for v in t.versions:
+                for p in v.pages:
+                    out[p.pid] = p
+        return out
+
+
+def pack_slots(rows: Sequence[Sequence[int]], max_pages: int) -> np.ndarray:
+    """Pack per-sequence slot lists into an int32 ``[len(rows), max_pages]`` array,
+    padded with :data:`PAD_SLOT`."""
+    out = np.full((len(rows), max_pages), PAD_SLOT, dtype=np.int32)
+    for i, row in enumerate(rows):
+        if len(row) > max_pages:
+            raise KVTierUsageError(f"row {i} has {len(row)} pages, more than {max_pages}")
+        out[i, : len(row)] = row
+    return out
