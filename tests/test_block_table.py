@@ -139,7 +139,7 @@ def test_commit_with_keep_truncates_and_publishes_verified() -> None:
 
 
 def test_bad_input() -> None:
-    tables, mem = make(slots=2, max_tokens=10)
+    tables, _mem = make(slots=2, max_tokens=10)
     with pytest.raises(UnknownSequenceError, match="unknown sequence id 42"):
         tables.append(42, [1])
     s = tables.create()
