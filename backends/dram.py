@@ -107,7 +107,7 @@ class DramArena(ArenaBackend):
 
     Options:
         numa_node: NUMA node the arena should live on (``None``: wherever the kernel puts
-            it). Stored for :meth:`_bind_memory`; binding is not implemented yet.
+            it). Bound with ``mbind`` at :meth:`open` (see :meth:`_bind_memory`).
         io_threads: copy threads (default 4; a large batch is split across them).
 
     Not persistent: a closed arena loses its pages.
@@ -210,11 +210,19 @@ class DramArena(ArenaBackend):
         self._buf = buf
 
     def _bind_memory(self, buf: np.ndarray) -> None:
-        """Hook to bind ``buf`` to :attr:`numa_node` (``mbind``) before it is faulted in.
+        """Bind ``buf`` to :attr:`numa_node` with ``mbind`` (no-op when it is ``None``).
 
-        A no-op for now; called once per :meth:`open` on the freshly allocated buffer.
+        Called once per :meth:`open` on the freshly allocated buffer. Pages already
+        faulted in are migrated (``MPOL_MF_MOVE``); page-locked pages cannot move, so a
+        pinned buffer should be allocated under the node's policy instead. Raises
+        :class:`kvtier.numa.NumaNodeError` for a node that does not exist here and
+        :class:`kvtier.numa.NumaError` when the kernel refuses.
         """
-        del buf
+        if self.numa_node is None:
+            return
+        from kvtier import numa
+
+        numa.bind_buffer(buf, [self.numa_node], numa.MemPolicy.BIND, move=True)
 
     # -- zero-copy access ---------------------------------------------------------------
 

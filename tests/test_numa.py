@@ -155,3 +155,17 @@ def test_placement_applies_binding_and_pins_executor_threads(region: mmap.mmap) 
     assert affinities == {(cpu,)}
     unbound = HostPlacement((), "none", (), (), "test")
     assert apply_memory(unbound, region) == 0
+
+
+async def test_dram_arena_numa_node_binds_its_buffer() -> None:
+    from kvtier.backends.dram import DramArena
+
+    node = numa.memory_nodes()[0]
+    arena = DramArena(page_bytes=256 * 1024, capacity_pages=8, numa_node=node)
+    async with arena:
+        start, _ = numa.page_range(arena.view(0).ctypes.data, arena.nbytes)
+        assert numa.get_mempolicy(start) == numa.PolicyInfo(numa.MemPolicy.BIND, (node,))
+        assert set(numa.buffer_page_nodes(arena.view(7))) == {node}
+    missing = max(numa.online_nodes()) + 1
+    with pytest.raises(numa.NumaNodeError, match=f"NUMA node {missing} does not exist"):
+        await DramArena(page_bytes=4096, capacity_pages=1, numa_node=missing).open()
