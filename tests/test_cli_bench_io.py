@@ -1,0 +1,125 @@
+"""``kvtier bench io``: its JSON, its errors, and the baselines behind it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kvtier.backends.filestore import FileStore
+from kvtier.cli.app import get_app
+from typer.testing import CliRunner
+
+from kvtier.bench import baselines
+from kvtier.bench.io import IOBenchParams, bench_io
+from kvtier.bench.pagecache import drop_page_cache
+from kvtier.errors import KVTierUsageError
+
+SMALL = ["--page-size", "256KiB", "--pages", "8", "--repeats", "2", "--batch", "4"]
+
+
+class WriteFailingStore(FileStore):
+    """A file store whose disk 'fails' every write (for the exit-code-1 path)."""
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        return [False] * len(reservations)
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def test_bench_io_json_dram_and_file(runner: CliRunner, tmp_path: Path) -> None:
+    args = ["bench", "io", "--tier", "dram", "--tier", "file", *SMALL, "--dir", str(tmp_path)]
+    result = runner.invoke(get_app(), [*args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["page_bytes"] == 256 * 1024 and data["pages"] == 8 and data["repeats"] == 2
+    tiers = {t["tier"]: t for t in data["tiers"]}
+    assert set(tiers) == {"dram", "file"}
+    for t in tiers.values():
+        for rate in ("kvtier_write_gbps", "kvtier_read_gbps"):
+            assert t[rate] > 0
+        for rate in ("baseline_write_gbps", "baseline_read_gbps"):
+            assert t[rate] > 0
+        assert t["write_ratio"] == pytest.approx(t["kvtier_write_gbps"] / t["baseline_write_gbps"])
+        assert t["read_ratio"] == pytest.approx(t["kvtier_read_gbps"] / t["baseline_read_gbps"])
+        assert t["verified_pages"] == 8 * 3  # repeats + the warm-up pass
+        assert t["mismatches"] == 0
+        assert len(t["samples"]["kvtier_write_s"]) == 2
+    assert tiers["dram"]["baseline_method"].startswith("numpy memcpy")
+    expected_disk = "fio" if shutil.which("fio") else "pwrite/pread"
+    assert tiers["file"]["baseline_method"].startswith(expected_disk)
+    assert list(tmp_path.iterdir()) == []  # scratch data removed
+
+
+def test_bench_io_table_names_baselines(runner: CliRunner, tmp_path: Path) -> None:
+    args = ["bench", "io", "--tier", "dram", *SMALL, "--dir", str(tmp_path)]
+    result = runner.invoke(get_app(), args)
+    assert result.exit_code == 0, result.stderr
+    assert "dram" in result.stdout and "baseline of dram: numpy memcpy" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--page-size", "4XB"], "--page-size"),
+        (["--tier", "nosuch-backend"], "nosuch-backend"),
+        (["--tier", "kvtier.spec:KVSpec"], "not a kvtier Backend"),
+        (["--pages", "0"], "pages"),
+    ],
+)
+def test_bench_io_usage_errors_exit_2(runner: CliRunner, args: list[str], needle: str) -> None:
+    result = runner.invoke(get_app(), ["bench", "io", "--tier", "dram", *args, "--json"])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert needle in result.stderr
+
+
+def test_bench_io_failing_tier_exits_1(runner: CliRunner, tmp_path: Path) -> None:
+    tier = f"{__name__}:WriteFailingStore"
+    result = runner.invoke(
+        get_app(), ["bench", "io", "--tier", tier, *SMALL, "--dir", str(tmp_path), "--json"]
+    )
+    assert result.exit_code == 1
+    assert "could not be written" in result.stderr
+
+
+async def test_disk_baseline_without_fio(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(baselines.shutil, "which", lambda _name: None)
+    [result] = await bench_io(
+        ["file"], IOBenchParams(page_bytes=64 * 1024, pages=4, repeats=1, workdir=tmp_path)
+    )
+    assert result.baseline_method.startswith("pwrite/pread")
+    assert result.baseline_read_gbps > 0 and result.mismatches == 0
+
+
+def test_profile_registry() -> None:
+    assert baselines.profile_for("dram", "arena") is baselines.MEMCPY_PROFILE
+    assert baselines.profile_for("some-plugin-arena", "arena") is baselines.MEMCPY_PROFILE
+    assert baselines.profile_for("some-plugin-store", "store") is baselines.DISK_PROFILE
+    with pytest.raises(KVTierUsageError, match="'dram'"):
+        baselines.register_profile("dram", baselines.DISK_PROFILE)
+    baselines.register_profile("bench-test-store", baselines.MEMCPY_PROFILE)
+    try:
+        assert baselines.profile_for("bench-test-store", "store") is baselines.MEMCPY_PROFILE
+    finally:
+        del baselines._PROFILES["bench-test-store"]
+
+
+def test_drop_page_cache_touches_every_file(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(np.arange(4096, dtype=np.uint8).tobytes())
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"x" * 8192)
+    assert drop_page_cache(tmp_path) == 2
+    assert drop_page_cache(tmp_path / "missing") == 0
+    assert (tmp_path / "sub" / "b").read_bytes() == b"x" * 8192
+
+
+def test_params_reject_bad_values() -> None:
+    with pytest.raises(KVTierUsageError, match="repeats"):
+        IOBenchParams(repeats=0)
