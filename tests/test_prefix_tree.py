@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.errors import KVTierUsageError
+from kvtier.index.directory import Directory
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
 
@@ -84,43 +85,27 @@ def test_bad_input() -> None:
         tree.add(PageKey(b"short"), None, "dram")
 
 
-class _Directory:
-    """A minimal real directory with listeners (what ``attach`` subscribes to)."""
-
-    def __init__(self) -> None:
-        self.parents: dict[PageKey, PageKey | None] = {}
-        self.commit_listeners: list = []
-        self.remove_listeners: list = []
-
-    def parent_of(self, key: PageKey) -> PageKey | None:
-        return self.parents.get(key)
-
-    def on_commit(self, fn) -> None:
-        self.commit_listeners.append(fn)
-
-    def on_remove(self, fn) -> None:
-        self.remove_listeners.append(fn)
-
-    def commit(self, key: PageKey, parent: PageKey, tier: str) -> None:
-        self.parents[key] = parent
-        for fn in self.commit_listeners:
-            fn(key, tier)
-
-    def remove(self, key: PageKey, tier: str) -> None:
-        for fn in self.remove_listeners:
-            fn(key, tier)
-
-
 def test_attach_follows_directory_events() -> None:
     tree = PrefixTree(TIERS)
-    d = _Directory()
-    tree.attach(d)
-    keys = chain(list(range(8)))
-    d.commit(keys[0], ROOT_KEY, "dram")
-    d.commit(keys[1], keys[0], "dram")
-    d.commit(keys[0], ROOT_KEY, "unknown-tier")  # tiers the tree does not track are ignored
+    d = Directory([*TIERS, "other"])
+    keys = chain(list(range(12)))
+    d.reserve(keys[0], "dram", parent=None)
+    d.commit(keys[0], "dram")
+    unsubscribe = tree.attach(d)  # picks up what is already committed
+    d.reserve(keys[1], "dram", parent=keys[0])
+    assert tree.match_length(keys) == 1  # reserved is invisible
+    d.commit(keys[1], "dram")
+    d.reserve(keys[2], "other", parent=keys[1])
+    d.commit(keys[2], "other")  # a tier the tree does not track
+    assert tree.match(keys).keys == keys[:2]
+    d.reserve(keys[2], "disk", parent=keys[1])
+    d.abort(keys[2], "disk")  # a failed write never shows
     assert tree.match_length(keys) == 2
+    assert not tree.is_leaf(keys[0], "dram")
     d.remove(keys[1], "dram")
+    assert tree.match_length(keys) == 1 and tree.is_leaf(keys[0], "dram")
+    unsubscribe()
+    d.remove(keys[0], "dram")
     assert tree.match_length(keys) == 1
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import KEY_BYTES, ROOT_KEY, PageKey
@@ -59,12 +59,6 @@ class _Node:
         self.mask = 0
         self.children = 0
         self.child_tiers = [0] * ntiers
-
-
-class DirectoryLike(Protocol):
-    """What :meth:`PrefixTree.attach` needs from a directory."""
-
-    def parent_of(self, key: PageKey) -> PageKey | None: ...
 
 
 class PrefixTree:
@@ -290,21 +284,28 @@ class PrefixTree:
 
     # -- staying consistent with the directory -------------------------------------------
 
-    def attach(self, directory: Any) -> None:
-        """Subscribe to ``directory``'s commit and remove events.
+    def attach(self, directory: Any) -> Callable[[], None]:
+        """Follow ``directory``'s commits and removals (a
+        :class:`~kvtier.index.directory.Directory`); returns the unsubscribe function.
 
-        ``directory`` must offer ``on_commit(listener)`` and ``on_remove(listener)``
-        registrations whose listeners receive ``(key, tier)``, and ``parent_of(key)``.
+        Pages already committed there are added first; tiers the tree does not know are
+        ignored. The parent of each page is taken from the directory's entry.
         """
-        parent_of: Callable[[PageKey], PageKey | None] = directory.parent_of
+        tree = self
 
-        def committed(key: PageKey, tier: str) -> None:
-            if tier in self._bit:
-                self.add(key, parent_of(key), tier)
+        class _Listener:
+            def on_commit(self, key: PageKey, tier: str) -> None:
+                if tier in tree._bit:
+                    entry = directory.get(key)
+                    tree.add(key, None if entry is None else entry.parent, tier)
 
-        def removed(key: PageKey, tier: str) -> None:
-            if tier in self._bit:
-                self.discard(key, tier)
+            def on_remove(self, key: PageKey, tier: str) -> None:
+                if tier in tree._bit:
+                    tree.discard(key, tier)
 
-        directory.on_commit(committed)
-        directory.on_remove(removed)
+        listener = _Listener()
+        for tier in directory.tiers:
+            for key in directory.keys_in(tier):
+                listener.on_commit(key, tier)
+        unsubscribe: Callable[[], None] = directory.subscribe(listener)
+        return unsubscribe
