@@ -39,6 +39,7 @@ _COMMAND_MODULES: list[str] = [
     "inspect_backends",
     "bench_io",
     "inspect_config",
+    "bench_run",
     "inspect_store",
 ]
 

@@ -66,8 +66,8 @@ class ChatParams:
     turns: int = 4
     system_prompts: int = 2
     system_tokens: int = 256
-    user_tokens: tuple[int, int] = (48, 112)
-    reply_tokens: tuple[int, int] = (48, 112)
+    user_tokens: tuple[int, int] = (40, 120)
+    reply_tokens: tuple[int, int] = (40, 120)
     concurrency: int = 2
     seed: int = 0
 

@@ -1,0 +1,148 @@
+"""``kvtier bench run``: a live multi-turn chat workload on the real tiers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from kvtier.cli.app import bench_app
+from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
+
+from kvtier.bench.live import bench_run
+from kvtier.bench.workload import ChatParams
+from kvtier.config import format_size, load_config, parse_size
+from kvtier.errors import KVTierUsageError
+
+_DEFAULTS = ChatParams()
+
+
+def _render(data: dict[str, Any]) -> None:
+    tiers = [t["name"] for t in data["config"]["tiers"]]
+    rate = data["hit_rate_by_tier"]
+    hits = data["hits_by_tier"]
+    rows = [(t, hits.get(t, 0), rate.get(t, 0.0)) for t in tiers]
+    rows.append(("(miss)", data["pages_missed"], None))
+    rows.append(("all tiers", sum(hits.values()), data["hit_rate"]))
+    console.print(table("prompt pages found, by tier", ["tier", "pages", "hit rate"], rows))
+    links = [
+        (name, link["pages"], format_size(int(link["bytes"])), link["gb_per_s"])
+        for name, link in data["links"].items()
+    ]
+    console.print(table("transfers per link", ["link", "pages", "bytes", "GB/s"], links))
+    lat = data["fetch_latency_ms"]
+    console.print(
+        f"turns {data['turns']}, wall {data['wall_s']:.2f} s; fetch latency (lookup + load) "
+        f"p50 {_ms(lat['p50'])} p99 {_ms(lat['p99'])} over {lat['count']} fetches",
+        highlight=False,
+    )
+    console.print(
+        f"pages stored {data['pages_stored']} (failed {data['store_failed']}), loaded "
+        f"{data['pages_loaded']}, checked {data['checked_pages']}, "
+        f"mismatches {data['mismatches']}",
+        highlight=False,
+    )
+    where = "kept" if data["disk_kept"] else "removed"
+    console.print(f"disk tier directory {data['disk_dir']} ({where})", highlight=False)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"
+
+
+@bench_app.command("run")
+def bench_run_command(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="TOML file (default: $KVTIER_CONFIG or embedded)."),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model preset, e.g. llama3-8b, tiny.")
+    ] = None,
+    dram_capacity: Annotated[
+        str | None,
+        typer.Option(
+            "--dram-capacity",
+            help="Top tier capacity, e.g. 256MiB (default: the config's; 256MiB for the "
+            "embedded default, so the run spills to disk).",
+        ),
+    ] = None,
+    nvme_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--nvme-dir",
+            help="Directory of the disk tier, kept after the run (default: a temp dir, "
+            "removed). Backend nvme when available, else file.",
+        ),
+    ] = None,
+    sessions: Annotated[int, typer.Option("--sessions", help="Conversations.")] = (
+        _DEFAULTS.sessions
+    ),
+    turns: Annotated[int, typer.Option("--turns", help="Turns per conversation.")] = (
+        _DEFAULTS.turns
+    ),
+    system_prompts: Annotated[
+        int, typer.Option("--system-prompts", help="Distinct shared system prompts.")
+    ] = _DEFAULTS.system_prompts,
+    system_tokens: Annotated[
+        int, typer.Option("--system-tokens", help="Tokens per system prompt.")
+    ] = _DEFAULTS.system_tokens,
+    turn_tokens: Annotated[
+        int,
+        typer.Option("--turn-tokens", help="Mean new tokens per turn, user and reply each."),
+    ] = sum(_DEFAULTS.user_tokens) // 2,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", help="Turns running at once.")
+    ] = _DEFAULTS.concurrency,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of every token stream.")] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Play multi-turn chat sessions through KVCache on the real tiers, checking every
+    page read back; report hits per tier, link bandwidth and fetch latency."""
+
+    def body() -> None:
+        if turn_tokens < 1:
+            raise KVTierUsageError(f"--turn-tokens must be >= 1, got {turn_tokens}")
+        spread = turn_tokens // 2
+        params = ChatParams(
+            sessions=sessions,
+            turns=turns,
+            system_prompts=system_prompts,
+            system_tokens=system_tokens,
+            user_tokens=(turn_tokens - spread, turn_tokens + spread),
+            reply_tokens=(turn_tokens - spread, turn_tokens + spread),
+            concurrency=concurrency,
+            seed=seed,
+        )
+        top = parse_size(dram_capacity, "--dram-capacity") if dram_capacity else None
+        base = load_config(config)
+        with progress(not as_json, "bench run", params.sessions * params.turns) as advance:
+            result = asyncio.run(
+                bench_run(
+                    base,
+                    params,
+                    model=model,
+                    top_capacity=top,
+                    disk_dir=nvme_dir,
+                    on_turn=lambda: advance(1),
+                )
+            )
+        data = result.to_dict()
+        data["params"] = {
+            "sessions": params.sessions,
+            "turns": params.turns,
+            "system_prompts": params.system_prompts,
+            "system_tokens": params.system_tokens,
+            "user_tokens": list(params.user_tokens),
+            "reply_tokens": list(params.reply_tokens),
+            "concurrency": params.concurrency,
+            "seed": params.seed,
+        }
+        emit(data, as_json, _render)
+        if data["mismatches"]:
+            raise fail(f"{data['mismatches']} pages read back with wrong bytes", EXIT_FAILURE)
+
+    run_guarded(body)

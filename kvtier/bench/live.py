@@ -1,0 +1,168 @@
+"""``kvtier bench run``: the chat workload on real tiers through :class:`~kvtier.cache.KVCache`.
+
+:func:`run_config` turns a resolved configuration plus the command's overrides into the
+configuration the run opens (model preset, top-tier capacity, the disk tier's backend and
+directory); :func:`run_live` opens the cache, plays the workload and gathers the report:
+the workload's own counts (hits per tier, checked pages, mismatches, fetch latency) and
+the cache's metrics (pages, bytes and GB/s per link).
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier import registry
+from kvtier.backend import ArenaBackend
+from kvtier.bench.workload import ChatParams, ChatWorkload
+from kvtier.config import KVTierConfig, ResolvedConfig, load_config
+from kvtier.errors import ConfigError
+
+#: Backends that keep pages in a local directory (option ``path``).
+DISK_BACKENDS = ("nvme", "file")
+#: Top-tier capacity of the embedded default run: smaller than the default workload's
+#: working set (about 700 MiB of llama3-8b pages), larger than the pages two concurrent
+#: turns pin at once.
+DEFAULT_RUN_DRAM = 256 * 1024 * 1024
+
+
+def disk_backend() -> str:
+    """``nvme`` when it is registered and available here, else ``file``."""
+    return "nvme" if registry.describe("nvme").available else "file"
+
+
+def run_config(
+    base: ResolvedConfig,
+    *,
+    model: str | None = None,
+    top_capacity: int | None = None,
+    disk_dir: Path | None = None,
+    disk_required: bool = True,
+) -> KVTierConfig:
+    """The configuration ``bench run`` opens.
+
+    Args:
+        base: the resolved configuration (file, environment, default).
+        model: a :data:`~kvtier.spec.PRESETS` name replacing the model (and the namespace's
+            model id when it was the old model's name).
+        top_capacity: bytes of the top tier.
+        disk_dir: directory of the disk tier: its backend becomes :func:`disk_backend`
+            (options of another backend are dropped) and its ``path`` this directory.
+        disk_required: whether a configuration without a disk tier is an error (else
+            ``disk_dir`` is ignored for it).
+
+    Raises :class:`~kvtier.errors.ConfigError` naming what is wrong (unknown preset,
+    capacity below one page, no disk tier to put ``disk_dir`` on).
+    """
+    raw = copy.deepcopy(base.config.to_dict())
+    if model is not None:
+        if raw["namespace"].get("model_id") == raw["model"].get("name"):
+            raw["namespace"].pop("model_id", None)
+        raw["model"] = {"preset": model}
+    if top_capacity is not None:
+        raw["tiers"][0]["capacity"] = top_capacity
+    if disk_dir is not None:
+        idx = next(
+            (i for i, t in enumerate(raw["tiers"]) if t["backend"] in DISK_BACKENDS and i > 0),
+            None,
+        )
+        if idx is None and disk_required:
+            backends = ", ".join(t["backend"] for t in raw["tiers"])
+            raise ConfigError(
+                f"--nvme-dir: the configuration has no disk tier below the top "
+                f"(backends: {backends}); add a tier with backend 'file' or 'nvme'"
+            )
+        if idx is not None:
+            tier = raw["tiers"][idx]
+            backend = disk_backend()
+            if tier["backend"] != backend:
+                tier["options"] = {}
+            tier["backend"] = backend
+            tier["options"]["path"] = str(disk_dir)
+    return load_config(raw, env={}).config
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run: the workload report, the cache's metrics and the layout used."""
+
+    workload: dict[str, Any]
+    metrics: dict[str, Any]
+    config: dict[str, Any]
+    disk_dir: str | None
+    disk_kept: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        links = {
+            name: {k: v for k, v in link.items() if k != "batches"}
+            for name, link in self.metrics.get("links", {}).items()
+        }
+        cache_metrics = {k: v for k, v in self.metrics.items() if k != "raw"}
+        return {
+            **self.workload,
+            "links": links,
+            "metrics": cache_metrics,
+            "config": self.config,
+            "disk_dir": self.disk_dir,
+            "disk_kept": self.disk_kept,
+        }
+
+
+async def run_live(
+    config: KVTierConfig,
+    params: ChatParams,
+    on_turn: Callable[[], None] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Open a :class:`~kvtier.cache.KVCache` on ``config``, play the workload, close.
+
+    Returns (workload report, metrics snapshot taken after the cache closed, so pending
+    write-downs are counted).
+    """
+    from kvtier.cache import KVCache
+
+    cache = KVCache(config)
+    async with cache:
+        top = cache.tiers[0].backend
+        view = top.view if isinstance(top, ArenaBackend) else None
+        workload = ChatWorkload(
+            cache, params, config.spec.page_bytes, config.spec.page_tokens, view
+        )
+        report = await workload.run(on_turn)
+    return report.to_dict(), cache.metrics.snapshot()
+
+
+async def bench_run(
+    base: ResolvedConfig,
+    params: ChatParams,
+    *,
+    model: str | None = None,
+    top_capacity: int | None = None,
+    disk_dir: Path | None = None,
+    on_turn: Callable[[], None] | None = None,
+) -> RunResult:
+    """Run the chat workload (see :func:`run_config` for the overrides).
+
+    With ``disk_dir`` the disk tier's directory is kept (a second run finds its pages);
+    without it a temporary directory is used and removed afterwards. When neither
+    ``top_capacity`` nor the configuration sets the top tier's capacity (it is the
+    embedded default's), the run uses :data:`DEFAULT_RUN_DRAM` so that it spills.
+    """
+    if top_capacity is None and base.sources.get("tiers[0].capacity", "default") == "default":
+        top_capacity = DEFAULT_RUN_DRAM
+    kept = disk_dir is not None
+    tmp = None if kept else Path(tempfile.mkdtemp(prefix="kvtier-bench-run-"))
+    directory = disk_dir if disk_dir is not None else tmp
+    try:
+        config = run_config(
+            base, model=model, top_capacity=top_capacity, disk_dir=directory, disk_required=kept
+        )
+        workload, metrics = await run_live(config, params, on_turn)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return RunResult(workload, metrics, config.to_dict(), str(directory), kept)
