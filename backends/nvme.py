@@ -81,7 +81,12 @@ from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.log import get_logger
 from kvtier.pageformat import encode_header, namespace_digest, verify_page
 
-_log = get_logger("kvtier.backends.nvme")
+
+def _log() -> Any:
+    """The module logger, looked up per use: a logger bound at import time would keep the
+    logging configuration of that moment, not the one the application sets later."""
+    return get_logger("kvtier.backends.nvme")
+
 
 EngineName = Literal["posix", "kvikio", "auto"]
 DEFAULT_SLAB_BYTES = 1 << 30
@@ -320,7 +325,7 @@ class NvmeStore(StoreBackend):
             if self._index is not None and accessed:
                 self._index.touch(accessed)
         except Exception as exc:  # access times are advisory
-            _log.warning("nvme.touch_failed", path=str(self.path), error=str(exc))
+            _log().warning("nvme.touch_failed", path=str(self.path), error=str(exc))
         if self._engine is not None:
             self._engine.close()
         if self._slabs is not None:
@@ -338,7 +343,7 @@ class NvmeStore(StoreBackend):
         if cause in self._logged:
             return
         self._logged.add(cause)
-        _log.error(event, path=str(self.path), cause=cause, **fields)
+        _log().error(event, path=str(self.path), cause=cause, **fields)
 
     def _alloc_slot(self) -> int:
         if self._free:
@@ -636,7 +641,7 @@ class NvmeStore(StoreBackend):
         for row, err in bad:
             kind = "integrity" if isinstance(err, IntegrityError) else "io"
             self._counters[f"{kind}_errors"] += 1
-            _log.error(
+            _log().error(
                 "nvme.page_unreadable",
                 path=str(self.path),
                 key=row.key.hex(),

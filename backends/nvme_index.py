@@ -184,6 +184,25 @@ class StoreLock:
             self._fd = -1
 
 
+def _connect_readonly(path: Path) -> sqlite3.Connection:
+    """Open the index read-only; on read-only media (no ``-shm`` file can be made) fall
+    back to ``immutable=1``, which is exact there because nothing can change the file."""
+    if not path.is_file():
+        raise NotAStoreError(f"{path} is missing: not a kvtier store")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        if os.access(path.parent, os.W_OK) and not _read_only_fs(path.parent):
+            raise
+    return sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+
+
+def _read_only_fs(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
 class StoreIndex:
     """The SQLite index of one store.
 
@@ -197,9 +216,7 @@ class StoreIndex:
         self._lock = threading.Lock()
         try:
             if readonly:
-                self._db = sqlite3.connect(
-                    f"file:{path}?mode=ro", uri=True, check_same_thread=False
-                )
+                self._db = _connect_readonly(path)
             else:
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -215,10 +232,12 @@ class StoreIndex:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     # -- meta --------------------------------------------------------------------------
 
