@@ -1,0 +1,124 @@
+"""``kvtier bench run``: the chat workload, its config overrides, and the live command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtier.cli.app import get_app
+from typer.testing import CliRunner
+
+from kvtier.bench import live
+from kvtier.bench.workload import ChatParams, conversation_tokens, page_content
+from kvtier.config import load_config
+from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.spec import preset
+
+# Small enough to run in a few seconds, big enough to spill: tiny pages, a top tier that
+# holds two turns' worth of pinned context but not every session's pages.
+SMALL_RUN = [
+    "--model",
+    "llama3-8b",
+    "--sessions",
+    "4",
+    "--turns",
+    "3",
+    "--system-tokens",
+    "64",
+    "--turn-tokens",
+    "40",
+    "--dram-capacity",
+    "48MiB",
+]
+
+
+def test_page_content_is_a_function_of_the_key() -> None:
+    a = page_content(b"\x01" * 16, 4096)
+    assert a.dtype == np.uint8 and a.shape == (4096,)
+    assert np.array_equal(a, page_content(b"\x01" * 16, 4096))
+    b = page_content(b"\x01" * 15 + b"\x02", 4096)
+    words_a, words_b = a.view(np.uint64), b.view(np.uint64)
+    assert np.all(words_a != words_b)  # another key differs in every word
+    assert len(np.unique(words_a)) == len(words_a)  # a shifted read never matches
+    assert page_content(b"\x05" * 16, 1001).shape == (1001,)
+
+
+def test_conversations_are_deterministic_and_share_system_prompts() -> None:
+    params = ChatParams(sessions=4, turns=2, system_prompts=2, system_tokens=32, seed=3)
+    one, two = conversation_tokens(params), conversation_tokens(params)
+    for s1, s2 in zip(one, two, strict=True):
+        for (u1, r1), (u2, r2) in zip(s1, s2, strict=True):
+            assert np.array_equal(u1, u2) and np.array_equal(r1, r2)
+    assert np.array_equal(one[0][0][0][:32], one[2][0][0][:32])  # same system prompt
+    assert not np.array_equal(one[0][0][0][:32], one[1][0][0][:32])
+    assert not np.array_equal(one[0][0][0][32:40], one[2][0][0][32:40])
+    other = conversation_tokens(ChatParams(sessions=4, turns=2, system_tokens=32, seed=4))
+    assert not np.array_equal(one[0][1][0], other[0][1][0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"sessions": 0}, "sessions"),
+        ({"user_tokens": (5, 2)}, "user_tokens"),
+        ({"system_tokens": -1}, "system_tokens"),
+    ],
+)
+def test_chat_params_reject_bad_values(kwargs: dict, needle: str) -> None:
+    with pytest.raises(KVTierUsageError, match=needle):
+        ChatParams(**kwargs)
+
+
+def test_run_config_overrides(tmp_path: Path) -> None:
+    base = load_config(None, env={})
+    cfg = live.run_config(base, model="tiny", top_capacity=1 << 20, disk_dir=tmp_path)
+    assert cfg.spec == preset("tiny")
+    assert cfg.namespace.model_id == "tiny"
+    assert cfg.tiers[0].capacity_bytes == 1 << 20
+    disk = cfg.tiers[1]
+    assert disk.backend == live.disk_backend()
+    assert disk.options["path"] == str(tmp_path)
+
+
+def test_run_config_errors_name_the_problem(tmp_path: Path) -> None:
+    base = load_config(None, env={})
+    with pytest.raises(KVTierUsageError, match="no-such-model"):
+        live.run_config(base, model="no-such-model")
+    with pytest.raises(ConfigError, match="smaller than one page"):
+        live.run_config(base, top_capacity=1024)
+    dram_only = load_config({"tiers": [{"backend": "dram", "capacity": "64MiB"}]}, env={})
+    with pytest.raises(ConfigError, match="no disk tier"):
+        live.run_config(dram_only, disk_dir=tmp_path)
+    # Without a user-named directory a config without a disk tier is fine.
+    assert len(live.run_config(dram_only, disk_dir=tmp_path, disk_required=False).tiers) == 1
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--dram-capacity", "12 bananas"], "--dram-capacity"),
+        (["--dram-capacity", "1KiB"], "smaller than one page"),
+        (["--model", "gpt-17"], "gpt-17"),
+        (["--sessions", "0"], "sessions"),
+        (["--turn-tokens", "0"], "--turn-tokens"),
+    ],
+)
+def test_bench_run_usage_errors_exit_2(runner: CliRunner, args: list[str], needle: str) -> None:
+    result = runner.invoke(get_app(), ["bench", "run", *args, "--json"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stdout == ""
+    assert needle in result.stderr
+
+
+def test_bench_run_bad_config_key_exit_2(runner: CliRunner, tmp_path: Path) -> None:
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text('[[tiers]]\nbackend = "dram"\ncapacity = "64MiB"\nwatermark = 0.5\n')
+    result = runner.invoke(get_app(), ["bench", "run", "--config", str(cfg), "--json"])
+    assert result.exit_code == 2
+    assert "tiers[0].watermark" in result.stderr
