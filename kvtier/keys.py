@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import xxhash
@@ -103,20 +103,21 @@ def page_keys(
     so a sequence can be hashed in pieces. A trailing partial page gets no key.
     """
     ids = _token_bytes(tokens)
+    prev = bytes(parent)
+    if len(prev) != KEY_BYTES:
+        raise KVTierUsageError(f"parent key must be {KEY_BYTES} bytes, got {len(prev)}")
     n = namespace.page_tokens
     ns = namespace.digest
     full = len(ids) // n
     raw = ids[: full * n].tobytes()
     step = n * 4
-    keys: list[PageKey] = []
-    prev = bytes(parent)
-    if len(prev) != KEY_BYTES:
-        raise KVTierUsageError(f"parent key must be {KEY_BYTES} bytes, got {len(prev)}")
     digest = xxhash.xxh3_128_digest
+    keys: list[bytes] = []
+    append = keys.append
     for i in range(full):
         prev = digest(prev + ns + raw[i * step : (i + 1) * step])
-        keys.append(PageKey(prev))
-    return keys
+        append(prev)
+    return cast(list[PageKey], keys)  # PageKey is bytes; no per-key call in the loop
 
 
 def key_hex(key: bytes) -> str:
