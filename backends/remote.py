@@ -317,18 +317,19 @@ class RedisStore(StoreBackend):
             pipe.pexpire(staging, self._staging_ttl_ms)
 
         replies = await self._pipelined(items, build, per_item=2)
+        refusals: list[BaseException] = []
         for (i, p), reply in zip(todo, replies, strict=True):
-            if reply is not None and not any(isinstance(x, BaseException) for x in reply):
+            if reply is None:
+                continue
+            err = next((x for x in reply if isinstance(x, BaseException)), None)
+            if err is None:
                 p.written = True
                 ok[i] = True
-            elif reply is not None:
-                self._note_refusal(reply)
+            else:
+                refusals.append(err)
+        if refusals:
+            self.health.refused(len(refusals), _describe(refusals[0]))
         return ok
-
-    def _note_refusal(self, reply: list[Any]) -> None:
-        err = next(x for x in reply if isinstance(x, BaseException))
-        if "OOM" in str(err):
-            self.health.failed(f"server out of memory: {err}")
 
     async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Publish written pages atomically (rename staging -> final, set TTL); ``False``
@@ -478,6 +479,7 @@ class RedisStore(StoreBackend):
             reserved_pages=len(self._pending),
             outages=self.health.outages,
             failed_batches=self.health.failed_batches,
+            refused_writes=self.health.refused_writes,
             down=self.health.down,
             checksum_failures=self.checksum_failures,
         )

@@ -1,0 +1,237 @@
+"""RedisStore when the server fails: each case uses a real server that is stopped, killed,
+restarted, frozen, slowed down or out of memory.
+
+What must hold every time: calls return within their deadline (no hang), failed pages are
+misses (``False``/``None``), never exceptions and never wrong bytes, the client reconnects
+by itself, and an outage is logged once when it starts and once when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+from kvtier.backends.remote import RedisStore
+
+from kvtier.keys import Namespace, PageKey, page_keys
+from kvtier.testing.servers import RedisServer, free_port, unavailable_reason
+
+PAGE = 16 * 1024
+TIMEOUT = 0.5  # op_timeout_s of the stores under test
+SLACK = 1.0  # scheduling slack on a loaded 2-core CI machine
+NS = Namespace("failure-model")
+
+pytestmark = pytest.mark.skipif(
+    unavailable_reason("valkey") is not None, reason=str(unavailable_reason("valkey"))
+)
+
+
+def keys_for(n: int) -> list[PageKey]:
+    return page_keys(np.arange(n * NS.page_tokens) + int.from_bytes(os.urandom(3)), NS)
+
+
+def pages(n: int, size: int = PAGE) -> list[np.ndarray]:
+    rng = np.random.default_rng(n)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def store(url: str, **options: object) -> RedisStore:
+    opts: dict[str, object] = {"op_timeout_s": TIMEOUT, "connect_timeout_s": TIMEOUT}
+    opts.update(options)
+    page = int(opts.pop("page_bytes", PAGE))  # type: ignore[call-overload]
+    cap = int(opts.pop("capacity_pages", 256))  # type: ignore[call-overload]
+    return RedisStore(page_bytes=page, capacity_pages=cap, url=url, **opts)
+
+
+def outage_lines(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
+    """(outage-start lines, outage-end lines) logged by the remote store."""
+    recs = [r for r in caplog.records if r.name == "kvtier.backends.remote"]
+    down = sum("unavailable (" in r.getMessage() for r in recs)
+    back = sum("is back after" in r.getMessage() for r in recs)
+    return down, back
+
+
+async def timed(coro):  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    result = await coro
+    return result, time.monotonic() - start
+
+
+def same(out: list[np.ndarray], data: list[np.ndarray], hits: list[bool]) -> bool:
+    """Every page reported as a hit holds exactly the bytes that were stored."""
+    return all(np.array_equal(o, d) for o, d, h in zip(out, data, hits, strict=True) if h)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer("valkey") as s:
+        yield s
+
+
+async def test_server_down_at_start_then_up(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "kvtier.backends.remote")
+    port = free_port()
+    keys, data = keys_for(40), pages(40)
+    async with store(f"redis://127.0.0.1:{port}/0", batch_pages=4) as s:
+        for _ in range(3):  # several calls and 10 batches each: still one log line
+            ok, took = await timed(s.put(keys, data))
+            assert ok == [False] * 40 and took < TIMEOUT + SLACK
+            assert await s.exists(keys) == 0
+            assert await s.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == [False] * 40
+        assert s.used_pages() == 0
+        assert await s.keys() == []
+        assert outage_lines(caplog) == (1, 0)
+        with RedisServer("valkey", port=port):
+            assert await s.put(keys, data) == [True] * 40
+            out = [np.zeros(PAGE, np.uint8) for _ in keys]
+            assert await s.get(keys, out) == [True] * 40 and same(out, data, [True] * 40)
+        assert outage_lines(caplog) == (1, 1)
+        assert s.stats()["outages"] == 1
+
+
+async def test_killed_mid_run_and_restarted(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, data = keys_for(30), pages(30)
+    async with store(server.url, batch_pages=4) as s:
+        assert await s.put(keys, data) == [True] * 30
+        server.kill()
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        ok, took = await timed(s.get(keys, out))
+        assert ok == [False] * 30 and took < TIMEOUT + SLACK
+        assert await s.contains(keys) == [False] * 30
+        assert await s.put(keys_for(2), pages(2)) == [False, False]
+        server.start()  # same port, empty (no persistence)
+        assert await s.get(keys, out) == [False] * 30  # reconnected; the data is gone
+        assert await s.put(keys[:5], data[:5]) == [True] * 5
+        assert await s.get(keys[:5], out[:5]) == [True] * 5 and same(out[:5], data[:5], [True] * 5)
+        assert s.used_pages() == 5  # misses took the lost pages out of the count
+    assert outage_lines(caplog) == (1, 1)
+
+
+async def test_kill_during_large_transfers_never_serves_wrong_bytes(server: RedisServer) -> None:
+    size = 1 << 20
+    keys, data = keys_for(48), pages(48, size)
+    async with store(server.url, page_bytes=size, batch_pages=2, max_inflight=2) as s:
+        assert await s.put(keys, data) == [True] * 48
+        out = [np.zeros(size, np.uint8) for _ in keys]
+        reading = asyncio.create_task(s.get(keys, out))
+        writing = asyncio.create_task(s.put(keys_for(48), data))
+        await asyncio.sleep(0.01)
+        server.kill()
+        (hits, wrote), took = await timed(asyncio.gather(reading, writing))
+        assert took < 2 * TIMEOUT + SLACK
+        assert same(out, data, hits)
+        assert not all(wrote) or not all(hits)  # the kill cut something short
+        server.start()
+        out2 = [np.zeros(size, np.uint8) for _ in keys]
+        assert await s.get(keys, out2) == [False] * 48  # restarted empty: misses, no garbage
+
+
+async def test_graceful_restart_reconnects(server: RedisServer) -> None:
+    keys, data = keys_for(6), pages(6)
+    async with store(server.url) as s:
+        assert await s.put(keys, data) == [True] * 6
+        server.restart()
+        # the pooled connection is stale; the store reconnects without surfacing an error
+        assert await s.contains(keys) == [False] * 6
+        assert await s.put(keys, data) == [True] * 6
+        assert await s.exists(keys) == 6
+
+
+async def test_frozen_server_times_out_within_deadline(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, data = keys_for(64), pages(64)
+    async with store(server.url, batch_pages=4, max_inflight=2) as s:
+        assert await s.put(keys, data) == [True] * 64
+        server.pause()  # SIGSTOP: connections stay open, nothing answers
+        try:
+            out = [np.zeros(PAGE, np.uint8) for _ in keys]
+            for call in (s.get(keys, out), s.put(keys_for(8), pages(8)), s.contains(keys)):
+                res, took = await timed(call)
+                assert not any(res) and took < TIMEOUT + SLACK, (res, took)
+            assert await s.exists(keys) == 0
+        finally:
+            server.resume()
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        hits = await s.get(keys, out)
+        assert hits == [True] * 64 and same(out, data, hits)
+    assert outage_lines(caplog) == (1, 1)
+
+
+async def test_slow_server_debug_sleep(server: RedisServer) -> None:
+    keys, data = keys_for(8), pages(8)
+    admin = redis.asyncio.Redis(port=server.port)
+    async with store(server.url) as s:
+        assert await s.put(keys, data) == [True] * 8
+        sleeper = asyncio.create_task(admin.execute_command("DEBUG", "SLEEP", 2 * TIMEOUT + 0.5))
+        await asyncio.sleep(0.1)
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        hits, took = await timed(s.get(keys, out))
+        assert hits == [False] * 8 and took < TIMEOUT + SLACK
+        await sleeper
+        hits = await s.get(keys, out)
+        assert hits == [True] * 8 and same(out, data, hits)
+    await admin.aclose()
+
+
+async def test_client_pause_then_recovery(server: RedisServer) -> None:
+    keys, data = keys_for(8), pages(8)
+    admin = redis.Redis(port=server.port)
+    async with store(server.url) as s:
+        admin.client_pause(int((2 * TIMEOUT + 0.5) * 1000), all=True)
+        res, took = await timed(s.put(keys, data))
+        assert res == [False] * 8 and took < TIMEOUT + SLACK
+        await asyncio.sleep(2 * TIMEOUT + 0.6)
+        assert await s.put(keys, data) == [True] * 8
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        assert await s.get(keys, out) == [True] * 8 and same(out, data, [True] * 8)
+    admin.close()
+
+
+async def test_out_of_memory_noeviction(caplog: pytest.LogCaptureFixture) -> None:
+    size = 64 * 1024
+    with RedisServer("valkey", maxmemory="4mb", maxmemory_policy="noeviction") as server:
+        keys, data = keys_for(120), pages(120, size)  # 7.5 MiB: twice what fits
+        async with store(server.url, page_bytes=size, batch_pages=8) as s:
+            stored: list[bool] = []
+            for i in range(0, 120, 8):  # many batches, each refused in part or whole
+                stored += await s.put(keys[i : i + 8], data[i : i + 8])
+            assert any(stored) and not all(stored)
+            out = [np.zeros(size, np.uint8) for _ in keys]
+            hits = await s.get(keys, out)
+            assert hits == stored and same(out, data, hits)  # nothing committed was lost
+            assert s.used_pages() == sum(stored)
+            assert s.stats()["refused_writes"] == stored.count(False)
+            staging = redis.Redis(port=server.port).keys(b"*:w:*")
+            assert staging == []  # refused writes left no staging data behind
+            # freeing memory lets writes through again
+            assert all(await s.delete([k for k, ok in zip(keys, stored, strict=True) if ok]))
+            assert await s.put(keys[-4:], data[-4:]) == [True] * 4
+    refusals = [r for r in caplog.records if "refuses writes" in r.getMessage()]
+    assert len(refusals) == 1 and "maxmemory" in refusals[0].getMessage()
+    assert outage_lines(caplog) == (0, 0)  # a full server is not an outage: reads worked
+
+
+async def test_server_evicting_keys_on_its_own() -> None:
+    size = 64 * 1024
+    with RedisServer("valkey", maxmemory="4mb", maxmemory_policy="allkeys-lru") as server:
+        keys, data = keys_for(160), pages(160, size)  # 10 MiB through a 4 MiB server
+        async with store(server.url, page_bytes=size, capacity_pages=1000) as s:
+            stored: list[bool] = []
+            for i in range(0, 160, 16):
+                stored += await s.put(keys[i : i + 16], data[i : i + 16])
+            assert sum(stored) > 100  # writes are accepted; old pages make room
+            out = [np.zeros(size, np.uint8) for _ in keys]
+            hits = await s.get(keys, out)
+            assert 0 < sum(hits) < 160  # evicted pages are misses
+            assert same(out, data, hits)  # survivors are byte-exact
+            assert s.used_pages() == sum(hits)  # misses left the client-side count
+            assert s.stats()["checksum_failures"] == 0
