@@ -1,0 +1,96 @@
+"""Prefetch predictors: which pages to pull up before they are needed.
+
+* :class:`LookaheadPredictor` - the source article's lookahead predictor (section 6.2),
+  as kvtier reads it: after a sequence used pages ``..., x``, the pages that followed
+  ``x`` before are scored by how often they followed it, each step further ahead weighted
+  by ``decay`` (up to ``lookahead`` steps); pages scoring at least ``threshold`` are
+  prefetched, best first.
+* :class:`PrefixPredictor` - prefix-driven: when a request arrives, its cached prefix is
+  pulled up tier by tier in order (the pipeline does this on arrival; the predictor just
+  returns the request's own pages in prefix order).
+
+Predictors only name pages; the pipeline (live) or the replay (offline) moves them, with
+deadlines, and reports what arrived in time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.keys import PageKey
+
+
+class LookaheadPredictor:
+    """Successor statistics with a decaying lookahead window."""
+
+    def __init__(
+        self,
+        lookahead: int = 4,
+        decay: float = 0.5,
+        threshold: float = 0.5,
+        max_pages: int = 64,
+        memory: int = 1 << 18,
+    ) -> None:
+        if lookahead < 1:
+            raise ConfigError(f"lookahead must be >= 1, got {lookahead}")
+        if not 0.0 < decay <= 1.0:
+            raise ConfigError(f"decay must lie in (0, 1], got {decay}")
+        self.lookahead = lookahead
+        self.decay = decay
+        self.threshold = threshold
+        self.max_pages = max_pages
+        self.memory = memory
+        self._next: OrderedDict[PageKey, Counter[PageKey]] = OrderedDict()
+
+    def observe(self, blocks: Sequence[PageKey]) -> None:
+        """Learn the successor of every page of a used sequence."""
+        for a, b in zip(blocks, blocks[1:], strict=False):
+            succ = self._next.get(a)
+            if succ is None:
+                succ = self._next[a] = Counter()
+            else:
+                self._next.move_to_end(a)
+            succ[b] += 1
+        while len(self._next) > self.memory:
+            self._next.popitem(last=False)
+
+    def predict(self, blocks: Sequence[PageKey]) -> list[PageKey]:
+        """Pages likely to follow the last page of ``blocks``, best first."""
+        if not blocks:
+            return []
+        scores: dict[PageKey, float] = {}
+        frontier: dict[PageKey, float] = {blocks[-1]: 1.0}
+        weight = 1.0
+        for _ in range(self.lookahead):
+            nxt: dict[PageKey, float] = {}
+            for page, p in frontier.items():
+                succ = self._next.get(page)
+                if not succ:
+                    continue
+                total = sum(succ.values())
+                for s, c in succ.items():
+                    q = p * c / total
+                    nxt[s] = nxt.get(s, 0.0) + q
+                    scores[s] = scores.get(s, 0.0) + weight * q
+            frontier = nxt
+            weight *= self.decay
+            if not frontier:
+                break
+        ranked = sorted(
+            (k for k, v in scores.items() if v >= self.threshold), key=lambda k: -scores[k]
+        )
+        return ranked[: self.max_pages]
+
+
+class PrefixPredictor:
+    """On a request's arrival, its own pages in prefix order (the cached ones get pulled
+    up tier by tier; the rest are misses the engine computes)."""
+
+    def observe(self, blocks: Sequence[PageKey]) -> None:
+        """Nothing to learn."""
+
+    def predict(self, blocks: Sequence[PageKey]) -> list[PageKey]:
+        """``blocks`` in order."""
+        return list(blocks)
