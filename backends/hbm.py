@@ -1,0 +1,392 @@
+"""The GPU HBM tier: a preallocated CuPy device buffer split into page slots.
+
+Slots are exposed without copying as CuPy arrays (:meth:`HbmArena.device_view`) and torch
+CUDA tensors (:meth:`HbmArena.tensor`, through DLPack). Pages enter and leave through
+:meth:`write` and :meth:`get` like every backend; the host side may be any host array
+(page-locked memory, e.g. the pinned DRAM arena's slot views, gives full PCIe speed) or a
+CuPy array on the same GPU (a device-to-device copy).
+
+Copies run on dedicated non-blocking streams (:class:`~kvtier.transfer.cuda_streams.
+CopyStreams`), never the default stream, so they overlap with the engine's compute. Each
+call submits its whole batch from one executor hop (a copy from pageable host memory
+blocks the submitting thread), records one event, and awaits it through the event poller:
+the loop never blocks and no core spins. Stream ordering is explicit per slot
+(:class:`~kvtier.transfer.cuda_streams.SlotOrdering`, kept under the submission lock): a
+read of a slot waits on the GPU for the event of its last write, a write waits for the
+last write and the reads since.
+:meth:`write` returns only after its copies completed, so a committed page is complete.
+
+Differences from host arenas, by necessity: :meth:`view` cannot give a numpy view of
+device memory and raises :class:`KVTierUsageError` pointing at :meth:`device_view`, and
+reservations carry no host ``view``.
+
+Without CuPy or a CUDA driver, :meth:`HbmArena.unavailable_reason` says which, and
+discovery lists the backend as unavailable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvtier.backend import ArenaBackend, Reservation, check_buffer
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.transfer.cuda_streams import (
+    CopyStreams,
+    EventPoller,
+    SlotOrdering,
+    cupy_unavailable_reason,
+    default_poller,
+    require_cupy,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _is_device_array(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] == "cupy"
+
+
+class HbmArena(ArenaBackend):
+    """``capacity_pages`` slots of ``page_bytes`` in the memory of one GPU.
+
+    Options:
+        device: CUDA device index (default 0).
+        copy_streams: streams per direction (default 1; 2 overlaps consecutive batches).
+        io_threads: threads that submit copies (default 2).
+
+    Not persistent. Raises :class:`~kvtier.errors.CapacityError` at :meth:`open` when the
+    GPU lacks the memory, naming what was asked and what is free.
+    """
+
+    default_io_threads: ClassVar[int] = 2
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        capacity_pages: int,
+        io_threads: int | None = None,
+        device: int = 0,
+        copy_streams: int = 1,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            page_bytes=page_bytes, capacity_pages=capacity_pages, io_threads=io_threads, **options
+        )
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise KVTierUsageError(f"device must be a CUDA device index >= 0, got {device!r}")
+        if isinstance(copy_streams, bool) or not isinstance(copy_streams, int) or copy_streams < 1:
+            raise KVTierUsageError(f"copy_streams must be an integer >= 1, got {copy_streams!r}")
+        self.device = device
+        self.copy_streams = copy_streams
+        self._buf: Any = None
+        self._streams: CopyStreams | None = None
+        self._poller: EventPoller | None = None
+        self._ordering = SlotOrdering()
+        self._submit_lock = threading.Lock()
+        self._free: list[int] = []
+        self._committed: dict[PageKey, int] = {}
+        self._reserved: dict[int, PageKey] = {}
+        self._bytes_h2d = 0
+        self._bytes_d2h = 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """CuPy missing, no CUDA driver, or no GPU; ``None`` when the GPU is usable."""
+        return cupy_unavailable_reason()
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_bytes * self.capacity_pages
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Allocate the device buffer and copy streams. Idempotent."""
+        if self._opened:
+            return
+        cupy = require_cupy()
+        count = int(cupy.cuda.runtime.getDeviceCount())
+        if self.device >= count:
+            raise KVTierUsageError(
+                f"CUDA device {self.device} does not exist (this machine has {count} GPU(s))"
+            )
+        await super().open()
+        try:
+            await self.run_blocking(self._allocate)
+        except BaseException:
+            await super().close()
+            raise
+        self._poller = default_poller()
+        self._ordering = SlotOrdering()
+        self._free = list(range(self.capacity_pages - 1, -1, -1))
+        self._committed.clear()
+        self._reserved.clear()
+
+    def _allocate(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            try:
+                self._buf = cupy.empty(self.nbytes, dtype=cupy.uint8)
+            except cupy.cuda.memory.OutOfMemoryError as exc:
+                free, total = cupy.cuda.runtime.memGetInfo()
+                raise CapacityError(
+                    f"HBM arena: cannot allocate {self.nbytes} bytes on GPU {self.device} "
+                    f"({free} of {total} bytes free): lower the hbm tier's capacity"
+                ) from exc
+            self._streams = CopyStreams(self.device, self.copy_streams)
+
+    async def close(self) -> None:
+        """Wait for in-flight copies, then release the device buffer. Idempotent."""
+        if self._streams is not None and self._executor is not None:
+            await self.run_blocking(self._synchronize)
+        await super().close()
+        self._committed.clear()
+        self._reserved.clear()
+        self._free = []
+        self._buf = None
+        self._streams = None
+        self._ordering = SlotOrdering()
+
+    def _synchronize(self) -> None:
+        assert self._streams is not None
+        for s in (*self._streams.d2h, *self._streams.h2d):
+            s.synchronize()
+
+    # -- zero-copy access ---------------------------------------------------------------
+
+    def _check_slot(self, slot: int) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
+            raise KVTierUsageError(f"slot must be an int, got {type(slot).__name__}")
+        if not 0 <= slot < self.capacity_pages:
+            raise KVTierUsageError(f"slot {slot} out of range [0, {self.capacity_pages})")
+
+    def device_view(self, slot: int) -> Any:
+        """Zero-copy CuPy uint8 array over ``slot`` (device memory)."""
+        self._check_open()
+        self._check_slot(slot)
+        start = int(slot) * self.page_bytes
+        return self._buf[start : start + self.page_bytes]
+
+    def view(self, slot: int) -> np.ndarray:
+        """Not available: HBM slots are device memory. Raises :class:`KVTierUsageError`."""
+        raise KVTierUsageError(
+            "HBM slots live in GPU memory and have no numpy view: use device_view(slot) "
+            "(CuPy) or tensor(slot) (torch)"
+        )
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        """Zero-copy torch CUDA uint8 tensor over ``slot`` (DLPack)."""
+        import torch.utils.dlpack
+
+        return torch.utils.dlpack.from_dlpack(self.device_view(slot))
+
+    def slot_of(self, key: PageKey) -> int | None:
+        return self._committed.get(key)
+
+    # -- copies -------------------------------------------------------------------------
+
+    def _check_device_page(self, arr: Any, what: str) -> Any:
+        dev = int(arr.device.id)
+        if dev != self.device:
+            raise KVTierUsageError(
+                f"{what} is on GPU {dev} but this HBM arena is on GPU {self.device}: copy it "
+                "to the arena's device or to host memory first"
+            )
+        if arr.dtype != np.uint8 or arr.ndim != 1 or int(arr.size) != self.page_bytes:
+            raise KVTierUsageError(
+                f"{what} must be a 1-D uint8 array of {self.page_bytes} bytes, "
+                f"got {arr.dtype} shape {tuple(arr.shape)}"
+            )
+        if not arr.flags.c_contiguous:
+            raise KVTierUsageError(f"{what} must be C-contiguous")
+        return arr
+
+    def _pages(self, data: Sequence[Any], count: int, writable: bool) -> list[Any]:
+        if len(data) != count:
+            raise KVTierUsageError(f"got {len(data)} buffers for {count} keys")
+        out: list[Any] = []
+        for i, buf in enumerate(data):
+            if _is_device_array(buf):
+                out.append(self._check_device_page(buf, f"buffer {i}"))
+            else:
+                arr = check_buffer(buf, self.page_bytes, f"buffer {i}")
+                if writable and not arr.flags.writeable:
+                    raise KVTierUsageError(f"buffer {i} must be writable to receive a page")
+                out.append(arr)
+        return out
+
+    def _submit(self, direction: str, jobs: list[tuple[int, Any]]) -> Any:
+        """Queue one batch of copies on one stream (worker thread); returns its event.
+
+        ``jobs`` are (slot, other side); ``h2d`` writes slots, ``d2h`` reads them. The
+        ordering state is read and updated under one lock, together with queuing the
+        copies and recording their event, so two batches submitted from two threads can
+        never miss each other's event.
+        """
+        import cupy
+
+        assert self._streams is not None
+        with self._submit_lock, cupy.cuda.Device(self.device):
+            stream = self._streams.stream(direction)
+            for slot, _ in jobs:
+                deps = (
+                    self._ordering.before_write(slot)
+                    if direction == "h2d"
+                    else self._ordering.before_read(slot)
+                )
+                for ev in deps:
+                    stream.wait_event(ev)
+            with stream:
+                for slot, other in jobs:
+                    dev = self.device_view(slot)
+                    if direction == "h2d":
+                        if _is_device_array(other):
+                            dev[...] = other
+                        else:
+                            dev.set(other, stream=stream)
+                    elif _is_device_array(other):
+                        other[...] = dev
+                    else:
+                        dev.get(stream=stream, out=other, blocking=False)
+            event = self._streams.new_event()
+            event.record(stream)
+            for slot, _ in jobs:
+                if direction == "h2d":
+                    self._ordering.wrote(slot, event)
+                else:
+                    self._ordering.read(slot, event)
+        return event
+
+    async def _run_copies(self, direction: str, jobs: list[tuple[int, Any]]) -> None:
+        if not jobs:
+            return
+        event = await self.run_blocking(self._submit, direction, jobs)
+        assert self._poller is not None
+        await self._poller.wait(event)
+        moved = len(jobs) * self.page_bytes
+        if direction == "h2d":
+            self._bytes_h2d += moved
+        else:
+            self._bytes_d2h += moved
+
+    # -- the keyed, two-phase interface ------------------------------------------------
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        """A free slot per key (``None`` when full); committed keys get ``present``."""
+        self._check_open()
+        out: list[Reservation | None] = []
+        for key in keys:
+            slot = self._committed.get(key)
+            if slot is not None:
+                out.append(Reservation(key, slot, present=True))
+            elif self._free:
+                slot = self._free.pop()
+                self._reserved[slot] = key
+                out.append(Reservation(key, slot))
+            else:
+                out.append(None)
+        return out
+
+    def _live(self, r: Reservation) -> bool:
+        return self._reserved.get(r.handle) == r.key
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        """Copy host or same-GPU pages into reserved slots; returns after the copies are
+        complete. ``False`` for a reservation no longer live."""
+        self._check_open()
+        bufs = self._pages(data, len(reservations), writable=False)
+        ok: list[bool] = []
+        jobs: list[tuple[int, Any]] = []
+        for r, buf in zip(reservations, bufs, strict=True):
+            if r.present:
+                ok.append(True)
+            elif self._live(r):
+                jobs.append((r.handle, buf))
+                ok.append(True)
+            else:
+                ok.append(False)
+        await self._run_copies("h2d", jobs)
+        return ok
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        self._check_open()
+        ok: list[bool] = []
+        for r in reservations:
+            if r.present:
+                ok.append(r.key in self._committed)
+            elif self._live(r):
+                del self._reserved[r.handle]
+                if r.key in self._committed:
+                    self._free.append(r.handle)
+                else:
+                    self._committed[r.key] = r.handle
+                ok.append(True)
+            else:
+                ok.append(False)
+        return ok
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        self._check_open()
+        for r in reservations:
+            if not r.present and self._live(r):
+                del self._reserved[r.handle]
+                self._free.append(r.handle)
+
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        """Copy committed pages into host or same-GPU buffers; ``False`` for misses."""
+        self._check_open()
+        bufs = self._pages(out, len(keys), writable=True)
+        ok: list[bool] = []
+        jobs: list[tuple[int, Any]] = []
+        for key, buf in zip(keys, bufs, strict=True):
+            slot = self._committed.get(key)
+            if slot is None:
+                ok.append(False)
+            else:
+                jobs.append((slot, buf))
+                ok.append(True)
+        await self._run_copies("d2h", jobs)
+        return ok
+
+    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_open()
+        return [k in self._committed for k in keys]
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Free the slots of committed keys (the caller guarantees none is pinned)."""
+        self._check_open()
+        ok: list[bool] = []
+        for key in keys:
+            slot = self._committed.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+            ok.append(slot is not None)
+        return ok
+
+    async def keys(self) -> list[PageKey]:
+        self._check_open()
+        return list(self._committed)
+
+    def used_pages(self) -> int:
+        return len(self._committed) + len(self._reserved)
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(
+            device=self.device,
+            arena_bytes=self.nbytes,
+            copy_streams=self.copy_streams,
+            bytes_h2d=self._bytes_h2d,
+            bytes_d2h=self._bytes_d2h,
+        )
+        return out

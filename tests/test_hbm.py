@@ -1,0 +1,256 @@
+"""The HBM arena and the CUDA stream/event bridge.
+
+On a machine without CuPy or a GPU the GPU tests skip with the reason printed (pytest
+``-ra``) and the CPU tests check what does not need a GPU: the backend is listed as
+unavailable with its reason, bad options are rejected, and the event poller and stream
+ordering logic run against stand-in events (objects with the ``done`` property that
+``cupy.cuda.Event`` has, flipped by a timer thread instead of a GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+from kvtier.backends.hbm import HbmArena
+
+from kvtier import registry
+from kvtier.backend import Reservation
+from kvtier.errors import BackendUnavailableError, ConfigError, KVTierError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.transfer.cuda_streams import EventPoller, SlotOrdering, cupy_unavailable_reason
+
+GPU_REASON = cupy_unavailable_reason()
+gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
+
+
+class TimerEvent:
+    """Stands in for a CUDA event: ``done`` turns true ``delay_s`` after creation."""
+
+    def __init__(self, delay_s: float) -> None:
+        self._flag = threading.Event()
+        self.queries = 0
+        timer = threading.Timer(delay_s, self._flag.set)
+        timer.daemon = True
+        timer.start()
+
+    @property
+    def done(self) -> bool:
+        self.queries += 1
+        return self._flag.is_set()
+
+
+class BrokenEvent:
+    @property
+    def done(self) -> bool:
+        raise RuntimeError("cudaErrorLaunchFailure")
+
+
+# -- discovery and options (CPU) -------------------------------------------------------
+
+
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present: HBM is available here")
+def test_hbm_listed_unavailable_with_reason() -> None:
+    info = registry.describe("hbm")
+    assert info.kind == "arena"
+    assert info.available is False
+    assert info.reason == GPU_REASON
+    assert "CuPy" in GPU_REASON or "CUDA" in GPU_REASON or "GPU" in GPU_REASON
+    with pytest.raises(BackendUnavailableError, match="hbm' is unavailable here"):
+        registry.resolve("hbm")
+
+
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present")
+async def test_open_without_gpu_says_why() -> None:
+    arena = HbmArena(page_bytes=4096, capacity_pages=4)
+    with pytest.raises(BackendUnavailableError) as err:
+        await arena.open()
+    assert str(err.value) == GPU_REASON
+
+
+def test_bad_options_are_rejected_before_any_gpu_work() -> None:
+    with pytest.raises(KVTierUsageError, match="device must be a CUDA device index"):
+        HbmArena(page_bytes=4096, capacity_pages=4, device=-1)
+    with pytest.raises(KVTierUsageError, match="copy_streams must be an integer >= 1"):
+        HbmArena(page_bytes=4096, capacity_pages=4, copy_streams=0)
+    with pytest.raises(ConfigError, match="unknown option.*numa_node"):
+        HbmArena(page_bytes=4096, capacity_pages=4, numa_node=0)
+    with pytest.raises(KVTierUsageError, match="no numpy view: use device_view"):
+        HbmArena(page_bytes=4096, capacity_pages=4).view(0)
+
+
+# -- event poller (CPU, stand-in events) -----------------------------------------------
+
+
+async def test_poller_resolves_without_blocking_the_loop() -> None:
+    poller = EventPoller()
+    try:
+        ticks = 0
+
+        async def heartbeat() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        beat = asyncio.create_task(heartbeat())
+        events = [TimerEvent(0.05 + 0.02 * i) for i in range(5)]
+        start = time.perf_counter()
+        await asyncio.gather(*(poller.wait(e) for e in events))
+        elapsed = time.perf_counter() - start
+        beat.cancel()
+        assert all(e.done for e in events)
+        assert elapsed >= 0.05 + 0.02 * 4
+        assert ticks >= 5  # the loop kept running while the events were pending
+        assert poller.pending() == 0
+    finally:
+        poller.close()
+
+
+async def test_poller_backs_off_instead_of_spinning() -> None:
+    poller = EventPoller(min_sleep_s=20e-6, max_sleep_s=2e-3)
+    try:
+        event = TimerEvent(0.2)
+        start = time.perf_counter()
+        await poller.wait(event)
+        elapsed = time.perf_counter() - start
+        doubling = math.ceil(math.log2(poller.max_sleep_s / poller.min_sleep_s)) + 1
+        # after the doubling phase each query is followed by a sleep >= max_sleep_s
+        bound = doubling + elapsed / poller.max_sleep_s + 2
+        assert event.queries <= bound, (event.queries, bound)
+        idle = poller.polls
+        await asyncio.sleep(0.05)
+        assert poller.polls == idle  # nothing pending: no polling at all
+    finally:
+        poller.close()
+
+
+async def test_poller_cancellation_errors_and_close() -> None:
+    poller = EventPoller()
+    slow = TimerEvent(10.0)
+    fut = poller.wait(slow)
+    fut.cancel()
+    with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure"):
+        await poller.wait(BrokenEvent())
+    pending = poller.wait(TimerEvent(10.0))
+    for _ in range(100):  # the cancelled wait is dropped by the poller thread
+        if poller.pending() == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert poller.pending() == 1
+    poller.close()
+    with pytest.raises(KVTierError, match="closed while waiting"):
+        await pending
+    with pytest.raises(KVTierError, match="EventPoller is closed"):
+        poller.wait(TimerEvent(10.0))
+    with pytest.raises(KVTierUsageError, match="0 < min <= max"):
+        EventPoller(min_sleep_s=1.0, max_sleep_s=0.1)
+
+
+async def test_poller_completes_done_events_immediately() -> None:
+    poller = EventPoller()
+    ev = TimerEvent(0.0)
+    await asyncio.sleep(0.01)
+    fut = poller.wait(ev)
+    assert fut.done()
+    poller.close()
+
+
+# -- stream ordering (CPU, stand-in events) --------------------------------------------
+
+
+class ManualEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_slot_ordering_reads_wait_for_writes_and_writes_for_reads() -> None:
+    order = SlotOrdering()
+    assert order.before_read(3) == [] and order.before_write(3) == []
+    w1 = ManualEvent()
+    order.wrote(3, w1)
+    assert order.before_read(3) == [w1]  # never read before the copy that wrote it
+    assert order.before_read(4) == []  # other slots are independent
+    r1, r2 = ManualEvent(), ManualEvent()
+    order.read(3, r1)
+    order.read(3, r2)
+    assert order.before_write(3) == [w1, r1, r2]  # overwrite waits for readers too
+    w1.done = True
+    r1.done = True
+    assert order.before_read(3) == []
+    assert order.before_write(3) == [r2]
+    w2 = ManualEvent()
+    order.wrote(3, w2)
+    assert order.before_write(3) == [w2]  # reads of the old contents are superseded
+    order.forget(3)
+    assert order.before_write(3) == []
+
+
+# -- on a GPU -------------------------------------------------------------------------
+
+
+def _keys(n: int) -> list[PageKey]:
+    rng = np.random.default_rng(7)
+    return [PageKey(rng.bytes(16)) for _ in range(n)]
+
+
+@gpu
+async def test_gpu_conformance_suite() -> None:
+    from kvtier.testing.conformance import check_backend, conformance_cases
+
+    # arena_zero_copy checks numpy views of slots, which device memory cannot give.
+    cases = [c for c in conformance_cases() if c.name != "arena_zero_copy"]
+    report = await check_backend(
+        lambda: HbmArena(page_bytes=64 * 1024, capacity_pages=16), cases=cases
+    )
+    assert report.passed
+
+
+@gpu
+async def test_gpu_round_trip_views_and_wrong_device() -> None:
+    import cupy
+    import torch
+
+    page = 1 << 20
+    async with HbmArena(page_bytes=page, capacity_pages=4, copy_streams=2) as arena:
+        keys = _keys(3)
+        data = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(3)]
+        assert await arena.put(keys, data) == [True] * 3
+        out = [np.empty(page, np.uint8) for _ in range(3)]
+        assert await arena.get(keys, out) == [True] * 3
+        for a, b in zip(out, data, strict=True):
+            np.testing.assert_array_equal(a, b)
+        slot = arena.slot_of(keys[0])
+        assert slot is not None
+        dev = arena.device_view(slot)
+        t = arena.tensor(slot)
+        assert t.is_cuda and t.data_ptr() == dev.data.ptr
+        np.testing.assert_array_equal(cupy.asnumpy(dev), data[0])
+        # device-to-device in and out
+        d_out = cupy.empty(page, cupy.uint8)
+        assert await arena.get(keys[1:2], [d_out]) == [True]
+        assert torch.equal(torch.from_dlpack(d_out).cpu(), torch.from_numpy(data[1]))
+        if cupy.cuda.runtime.getDeviceCount() > 1:
+            with cupy.cuda.Device(1):
+                other = cupy.empty(page, cupy.uint8)
+            with pytest.raises(KVTierUsageError, match="is on GPU 1 but this HBM arena"):
+                await arena.get(keys[:1], [other])
+        res = await arena.reserve(_keys(1))
+        assert isinstance(res[0], Reservation) and res[0].view is None
+        await arena.abort([r for r in res if r is not None])
+
+
+@gpu
+async def test_gpu_out_of_memory_is_a_capacity_error() -> None:
+    import cupy
+
+    free, _total = cupy.cuda.runtime.memGetInfo()
+    from kvtier.errors import CapacityError
+
+    arena = HbmArena(page_bytes=1 << 30, capacity_pages=int(free // (1 << 30)) + 64)
+    with pytest.raises(CapacityError, match="lower the hbm tier's capacity"):
+        await arena.open()
