@@ -77,7 +77,7 @@ def test_bad_options_are_rejected_before_any_gpu_work() -> None:
         HbmArena(page_bytes=4096, capacity_pages=4, device=-1)
     with pytest.raises(KVTierUsageError, match="copy_streams must be an integer >= 1"):
         HbmArena(page_bytes=4096, capacity_pages=4, copy_streams=0)
-    with pytest.raises(ConfigError, match="unknown option.*numa_node"):
+    with pytest.raises(ConfigError, match=r"unknown option.*numa_node"):
         HbmArena(page_bytes=4096, capacity_pages=4, numa_node=0)
     with pytest.raises(KVTierUsageError, match="no numpy view: use device_view"):
         HbmArena(page_bytes=4096, capacity_pages=4).view(0)
