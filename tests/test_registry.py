@@ -1,0 +1,185 @@
+"""Backend discovery: built-ins through entry points, a plugin distribution installed in
+the test, ``module:Class`` paths, unavailable and unknown backends."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvtier.testing
+from kvtier import registry
+from kvtier.backend import Backend
+from kvtier.backends.dram import DramArena
+from kvtier.backends.filestore import FileStore
+from kvtier.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    KVTierUsageError,
+    UnknownBackendError,
+)
+
+PLUGIN_SRC = Path(__file__).resolve().parent.parent / "plugins" / "kvtier-example"
+
+
+def _on_path(directory: Path) -> Iterator[None]:
+    """Put ``directory`` first on sys.path for the duration; forget its modules after."""
+    sys.path.insert(0, str(directory))
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        sys.path.remove(str(directory))
+        for name in [m for m in sys.modules if m.split(".")[0] == "kvtier_example"]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """plugins/kvtier-example built and installed with pip into a private directory."""
+    root = tmp_path_factory.mktemp("plugin")
+    src = root / "src"
+    shutil.copytree(PLUGIN_SRC, src)  # builds write into the source tree: use a copy
+    target = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+         "--no-build-isolation", "--target", str(target), str(src)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    yield target
+
+
+@pytest.fixture
+def plugin_installed(plugin_dir: Path) -> Iterator[None]:
+    yield from _on_path(plugin_dir)
+
+
+@pytest.fixture
+def broken_plugin(tmp_path: Path) -> Iterator[None]:
+    """A hand-written distribution whose entry points name a missing module and a class
+    that is not a backend."""
+    info = tmp_path / "kvtier_broken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtier-broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[kvtier.backends]\n"
+        "broken-missing = kvtier_no_such_module:Store\n"
+        "broken-notabackend = os.path:join\n"
+    )
+    yield from _on_path(tmp_path)
+
+
+def _by_name() -> dict[str, registry.BackendInfo]:
+    return {info.name: info for info in registry.discover()}
+
+
+def test_builtins_are_found_through_entry_points() -> None:
+    infos = _by_name()
+    for name, cls, kind in (("dram", DramArena, "arena"), ("file", FileStore, "store")):
+        info = infos[name]
+        assert info.available and info.reason is None
+        assert info.kind == kind
+        assert info.origin.startswith("entry point (kvtier ")
+        assert registry.resolve(name) is cls
+
+
+def test_discovery_is_sorted_and_serialisable() -> None:
+    infos = registry.discover()
+    assert [i.name for i in infos] == sorted(i.name for i in infos)
+    assert all(set(i.to_dict()) >= {"name", "kind", "available", "reason"} for i in infos)
+
+
+def test_unavailable_builtins_are_listed_with_a_reason() -> None:
+    """Every registered built-in is listed; one that cannot run here says why (e.g. hbm
+    without a GPU, or a module not written yet) and resolving it says so too."""
+    infos = _by_name()
+    for name in ("dram", "file", "nvme", "redis", "hbm"):
+        assert name in infos
+    for info in infos.values():
+        if not info.available:
+            assert info.reason
+            with pytest.raises(BackendUnavailableError, match=info.name):
+                registry.resolve(info.name)
+
+
+@pytest.mark.usefixtures("broken_plugin")
+def test_a_broken_plugin_does_not_break_discovery() -> None:
+    infos = _by_name()
+    missing = infos["broken-missing"]
+    assert not missing.available and missing.kind is None
+    assert "kvtier_no_such_module" in (missing.reason or "")
+    assert missing.origin == "entry point (kvtier-broken 1.0)"
+    assert not infos["broken-notabackend"].available
+    assert infos["dram"].available  # everything else still there
+    with pytest.raises(BackendUnavailableError, match="broken-missing"):
+        registry.resolve("broken-missing")
+    with pytest.raises(UnknownBackendError, match="not a kvtier Backend"):
+        registry.resolve("broken-notabackend")
+
+
+@pytest.mark.usefixtures("plugin_installed")
+async def test_plugin_from_a_distribution_is_found_and_conforms() -> None:
+    info = _by_name()["example-mem"]
+    assert info.available and info.kind == "store"
+    assert info.origin == "entry point (kvtier-example 0.1.0)"
+    assert info.target == "kvtier_example.memstore:MemoryStore"
+    cls = registry.resolve("example-mem")
+    assert cls.__module__ == "kvtier_example.memstore"
+    backend = registry.create("example-mem", page_bytes=4096, capacity_pages=8)
+    assert isinstance(backend, cls)
+    report = await kvtier.testing.check_backend(
+        lambda: registry.create("example-mem", page_bytes=4096, capacity_pages=8)
+    )
+    assert "round_trip" in report.passed and "survives_reopen" in report.skipped
+
+
+def test_plugin_is_not_there_without_its_distribution() -> None:
+    assert "example-mem" not in _by_name()
+    with pytest.raises(UnknownBackendError, match="example-mem"):
+        registry.resolve("example-mem")
+
+
+def test_module_class_paths_resolve() -> None:
+    assert registry.resolve("kvtier.backends.dram:DramArena") is DramArena
+    info = registry.describe("kvtier.backends.filestore:FileStore")
+    assert info.origin == "path" and info.available and info.kind == "store"
+    assert registry.describe("dram").origin.startswith("entry point")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["kvtier.backends.dram", "kvtier.backends.dram:", ":DramArena", "os:getcwd", "kvtier:errors"],
+)
+def test_bad_paths_raise_unknown_backend(path: str) -> None:
+    with pytest.raises(UnknownBackendError):
+        registry.resolve(path)
+
+
+def test_path_to_a_missing_module_is_named() -> None:
+    with pytest.raises((UnknownBackendError, BackendUnavailableError), match="kvtier_nope"):
+        registry.resolve("kvtier_nope.mod:Store")
+    info = registry.describe("kvtier_nope.mod:Store")
+    assert not info.available and "kvtier_nope" in (info.reason or "")
+
+
+def test_unknown_name_lists_registered_backends() -> None:
+    with pytest.raises(UnknownBackendError, match=r"'nosuch'.*dram.*file"):
+        registry.resolve("nosuch")
+    assert registry.describe("nosuch").available is False
+
+
+def test_create_checks_options() -> None:
+    backend = registry.create("dram", page_bytes=4096, capacity_pages=2)
+    assert isinstance(backend, Backend) and backend.capacity_pages == 2
+    with pytest.raises(ConfigError, match="bogus"):
+        registry.create("dram", page_bytes=4096, capacity_pages=2, bogus=1)
+    with pytest.raises(KVTierUsageError, match="at least one page"):
+        registry.create("dram", page_bytes=4096, capacity_pages=0)
+    with pytest.raises(ConfigError, match="path"):
+        registry.create("file", page_bytes=4096, capacity_pages=2)
