@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvtier.backends.dram import DramArena
+from kvtier.backends.filestore import FileStore
 
 import kvtier.testing
 from kvtier import registry
 from kvtier.backend import Backend
-from kvtier.backends.dram import DramArena
-from kvtier.backends.filestore import FileStore
 from kvtier.errors import (
     BackendUnavailableError,
     ConfigError,
