@@ -230,3 +230,38 @@ def test_single_node_and_no_gpu(fake: FakeSysfs) -> None:
     assert arena.memory == "none" and "single NUMA node" in arena.reason
     (local,) = plan_placement(read_topology(fake.root), "local").arenas
     assert local.memory == "none" and "no GPU" in local.reason
+
+
+# -- the CLI ----------------------------------------------------------------------------
+
+
+def test_cli_inspect_topology_json_and_errors(fake: FakeSysfs, monkeypatch) -> None:
+    import json
+
+    from kvtier.cli.app import get_app
+    from typer.testing import CliRunner
+
+    monkeypatch.setattr("kvtier.placement._allowed_cpus", lambda: {0, 1, 2, 3})
+    two_socket(fake, ["1"])
+    fake.nvme("nvme0", "0000:5e:00.0", "0")
+    runner = CliRunner()
+    args = ["inspect", "topology", "--root", str(fake.root), "--no-nvml"]
+    result = runner.invoke(get_app(), [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [n["id"] for n in data["topology"]["nodes"]] == [0, 1]
+    assert data["topology"]["gpus"][0]["numa_node"] == 1
+    assert data["topology"]["nvme"][0]["numa_node"] == 0
+    (arena,) = data["placement"]["arenas"]
+    assert (arena["memory"], arena["nodes"], arena["cpus"]) == ("bind", [1], [2, 3])
+    assert "node 1" in arena["reason"]
+
+    human = runner.invoke(get_app(), args)
+    assert human.exit_code == 0
+    assert "host arena placement" in human.stdout and "0000:10:00.0" in human.stdout
+
+    bad = runner.invoke(get_app(), [*args, "--numa-node", "9"])
+    assert bad.exit_code == 2
+    assert "NUMA node 9 does not exist" in bad.output
+    bad_mode = runner.invoke(get_app(), [*args, "--placement", "nearest"])
+    assert bad_mode.exit_code == 2 and "placement mode" in bad_mode.output

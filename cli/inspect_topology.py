@@ -1,0 +1,117 @@
+"""``kvtier inspect topology``: NUMA nodes, GPUs, NVMe devices, and where host arenas go."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from kvtier.cli.app import inspect_app
+from kvtier.cli.output import console, emit, err_console, run_guarded, table
+
+from kvtier.placement import PlacementMode, plan_placement
+from kvtier.topology import format_cpulist, read_topology
+
+
+def topology_report(
+    root: Path = Path("/"),
+    mode: PlacementMode = "auto",
+    gpus: list[int] | None = None,
+    node: int | None = None,
+    use_nvml: bool = True,
+) -> dict[str, Any]:
+    """``{"topology": {...}, "placement": {...}}`` for ``root`` (``/``: this machine)."""
+    topo = read_topology(root, use_nvml=use_nvml)
+    plan = plan_placement(topo, mode, gpus=gpus or None, node=node)
+    return {"root": str(root), "topology": topo.to_dict(), "placement": plan.to_dict()}
+
+
+def _gib(value: int | None) -> str | None:
+    return None if value is None else f"{value / (1 << 30):.1f} GiB"
+
+
+def _node(value: int | None) -> str:
+    return "no affinity" if value is None else str(value)
+
+
+def _render(data: dict[str, Any]) -> None:
+    topo = data["topology"]
+    node_rows = [
+        (
+            n["id"],
+            format_cpulist(n["cpus"]) or "-",
+            _gib(n["mem_total_bytes"]),
+            _gib(n["mem_free_bytes"]),
+            " ".join(map(str, n["distances"])) or None,
+        )
+        for n in topo["nodes"]
+    ]
+    console.print(table("NUMA nodes", ["node", "cpus", "memory", "free", "distances"], node_rows))
+    if not node_rows:
+        console.print("no NUMA nodes exposed: nothing has affinity")
+    gpu_rows = [
+        (g["index"], g["pci_address"], _node(g["numa_node"]), g["vendor"], g["name"], g["source"])
+        for g in topo["gpus"]
+    ]
+    console.print(table("GPUs", ["index", "pci", "node", "vendor", "name", "source"], gpu_rows))
+    nvme_rows = [
+        (d["name"], d["pci_address"], _node(d["numa_node"]), d["model"], " ".join(d["namespaces"]))
+        for d in topo["nvme"]
+    ]
+    console.print(table("NVMe", ["device", "pci", "node", "model", "namespaces"], nvme_rows))
+    plan = data["placement"]
+    arena_rows = [
+        (
+            ", ".join(map(str, a["gpus"])) or "-",
+            a["memory"],
+            ", ".join(map(str, a["nodes"])) or "-",
+            format_cpulist(a["cpus"]) or "unpinned",
+            a["reason"],
+        )
+        for a in plan["arenas"]
+    ]
+    console.print(
+        table(
+            f"host arena placement (mode {plan['mode']})",
+            ["gpus", "memory", "nodes", "threads on cpus", "reason"],
+            arena_rows,
+        )
+    )
+    for note in topo["notes"]:
+        err_console.print(f"note: {note}", highlight=False)
+
+
+@inspect_app.command("topology")
+def inspect_topology(
+    mode: Annotated[
+        str,
+        typer.Option("--placement", help="Placement mode: auto, local, interleave or none."),
+    ] = "auto",
+    gpu: Annotated[
+        list[int] | None, typer.Option("--gpu", help="GPU index in use (repeatable).")
+    ] = None,
+    numa_node: Annotated[
+        int | None, typer.Option("--numa-node", help="Bind the host arena to this node.")
+    ] = None,
+    root: Annotated[
+        Path, typer.Option("--root", help="Read sysfs under this directory (for testing).")
+    ] = Path("/"),
+    no_nvml: Annotated[bool, typer.Option("--no-nvml", help="Do not ask NVML.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Show NUMA nodes (CPUs, memory, distances), each GPU's and NVMe device's node, and
+    the host arena placement kvtier would choose, with the reason."""
+
+    def body() -> None:
+        data = topology_report(
+            root,
+            mode,  # type: ignore[arg-type]  # validated by plan_placement
+            gpu,
+            numa_node,
+            use_nvml=not no_nvml,
+        )
+        emit(data, as_json, _render)
+
+    run_guarded(body)
