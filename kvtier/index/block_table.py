@@ -446,6 +446,11 @@ class BlockTables:
             fill = num_tokens - (keep_pages - 1) * self.page_tokens
             if last.filled != fill and last.refs == 1 and last.key is None:
                 last.filled = fill  # sole holder: shrink in place
+            elif last.filled != fill and last.slot == PAD_SLOT:
+                raise KVTierUsageError(
+                    f"cannot cut sequence {table.seq_id} to {num_tokens} tokens: that falls "
+                    "inside a stored page; cut at a page boundary"
+                )
             elif last.filled != fill:
                 # Every holder must see the same fill: give this table its own copy.
                 copy = self._new_page()
@@ -456,6 +461,21 @@ class BlockTables:
                 self.cow_copies += 1
         self.rollback_discarded += freed
         return freed
+
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Cut a sequence without live versions to ``num_tokens`` tokens (e.g. to
+        recompute pages a fault lost). Returns working pages freed."""
+        table = self._live(seq_id)
+        if table.versions:
+            raise VersionError(
+                f"sequence {seq_id} has live versions {table.live_versions()}: commit or "
+                "roll them back before truncating"
+            )
+        if isinstance(num_tokens, bool) or not 0 <= num_tokens <= table.num_tokens:
+            raise KVTierUsageError(
+                f"truncate to {num_tokens!r} tokens: must lie in [0, {table.num_tokens}]"
+            )
+        return self._truncate(table, num_tokens)
 
     # -- publishing ----------------------------------------------------------------------
 

@@ -1,0 +1,498 @@
+"""The sequence manager an inference engine drives: block tables on top of a KVCache.
+
+One :class:`SequenceManager` serves one namespace (one model's KV). It owns a *working
+pool*: slots of the cache's top tier (an arena) reserved at open under private keys,
+never committed, so the directory counts them as used but no lookup, eviction or
+write-down ever sees them. Running sequences write their KV there. A page is stored in
+the cache (published: visible to lookups, free to move down the hierarchy) only once it
+is full and verified, and its working slot then goes back to the pool. Hence the
+speculative-decoding guarantee: unverified tokens never leave the working pool, and a
+rollback frees them by giving their slots back.
+
+Operations (all checked; bad input raises a :class:`~kvtier.errors.KVTierUsageError`
+subclass naming the problem):
+
+* :meth:`create`, :meth:`append` (tokens + their KV; chunked prefill is a series of
+  appends: every full verified page is stored right away, so it may move down while
+  later chunks run), :meth:`fork` (copy-on-write), :meth:`free`;
+* :meth:`snapshot` / :meth:`rollback` / :meth:`commit` (see
+  :mod:`kvtier.index.block_table`);
+* :meth:`ensure_resident`: one batched load of every stored page the sequences need into
+  the top tier, pinned until :meth:`release`; returns the packed int32 table. A page no
+  tier can give back raises :class:`PageFaultError` naming it (nothing stays pinned, no
+  partial table is returned); no room for the pages (all pinned) raises
+  :class:`~kvtier.errors.CapacityError`.
+
+:class:`VersionedGroup` keeps several managers (a target model and its draft model, each
+with its own cache and namespace) in step: one snapshot, rollback or commit covers all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.attention import page_tensor, torch_dtype
+from kvtier.backend import ArenaBackend, Reservation
+from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
+from kvtier.index.block_table import (
+    PAD_SLOT,
+    BlockTables,
+    Page,
+    SlotPool,
+    check_token_ids,
+)
+from kvtier.keys import KEY_BYTES, ROOT_KEY, PageKey, page_keys
+
+#: Namespace label recorded for working-pool reservations (visible in the directory).
+WORKING_NAMESPACE = "kvtier-working-pool"
+_WORKING_TAG = b"\xffkvtier-wk"  # private keys: tag + counter; never a content hash prefix
+
+
+class PageFaultError(TierIOError):
+    """Pages a sequence needs could not be brought back to the top tier.
+
+    Attributes:
+        missing: for each sequence id, the logical page numbers that are lost (the engine
+            recomputes them, e.g. after :meth:`SequenceManager.truncate`).
+    """
+
+    def __init__(self, missing: dict[int, list[int]]) -> None:
+        self.missing = missing
+        detail = "; ".join(f"sequence {s}: pages {pages}" for s, pages in missing.items())
+        super().__init__(f"page fault could not bring back {detail}")
+
+
+@dataclass
+class ResidentBatch:
+    """What :meth:`SequenceManager.ensure_resident` hands out.
+
+    Attributes:
+        seq_ids: the sequences, in table row order.
+        block_table: int32 ``[len(seq_ids), max_pages]`` of top-tier slots, padded -1.
+        seq_lens: tokens of each sequence.
+        pinned: stored keys pinned for this batch (given back by ``release``).
+    """
+
+    seq_ids: list[int]
+    block_table: np.ndarray
+    seq_lens: list[int]
+    pinned: list[PageKey] = field(default_factory=list)
+    released: bool = False
+
+
+@dataclass
+class SequenceStats:
+    """Counters of one manager (plain data)."""
+
+    pages_published: int = 0
+    publish_failures: int = 0
+    rollbacks: int = 0
+    pages_discarded: int = 0
+    cow_copies: int = 0
+    faults: int = 0
+    pages_faulted: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class SequenceManager:
+    """Block tables of one namespace over a KVCache. See the module docstring.
+
+    Create with :meth:`open` (reserves the working pool); :meth:`close` gives it back.
+
+    Args:
+        cache: an open :class:`kvtier.cache.KVCache` whose top tier is an arena.
+        working_pages: slots of the top tier reserved for running sequences.
+        max_tokens: longest sequence allowed (``None``: unbounded).
+    """
+
+    _key_counter = itertools.count(1)
+
+    def __init__(self, cache: Any, working_pages: int, max_tokens: int | None = None) -> None:
+        if isinstance(working_pages, bool) or not isinstance(working_pages, int):
+            raise KVTierUsageError(f"working_pages must be an int, got {working_pages!r}")
+        if working_pages < 1:
+            raise KVTierUsageError(f"working_pages must be >= 1, got {working_pages}")
+        top = cache.tiers[0]
+        if not isinstance(top.backend, ArenaBackend):
+            raise KVTierUsageError(
+                f"the top tier {top.name!r} must be a memory arena to hold running sequences"
+            )
+        self.cache = cache
+        self.spec = cache.spec
+        self.namespace = cache.namespace
+        self.top_tier: str = top.name
+        self.arena: ArenaBackend = top.backend
+        self.working_pages = working_pages
+        self.max_tokens = max_tokens
+        self.stats = SequenceStats()
+        self._reservations: list[Reservation] = []
+        self._tables: BlockTables | None = None
+        self._lock = asyncio.Lock()
+        self._dtype = torch_dtype(self.spec)
+
+    @classmethod
+    async def open(
+        cls, cache: Any, working_pages: int, max_tokens: int | None = None
+    ) -> SequenceManager:
+        """Build a manager and reserve its working pool in the cache's top tier.
+
+        Raises :class:`CapacityError` when the top tier cannot give ``working_pages``.
+        """
+        self = cls(cache, working_pages, max_tokens)
+        await self._reserve_pool()
+        return self
+
+    async def _reserve_pool(self) -> None:
+        keys = [
+            PageKey(_WORKING_TAG + next(self._key_counter).to_bytes(KEY_BYTES - 10, "big"))
+            for _ in range(self.working_pages)
+        ]
+        directory = self.cache.directory
+        for k in keys:
+            directory.reserve(k, self.top_tier, WORKING_NAMESPACE)
+        res = await self.arena.reserve(keys, WORKING_NAMESPACE)
+        got = [r for r in res if r is not None]
+        if len(got) < len(keys):
+            await self.arena.abort(got)
+            for k in keys:
+                directory.abort(k, self.top_tier)
+            raise CapacityError(
+                f"top tier {self.top_tier!r} could give only {len(got)} of the "
+                f"{self.working_pages} working pages asked for"
+            )
+        self._reservations = got
+        self._tables = BlockTables(
+            self.spec.page_tokens,
+            SlotPool(r.handle for r in got),
+            self._copy_page,
+            self.max_tokens,
+        )
+
+    async def close(self) -> None:
+        """Free every sequence and give the working pool back. Idempotent."""
+        async with self._lock:
+            if self._tables is None:
+                return
+            for seq in self._tables.seq_ids():
+                self._tables.free(seq)
+            self._tables = None
+            await self.arena.abort(self._reservations)
+            for r in self._reservations:
+                self.cache.directory.abort(r.key, self.top_tier)
+            self._reservations = []
+
+    async def __aenter__(self) -> SequenceManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def tables(self) -> BlockTables:
+        """The block tables (read-only use)."""
+        if self._tables is None:
+            raise KVTierUsageError("SequenceManager is closed (or was never opened)")
+        return self._tables
+
+    # -- bytes ---------------------------------------------------------------------------
+
+    def page(self, slot: int) -> torch.Tensor:
+        """The top-tier page in ``slot`` as a ``page_shape`` tensor (no copy)."""
+        return page_tensor(self.arena.tensor(slot), self.spec)
+
+    def _copy_page(self, src: int, dst: int, tokens: int) -> None:
+        self.page(dst)[:, :, :tokens] = self.page(src)[:, :, :tokens]
+
+    def _check_kv(self, kv: Any, n: int) -> torch.Tensor:
+        t = torch.from_numpy(kv) if isinstance(kv, np.ndarray) else kv
+        if not isinstance(t, torch.Tensor):
+            raise KVTierUsageError(f"kv must be a torch tensor or numpy array, got {type(kv)}")
+        s = self.spec
+        want = (s.num_layers, s.kv_factor, n, s.num_kv_heads, s.head_dim)
+        if tuple(t.shape) != want:
+            raise KVTierUsageError(
+                f"kv for {n} tokens must have shape [layers, kv, tokens, heads, dim] = "
+                f"{list(want)}, got {list(t.shape)}"
+            )
+        if t.dtype != self._dtype:
+            raise KVTierUsageError(f"kv must have dtype {self._dtype}, got {t.dtype}")
+        return t
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def create(self) -> int:
+        """A new empty sequence; returns its id."""
+        return self.tables.create()
+
+    async def append(self, seq_id: int, tokens: Any, kv: Any) -> None:
+        """Append tokens and their KV (``[layers, kv, len(tokens), heads, dim]``, the spec
+        dtype). Full pages outside any speculative step are stored in the cache at once.
+        All-or-nothing on bad input or :class:`CapacityError` (working pool full)."""
+        async with self._lock:
+            ids = check_token_ids(tokens)
+            t = self._check_kv(kv, len(ids))
+            tables = self.tables
+            before = tables.cow_copies
+            for w in tables.append(seq_id, ids):
+                self.page(w.slot)[:, :, w.offset : w.offset + w.count] = t[
+                    :, :, w.src_start : w.src_start + w.count
+                ]
+            self.stats.cow_copies += tables.cow_copies - before
+            await self._publish(seq_id)
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing all pages of ``seq_id`` (copy-on-write)."""
+        return self.tables.fork(seq_id)
+
+    def snapshot(self, seq_id: int) -> int:
+        """Record ``seq_id`` before a speculative step; returns the version id."""
+        return self.tables.snapshot(seq_id)
+
+    async def rollback(self, seq_id: int, version: int) -> int:
+        """Restore the version exactly; returns working pages freed."""
+        async with self._lock:
+            freed = self.tables.rollback(seq_id, version)
+            self.stats.rollbacks += 1
+            self.stats.pages_discarded += freed
+            return freed
+
+    async def commit(self, seq_id: int, version: int, keep: int | None = None) -> int:
+        """Accept what was appended since the version (the first ``keep`` tokens only,
+        when given); newly verified full pages are stored. Returns working pages freed."""
+        async with self._lock:
+            tables = self.tables
+            before = tables.cow_copies
+            freed = tables.commit(seq_id, version, keep)
+            self.stats.cow_copies += tables.cow_copies - before
+            self.stats.pages_discarded += freed
+            await self._publish(seq_id)
+            return freed
+
+    async def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Cut a sequence without live versions to ``num_tokens`` tokens, e.g. to
+        recompute pages a fault lost (cut at a page boundary inside stored pages).
+        Returns working pages freed."""
+        async with self._lock:
+            return self.tables.truncate(seq_id, num_tokens)
+
+    async def free(self, seq_id: int) -> int:
+        """Finish a sequence; its working pages go back to the pool (stored pages stay
+        cached). Returns working pages freed."""
+        async with self._lock:
+            return self.tables.free(seq_id)
+
+    # -- publishing ----------------------------------------------------------------------
+
+    async def _publish(self, seq_id: int) -> None:
+        tables = self.tables
+        todo = tables.publishable(seq_id)
+        if not todo:
+            return
+        table = tables.table(seq_id)
+        pt = self.spec.page_tokens
+        first = todo[0][0]
+        parent = table.pages[first - 1].key if first else ROOT_KEY
+        if parent is None:  # pragma: no cover - publishable() guarantees order
+            raise AssertionError("publishing a page whose parent is not stored")
+        last = todo[-1][0]
+        keys = page_keys(table.tokens[first * pt : (last + 1) * pt], self.namespace, parent)
+        by_lp = dict(zip(range(first, last + 1), keys, strict=True))
+        pages = [p for _, p in todo]
+        page_keys_ = [by_lp[lp] for lp, _ in todo]
+        parents = [by_lp.get(lp - 1, parent) for lp, _ in todo]
+        views = [self.arena.view(p.slot) for p in pages]
+        ok = await self.cache.store_pages(page_keys_, views, parents=parents)
+        for page, key, stored in zip(pages, page_keys_, ok, strict=True):
+            if not stored:
+                self.stats.publish_failures += 1
+                break  # keep order: later pages chain from this one
+            tables.mark_published(page, key)
+            self.stats.pages_published += 1
+
+    # -- page faults ---------------------------------------------------------------------
+
+    async def ensure_resident(self, seq_ids: Sequence[int]) -> ResidentBatch:
+        """Bring every page of ``seq_ids`` to the top tier, pinned; returns the table.
+
+        One batched load for all stored pages not in the working pool. Raises
+        :class:`PageFaultError` (naming the lost pages) or :class:`CapacityError`; in
+        both cases nothing stays pinned.
+        """
+        async with self._lock:
+            tables = self.tables
+            ids = list(seq_ids)
+            if len(set(ids)) != len(ids):
+                raise KVTierUsageError(f"sequence ids repeat in {ids}")
+            rows = [tables.table(s) for s in ids]
+            wanted: list[PageKey] = []
+            seen: set[PageKey] = set()
+            for t in rows:
+                for p in t.pages:
+                    if p.slot == PAD_SLOT and p.key is not None and p.key not in seen:
+                        seen.add(p.key)
+                        wanted.append(p.key)
+            slot_of_key: dict[PageKey, int] = {}
+            missing_keys: set[PageKey] = set()
+            if wanted:
+                result = await self.cache.load(wanted, pin=True)
+                pinned = [k for k, s in zip(wanted, result.slots, strict=True) if s is not None]
+                for k, s in zip(wanted, result.slots, strict=True):
+                    if s is None:
+                        missing_keys.add(k)
+                    else:
+                        slot_of_key[k] = s
+                missing_keys.update(result.missing)
+                if missing_keys:
+                    await self.cache.release(pinned)
+                    missing = {
+                        s: [i for i, p in enumerate(t.pages) if p.key in missing_keys]
+                        for s, t in zip(ids, rows, strict=True)
+                    }
+                    missing = {s: lps for s, lps in missing.items() if lps}
+                    self.stats.faults += 1
+                    raise PageFaultError(missing)
+                self.stats.pages_faulted += len(wanted)
+            else:
+                pinned = []
+
+            def slot_of(p: Page) -> int:
+                return p.slot if p.slot != PAD_SLOT else slot_of_key[p.key]  # type: ignore[index]
+
+            table = tables.pack(ids, slot_of)
+            return ResidentBatch(ids, table, [t.num_tokens for t in rows], pinned)
+
+    async def release(self, batch: ResidentBatch) -> None:
+        """Unpin what :meth:`ensure_resident` pinned. Releasing twice raises."""
+        if batch.released:
+            raise KVTierUsageError("this resident batch was already released")
+        batch.released = True
+        if batch.pinned:
+            await self.cache.release(batch.pinned)
+
+    # -- checks --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a page is leaked or freed while referenced: every
+        working slot in use is held by a live page, and every live page's count equals
+        its holders."""
+        tables = self.tables
+        live = tables.live_pages()
+        holders: dict[int, int] = dict.fromkeys(live, 0)
+        for s in tables.seq_ids():
+            t = tables.table(s)
+            for p in t.pages:
+                holders[p.pid] += 1
+            for v in t.versions:
+                for p in v.pages:
+                    holders[p.pid] += 1
+        for pid, p in live.items():
+            if p.refs != holders[pid]:
+                raise AssertionError(f"{p!r} counts {p.refs} holders, has {holders[pid]}")
+            if p.slot == PAD_SLOT and p.key is None:
+                raise AssertionError(f"{p!r} has neither a working slot nor a key")
+        used = {p.slot for p in live.values() if p.slot != PAD_SLOT}
+        if used != set(tables.pool.used()):
+            raise AssertionError(
+                f"working slots in use {sorted(tables.pool.used())} != held {sorted(used)}"
+            )
+
+
+class VersionedGroup:
+    """Several managers (e.g. ``{"target": ..., "draft": ...}``) versioned together.
+
+    Sequence ids are the group's own; each maps to one sequence per manager. Every
+    operation applies to all managers; a version covers all of them.
+    """
+
+    def __init__(self, managers: Mapping[str, SequenceManager]) -> None:
+        if not managers:
+            raise KVTierUsageError("VersionedGroup needs at least one manager")
+        self.managers = dict(managers)
+        self._seqs: dict[int, dict[str, int]] = {}
+        self._versions: dict[tuple[int, int], dict[str, int]] = {}
+        self._ids = itertools.count(1)
+
+    def _members(self, seq_id: int) -> dict[str, int]:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise KVTierUsageError(f"unknown sequence id {seq_id!r} in this group") from None
+
+    def create(self) -> int:
+        gid = next(self._ids)
+        self._seqs[gid] = {name: m.create() for name, m in self.managers.items()}
+        return gid
+
+    def member(self, seq_id: int, name: str) -> int:
+        """The id of ``seq_id`` in manager ``name``."""
+        return self._members(seq_id)[name]
+
+    async def append(self, seq_id: int, tokens: Any, kv: Mapping[str, Any]) -> None:
+        members = self._members(seq_id)
+        if set(kv) != set(members):
+            raise KVTierUsageError(f"kv must be given for {sorted(members)}, got {sorted(kv)}")
+        for name, s in members.items():
+            await self.managers[name].append(s, tokens, kv[name])
+
+    def fork(self, seq_id: int) -> int:
+        members = self._members(seq_id)
+        gid = next(self._ids)
+        self._seqs[gid] = {name: self.managers[name].fork(s) for name, s in members.items()}
+        for (g, v), per in list(self._versions.items()):
+            if g == seq_id:
+                self._versions[(gid, v)] = dict(per)
+        return gid
+
+    def snapshot(self, seq_id: int) -> int:
+        members = self._members(seq_id)
+        per = {name: self.managers[name].snapshot(s) for name, s in members.items()}
+        vid = next(self._ids)
+        self._versions[(seq_id, vid)] = per
+        return vid
+
+    def _take(self, seq_id: int, version: int) -> dict[str, int]:
+        per = self._versions.get((seq_id, version))
+        if per is None:
+            raise KVTierUsageError(
+                f"version {version!r} of sequence {seq_id} is not live (already committed "
+                "or rolled back, or never taken)"
+            )
+        # consuming a version consumes every newer one of the same sequence
+        for g, v in [k for k in self._versions if k[0] == seq_id and k[1] >= version]:
+            del self._versions[(g, v)]
+        return per
+
+    async def rollback(self, seq_id: int, version: int) -> int:
+        members = self._members(seq_id)
+        per = self._take(seq_id, version)
+        freed = 0
+        for name, s in members.items():
+            freed += await self.managers[name].rollback(s, per[name])
+        return freed
+
+    async def commit(self, seq_id: int, version: int, keep: int | None = None) -> int:
+        members = self._members(seq_id)
+        per = self._take(seq_id, version)
+        freed = 0
+        for name, s in members.items():
+            freed += await self.managers[name].commit(s, per[name], keep)
+        return freed
+
+    async def free(self, seq_id: int) -> int:
+        members = self._members(seq_id)
+        del self._seqs[seq_id]
+        for key in [k for k in self._versions if k[0] == seq_id]:
+            del self._versions[key]
+        freed = 0
+        for name, s in members.items():
+            freed += await self.managers[name].free(s)
+        return freed

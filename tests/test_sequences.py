@@ -1,0 +1,233 @@
+"""The sequence manager on real tiers: faults, forks, rollbacks, attention bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from seq_harness import TwoTierCache
+
+from kvtier.attention import attention, paged_attention
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.index.block_table import SequenceLengthError, UnknownSequenceError, VersionError
+from kvtier.keys import page_keys
+from kvtier.sequences import PageFaultError, SequenceManager, VersionedGroup
+from kvtier.spec import KVSpec
+
+SPEC = KVSpec(2, 2, 8, "float16", 4, name="seqtest")
+DRAFT = KVSpec(1, 1, 8, "float16", 4, name="seqtest-draft")
+
+
+def kv_for(spec: KVSpec, tokens: list[int], start: int) -> torch.Tensor:
+    """Deterministic KV of tokens at positions start.. (what a model would compute)."""
+    out = torch.empty(
+        (spec.num_layers, spec.kv_factor, len(tokens), spec.num_kv_heads, spec.head_dim),
+        dtype=torch.float16,
+    )
+    for i, t in enumerate(tokens):
+        g = torch.Generator().manual_seed(t * 100_003 + start + i)
+        out[:, :, i] = torch.randn(out[:, :, i].shape, generator=g).half()
+    return out
+
+
+async def make(tmp_path: Path, dram: int = 24, disk: int = 200, working: int = 10, **kw):
+    cache = TwoTierCache(SPEC, dram, disk, tmp_path / "store")
+    await cache.open()
+    mgr = await SequenceManager.open(cache, working, **kw)
+    return cache, mgr
+
+
+class Ref:
+    """The original tensors of each sequence."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, torch.Tensor] = {}
+        self.tokens: dict[int, list[int]] = {}
+
+    async def append(self, mgr: SequenceManager, s: int, tokens: list[int]) -> None:
+        start = len(self.tokens.get(s, []))
+        kv = kv_for(mgr.spec, tokens, start)
+        await mgr.append(s, tokens, kv)
+        self.tokens[s] = self.tokens.get(s, []) + tokens
+        prev = self.kv.get(s)
+        self.kv[s] = kv if prev is None else torch.cat([prev, kv], dim=2)
+
+
+async def check_attention(mgr: SequenceManager, ref: Ref, seqs: list[int]) -> None:
+    batch = await mgr.ensure_resident(seqs)
+    try:
+        assert batch.block_table.dtype == np.int32
+        assert batch.seq_lens == [len(ref.tokens[s]) for s in seqs]
+        g = torch.Generator().manual_seed(7)
+        q = torch.randn((len(seqs), 2, 4, SPEC.head_dim), generator=g).half()
+        for layer in range(SPEC.num_layers):
+            out = paged_attention(q, mgr.page, batch.block_table, batch.seq_lens, layer, SPEC)
+            for i, s in enumerate(seqs):
+                kv = ref.kv[s][layer]
+                expect = attention(q[i], kv[0], kv[1])
+                assert torch.equal(out[i], expect), f"sequence {s} layer {layer}"
+    finally:
+        await mgr.release(batch)
+
+
+async def test_attention_equal_after_disk_forks_and_rollbacks(tmp_path: Path) -> None:
+    cache, mgr = await make(tmp_path, dram=20, working=10)
+    ref = Ref()
+    a = mgr.create()
+    for chunk in range(5):  # chunked prefill: 5 chunks of 6 tokens, the last page partial
+        await ref.append(mgr, a, list(range(chunk * 6, chunk * 6 + 6)))
+        await cache.evict()  # finished chunks move down while later ones run
+    b = mgr.fork(a)
+    ref.tokens[b], ref.kv[b] = list(ref.tokens[a]), ref.kv[a].clone()
+    await ref.append(mgr, b, [900, 901, 902])
+    await ref.append(mgr, a, [500])
+    assert mgr.stats.cow_copies == 1
+    v = mgr.snapshot(a)
+    saved = (list(ref.tokens[a]), ref.kv[a].clone())
+    await ref.append(mgr, a, [1, 2, 3, 4, 5, 6, 7])
+    published_before = mgr.stats.pages_published
+    assert await mgr.rollback(a, v) >= 1
+    assert mgr.stats.pages_published == published_before
+    ref.tokens[a], ref.kv[a] = saved
+    moved = await cache.evict()
+    assert moved > 0 and cache.directory.count("dram") - 10 == 0  # only the pool is left
+    assert cache.tree.pages_in("disk") > 0
+    await check_attention(mgr, ref, [a, b])
+    await check_attention(mgr, ref, [b])
+    mgr.check_invariants()
+    await mgr.close()
+    await cache.close()
+
+
+async def test_unverified_pages_never_reach_the_cache(tmp_path: Path) -> None:
+    cache, mgr = await make(tmp_path)
+    ref = Ref()
+    s = mgr.create()
+    await ref.append(mgr, s, list(range(6)))
+    v = mgr.snapshot(s)
+    await ref.append(mgr, s, list(range(100, 112)))
+    keys = page_keys(ref.tokens[s], mgr.namespace)
+    assert len(keys) == 4
+    assert [cache.directory.locate(k) for k in keys] == ["dram", None, None, None]
+    assert cache.tree.match_length(keys) == 1
+    await cache.evict()
+    assert cache.tree.pages_in("disk") == 1
+    await mgr.commit(s, v, keep=5)  # accept 5 of 12 draft tokens: 11 tokens, 2 full pages
+    ref.tokens[s] = ref.tokens[s][:11]
+    ref.kv[s] = ref.kv[s][:, :, :11]
+    keys = page_keys(ref.tokens[s], mgr.namespace)
+    assert cache.tree.match_length(keys) == 2
+    await check_attention(mgr, ref, [s])
+    mgr.check_invariants()
+    with pytest.raises(VersionError, match="already committed or rolled back"):
+        await mgr.rollback(s, v)
+    await mgr.close()
+    await cache.close()
+
+
+async def test_fault_reports_lost_pages_and_pins_nothing(tmp_path: Path) -> None:
+    cache, mgr = await make(tmp_path)
+    ref = Ref()
+    s = mgr.create()
+    await ref.append(mgr, s, list(range(14)))
+    await cache.evict()
+    keys = page_keys(ref.tokens[s], mgr.namespace)
+    await cache.lose([keys[1]])
+    with pytest.raises(PageFaultError) as info:
+        await mgr.ensure_resident([s])
+    assert info.value.missing == {s: [1]}
+    assert "sequence" in str(info.value) and "[1]" in str(info.value)
+    assert not any(cache.directory.is_pinned(k) for k in keys)
+    # the engine recomputes: cut at the lost page and append again
+    await mgr.truncate(s, 4)
+    ref.tokens[s], ref.kv[s] = ref.tokens[s][:4], ref.kv[s][:, :, :4]
+    await ref.append(mgr, s, list(range(4, 14)))
+    await check_attention(mgr, ref, [s])
+    await mgr.close()
+    await cache.close()
+
+
+async def test_capacity_error_when_everything_is_pinned(tmp_path: Path) -> None:
+    cache, mgr = await make(tmp_path, dram=8, working=4)
+    ref = Ref()
+    a, b = mgr.create(), mgr.create()
+    await ref.append(mgr, a, list(range(16)))
+    await ref.append(mgr, b, list(range(50, 66)))
+    await cache.evict()
+    batch = await mgr.ensure_resident([a])
+    with pytest.raises(CapacityError, match="pinned"):
+        await mgr.ensure_resident([b])
+    await mgr.release(batch)
+    await check_attention(mgr, ref, [b])  # room again once released
+    with pytest.raises(KVTierUsageError, match="already released"):
+        await mgr.release(batch)
+    await mgr.close()
+    await cache.close()
+
+
+async def test_bad_input(tmp_path: Path) -> None:
+    cache, mgr = await make(tmp_path, working=3, max_tokens=12)
+    s = mgr.create()
+    kv1 = kv_for(SPEC, [1], 0)
+    with pytest.raises(UnknownSequenceError, match="unknown sequence id 99"):
+        await mgr.append(99, [1], kv1)
+    with pytest.raises(KVTierUsageError, match="integer dtype"):
+        await mgr.append(s, np.array([1.5]), kv1)
+    with pytest.raises(KVTierUsageError, match="shape"):
+        await mgr.append(s, [1, 2], kv1)
+    with pytest.raises(KVTierUsageError, match="dtype torch.float16"):
+        await mgr.append(s, [1], kv1.float())
+    with pytest.raises(SequenceLengthError, match="maximum length of 12"):
+        await mgr.append(s, list(range(13)), kv_for(SPEC, list(range(13)), 0))
+    with pytest.raises(CapacityError, match="working"):
+        SequenceManager(cache, 1)  # fine to build ...
+        await SequenceManager.open(cache, 100)  # ... but the top tier lacks 100 slots
+    await mgr.free(s)
+    with pytest.raises(UnknownSequenceError):
+        mgr.fork(s)
+    with pytest.raises(UnknownSequenceError):
+        await mgr.ensure_resident([s])
+    with pytest.raises(KVTierUsageError, match="working_pages"):
+        SequenceManager(cache, 0)
+    await mgr.close()
+    await cache.close()
+
+
+async def test_versioned_group_keeps_draft_in_step(tmp_path: Path) -> None:
+    target_cache = TwoTierCache(SPEC, 24, 100, tmp_path / "t")
+    draft_cache = TwoTierCache(DRAFT, 24, 100, tmp_path / "d")
+    await target_cache.open()
+    await draft_cache.open()
+    target = await SequenceManager.open(target_cache, 8)
+    draft = await SequenceManager.open(draft_cache, 8)
+    group = VersionedGroup({"target": target, "draft": draft})
+    s = group.create()
+
+    async def step(tokens: list[int], start: int) -> None:
+        await group.append(
+            s,
+            tokens,
+            {"target": kv_for(SPEC, tokens, start), "draft": kv_for(DRAFT, tokens, start)},
+        )
+
+    await step([1, 2, 3, 4, 5], 0)
+    v = group.snapshot(s)
+    await step([6, 7, 8, 9], 5)
+    await group.rollback(s, v)
+    for m, name in ((target, "target"), (draft, "draft")):
+        assert m.tables.table(group.member(s, name)).tokens == [1, 2, 3, 4, 5]
+        m.check_invariants()
+    with pytest.raises(KVTierUsageError, match="not live"):
+        await group.commit(s, v)
+    v2 = group.snapshot(s)
+    await step([6, 7, 8], 5)
+    await group.commit(s, v2)
+    assert target.stats.pages_published == draft.stats.pages_published == 2
+    with pytest.raises(KVTierUsageError, match="kv must be given"):
+        await group.append(s, [1], {"target": kv_for(SPEC, [1], 8)})
+    await group.free(s)
+    for m, c in ((target, target_cache), (draft, draft_cache)):
+        await m.close()
+        await c.close()
