@@ -1,0 +1,97 @@
+"""Structured logging for kvtier: structlog, to stderr, as console text or JSON lines.
+
+kvtier logs events, never prints (only the CLI prints). Call :func:`configure_logging`
+once at start-up (``KVCache`` does it from its config unless told not to); library code
+gets loggers with :func:`get_logger`. Logs always go to stderr so that ``--json`` output
+on stdout stays one clean object.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Literal, TextIO, cast
+
+import structlog
+
+from kvtier.errors import ConfigError
+
+LogFormat = Literal["console", "json"]
+
+LOG_FORMATS: tuple[str, ...] = ("console", "json")
+LOG_LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+def parse_level(level: str | int) -> int:
+    """A logging level from a name (``"info"``) or number; :class:`ConfigError` if unknown."""
+    if isinstance(level, int) and not isinstance(level, bool):
+        return level
+    try:
+        return LOG_LEVELS[str(level).lower()]
+    except KeyError:
+        known = ", ".join(LOG_LEVELS)
+        raise ConfigError(f"log.level: unknown level {level!r}; known: {known}") from None
+
+
+def configure_logging(
+    format: str = "console", level: str | int = "info", stream: TextIO | None = None
+) -> None:
+    """Configure structlog for the whole process.
+
+    Args:
+        format: ``"console"`` (human-readable, one line per event) or ``"json"`` (one JSON
+            object per line).
+        level: minimum level, by name or number.
+        stream: where to write (default: ``sys.stderr``, looked up at each write so that
+            test harnesses that swap stderr see the output).
+
+    Raises:
+        ConfigError: unknown format or level.
+    """
+    if format not in LOG_FORMATS:
+        raise ConfigError(f"log.format: unknown format {format!r}; known: console, json")
+    lvl = parse_level(level)
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        renderer,
+    ]
+    factory = (
+        structlog.PrintLoggerFactory(stream)
+        if stream is not None
+        else structlog.PrintLoggerFactory(cast(TextIO, _StderrProxy()))
+    )
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=factory,
+        cache_logger_on_first_use=False,
+    )
+
+
+class _StderrProxy:
+    """A file-like object that writes to whatever ``sys.stderr`` is at write time."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def get_logger(name: str, **context: Any) -> Any:
+    """A structlog logger bound to ``logger=name`` and any extra context."""
+    return structlog.get_logger(name).bind(logger=name, **context)

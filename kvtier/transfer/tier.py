@@ -1,0 +1,138 @@
+"""A tier: one backend instance with its capacity, watermarks and eviction policy.
+
+The :class:`Tier` holds what the pipeline needs to decide about one level of the
+hierarchy; it moves no bytes itself. Page counts come from the directory (the single
+source of truth); ``claimed`` counts room promised to batches that have not reserved yet,
+so two batches never count the same free slot. Health tracking turns a failing backend
+into one warning per outage (and one info line on recovery), not one line per page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+from kvtier.backend import ArenaBackend, Backend
+from kvtier.config import TierConfig
+from kvtier.log import get_logger
+from kvtier.policy.base import EvictionPolicy
+
+_log = get_logger("kvtier.tier")
+
+
+class Tier:
+    """One level of the hierarchy.
+
+    Attributes:
+        index: position, 0 = top.
+        name: the configured name.
+        config: the tier's configuration.
+        backend: the backend instance (opened by the cache).
+        policy: its eviction policy.
+        capacity_pages: pages the backend can hold.
+        high_pages: past this many pages, eviction starts (at least 1).
+        low_pages: eviction brings the tier down to this many pages.
+        claimed: pages of room promised to batches that have not reserved them yet.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        config: TierConfig,
+        backend: Backend,
+        policy: EvictionPolicy,
+    ) -> None:
+        self.index = index
+        self.name = config.name
+        self.config = config
+        self.backend = backend
+        self.policy = policy
+        self.capacity_pages = backend.capacity_pages
+        self.high_pages = max(1, math.floor(config.high_watermark * self.capacity_pages + 1e-9))
+        self.low_pages = min(
+            self.high_pages, max(0, math.floor(config.low_watermark * self.capacity_pages + 1e-9))
+        )
+        self.claimed = 0
+        self.healthy = True
+        self.outage_started: float | None = None
+        self.outage_failures = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def is_arena(self) -> bool:
+        """Whether the backend is a memory arena (slots with zero-copy views)."""
+        return isinstance(self.backend, ArenaBackend)
+
+    @property
+    def arena(self) -> ArenaBackend:
+        """The backend as an arena; raises ``TypeError`` for a store."""
+        if not isinstance(self.backend, ArenaBackend):
+            raise TypeError(f"tier {self.name!r} is a store, not an arena")
+        return self.backend
+
+    # -- change notification (for room-making waits) -------------------------------------
+
+    def notify(self) -> None:
+        """Wake every coroutine waiting for this tier's occupancy to change."""
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_change(self, timeout: float) -> None:
+        """Wait until :meth:`notify` or ``timeout`` seconds pass (a safety net)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    # -- health --------------------------------------------------------------------------
+
+    def record_failure(self, op: str, pages: int, cause: Any = None) -> None:
+        """A call failed for ``pages`` pages; logs a warning only when an outage starts."""
+        self.outage_failures += pages
+        if self.healthy:
+            self.healthy = False
+            self.outage_started = time.monotonic()
+            _log.warning(
+                "tier failing: its pages are treated as misses",
+                tier=self.name,
+                op=op,
+                pages=pages,
+                cause=repr(cause) if cause is not None else "backend reported failure",
+            )
+
+    def record_success(self) -> None:
+        """A call moved pages again; logs once when an outage ends."""
+        if not self.healthy:
+            took = time.monotonic() - (self.outage_started or time.monotonic())
+            _log.info(
+                "tier recovered",
+                tier=self.name,
+                outage_s=round(took, 3),
+                failed_pages=self.outage_failures,
+            )
+            self.healthy = True
+            self.outage_started = None
+            self.outage_failures = 0
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data summary (for inspection)."""
+        return {
+            "index": self.index,
+            "name": self.name,
+            "backend": self.config.backend,
+            "kind": str(self.backend.kind),
+            "capacity_pages": self.capacity_pages,
+            "high_pages": self.high_pages,
+            "low_pages": self.low_pages,
+            "eviction": self.config.eviction,
+            "healthy": self.healthy,
+        }
