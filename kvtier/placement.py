@@ -29,10 +29,12 @@ from typing import Any, Literal
 
 from kvtier import numa
 from kvtier.errors import KVTierUsageError
+from kvtier.log import get_logger
 from kvtier.topology import NumaNode, Topology
 
 PlacementMode = Literal["auto", "local", "interleave", "none"]
 _MODES = ("auto", "local", "interleave", "none")
+_log = get_logger("kvtier.placement")
 
 
 @dataclass(frozen=True)
@@ -224,9 +226,19 @@ def apply_memory(placement: HostPlacement, buf: Any) -> int:
     Returns the bytes bound (0 for ``none``). Raises as :func:`kvtier.numa.bind_buffer`.
     """
     if placement.memory == "none":
+        _log.info("host arena placement", memory="none", reason=placement.reason)
         return 0
     mode = numa.MemPolicy.BIND if placement.memory == "bind" else numa.MemPolicy.INTERLEAVE
-    return numa.bind_buffer(buf, placement.nodes, mode)
+    bound = numa.bind_buffer(buf, placement.nodes, mode)
+    _log.info(
+        "host arena placement",
+        memory=placement.memory,
+        nodes=list(placement.nodes),
+        gpus=list(placement.gpus),
+        bytes=bound,
+        reason=placement.reason,
+    )
+    return bound
 
 
 def pin_current_thread(placement: HostPlacement) -> bool:
@@ -234,6 +246,7 @@ def pin_current_thread(placement: HostPlacement) -> bool:
     if not placement.cpus:
         return False
     numa.pin_thread(placement.cpus)
+    _log.debug("worker thread pinned", cpus=list(placement.cpus), reason=placement.reason)
     return True
 
 
