@@ -23,7 +23,7 @@ dtype, size, key); a tier that fails at run time degrades to misses (``False`` r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -418,9 +418,16 @@ class KVCache:
         """
         return await self.pipeline.load(_check_keys(keys), pin)
 
-    def release(self, keys: Sequence[PageKey]) -> None:
-        """Unpin keys pinned by :meth:`load` (one pin per occurrence)."""
+    def release(self, keys: Sequence[PageKey]) -> Any:
+        """Unpin keys pinned by :meth:`load` (one pin per occurrence).
+
+        Takes effect immediately; the returned object may be awaited (``await
+        cache.release(keys)`` and ``cache.release(keys)`` are equivalent; typed ``Any`` so
+        that both sync and async call sites type-check). Raises
+        :class:`KVTierUsageError` for a key that is not pinned (released twice).
+        """
         self.pipeline.release(_check_keys(keys))
+        return _Done()
 
     async def read(self, keys: Sequence[PageKey], out: Any) -> list[bool]:
         """Copy each page's bytes into ``out`` (a writable ``[n, page_bytes]`` uint8 or
@@ -455,6 +462,14 @@ class KVCache:
                 info["backend_stats"] = {"error": str(exc)}
             tiers.append(info)
         return {"tiers": tiers, "metrics": self.metrics.snapshot()}
+
+
+class _Done:
+    """An already-completed awaitable (for calls that act at once but may be awaited)."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield  # pragma: no cover - makes this a generator
 
 
 class _ByteRows:

@@ -300,7 +300,7 @@ class Pipeline:
             if victims:
                 stuck.update(await self._evict_shielded(tier, victims))
                 continue
-            transient = evicting + d.count(name, PageState.RESERVED) + d.busy(name) + tier.claimed
+            transient = evicting + tier.reserving + d.busy(name) + tier.claimed
             if transient:
                 if used + n <= tier.capacity_pages and not self._drains_to_watermark(tier, n):
                     tier.claimed += n
@@ -313,17 +313,23 @@ class Pipeline:
             if stuck:
                 return False
             raise CapacityError(
-                f"tier {name!r} cannot make room for {n} page(s): {d.pinned(name)} of its "
-                f"{tier.capacity_pages} pages are pinned and nothing else can be evicted "
-                f"(release loaded pages with cache.release(keys))"
+                f"tier {name!r} cannot make room for {n} page(s): {self._held(tier)} of its "
+                f"{tier.capacity_pages} pages are pinned or reserved and nothing else can be "
+                f"evicted (release loaded pages with cache.release(keys))"
             )
 
     def _drains_to_watermark(self, tier: Tier, n: int) -> bool:
         """Whether waiting for in-progress work can bring ``tier`` under its high
-        watermark (otherwise there is no point in waiting: only pins hold it up)."""
+        watermark (otherwise there is no point in waiting: only pins and reservations
+        made outside the pipeline hold it up)."""
+        return self._held(tier) + n <= max(tier.high_pages, n)
+
+    def _held(self, tier: Tier) -> int:
+        """Pages of ``tier`` that no pipeline work will free: pinned pages and
+        reservations taken outside the pipeline (e.g. an engine's working pool)."""
         d = self.directory
-        pinned_only = d.pinned(tier.name)
-        return pinned_only + n <= max(tier.high_pages, n)
+        foreign = d.count(tier.name, PageState.RESERVED) - tier.reserving
+        return d.pinned(tier.name) + max(0, foreign)
 
     async def _evict_shielded(self, tier: Tier, victims: list[PageKey]) -> set[PageKey]:
         """Run an eviction as its own task so a cancelled caller cannot cut it short.
@@ -460,6 +466,7 @@ class Pipeline:
         for i in todo:
             k = keys[i]
             d.reserve(k, dst.name, namespace, parents[i] if parents is not None else None)
+            dst.reserving += 1
             self._begin_op(k, dst)
             if src is not None:
                 d.begin_copy(k, src.name)
@@ -537,6 +544,7 @@ class Pipeline:
             for i in reserved_dir:
                 if d.state(keys[i], dst.name) is PageState.RESERVED:
                     d.abort(keys[i], dst.name)
+            dst.reserving -= len(todo)
             for i in todo:
                 if src is not None:
                     d.end_copy(keys[i], src.name)

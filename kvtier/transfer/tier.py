@@ -35,6 +35,8 @@ class Tier:
         high_pages: past this many pages, eviction starts (at least 1).
         low_pages: eviction brings the tier down to this many pages.
         claimed: pages of room promised to batches that have not reserved them yet.
+        reserving: pages the pipeline has reserved here and not yet committed or aborted
+            (reservations taken outside the pipeline are not counted: they are held).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Tier:
             self.high_pages, max(0, math.floor(config.low_watermark * self.capacity_pages + 1e-9))
         )
         self.claimed = 0
+        self.reserving = 0
         self.healthy = True
         self.outage_started: float | None = None
         self.outage_failures = 0
