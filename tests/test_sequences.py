@@ -177,7 +177,7 @@ async def test_bad_input(tmp_path: Path) -> None:
         await mgr.append(s, np.array([1.5]), kv1)
     with pytest.raises(KVTierUsageError, match="shape"):
         await mgr.append(s, [1, 2], kv1)
-    with pytest.raises(KVTierUsageError, match="dtype torch.float16"):
+    with pytest.raises(KVTierUsageError, match=r"dtype torch\.float16"):
         await mgr.append(s, [1], kv1.float())
     with pytest.raises(SequenceLengthError, match="maximum length of 12"):
         await mgr.append(s, list(range(13)), kv_for(SPEC, list(range(13)), 0))
