@@ -17,7 +17,7 @@ import os
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -43,8 +43,8 @@ class _StandInFuture:
 class _StandInCuFile:
     """os.pread/os.pwrite on a thread pool, shaped like kvikio.CuFile (test-only)."""
 
-    pool = concurrent.futures.ThreadPoolExecutor(4)
-    opened: list[str] = []
+    pool: ClassVar[concurrent.futures.ThreadPoolExecutor] = concurrent.futures.ThreadPoolExecutor(4)
+    opened: ClassVar[list[str]] = []
 
     def __init__(self, file: Path, flags: str = "r") -> None:
         assert flags == "r+", "the engine opens slabs for read and write"
