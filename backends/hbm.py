@@ -26,6 +26,7 @@ discovery lists the backend as unavailable.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -244,18 +245,18 @@ class HbmArena(ArenaBackend):
                 )
                 for ev in deps:
                     stream.wait_event(ev)
-            with stream:
-                for slot, other in jobs:
-                    dev = self.device_view(slot)
+            n = self.page_bytes
+            for slot, other in jobs:
+                mem = self.device_view(slot).data  # cupy MemoryPointer of the slot
+                if _is_device_array(other):
                     if direction == "h2d":
-                        if _is_device_array(other):
-                            dev[...] = other
-                        else:
-                            dev.set(other, stream=stream)
-                    elif _is_device_array(other):
-                        other[...] = dev
+                        mem.copy_from_device_async(other.data, n, stream)
                     else:
-                        dev.get(stream=stream, out=other, blocking=False)
+                        other.data.copy_from_device_async(mem, n, stream)
+                elif direction == "h2d":
+                    mem.copy_from_host_async(ctypes.c_void_p(other.ctypes.data), n, stream)
+                else:
+                    mem.copy_to_host_async(ctypes.c_void_p(other.ctypes.data), n, stream)
             event = self._streams.new_event()
             event.record(stream)
             for slot, _ in jobs:

@@ -254,3 +254,19 @@ async def test_gpu_out_of_memory_is_a_capacity_error() -> None:
     arena = HbmArena(page_bytes=1 << 30, capacity_pages=int(free // (1 << 30)) + 64)
     with pytest.raises(CapacityError, match="lower the hbm tier's capacity"):
         await arena.open()
+
+
+@pytest.mark.skipif(GPU_REASON is None, reason="a GPU is present: the check would run")
+def test_gpu_check_script_exits_with_reason_without_gpu() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "no usable GPU on this machine" in proc.stderr
+    assert GPU_REASON is not None and GPU_REASON in proc.stderr
