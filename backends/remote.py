@@ -1,10 +1,11 @@
 """The remote tier on a Redis-protocol server: Valkey or Redis, single node or cluster.
 
-:class:`RedisStore` keeps each page as a small hash under ``<prefix>:{<key hex>}``:
-
-* field ``h``: the 64-byte header of :mod:`kvtier.pageformat` (key, length, xxh3 checksum);
-* field ``p``: the page payload, sent straight from the caller's buffer (redis-py sends a
-  ``memoryview`` argument without copying it).
+:class:`RedisStore` keeps each page as one string value under ``<prefix>:{<key hex>}``:
+the payload followed by the 64-byte header of :mod:`kvtier.pageformat` (key, length, xxh3
+checksum), the same layout as the NVMe slots. The payload is sent straight from the
+caller's buffer (redis-py sends a ``memoryview`` argument without copying it) and the
+header is appended to it on the server, so writing a page copies nothing on the client;
+reads are a plain ``GET`` (measured twice as fast as ``HMGET`` of a hash field).
 
 Every read verifies the header and checksum; a page that does not verify, that the server
 evicted, or that a failing server could not return is a miss, never wrong bytes.
@@ -43,7 +44,7 @@ import numpy as np
 from kvtier.backend import Reservation, StoreBackend, check_buffers
 from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
-from kvtier.pageformat import encode_header, verify_page
+from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
 from .remote_health import Health
 from .remote_options import RemoteOptions, parse_options
@@ -52,9 +53,6 @@ log = logging.getLogger("kvtier.backends.remote")
 
 T = TypeVar("T")
 
-#: Hash fields of a stored page.
-HEADER_FIELD = b"h"
-PAYLOAD_FIELD = b"p"
 
 #: Batches whose CPU work (checksums, copies) is at least this large run on the executor,
 #: so the event loop never spends long on them (design invariant 7).
@@ -85,6 +83,7 @@ class _Pending:
     key: PageKey
     staging: bytes
     namespace: str
+    sent: bool = False  # bytes may sit under the staging key (delete them on release)
     written: bool = False
 
 
@@ -192,7 +191,7 @@ class RedisStore(StoreBackend):
         reachable, else they expire) and close the connections. Idempotent."""
         if self._client is not None:
             if self._pending and self._opened:
-                staging = [p.staging for p in self._pending.values() if p.written]
+                staging = [p.staging for p in self._pending.values() if p.sent]
                 if staging:
                     await self._pipelined(staging, lambda pipe, s: pipe.delete(s))
             self._pending.clear()
@@ -310,11 +309,13 @@ class RedisStore(StoreBackend):
             len(todo) * self.page_bytes,
         )
         items = [(p.staging, h, bufs[i].data) for (i, p), h in zip(todo, headers, strict=True)]
+        for _, p in todo:
+            p.sent = True
 
         def build(pipe: Any, item: tuple[bytes, bytes, memoryview]) -> None:
             staging, header, payload = item
-            pipe.hset(staging, mapping={HEADER_FIELD: header, PAYLOAD_FIELD: payload})
-            pipe.pexpire(staging, self._staging_ttl_ms)
+            pipe.set(staging, payload, px=self._staging_ttl_ms)
+            pipe.append(staging, header)
 
         replies = await self._pipelined(items, build, per_item=2)
         refusals: list[BaseException] = []
@@ -344,7 +345,7 @@ class RedisStore(StoreBackend):
             if p is not None and p.written:
                 todo.append((i, p))
             elif p is not None:
-                del self._pending[r.handle]
+                await self.abort([r])
         if not todo:
             return ok
 
@@ -367,7 +368,7 @@ class RedisStore(StoreBackend):
             p = self._pending_of(r)
             if p is not None:
                 del self._pending[r.handle]
-                if p.written:
+                if p.sent:
                     staging.append(p.staging)
         if staging:
             await self._pipelined(staging, lambda pipe, s: pipe.delete(s))
@@ -377,28 +378,30 @@ class RedisStore(StoreBackend):
         unverifiable or unreachable pages (then ``out[i]`` is unspecified)."""
         self._check_keys(keys)
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
-        replies = await self._pipelined(
-            keys, lambda pipe, k: pipe.hmget(self.page_name(k), HEADER_FIELD, PAYLOAD_FIELD)
-        )
-        fetched: list[tuple[int, bytes, bytes]] = []
+        replies = await self._pipelined(keys, lambda pipe, k: pipe.get(self.page_name(k)))
+        size = self.page_bytes
+        fetched: list[tuple[int, bytes]] = []
         for i, reply in enumerate(replies):
             if reply is None or isinstance(reply[0], BaseException):
-                continue
-            header, payload = reply[0]
-            if header is None or payload is None:
+                continue  # batch failed, or a foreign value type under our key
+            if reply[0] is None:
                 self._committed.discard(keys[i])  # gone: evicted, expired or deleted
                 continue
-            fetched.append((i, header, payload))
+            fetched.append((i, reply[0]))
 
         def verify_and_copy() -> list[tuple[int, str | None]]:
             done: list[tuple[int, str | None]] = []
-            for i, header, payload in fetched:
+            for i, value in fetched:
+                view = memoryview(value)
                 try:
-                    verify_page(header, keys[i], payload)
+                    if len(view) != size + HEADER_SIZE:
+                        raise IntegrityError(f"stored value is {len(view)} bytes, expected "
+                                             f"{size + HEADER_SIZE}")  # fmt: skip
+                    verify_page(view[size:], keys[i], view[:size])
                 except IntegrityError as exc:
                     done.append((i, str(exc)))
                     continue
-                np.copyto(bufs[i], np.frombuffer(payload, dtype=np.uint8))
+                np.copyto(bufs[i], np.frombuffer(view[:size], dtype=np.uint8))
                 done.append((i, None))
             return done
 

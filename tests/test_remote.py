@@ -93,10 +93,10 @@ async def test_stored_layout_header_and_readable_key(store: RedisStore, raw: red
     await store.put([key], [data], NS.label)
     name = f"{store.options.key_prefix}:{{{key.hex()}}}".encode()
     assert store.page_name(key) == name
-    stored = raw.hgetall(name)
-    assert stored[b"p"] == data.tobytes()
-    header = decode_header(stored[b"h"])
-    assert len(stored[b"h"]) == HEADER_SIZE
+    stored = raw.get(name)
+    assert stored is not None and len(stored) == PAGE + HEADER_SIZE
+    assert stored[:PAGE] == data.tobytes()  # payload first, header after (as on NVMe)
+    header = decode_header(stored[PAGE:])
     assert header.key == key and header.payload_len == PAGE
     assert header.namespace_digest == namespace_digest(NS.label)
     assert raw.ttl(name) == -1  # no TTL configured: the staging TTL was removed
@@ -171,10 +171,12 @@ async def test_corrupt_payload_is_a_counted_miss(
 ) -> None:
     keys, data = keys_for(3), pages(3)
     await store.put(keys, data, NS.label)
-    bad = bytearray(data[1].tobytes())
-    bad[100] ^= 0xFF
-    raw.hset(store.page_name(keys[1]), b"p", bytes(bad))
-    raw.hset(store.page_name(keys[2]), b"h", raw.hget(store.page_name(keys[0]), b"h"))
+    bad = bytearray(raw.get(store.page_name(keys[1])))
+    bad[100] ^= 0xFF  # one payload bit flipped
+    raw.set(store.page_name(keys[1]), bytes(bad))
+    other = raw.get(store.page_name(keys[0]))
+    assert other is not None  # page 2 gets page 0's header: a valid header, wrong key
+    raw.setrange(store.page_name(keys[2]), PAGE, other[PAGE:])
     out = [np.zeros(PAGE, np.uint8) for _ in keys]
     assert await store.get(keys, out) == [True, False, False]
     assert store.stats()["checksum_failures"] == 2
@@ -184,10 +186,10 @@ async def test_corrupt_payload_is_a_counted_miss(
 async def test_truncated_or_foreign_values_are_misses(store: RedisStore, raw: redis.Redis) -> None:
     keys, data = keys_for(3), pages(3)
     await store.put(keys, data, NS.label)
-    raw.hset(store.page_name(keys[0]), b"p", data[0].tobytes()[:100])
+    raw.set(store.page_name(keys[0]), data[0].tobytes()[:100])  # truncated
     raw.delete(store.page_name(keys[1]))
-    raw.set(store.page_name(keys[1]), b"not a page")  # wrong type under our key
-    raw.hdel(store.page_name(keys[2]), b"h")
+    raw.hset(store.page_name(keys[1]), b"f", b"not a page")  # wrong type under our key
+    raw.set(store.page_name(keys[2]), data[2].tobytes())  # payload without its header
     out = [np.zeros(PAGE, np.uint8) for _ in keys]
     assert await store.get(keys, out) == [False, False, False]
 
