@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from kvtier.testing.conformance import (
 
 #: Cases that fill a backend skip it when it holds more pages than this.
 MAX_FILL_PAGES = 4096
+#: Holding the event loop this long in one stretch is tolerated (see loop_not_blocked).
+LOOP_HOLD_FLOOR_S = 0.005
 
 
 def expect(cond: object, what: str) -> None:
@@ -377,8 +380,11 @@ class _Heartbeat:
 
 
 async def loop_not_blocked(ctx: CaseContext) -> None:
-    """While a full-capacity put and get run, the loop keeps serving other tasks: the
-    longest stretch it is held is well under the call's duration. A heuristic on a busy
+    """While a full-capacity put, then get, runs, the loop keeps serving other tasks: it
+    runs a heartbeat at least once, and the longest stretch it is held is at most half the
+    call's duration or :data:`LOOP_HOLD_FLOOR_S` plus the GIL switch interval, whichever is
+    more (with tiny pages the loop's own bookkeeping is most of a call; a worker thread
+    holding the GIL can delay the loop by a switch interval). A heuristic on a busy
     machine, so the best of several attempts counts."""
     b = await ctx.backend()
     n = min(b.capacity_pages, 256)
@@ -387,28 +393,33 @@ async def loop_not_blocked(ctx: CaseContext) -> None:
     out = _empty(b, n)
     worst = ""
     for _attempt in range(5):
-        beat = _Heartbeat()
-        hb = asyncio.create_task(beat.run())
-        await asyncio.sleep(0)
-        t0 = time.perf_counter()
-        ok_put = await b.put(keys, data)
-        ok_get = await b.get(keys, out)
-        t1 = time.perf_counter()
-        beat.stop = True
-        await hb
-        ticks = beat.ticks
-        expect(ok_put == [True] * n and ok_get == [True] * n, "full-capacity put/get failed")
+        held: list[str] = []
+        for op in ("put", "get"):
+            beat = _Heartbeat()
+            hb = asyncio.create_task(beat.run())
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+            if op == "put":
+                ok = await b.put(keys, data)
+            else:
+                ok = await b.get(keys, out)
+            t1 = time.perf_counter()
+            beat.stop = True
+            await hb
+            expect(ok == [True] * n, f"full-capacity {op} failed")
+            during = [t for t in beat.ticks if t0 <= t <= t1]
+            gap = max(y - x for x, y in itertools.pairwise([t0, *during, t1]))
+            allowed = max(0.5 * (t1 - t0), LOOP_HOLD_FLOOR_S + sys.getswitchinterval())
+            if not during or gap > allowed:
+                held.append(
+                    f"{op} held the loop {gap * 1e3:.2f} ms of {(t1 - t0) * 1e3:.2f} ms "
+                    f"({len(during)} heartbeats ran meanwhile)"
+                )
         expect(all(_same(o, d) for o, d in zip(out, data, strict=True)), "wrong bytes read")
         await b.delete(keys)
-        during = [t for t in ticks if t0 <= t <= t1]
-        stamps = [t0, *during, t1]
-        gap = max(y - x for x, y in itertools.pairwise(stamps))
-        if during and gap <= 0.5 * (t1 - t0):
+        if not held:
             return
-        worst = (
-            f"the loop was held {gap * 1e3:.2f} ms of a {(t1 - t0) * 1e3:.2f} ms put+get "
-            f"({len(during)} heartbeats ran meanwhile)"
-        )
+        worst = "; ".join(held)
     raise ConformanceError(f"blocking work seems to run on the event loop: {worst}")
 
 
