@@ -352,7 +352,8 @@ class SequenceManager:
                         slot_of_key[k] = s
                 missing_keys.update(result.missing)
                 if missing_keys:
-                    await self.cache.release(pinned)
+                    # load pins every key asked for, found or not
+                    await self.cache.release(wanted)
                     missing = {
                         s: [i for i, p in enumerate(t.pages) if p.key in missing_keys]
                         for s, t in zip(ids, rows, strict=True)

@@ -169,7 +169,7 @@ class TwoTierCache:
         slots: list[int | None] = []
         for k in keys:
             slots.append(None if k in missing else self.dram.slot_of(k))
-            if k in missing or not pin:
+            if not pin:  # like KVCache.load: with pin, every key asked for is pinned
                 self.directory.unpin(k)
         return _Load(slots, missing)
 

@@ -231,3 +231,47 @@ async def test_versioned_group_keeps_draft_in_step(tmp_path: Path) -> None:
     for m, c in ((target, target_cache), (draft, draft_cache)):
         await m.close()
         await c.close()
+
+
+async def test_on_kvcache_pages_go_to_disk_and_back_bit_exact(tmp_path: Path) -> None:
+    from kvtier.cache import KVCache
+    from kvtier.config import KVTierConfig, TierConfig
+    from kvtier.keys import Namespace
+
+    pb = SPEC.page_bytes
+    config = KVTierConfig(
+        spec=SPEC,
+        namespace=Namespace.for_spec(SPEC),
+        tiers=[
+            TierConfig("dram", "dram", 20 * pb, 0.8, 0.6),
+            TierConfig("disk", "file", 400 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
+        ],
+        write_policy="write-back",
+    )
+    async with KVCache(config, configure_log=False) as cache:
+        mgr = await SequenceManager.open(cache, 8)
+        ref = Ref()
+        seqs = []
+        for i in range(4):  # 4 sequences of 6.5 pages: more than DRAM holds
+            s = mgr.create()
+            for chunk in range(2):
+                toks = [i * 1000 + chunk * 13 + t for t in range(13)]
+                await ref.append(mgr, s, toks)
+            seqs.append(s)
+        b = mgr.fork(seqs[0])
+        ref.tokens[b], ref.kv[b] = list(ref.tokens[seqs[0]]), ref.kv[seqs[0]].clone()
+        v = mgr.snapshot(b)
+        await ref.append(mgr, b, [7] * 9)
+        await mgr.rollback(b, v)
+        ref.tokens[b], ref.kv[b] = ref.tokens[b][:26], ref.kv[b][:, :, :26]
+        await ref.append(mgr, b, [8, 8])
+        await cache.flush()
+        assert cache.directory.keys_in("disk"), "nothing reached the disk tier"
+        on_disk_only = [
+            k for k in cache.directory.keys_in("disk") if cache.directory.locate(k) != "dram"
+        ]
+        assert on_disk_only, "no page was evicted from DRAM"
+        for group in ([seqs[0], b], [seqs[1]], [seqs[2], seqs[3]]):
+            await check_attention(mgr, ref, group)
+        mgr.check_invariants()
+        await mgr.close()
