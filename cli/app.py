@@ -41,6 +41,7 @@ _COMMAND_MODULES: list[str] = [
     "inspect_config",
     "bench_run",
     "inspect_store",
+    "bench_sim",
     "inspect_topology",
 ]
 

@@ -15,6 +15,7 @@ deadlines, and reports what arrived in time.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
@@ -46,7 +47,7 @@ class LookaheadPredictor:
 
     def observe(self, blocks: Sequence[PageKey]) -> None:
         """Learn the successor of every page of a used sequence."""
-        for a, b in zip(blocks, blocks[1:], strict=False):
+        for a, b in itertools.pairwise(blocks):
             succ = self._next.get(a)
             if succ is None:
                 succ = self._next[a] = Counter()

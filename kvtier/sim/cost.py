@@ -37,7 +37,9 @@ def model_compute(spec: KVSpec) -> ModelCompute:
         return MODEL_COMPUTE[spec.name]
     except KeyError:
         known = ", ".join(sorted(MODEL_COMPUTE))
-        raise KVTierUsageError(f"no compute figures for model {spec.name!r}; known: {known}") from None
+        raise KVTierUsageError(
+            f"no compute figures for model {spec.name!r}; known: {known}"
+        ) from None
 
 
 def kv_bytes_per_token(spec: KVSpec) -> int:
@@ -56,7 +58,9 @@ def prefill_seconds(
     return (2.0 * mc.params * new_tokens + 2.0 * attn) / hw.flops
 
 
-def transfer_seconds(spec: KVSpec, hw: HardwareProfile, tokens_by_tier: Mapping[str, float]) -> float:
+def transfer_seconds(
+    spec: KVSpec, hw: HardwareProfile, tokens_by_tier: Mapping[str, float]
+) -> float:
     """Time to bring cached tokens up from their tiers (serially per tier)."""
     per_tok = kv_bytes_per_token(spec)
     return sum(hw.link(t).seconds(n * per_tok) for t, n in tokens_by_tier.items() if n > 0)
@@ -210,5 +214,7 @@ def article_table(
             ttft = ttft_total / sessions
             if base is None:
                 base = (tput, ttft)
-            rows.append(ArticleRow(ctx, label, cached_sessions, tput / base[0], ttft / base[1], ttft_hit))
+            rows.append(
+                ArticleRow(ctx, label, cached_sessions, tput / base[0], ttft / base[1], ttft_hit)
+            )
     return rows

@@ -142,8 +142,10 @@ def load_profile(path: str | Path) -> HardwareProfile:
     p = Path(path)
     try:
         raw: dict[str, Any] = json.loads(p.read_text())
-        links = {k: LinkProfile(float(v["bandwidth"]), float(v.get("latency_s", 0.0)))
-                 for k, v in raw["links"].items()}
+        links = {
+            k: LinkProfile(float(v["bandwidth"]), float(v.get("latency_s", 0.0)))
+            for k, v in raw["links"].items()
+        }
         return HardwareProfile(
             name=str(raw.get("name", p.stem)),
             gpus=int(raw.get("gpus", 0)),

@@ -40,7 +40,9 @@ class _Ids:
         return self._known[name]
 
 
-def _times(n: int, rate: float, rng: random.Random, arrivals: Sequence[Arrival] | None) -> list[float]:
+def _times(
+    n: int, rate: float, rng: random.Random, arrivals: Sequence[Arrival] | None
+) -> list[float]:
     if arrivals:
         return [a.timestamp_s for a in arrivals[:n]]
     t, out = 0.0, []
@@ -59,8 +61,13 @@ def _trace(name: str, bt: int, rows: list[tuple[float, list[int], int]]) -> Trac
     return Trace(name, bt, reqs)
 
 
-def chat(n: int = 5000, rate: float = 4.0, seed: int = 0, block_tokens: int = 512,
-         arrivals: Sequence[Arrival] | None = None) -> Trace:
+def chat(
+    n: int = 5000,
+    rate: float = 4.0,
+    seed: int = 0,
+    block_tokens: int = 512,
+    arrivals: Sequence[Arrival] | None = None,
+) -> Trace:
     """Multi-turn chat with shared system prompts (see module doc)."""
     rng = random.Random(seed)
     ids = _Ids()
@@ -79,8 +86,15 @@ def chat(n: int = 5000, rate: float = 4.0, seed: int = 0, block_tokens: int = 51
     return _trace("chat", block_tokens, rows)
 
 
-def docqa(n: int = 5000, rate: float = 4.0, seed: int = 0, block_tokens: int = 512,
-          docs: int = 500, doc_blocks: int = 64, arrivals: Sequence[Arrival] | None = None) -> Trace:
+def docqa(
+    n: int = 5000,
+    rate: float = 4.0,
+    seed: int = 0,
+    block_tokens: int = 512,
+    docs: int = 500,
+    doc_blocks: int = 64,
+    arrivals: Sequence[Arrival] | None = None,
+) -> Trace:
     """Long-document QA over Zipf-popular documents."""
     rng = random.Random(seed)
     ids = _Ids()
@@ -93,8 +107,13 @@ def docqa(n: int = 5000, rate: float = 4.0, seed: int = 0, block_tokens: int = 5
     return _trace("docqa", block_tokens, rows)
 
 
-def agent(n: int = 5000, rate: float = 8.0, seed: int = 0, block_tokens: int = 512,
-          arrivals: Sequence[Arrival] | None = None) -> Trace:
+def agent(
+    n: int = 5000,
+    rate: float = 8.0,
+    seed: int = 0,
+    block_tokens: int = 512,
+    arrivals: Sequence[Arrival] | None = None,
+) -> Trace:
     """Agentic tool loops: many quick steps, each appending one tool result."""
     rng = random.Random(seed)
     ids = _Ids()
@@ -109,8 +128,15 @@ def agent(n: int = 5000, rate: float = 8.0, seed: int = 0, block_tokens: int = 5
     return _trace("agent", block_tokens, rows[:n] if len(rows) > n else rows)
 
 
-def zipf(n: int = 5000, rate: float = 4.0, seed: int = 0, block_tokens: int = 512,
-         prefixes: int = 2000, alpha: float = 1.0, arrivals: Sequence[Arrival] | None = None) -> Trace:
+def zipf(
+    n: int = 5000,
+    rate: float = 4.0,
+    seed: int = 0,
+    block_tokens: int = 512,
+    prefixes: int = 2000,
+    alpha: float = 1.0,
+    arrivals: Sequence[Arrival] | None = None,
+) -> Trace:
     """Independent requests over a Zipf(``alpha``) pool of prefixes."""
     rng = random.Random(seed)
     ids = _Ids()
