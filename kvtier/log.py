@@ -93,5 +93,9 @@ class _StderrProxy:
 
 
 def get_logger(name: str, **context: Any) -> Any:
-    """A structlog logger bound to ``logger=name`` and any extra context."""
-    return structlog.get_logger(name).bind(logger=name, **context)
+    """A structlog logger carrying ``component=name`` and any extra context.
+
+    The logger is lazy: it follows the configuration in force when it logs, so module-level
+    loggers created at import honour a later :func:`configure_logging`.
+    """
+    return structlog.get_logger(component=name, **context)

@@ -1,0 +1,115 @@
+"""Helpers for the KVCache / pipeline tests: configs over real DRAM and file tiers, and
+file-store subclasses that are slow, count their calls, or fail on demand.
+
+The subclasses are real FileStores (real files in a tmp dir); they only add a delay,
+a counter or a failure switch in the executor function or around a call. They are
+referenced from configs by ``module:Class`` path, exactly as a third-party backend is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from kvtier.backends.filestore import FileStore
+
+from kvtier.errors import TierIOError
+from kvtier.spec import preset
+
+SPEC = preset("tiny")  # 512-byte pages, 4 tokens per page
+PAGE = SPEC.page_bytes
+PT = SPEC.page_tokens
+
+
+def tier(name: str, backend: str, pages: int, **extra: Any) -> dict[str, Any]:
+    """A tier table holding ``pages`` pages of the tiny spec."""
+    out: dict[str, Any] = {"name": name, "backend": backend, "capacity": pages * PAGE}
+    out.update(extra)
+    return out
+
+
+def config(
+    tmp: Path,
+    dram_pages: int = 16,
+    file_pages: int = 256,
+    *,
+    file_backend: str = "file",
+    extra_tiers: list[dict[str, Any]] | None = None,
+    **pipeline: Any,
+) -> dict[str, Any]:
+    """DRAM over a file store in ``tmp`` (plus ``extra_tiers`` below), tiny model."""
+    tiers = [
+        tier("dram", "dram", dram_pages),
+        tier("file", file_backend, file_pages, options={"path": str(tmp / "file")}),
+    ]
+    tiers.extend(extra_tiers or [])
+    return {
+        "model": {"preset": "tiny"},
+        "pipeline": pipeline,
+        "log": {"format": "json"},
+        "tiers": tiers,
+    }
+
+
+def sequence(rng: np.random.Generator, pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random token ids for ``pages`` full pages and random page bytes for them."""
+    tokens = rng.integers(0, 50_000, size=pages * PT)
+    data = rng.integers(0, 256, size=(pages, PAGE), dtype=np.uint8)
+    return tokens, data
+
+
+class SlowFileStore(FileStore):
+    """A file store whose reads sleep ``delay_s`` per batch in the executor thread, and
+    which records the most reads it ever had in flight at once."""
+
+    delay_s: ClassVar[float] = 0.2
+    max_concurrent: ClassVar[int] = 0
+    _active: ClassVar[int] = 0
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def _read_files(self, jobs: Any) -> Any:
+        cls = type(self)
+        with cls._lock:
+            cls._active += 1
+            cls.max_concurrent = max(cls.max_concurrent, cls._active)
+        try:
+            time.sleep(cls.delay_s)
+            return super()._read_files(jobs)
+        finally:
+            with cls._lock:
+                cls._active -= 1
+
+
+class CountingFileStore(FileStore):
+    """A file store that counts calls of each batch method (one call = one batch)."""
+
+    calls: ClassVar[dict[str, int]] = {}
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        type(self).calls["write"] = type(self).calls.get("write", 0) + 1
+        return await super().write(reservations, data)
+
+    async def get(self, keys: Any, out: Any) -> list[bool]:
+        type(self).calls["get"] = type(self).calls.get("get", 0) + 1
+        return await super().get(keys, out)
+
+
+class FailingFileStore(FileStore):
+    """A file store that, once ``failing`` is set, raises TierIOError on every read and
+    write (as a backend whose device went away would), and reports per-page failure on
+    reserve."""
+
+    failing: ClassVar[bool] = False
+
+    async def get(self, keys: Any, out: Any) -> list[bool]:
+        if type(self).failing:
+            raise TierIOError("injected: device gone")
+        return await super().get(keys, out)
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        if type(self).failing:
+            raise TierIOError("injected: device gone")
+        return await super().write(reservations, data)

@@ -1,0 +1,376 @@
+"""Pipeline behaviour under pressure, on real tiers (DramArena over FileStores in tmp dirs).
+
+Covers: round trips through every tier, spill and return with identical bytes,
+watermarks after every store, pins under pressure, a pinned-full tier (CapacityError,
+no deadlock), prefetch deadlines, cancellation, batching (one backend call per batch),
+bounded in-flight work per link, the link gate's priorities, write policies, and close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from cache_kit import (
+    PAGE,
+    CountingFileStore,
+    SlowFileStore,
+    config,
+    sequence,
+    tier,
+)
+
+from kvtier.cache import KVCache
+from kvtier.config import register_admission
+from kvtier.errors import CapacityError
+from kvtier.index.directory import PageState
+from kvtier.policy.base import AdmissionPolicy
+from kvtier.policy.eviction import LRUKPolicy
+from kvtier.transfer.links import Priority, PriorityGate
+
+
+def _open(cfg: dict) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+async def _store_many(cache: KVCache, rng: np.random.Generator, seqs: int, pages: int):
+    out = []
+    for _ in range(seqs):
+        tokens, data = sequence(rng, pages)
+        res = await cache.store(tokens, data)
+        assert all(res.stored)
+        out.append((tokens, data, res.keys))
+    return out
+
+
+def _tier_of(cache: KVCache, key: bytes) -> str | None:
+    return cache.directory.locate(key)
+
+
+async def test_round_trip_through_every_tier(tmp_path):
+    """Pages stored at the top cascade down DRAM -> file -> file2 (store->store staging
+    link) under pressure and come back up with identical bytes."""
+    cfg = config(
+        tmp_path,
+        dram_pages=4,
+        file_pages=8,
+        extra_tiers=[tier("file2", "file", 64, options={"path": str(tmp_path / "f2")})],
+        write_policy="write-back",
+        batch_pages=4,
+    )
+    rng = np.random.default_rng(1)
+    async with _open(cfg) as cache:
+        seqs = await _store_many(cache, rng, 8, 3)
+        located = {_tier_of(cache, k) for _, _, keys in seqs for k in keys}
+        assert located == {"dram", "file", "file2"}
+        for tokens, data, keys in seqs:
+            hit = await cache.lookup(tokens)
+            assert hit.keys == keys and hit.cached_tokens == len(tokens)
+            loaded = await cache.load(keys)
+            assert loaded.missing == []
+            arena = cache.tiers[0].arena
+            for slot, row in zip(loaded.slots, data, strict=True):
+                assert slot is not None
+                assert np.array_equal(arena.view(slot), row)
+            cache.release(keys)
+        cache.directory.check_invariants()
+        links = cache.metrics.snapshot()["links"]
+        for name in ("dram->file", "file->file2", "file2->dram", "file->dram"):
+            assert links[name]["pages"] > 0, name
+            assert links[name]["bytes"] == links[name]["pages"] * PAGE
+
+
+async def test_spill_under_pressure_returns_identical_bytes(tmp_path):
+    rng = np.random.default_rng(2)
+    async with _open(config(tmp_path, dram_pages=8, file_pages=512)) as cache:
+        seqs = await _store_many(cache, rng, 12, 4)  # 48 pages over an 8-page DRAM
+        assert cache.directory.used("dram") <= cache.tiers[0].high_pages
+        for _, data, keys in seqs:
+            out = np.zeros_like(data)
+            assert all(await cache.read(keys, out))
+            assert np.array_equal(out, data)
+        snap = cache.metrics.snapshot()
+        assert snap["tiers"]["dram"]["hits"] > 0
+        assert snap["tiers"]["file"]["hits"] > 0
+        assert snap["tiers"]["dram"]["evicted_pages"] > 0
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back", "selective"])
+async def test_watermarks_hold_after_every_store(tmp_path, policy):
+    rng = np.random.default_rng(3)
+    cfg = config(tmp_path, dram_pages=10, file_pages=40, write_policy=policy, batch_pages=3)
+    async with _open(cfg) as cache:
+        top, low = cache.tiers
+        for _ in range(30):
+            tokens, data = sequence(rng, int(rng.integers(1, 6)))
+            await cache.store(tokens, data)
+            assert cache.directory.used("dram") <= top.high_pages
+            cache.directory.check_invariants()
+        await cache.flush()
+        assert cache.directory.used("file") <= low.high_pages
+        # crossing the high watermark evicts down to the low one, not just below high
+        assert top.low_pages < top.high_pages
+
+
+async def test_pins_respected_under_pressure(tmp_path):
+    rng = np.random.default_rng(4)
+    async with _open(config(tmp_path, dram_pages=8, file_pages=512, batch_pages=2)) as cache:
+        tokens, data = sequence(rng, 3)
+        keys = (await cache.store(tokens, data)).keys
+        loaded = await cache.load(keys)
+        slots = list(loaded.slots)
+        await _store_many(cache, rng, 20, 3)  # heavy pressure on the 8-page DRAM
+        arena = cache.tiers[0].arena
+        for k, slot, row in zip(keys, slots, data, strict=True):
+            assert cache.directory.is_committed(k, "dram")
+            assert arena.slot_of(k) == slot
+            assert np.array_equal(arena.view(slot), row)
+        cache.release(keys)
+        await _store_many(cache, rng, 10, 3)
+        assert not all(cache.directory.is_committed(k, "dram") for k in keys)
+
+
+async def test_pinned_full_tier_raises_capacity_error_without_deadlock(tmp_path):
+    rng = np.random.default_rng(5)
+    async with _open(config(tmp_path, dram_pages=4, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys)  # all four DRAM slots pinned
+        other, other_data = sequence(rng, 1)
+        with pytest.raises(CapacityError, match="pinned"):
+            await asyncio.wait_for(cache.store(other, other_data), timeout=5)
+        absent = bytes(range(16))
+        with pytest.raises(CapacityError, match="holds 4 pages"):
+            await cache.load([*keys, absent])
+        cache.release(keys)
+        assert all((await cache.store(other, other_data)).stored)
+
+
+async def test_prefetch_deadline_returns_what_arrived(tmp_path):
+    SlowFileStore.delay_s = 0.3
+    cfg = config(
+        tmp_path,
+        dram_pages=32,
+        file_pages=256,
+        file_backend="cache_kit:SlowFileStore",
+        batch_pages=2,
+        max_inflight_per_link=1,
+    )
+    rng = np.random.default_rng(6)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 6)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        hot = keys[:2]
+        cold = keys[2:]
+        # evict the cold ones from DRAM only (they are in the file tier after the flush),
+        # so they must come up from the slow store
+        top = cache.tiers[0]
+        await cache.pipeline._evict_shielded(top, cold)
+        assert all(_tier_of(cache, k) == "file" for k in cold)
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result = await cache.prefetch(keys, deadline_s=0.1)
+        took = loop.time() - t0
+        assert took < 0.25  # one slow read takes 0.3 s: the deadline was honoured
+        assert set(result.arrived) == set(hot)
+        assert set(result.late) == set(cold)
+        assert result.missing == []
+        await cache.pipeline.drain()  # late pages still land, in the background
+        assert all(cache.directory.is_committed(k, "dram") for k in cold)
+        out = np.zeros_like(data)
+        assert all(await cache.read(keys, out))
+        assert np.array_equal(out, data)
+
+
+async def test_cancelled_prefetch_keeps_partial_progress_and_nothing_half_visible(tmp_path):
+    SlowFileStore.delay_s = 0.15
+    cfg = config(
+        tmp_path,
+        dram_pages=32,
+        file_pages=256,
+        file_backend="cache_kit:SlowFileStore",
+        batch_pages=1,
+        max_inflight_per_link=1,
+        write_policy="write-through",
+    )
+    rng = np.random.default_rng(7)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 6)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        assert all(_tier_of(cache, k) == "file" for k in keys)
+
+        task = asyncio.create_task(cache.prefetch(keys, deadline_s=10))
+        await asyncio.sleep(0.2)  # first batch done, second one running
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await cache.pipeline.drain()
+        d = cache.directory
+        d.check_invariants()
+        up = [k for k in keys if d.is_committed(k, "dram")]
+        assert 1 <= len(up) < len(keys)  # partial progress kept, the rest never started
+        assert d.count("dram", PageState.RESERVED) == 0  # nothing half-visible
+        assert cache.tiers[0].backend.used_pages() == d.used("dram")
+        out = np.zeros((len(up), PAGE), dtype=np.uint8)
+        assert all(await cache.read(up, out))
+        expected = np.stack([data[keys.index(k)] for k in up])
+        assert np.array_equal(out, expected)
+        assert cache.metrics.snapshot()["prefetch"]["cancelled"] > 0
+
+
+async def test_one_backend_call_per_batch(tmp_path):
+    CountingFileStore.calls.clear()
+    cfg = config(
+        tmp_path,
+        dram_pages=64,
+        file_pages=256,
+        file_backend="cache_kit:CountingFileStore",
+        batch_pages=16,
+    )
+    rng = np.random.default_rng(8)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 48)
+        await cache.store(tokens, data)
+        await cache.flush()  # write-through of 48 pages in batches of 16
+        assert CountingFileStore.calls["write"] == 3
+        keys = cache.page_keys(tokens)
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys[:32])
+        loaded = await cache.load(keys[:32])
+        assert loaded.missing == []
+        assert CountingFileStore.calls["get"] == 2
+
+
+async def test_inflight_bounded_per_link(tmp_path):
+    SlowFileStore.delay_s = 0.05
+    SlowFileStore.max_concurrent = 0
+    cfg = config(
+        tmp_path,
+        dram_pages=64,
+        file_pages=256,
+        file_backend="cache_kit:SlowFileStore",
+        batch_pages=2,
+        max_inflight_per_link=2,
+    )
+    rng = np.random.default_rng(9)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 16)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        loaded = await cache.load(keys)
+        assert loaded.missing == []
+        assert SlowFileStore.max_concurrent == 2
+        assert cache.metrics.snapshot()["links"]["file->dram"]["batches"] == 8
+
+
+async def test_gate_serves_fetch_before_prefetch_before_evict():
+    gate = PriorityGate(1)
+    await gate.acquire(Priority.FETCH)
+    order: list[str] = []
+
+    async def waiter(p: Priority, label: str) -> None:
+        async with gate.slot(p):
+            order.append(label)
+
+    tasks = [
+        asyncio.create_task(waiter(Priority.EVICT, "evict")),
+        asyncio.create_task(waiter(Priority.PREFETCH, "prefetch")),
+        asyncio.create_task(waiter(Priority.FETCH, "fetch")),
+    ]
+    await asyncio.sleep(0)
+    assert gate.depth() == 3
+    cancelled = asyncio.create_task(waiter(Priority.FETCH, "never"))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    gate.release()
+    await asyncio.gather(*tasks)
+    assert order == ["fetch", "prefetch", "evict"]
+    assert gate.active == 0 and gate.depth() == 0
+
+
+async def test_lru_k_selectable_per_tier(tmp_path):
+    cfg = config(tmp_path)
+    cfg["tiers"][0]["eviction"] = "lru-k"
+    cfg["tiers"][0]["eviction_params"] = {"k": 3}
+    async with _open(cfg) as cache:
+        assert isinstance(cache.tiers[0].policy, LRUKPolicy)
+        assert cache.tiers[0].policy.k == 3
+
+
+class _EvenFirstByte(AdmissionPolicy):
+    name = "even-first-byte"
+
+    def admit(self, key: bytes) -> bool:  # type: ignore[override]
+        return key[0] % 2 == 0
+
+
+async def test_selective_write_policy_admits_only_what_the_policy_accepts(tmp_path):
+    register_admission("even-first-byte", _EvenFirstByte)
+    cfg = config(
+        tmp_path,
+        dram_pages=8,
+        file_pages=256,
+        write_policy="selective",
+        admission="even-first-byte",
+    )
+    rng = np.random.default_rng(10)
+    async with _open(cfg) as cache:
+        seqs = await _store_many(cache, rng, 10, 4)
+        await cache.flush()
+        keys = [k for _, _, ks in seqs for k in ks]
+        for k in keys:
+            in_file = cache.directory.is_committed(k, "file")
+            assert in_file == (k[0] % 2 == 0)
+        assert cache.metrics.snapshot()["tiers"]["dram"]["dropped_pages"] > 0
+
+
+async def test_close_drains_and_write_back_flushes_dirty_pages(tmp_path):
+    rng = np.random.default_rng(11)
+    cfg = config(tmp_path, dram_pages=32, file_pages=256, write_policy="write-back")
+    cache = _open(cfg)
+    await cache.start()
+    seqs = await _store_many(cache, rng, 4, 4)
+    keys = [k for _, _, ks in seqs for k in ks]
+    assert not any(cache.directory.is_committed(k, "file") for k in keys)  # still dirty
+    await cache.close()
+    current = asyncio.current_task()
+    assert [t for t in asyncio.all_tasks() if t is not current] == []
+    # a fresh cache on the same directory recovers every page from the file tier
+    async with _open(cfg) as again:
+        for _, data, ks in seqs:
+            assert [again.directory.locate(k) for k in ks] == ["file"] * len(ks)
+            out = np.zeros_like(data)
+            assert all(await again.read(ks, out))
+            assert np.array_equal(out, data)
+
+
+async def test_close_cancels_unstarted_prefetches_and_leaves_no_task(tmp_path):
+    SlowFileStore.delay_s = 0.1
+    cfg = config(
+        tmp_path,
+        dram_pages=32,
+        file_pages=256,
+        file_backend="cache_kit:SlowFileStore",
+        batch_pages=1,
+        max_inflight_per_link=1,
+    )
+    rng = np.random.default_rng(12)
+    cache = _open(cfg)
+    await cache.start()
+    tokens, data = sequence(rng, 8)
+    keys = (await cache.store(tokens, data)).keys
+    await cache.flush()
+    await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+    result = await cache.prefetch(keys, deadline_s=0.0)
+    assert len(result.late) == len(keys)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await cache.close()
+    assert loop.time() - t0 < 0.5  # 8 slow batches would take 0.8 s: most were cancelled
+    current = asyncio.current_task()
+    assert [t for t in asyncio.all_tasks() if t is not current] == []
