@@ -66,6 +66,9 @@ class HbmArena(ArenaBackend):
     """
 
     default_io_threads: ClassVar[int] = 2
+    #: Slots are device memory: no numpy views, no host reservation views. (A marker for
+    #: the conformance kit's host-view case, which does not apply here.)
+    host_addressable: ClassVar[bool] = False
 
     def __init__(
         self,
