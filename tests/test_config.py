@@ -1,0 +1,274 @@
+"""Configuration: default, TOML files, dicts, KVTierConfig objects, KVTIER_* variables,
+sources of every value, and a ConfigError naming the key for every kind of mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import (
+    DEFAULT_STORE_DIR,
+    KVTierConfig,
+    default_config,
+    load_config,
+    parse_size,
+    register_admission,
+)
+from kvtier.errors import ConfigError
+from kvtier.policy.base import AdmitAll
+from kvtier.spec import PRESETS
+
+TOML = """
+[model]
+preset = "llama3-8b"
+page_tokens = 32
+
+[namespace]
+model_id = "meta-llama/Llama-3.1-8B"
+revision = "abc123"
+
+[pipeline]
+write_policy = "write-back"
+batch_pages = 8
+
+[log]
+format = "json"
+
+[[tiers]]
+name = "dram"
+backend = "dram"
+capacity = "1GiB"
+
+[[tiers]]
+name = "nvme"
+backend = "file"
+capacity = "16GiB"
+eviction = "lru-k"
+[tiers.eviction_params]
+k = 3
+[tiers.options]
+path = "/tmp/kv"
+
+[[tiers]]
+name = "remote"
+backend = "redis"
+capacity = "64GiB"
+"""
+
+
+def _file(tmp_path: Path, text: str = TOML) -> Path:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_is_dram_over_a_local_file_store():
+    cfg = default_config()
+    assert [t.backend for t in cfg.tiers] == ["dram", "file"]
+    assert cfg.tiers[1].options == {"path": DEFAULT_STORE_DIR}
+    assert (cfg.tiers[0].high_watermark, cfg.tiers[0].low_watermark) == (0.80, 0.70)
+    assert (cfg.tiers[1].high_watermark, cfg.tiers[1].low_watermark) == (0.70, 0.60)
+    assert cfg.write_policy == "write-through"
+    assert cfg.spec == PRESETS["llama3-8b"]
+    assert cfg.namespace.model_id == "llama3-8b"
+    resolved = load_config(None, env={})
+    assert set(resolved.sources.values()) == {"default"}
+
+
+def test_toml_file_values_and_sources(tmp_path):
+    path = _file(tmp_path)
+    resolved = load_config(path, env={})
+    cfg = resolved.config
+    assert cfg.spec.page_tokens == 32 and cfg.spec.num_layers == 32
+    assert cfg.namespace.model_id == "meta-llama/Llama-3.1-8B"
+    assert cfg.namespace.page_tokens == 32  # the namespace follows the spec
+    assert cfg.write_policy == "write-back" and cfg.batch_pages == 8
+    assert cfg.max_inflight_per_link == 4  # untouched default
+    assert [t.name for t in cfg.tiers] == ["dram", "nvme", "remote"]
+    assert cfg.tiers[0].capacity_bytes == 1 << 30
+    assert cfg.tiers[1].eviction == "lru-k" and cfg.tiers[1].eviction_params == {"k": 3}
+    # default watermarks by position: 0.80 / 0.70 / 0.90, low = high - 0.10
+    assert [t.high_watermark for t in cfg.tiers] == [0.80, 0.70, 0.90]
+    assert [t.low_watermark for t in cfg.tiers] == [0.70, 0.60, 0.80]
+    src = resolved.sources
+    assert src["pipeline.write_policy"] == f"file:{path}"
+    assert src["tiers[1].options.path"] == f"file:{path}"
+    assert src["pipeline.max_inflight_per_link"] == "default"
+    rows = {key: (value, origin) for key, value, origin in resolved.as_rows()}
+    assert rows["tiers[2].capacity"] == (64 << 30, f"file:{path}")
+    assert rows["pipeline.max_inflight_per_link"] == (4, "default")
+
+
+def test_env_overrides_file_and_records_its_source(tmp_path):
+    path = _file(tmp_path)
+    env = {
+        "KVTIER_TIERS__DRAM__CAPACITY": "2GiB",
+        "KVTIER_TIERS__1__HIGH_WATERMARK": "0.5",
+        "KVTIER_TIERS__1__LOW_WATERMARK": "0.25",
+        "KVTIER_TIERS__NVME__OPTIONS__PATH": "/mnt/kv",
+        "KVTIER_PIPELINE__WRITE_POLICY": "write-through",
+        "KVTIER_LOG__LEVEL": "debug",
+        "KVTIER_SOMETHING_ELSE": "ignored: no double underscore",
+    }
+    resolved = load_config(path, env=env)
+    cfg = resolved.config
+    assert cfg.tiers[0].capacity_bytes == 2 << 30
+    assert (cfg.tiers[1].high_watermark, cfg.tiers[1].low_watermark) == (0.5, 0.25)
+    assert cfg.tiers[1].options == {"path": "/mnt/kv"}
+    assert cfg.write_policy == "write-through"
+    assert cfg.log_level == "debug"
+    assert resolved.sources["tiers[0].capacity"] == "env:KVTIER_TIERS__DRAM__CAPACITY"
+    assert resolved.sources["tiers[1].options.path"] == "env:KVTIER_TIERS__NVME__OPTIONS__PATH"
+    assert resolved.sources["tiers[0].backend"] == f"file:{path}"
+
+
+def test_kvtier_config_env_names_the_file(tmp_path):
+    path = _file(tmp_path)
+    resolved = load_config(None, env={"KVTIER_CONFIG": str(path)})
+    assert [t.name for t in resolved.config.tiers] == ["dram", "nvme", "remote"]
+    assert resolved.sources["tiers[0].capacity"] == f"env:KVTIER_CONFIG={path}"
+
+
+def test_dict_and_object_sources_round_trip():
+    raw = {
+        "model": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "fp16"},
+        "tiers": [{"name": "mem", "backend": "dram", "capacity": "8MiB", "high_watermark": 0.9}],
+    }
+    resolved = load_config(raw, env={})
+    cfg = resolved.config
+    assert cfg.spec.dtype == "float16" and cfg.spec.num_layers == 4
+    assert cfg.tiers[0].low_watermark == pytest.approx(0.8)  # high - 0.10
+    assert resolved.sources["model.num_layers"] == "python"
+    assert "model.preset" not in resolved.sources  # explicit geometry replaces the preset
+    again = load_config(cfg, env={}).config
+    assert again == cfg
+    assert isinstance(cfg, KVTierConfig) and cfg.validate() is cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("4GiB", 4 << 30),
+        ("4 GiB", 4 << 30),
+        ("512MiB", 512 << 20),
+        ("512m", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("2GB", 2_000_000_000),
+        ("64KiB", 65536),
+        ("1TiB", 1 << 40),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["four", "-1", "4XB", "", True, -5, 1.5, None])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity"):
+        parse_size(bad, "tiers[0].capacity")
+
+
+def _tiers(**first) -> dict:
+    tier = {"name": "dram", "backend": "dram", "capacity": "64MiB", **first}
+    return {"model": {"preset": "tiny"}, "tiers": [tier]}
+
+
+@pytest.mark.parametrize(
+    ("raw", "env", "match"),
+    [
+        ({"modle": {}}, {}, r"modle: unknown section"),
+        ({"pipeline": {"batch_page": 4}}, {}, r"pipeline\.batch_page: unknown key"),
+        (_tiers(capacty="1GiB"), {}, r"tiers\[0\]\.capacty: unknown key"),
+        (_tiers(capacity=100), {}, r"tiers\[0\]\.capacity: 100 bytes .* smaller than one page"),
+        (_tiers(capacity="lots"), {}, r"tiers\[0\]\.capacity: cannot parse 'lots'"),
+        (_tiers(high_watermark=1.5), {}, r"tiers\[0\]\.high_watermark: must be a fraction"),
+        (
+            _tiers(high_watermark=0.5, low_watermark=0.6),
+            {},
+            r"tiers\[0\]\.low_watermark: 0\.6 is above high_watermark 0\.5",
+        ),
+        (_tiers(eviction="mru"), {}, r"tiers\[0\]\.eviction: .*unknown eviction policy 'mru'"),
+        (
+            _tiers(eviction="lru-k", eviction_params={"k": 0}),
+            {},
+            r"tiers\[0\]\.eviction: lru-k: k must be",
+        ),
+        (_tiers(options="x"), {}, r"tiers\[0\]\.options: must be a table"),
+        ({"pipeline": {"write_policy": "sometimes"}}, {}, r"pipeline\.write_policy: must be one"),
+        ({"pipeline": {"admission": "oracle"}}, {}, r"pipeline\.admission: unknown admission"),
+        ({"pipeline": {"batch_pages": 0}}, {}, r"pipeline\.batch_pages: must be an integer >= 1"),
+        ({"pipeline": {"max_inflight_per_link": "4"}}, {}, r"max_inflight_per_link: must be"),
+        ({"log": {"format": "xml"}}, {}, r"log\.format: must be 'console' or 'json'"),
+        ({"log": {"level": "loud"}}, {}, r"log\.level: unknown level 'loud'"),
+        ({"model": {"preset": "gpt5"}}, {}, r"model\.preset: unknown KVSpec preset 'gpt5'"),
+        ({"model": {"num_layers": 2}}, {}, r"model: give a preset or every geometry field"),
+        (
+            {"model": {"preset": "tiny", "dtype": "int4"}},
+            {},
+            r"model\.dtype: unknown KV dtype 'int4'",
+        ),
+        ({"tiers": []}, {}, r"tiers: at least one tier"),
+        ({"tiers": [{"name": "x", "capacity": "1GiB"}]}, {}, r"tiers\[0\]\.backend: missing"),
+        (
+            {"tiers": [{"backend": "dram", "capacity": "1GiB"}] * 2},
+            {},
+            r"tiers\[1\]\.name: duplicate tier name 'dram'",
+        ),
+        ({}, {"KVTIER_PIPELINE__BATCHPAGES": "3"}, r"KVTIER_PIPELINE__BATCHPAGES: .* not a key"),
+        ({}, {"KVTIER_FOO__BAR": "1"}, r"KVTIER_FOO__BAR: unknown section 'foo'"),
+        ({}, {"KVTIER_TIERS__SSD__CAPACITY": "1GiB"}, r"no tier named 'ssd'"),
+        ({}, {"KVTIER_TIERS__7__CAPACITY": "1GiB"}, r"no tier at index 7"),
+        (
+            {},
+            {"KVTIER_TIERS__DRAM__CAPACITY": "1KiB"},
+            r"tiers\[0\]\.capacity: 1024 bytes .*smaller than one page.*"
+            r"\(from env:KVTIER_TIERS__DRAM__CAPACITY\)",
+        ),
+        ({}, {"KVTIER_PIPELINE__WRITE_POLICY": "never"}, r"\(from env:KVTIER_PIPELINE"),
+    ],
+)
+def test_bad_config_names_the_key(raw, env, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(raw, env=env)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml", env={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\npreset = 1")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(broken, env={})
+    with pytest.raises(ConfigError, match=r"tiers\[0\].speed: unknown key .*from file:"):
+        load_config(_file(tmp_path, '[[tiers]]\nbackend="dram"\ncapacity=1\nspeed=2\n'), env={})
+    with pytest.raises(ConfigError, match="must be a path, dict or KVTierConfig"):
+        load_config(42, env={})  # type: ignore[arg-type]
+
+
+def test_registered_admission_policy_is_selectable():
+    class OnlyZero(AdmitAll):
+        name = "only-zero"
+
+        def __init__(self, byte: int = 0) -> None:
+            self.byte = byte
+
+        def admit(self, key: bytes) -> bool:  # type: ignore[override]
+            return key[0] == self.byte
+
+    register_admission("only-zero", OnlyZero)
+    cfg = load_config(
+        {
+            "pipeline": {
+                "write_policy": "selective",
+                "admission": "only-zero",
+                "admission_params": {"byte": 7},
+            }
+        },
+        env={},
+    ).config
+    assert cfg.admission == "only-zero" and cfg.admission_params == {"byte": 7}
+    with pytest.raises(ConfigError, match=r"admission_params: bad parameters for 'only-zero'"):
+        load_config({"pipeline": {"admission": "only-zero", "admission_params": {"x": 1}}}, env={})
