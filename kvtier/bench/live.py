@@ -82,6 +82,8 @@ def run_config(
             backend = disk_backend()
             if tier["backend"] != backend:
                 tier["options"] = {}
+                if tier.get("name") == tier["backend"]:
+                    tier["name"] = backend
             tier["backend"] = backend
             tier["options"]["path"] = str(disk_dir)
     return load_config(raw, env={}).config

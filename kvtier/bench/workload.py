@@ -131,7 +131,7 @@ class ChatCache(Protocol):
 
     async def load(self, keys: Sequence[PageKey], pin: bool = ...) -> Any: ...
 
-    async def release(self, keys: Sequence[PageKey]) -> Any: ...
+    def release(self, keys: Sequence[PageKey]) -> None: ...
 
     async def read(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]: ...
 
@@ -251,7 +251,7 @@ class ChatWorkload:
             try:
                 valid = await self._check_loaded(keys, list(loaded.slots))
             finally:
-                await self.cache.release(keys)
+                self.cache.release(keys)
             rep.load_missing += len(keys) - sum(s is not None for s in loaded.slots)
         rep.turns += 1
         rep.pages_looked_up += full
