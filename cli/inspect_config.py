@@ -21,9 +21,17 @@ def config_report(path: Path | None) -> dict[str, Any]:
     ``env:NAME``. Raises :class:`~kvtier.errors.ConfigError` naming a bad key or value.
     """
     resolved = load_config(path)
+    # Model fields filled in from a preset carry no source of their own: they come from
+    # wherever the preset was chosen.
+    preset_source = resolved.sources.get("model.preset", "default")
+    values = []
+    for key, value, source in resolved.as_rows():
+        if key.startswith("model.") and key not in resolved.sources and preset_source != "default":
+            source = f"preset from {preset_source}"
+        values.append({"key": key, "value": value, "source": source})
     return {
         "config": resolved.config.to_dict(),
-        "values": [{"key": k, "value": v, "source": s} for k, v, s in resolved.as_rows()],
+        "values": values,
         "sources": dict(resolved.sources),
     }
 

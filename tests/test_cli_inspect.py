@@ -89,3 +89,12 @@ def test_inspect_config_missing_file(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(get_app(), ["inspect", "config", "--config", str(tmp_path / "no.toml")])
     assert result.exit_code == 2
     assert "no.toml" in result.stderr
+
+
+def test_inspect_config_model_fields_follow_the_preset_source(runner: CliRunner) -> None:
+    result = runner.invoke(
+        get_app(), ["inspect", "config", "--json"], env={"KVTIER_MODEL__PRESET": "tiny"}
+    )
+    values = {v["key"]: v for v in _json(result)["values"]}
+    assert values["model.num_layers"]["value"] == 2
+    assert values["model.num_layers"]["source"] == "preset from env:KVTIER_MODEL__PRESET"
