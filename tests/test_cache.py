@@ -1,0 +1,202 @@
+"""The KVCache facade: store / lookup / load / read / prefetch / delete / flush, typed and
+torch inputs, restart recovery, listeners, metrics (Python and Prometheus) and logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+from cache_kit import PAGE, PT, SPEC, config, sequence
+
+from kvtier.cache import KVCache
+from kvtier.keys import ROOT_KEY, Namespace, page_keys
+
+
+def _open(cfg: dict) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+async def test_store_lookup_load_read_release(tmp_path):
+    rng = np.random.default_rng(20)
+    async with _open(config(tmp_path)) as cache:
+        assert cache.spec == SPEC and [t.name for t in cache.tiers] == ["dram", "file"]
+        tokens, data = sequence(rng, 5)
+        tail = rng.integers(0, 50_000, size=PT - 1)  # a partial page gets no key
+        res = await cache.store(np.concatenate([tokens, tail]), data)
+        assert res.stored == [True] * 5 and res.keys == cache.page_keys(tokens)
+
+        hit = await cache.lookup(tokens)
+        assert hit.keys == res.keys and hit.tiers == ["dram"] * 5
+        assert hit.cached_tokens == 5 * PT
+        other = tokens.copy()
+        other[2 * PT] += 1  # diverges in page 2: only pages 0 and 1 are a cached prefix
+        assert (await cache.lookup(other)).cached_tokens == 2 * PT
+
+        loaded = await cache.load(res.keys)
+        assert loaded.missing == [] and None not in loaded.slots
+        arena = cache.tiers[0].arena
+        for slot, row in zip(loaded.slots, data, strict=True):
+            assert np.array_equal(arena.view(slot), row)
+            assert torch.equal(arena.tensor(slot), torch.from_numpy(row))
+        assert all(cache.directory.is_pinned(k) for k in res.keys)
+        await cache.release(res.keys)  # may be awaited or not
+        assert not any(cache.directory.is_pinned(k) for k in res.keys)
+
+        out = np.zeros_like(data)
+        assert await cache.read(res.keys, out) == [True] * 5
+        assert np.array_equal(out, data)
+
+        # a second store of the same pages is a no-op that succeeds
+        assert all((await cache.store(tokens, data)).stored)
+        assert cache.metrics.snapshot()["tiers"]["dram"]["stored_pages"] == 5
+
+
+async def test_typed_and_torch_pages_and_keyed_store(tmp_path):
+    rng = np.random.default_rng(21)
+    async with _open(config(tmp_path)) as cache:
+        tokens = rng.integers(0, 1000, size=3 * PT)
+        typed = rng.standard_normal((3, *SPEC.page_shape)).astype(np.float16)
+        res = await cache.store(tokens, typed)
+        assert all(res.stored)
+        out = torch.zeros((3, *SPEC.page_shape), dtype=torch.float16)
+        assert all(await cache.read(res.keys, out))
+        assert np.array_equal(out.numpy(), typed)
+
+        t_tokens = rng.integers(0, 1000, size=2 * PT)
+        t_pages = torch.randn((2, *SPEC.page_shape), dtype=torch.float16)
+        res2 = await cache.store(t_tokens, t_pages)
+        rows = [np.zeros(PAGE, dtype=np.uint8) for _ in range(2)]
+        assert all(await cache.read(res2.keys, rows))
+        assert np.array_equal(np.stack(rows), t_pages.view(torch.uint8).reshape(2, PAGE).numpy())
+
+        # keyed form, with another namespace (different keys, same bytes)
+        ns = Namespace("other-model", kv_dtype=SPEC.dtype, page_tokens=SPEC.page_tokens)
+        keys = page_keys(tokens, ns)
+        assert set(keys).isdisjoint(res.keys)
+        parents = [ROOT_KEY, *keys[:-1]]
+        assert (
+            await cache.store_pages(keys, list(typed), parents=parents, namespace=ns) == [True] * 3
+        )
+        assert cache.directory.get(keys[1]).parent == keys[0]  # type: ignore[union-attr]
+
+
+async def test_prefetch_delete_flush(tmp_path):
+    rng = np.random.default_rng(22)
+    async with _open(config(tmp_path, write_policy="write-back")) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        assert not any(cache.directory.is_committed(k, "file") for k in keys)
+        assert await cache.flush() == 4
+        assert all(cache.directory.is_committed(k, "file") for k in keys)
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys[:2])
+        result = await cache.prefetch(keys, deadline_s=5)
+        assert sorted(result.arrived) == sorted(keys) and result.late == []
+        unknown = bytes(16)
+        assert (await cache.prefetch([unknown], 1)).missing == [unknown]
+        assert await cache.delete(keys[:2]) == 4  # two pages, two tiers each
+        assert [cache.directory.locate(k) for k in keys] == [None, None, "dram", "dram"]
+        assert (await cache.lookup(tokens)).cached_tokens == 0
+        cache.directory.check_invariants()
+
+
+async def test_reopen_recovers_pages_from_the_file_tier(tmp_path):
+    rng = np.random.default_rng(23)
+    cfg = config(tmp_path)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 6)
+        await cache.store(tokens, data)
+    async with _open(cfg) as again:
+        hit = await again.lookup(tokens)
+        assert hit.tiers == ["file"] * 6
+        loaded = await again.load(hit.keys, pin=False)
+        assert loaded.missing == []
+        assert not any(again.directory.is_pinned(k) for k in hit.keys)
+        out = np.zeros_like(data)
+        assert all(await again.read(hit.keys, out)) and np.array_equal(out, data)
+
+
+async def test_listeners_follow_commits_and_removals(tmp_path):
+    rng = np.random.default_rng(24)
+    seen: dict[bytes, set[str]] = {}
+
+    class Tree:
+        def on_commit(self, key: bytes, tier: str) -> None:
+            seen.setdefault(key, set()).add(tier)
+
+        def on_remove(self, key: bytes, tier: str) -> None:
+            seen[key].discard(tier)
+
+    async with _open(config(tmp_path, dram_pages=4)) as cache:
+        cache.directory.subscribe(Tree())
+        for _ in range(5):
+            tokens, data = sequence(rng, 3)
+            await cache.store(tokens, data)
+        await cache.flush()
+        for key, tiers in seen.items():
+            assert tiers == set(cache.directory.tiers_of(key))
+
+
+async def test_metrics_snapshot_and_prometheus(tmp_path):
+    rng = np.random.default_rng(25)
+    async with _open(config(tmp_path, dram_pages=4)) as cache:
+        seqs = []
+        for _ in range(4):
+            tokens, data = sequence(rng, 3)
+            seqs.append((await cache.store(tokens, data)).keys)
+        for keys in seqs:
+            await cache.load(keys, pin=False)
+        snap = cache.metrics.snapshot()
+        lat = snap["fetch_latency_s"]
+        assert lat["count"] == 4 and 0 < lat["p50"] <= lat["p99"] <= lat["max"]
+        assert snap["tiers"]["file"]["hits"] > 0 and snap["tiers"]["dram"]["misses"] > 0
+        link = snap["links"]["file->dram"]
+        assert link["pages"] > 0 and link["seconds"] > 0 and link["gb_per_s"] > 0
+        assert set(snap["queues"]) == {"fetch", "prefetch", "evict"}
+        text = cache.metrics.to_prometheus()
+        assert "# TYPE kvtier_hits_total counter" in text
+        assert f'kvtier_link_pages_total{{link="file->dram"}} {int(link["pages"])}' in text
+        assert 'kvtier_fetch_latency_seconds_bucket{le="+Inf"} 4' in text
+        assert "kvtier_fetch_latency_seconds_count 4" in text
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                _name, value = line.rsplit(" ", 1)
+                float(value)  # every sample is a number
+
+
+async def test_json_logs_go_to_stderr_once_per_outage(tmp_path, capsys):
+    import shutil
+
+    rng = np.random.default_rng(26)
+    async with _open(config(tmp_path, dram_pages=4)) as cache:
+        tokens, data = sequence(rng, 8)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        shutil.rmtree(tmp_path / "file")  # the file tier loses its pages
+        out = np.zeros_like(data)
+        for _ in range(3):
+            await cache.read(keys, out)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    events = [json.loads(line) for line in captured.err.splitlines() if line.startswith("{")]
+    assert any(e["event"] == "kvtier cache open" for e in events)
+    failing = [e for e in events if e["event"].startswith("tier failing")]
+    assert len(failing) == 1 and failing[0]["tier"] == "file"
+
+
+async def test_open_classmethod_and_close_idempotent(tmp_path):
+    cache = await KVCache.open(config(tmp_path), env={})
+    assert cache.is_open
+    await cache.close()
+    await cache.close()
+    assert not cache.is_open
+    await asyncio.sleep(0)
+
+
+def test_default_cache_constructs_without_opening():
+    cache = KVCache(env={}, configure_log=False)
+    assert cache.config.tiers[0].backend == "dram" and cache.tiers == []
+    with pytest.raises(Exception, match="not open"):
+        cache.release([])
