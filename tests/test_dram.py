@@ -1,0 +1,172 @@
+"""DramArena specifics: memory kinds, zero-copy views, the skipped copy, split copies,
+options, and a state machine against the model of the contract."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from kvtier.backends import dram
+from kvtier.backends.dram import DramArena, _split_pairs
+
+from kvtier.backend import BackendClosedError
+from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.testing.model import backend_state_machine
+
+PAGE = 4096
+
+
+def _keys(n: int, salt: int = 0) -> list[PageKey]:
+    return [PageKey(bytes([salt, i % 256, i // 256]) + bytes(13)) for i in range(n)]
+
+
+def _pages(n: int, page_bytes: int = PAGE, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+async def test_memory_kind_is_recorded_and_page_aligned() -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=4) as arena:
+        stats = arena.stats()
+        if torch.cuda.is_available():
+            assert stats["memory"] == "pinned"
+        else:
+            assert stats["memory"] in ("mlocked", "plain")
+            assert (stats["memory_note"] is None) == (stats["memory"] == "mlocked")
+        assert stats["arena_bytes"] == 4 * PAGE
+        assert arena.view(0).ctypes.data % mmap.PAGESIZE == 0
+    assert arena.stats()["used_pages"] == 0
+
+
+async def test_refused_mlock_is_logged_once_and_the_arena_still_works(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("pinned through CUDA here; mlock is not used")
+    monkeypatch.setattr(dram, "_try_mlock", lambda addr, n: "mlock refused: EPERM (test)")
+    monkeypatch.setattr(dram, "_mlock_refusal_logged", False)
+    caplog.set_level(logging.WARNING, logger="kvtier.backends.dram")
+    for _ in range(2):
+        async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+            assert arena.stats()["memory"] == "plain"
+            assert "EPERM" in arena.stats()["memory_note"]
+            keys, data = _keys(1), _pages(1)
+            assert await arena.put(keys, data) == [True]
+    refusals = [r for r in caplog.records if "not locked in memory" in r.getMessage()]
+    assert len(refusals) == 1
+
+
+async def test_real_mlock_refusal_is_reported() -> None:
+    """mlock of an unmapped range fails (ENOMEM): the helper reports it, never raises."""
+    reason = dram._try_mlock(0, mmap.PAGESIZE)
+    assert reason is not None and "refused" in reason
+
+
+async def test_view_and_tensor_share_memory() -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=3) as arena:
+        view, tensor = arena.view(1), arena.tensor(1)
+        assert view.flags.writeable and view.shape == (PAGE,)
+        assert tensor.dtype == torch.uint8 and tensor.data_ptr() == view.ctypes.data
+        assert np.shares_memory(view, arena.view(1))
+        assert not np.shares_memory(arena.view(0), arena.view(1))
+        tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        assert view[:4].tolist() == [1, 2, 3, 4]
+        view[4] = 99
+        assert int(tensor[4]) == 99
+
+
+async def test_write_of_the_reserved_view_skips_the_copy() -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+        keys, data = _keys(2), _pages(2)
+        r1, r2 = await arena.reserve(keys)
+        assert r1 is not None and r2 is not None and r1.view is not None
+        assert r1.view.ctypes.data == arena.view(r1.handle).ctypes.data
+        r1.view[:] = data[0]
+        assert await arena.write([r1, r2], [r1.view, data[1]]) == [True, True]
+        stats = arena.stats()
+        assert stats["skipped_copies"] == 1 and stats["copies"] == 1
+        assert await arena.commit([r1, r2]) == [True, True]
+        out = [np.empty(PAGE, np.uint8) for _ in range(2)]
+        assert await arena.get(keys, out) == [True, True]
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+async def test_large_batches_are_split_across_threads_and_stay_correct() -> None:
+    page = 1 << 20
+    n = dram.PARALLEL_COPY_MIN_BYTES // page + 4
+    async with DramArena(page_bytes=page, capacity_pages=n, io_threads=4) as arena:
+        keys, data = _keys(n), _pages(n, page)
+        assert await arena.put(keys, data) == [True] * n
+        out = [np.empty(page, np.uint8) for _ in range(n)]
+        assert await arena.get(keys, out) == [True] * n
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=6),
+    parts=st.integers(1, 8),
+)
+def test_split_pairs_covers_every_byte_once(sizes: list[int], parts: int) -> None:
+    src = [np.arange(s, dtype=np.uint32).astype(np.uint8) for s in sizes]
+    dst = [np.zeros(s, dtype=np.uint8) for s in sizes]
+    groups = _split_pairs(list(zip(dst, src, strict=True)), parts)
+    for group in groups:
+        for d, s in group:
+            assert d.nbytes == s.nbytes and not d.any()  # no byte copied twice
+            d[:] = s
+    assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
+    total = sum(sizes)
+    assert len(groups) <= max(1, -(-total // dram._MIN_PIECE_BYTES), parts) + 1
+
+
+async def test_slot_is_stable_while_committed_and_reused_after_delete() -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+        k = _keys(3)
+        d = _pages(3)
+        assert await arena.put(k[:2], d[:2]) == [True, True]
+        slot0 = arena.slot_of(k[0])
+        assert await arena.delete(k[1:2]) == [True]
+        assert await arena.put(k[2:], d[2:]) == [True]
+        assert arena.slot_of(k[0]) == slot0
+        assert np.array_equal(arena.view(slot0 or 0), d[0])
+        assert {arena.slot_of(k[0]), arena.slot_of(k[2])} == {0, 1}
+
+
+async def test_reopen_starts_empty() -> None:
+    arena = DramArena(page_bytes=PAGE, capacity_pages=2)
+    await arena.open()
+    assert await arena.put(_keys(1), _pages(1)) == [True]
+    await arena.close()
+    with pytest.raises(BackendClosedError):
+        arena.view(0)
+    await arena.open()
+    assert await arena.keys() == [] and arena.used_pages() == 0
+    await arena.close()
+
+
+async def test_bad_slots_and_options() -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=2, numa_node=0) as arena:
+        assert arena.numa_node == 0 and arena.stats()["numa_node"] == 0
+        for bad in (-1, 2, 1.0, True):
+            with pytest.raises(KVTierUsageError, match="slot"):
+                arena.view(bad)  # type: ignore[arg-type]
+    for numa in (-1, "0", True):
+        with pytest.raises(KVTierUsageError, match="numa_node"):
+            DramArena(page_bytes=PAGE, capacity_pages=2, numa_node=numa)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="pinned"):
+        DramArena(page_bytes=PAGE, capacity_pages=2, pinned=True)
+    with pytest.raises(KVTierUsageError, match="page_bytes"):
+        DramArena(page_bytes=0, capacity_pages=2)
+    with pytest.raises(KVTierUsageError, match="io_threads"):
+        DramArena(page_bytes=PAGE, capacity_pages=2, io_threads=0)
+
+
+TestDramStateMachine = backend_state_machine(
+    lambda: DramArena(page_bytes=64, capacity_pages=4, io_threads=2)
+).TestCase
