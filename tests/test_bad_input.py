@@ -1,0 +1,244 @@
+"""Every bad-input case of the core issue, and tiers failing mid-run.
+
+Bad input: wrong shape, dtype or size handed to store/read, bad keys, unknown backend,
+bad backend options, bad config key or value, capacity below one page, misuse (closed
+cache, double release, deleting pinned pages, negative deadlines). Each raises a
+KVTierUsageError subclass whose message names the problem.
+
+Failing tiers: a backend that starts raising, a store whose directory vanishes, a page
+corrupted on disk: each gives misses (False / missing), never wrong bytes, and nothing
+already committed elsewhere is lost.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, sequence
+
+from kvtier.cache import KVCache
+from kvtier.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    KVTierUsageError,
+    UnknownBackendError,
+)
+
+
+def _open(cfg: dict) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+@pytest.fixture
+async def cache(tmp_path):
+    async with _open(config(tmp_path)) as c:
+        yield c
+
+
+TOKENS_2 = np.arange(2 * PT)
+
+
+@pytest.mark.parametrize(
+    ("pages", "match"),
+    [
+        (np.zeros((3, PAGE), np.uint8), r"pages: shape \(3, 512\) does not match \[2, 512\]"),
+        (np.zeros((2, PAGE - 1), np.uint8), r"shape \(2, 511\) does not match"),
+        (np.zeros((2, *SPEC.page_shape), np.float32), r"dtype float32 does not match .*float16"),
+        (torch.zeros((2, *SPEC.page_shape), dtype=torch.bfloat16), r"dtype torch.bfloat16"),
+        (np.zeros((2, 2, *SPEC.page_shape), np.float16), r"shape \(2, 2, 2, 2, 4, 2, 8\)"),
+        ("not pages", r"expected a numpy array, a CPU torch tensor or a list"),
+        ([b"x" * PAGE], r"got 1 pages for 2 keys"),
+        ([b"x" * PAGE, b"x" * 10], r"pages\[1\] must hold 512 bytes"),
+        ([np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.int16)], r"pages\[1\]: dtype int16"),
+    ],
+)
+async def test_store_rejects_wrong_shape_dtype_size(cache, pages, match):
+    with pytest.raises(KVTierUsageError, match=match):
+        await cache.store(TOKENS_2, pages)
+    assert len(cache.directory) == 0  # nothing was stored
+
+
+async def test_store_rejects_bad_tokens(cache):
+    with pytest.raises(KVTierUsageError, match="token ids must be integers"):
+        await cache.store(np.zeros(PT, np.float32), np.zeros((1, PAGE), np.uint8))
+    with pytest.raises(KVTierUsageError, match="1-D"):
+        await cache.store(np.zeros((2, PT), np.int64), np.zeros((2, PAGE), np.uint8))
+
+
+async def test_read_rejects_bad_output(cache):
+    res = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
+    ro = np.zeros((2, PAGE), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(KVTierUsageError, match="out: output array must be writable"):
+        await cache.read(res.keys, ro)
+    strided = np.zeros((2, 2 * PAGE), np.uint8)[:, ::2]
+    with pytest.raises(KVTierUsageError, match="must be C-contiguous"):
+        await cache.read(res.keys, strided)
+    with pytest.raises(KVTierUsageError, match=r"out\[0\] must be writable"):
+        await cache.read(res.keys, [b"x" * PAGE, bytearray(PAGE)])
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [
+        ([b"short"], r"keys\[0\] must be a 16-byte page key, got bytes of 5 bytes"),
+        (["a" * 16], r"keys\[0\] must be a 16-byte page key, got str"),
+        (bytes(16), r"not a single bytes"),
+    ],
+)
+async def test_bad_keys(cache, keys, match):
+    with pytest.raises(KVTierUsageError, match=match):
+        await cache.load(keys)
+    with pytest.raises(KVTierUsageError, match=match):
+        await cache.prefetch(keys, 1.0)
+
+
+async def test_misuse(cache, tmp_path):
+    res = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
+    with pytest.raises(KVTierUsageError, match="deadline_s must be >= 0"):
+        await cache.prefetch(res.keys, -1)
+    await cache.load(res.keys)
+    with pytest.raises(KVTierUsageError, match="is pinned: release it first"):
+        await cache.delete(res.keys)
+    cache.release(res.keys)
+    with pytest.raises(KVTierUsageError, match=r"is not pinned \(released twice\?\)"):
+        cache.release(res.keys)
+    await cache.close()
+    with pytest.raises(KVTierUsageError, match="KVCache is closed"):
+        await cache.lookup(TOKENS_2)
+    with pytest.raises(KVTierUsageError, match="closed; create a new one"):
+        await cache.start()
+
+
+async def test_unknown_backend_names_it(tmp_path):
+    cfg = config(tmp_path)
+    cfg["tiers"][1]["backend"] = "tape-drive"
+    with pytest.raises(UnknownBackendError, match=r"tiers\[1\] \(file, backend 'tape-drive'\)"):
+        await _open(cfg).start()
+    cfg["tiers"][1]["backend"] = "no_such_module:Store"
+    with pytest.raises(BackendUnavailableError, match="no_such_module:Store"):
+        await _open(cfg).start()
+    cfg["tiers"][1]["backend"] = "cache_kit:config"
+    with pytest.raises(UnknownBackendError, match="is not a kvtier Backend subclass"):
+        await _open(cfg).start()
+
+
+async def test_bad_backend_options_name_the_tier(tmp_path):
+    cfg = config(tmp_path)
+    cfg["tiers"][1]["options"] = {}
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.options \(file\): .*'path'"):
+        await _open(cfg).start()
+    cfg["tiers"][0]["options"] = {"colour": "blue"}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.options \(dram\): .*colour"):
+        await _open(cfg).start()
+
+
+def test_bad_config_and_capacity_below_one_page(tmp_path):
+    cfg = config(tmp_path)
+    cfg["tiers"][0]["capacity"] = PAGE - 1
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: 511 bytes .* one page"):
+        _open(cfg)
+    cfg = config(tmp_path)
+    cfg["pipeline"]["batch_size"] = 3
+    with pytest.raises(ConfigError, match=r"pipeline\.batch_size: unknown key"):
+        _open(cfg)
+    with pytest.raises(ConfigError, match=r"write_policy: must be one of"):
+        KVCache(config(tmp_path), env={"KVTIER_PIPELINE__WRITE_POLICY": "lazy"})
+
+
+async def test_tier_raising_mid_run_degrades_to_misses(tmp_path):
+    """The file tier starts raising TierIOError: pages only there become misses, pages
+    in DRAM are still served, new pages stay in DRAM until it recovers."""
+    FailingFileStore.failing = False
+    rng = np.random.default_rng(30)
+    cfg = config(tmp_path, dram_pages=8, file_backend="cache_kit:FailingFileStore")
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 6)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        down = keys[:3]
+        await cache.pipeline._evict_shielded(cache.tiers[0], down)
+        FailingFileStore.failing = True
+
+        loaded = await cache.load(keys, pin=False)
+        assert loaded.missing == down  # a miss, never an exception or wrong data
+        out = np.zeros_like(data)
+        ok = await cache.read(keys, out)
+        assert ok == [False] * 3 + [True] * 3
+        assert np.array_equal(out[3:], data[3:])
+
+        new_tokens, new_data = sequence(rng, 2)
+        new = (await cache.store(new_tokens, new_data)).keys  # write-through fails quietly
+        await cache.pipeline.drain()
+        assert [cache.directory.locate(k) for k in new] == ["dram", "dram"]
+        assert not cache.tiers[1].healthy
+
+        FailingFileStore.failing = False  # the device comes back
+        assert await cache.flush() == 2  # the dirty pages go down now
+        assert cache.tiers[1].healthy
+        loaded = await cache.load(keys, pin=False)
+        assert loaded.missing == []
+        assert all(await cache.read(keys, out)) and np.array_equal(out, data)
+        assert cache.metrics.snapshot()["tiers"]["file"]["failed_pages"] > 0
+        cache.directory.check_invariants()
+
+
+async def test_outage_under_pressure_keeps_committed_pages(tmp_path):
+    """With the lower tier down and DRAM full of dirty pages, new stores report False
+    rather than dropping committed pages."""
+    FailingFileStore.failing = False
+    rng = np.random.default_rng(31)
+    cfg = config(
+        tmp_path, dram_pages=6, file_backend="cache_kit:FailingFileStore", write_policy="write-back"
+    )
+    async with _open(cfg) as cache:
+        FailingFileStore.failing = True
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        more_tokens, more_data = sequence(rng, 4)
+        more = await cache.store(more_tokens, more_data)
+        assert not all(more.stored)
+        out = np.zeros_like(data)
+        assert all(await cache.read(keys, out)) and np.array_equal(out, data)
+        FailingFileStore.failing = False
+        assert all((await cache.store(more_tokens, more_data)).stored)
+        assert all(await cache.read(keys, out)) and np.array_equal(out, data)
+
+
+async def test_vanished_store_directory_gives_misses(tmp_path):
+    rng = np.random.default_rng(32)
+    async with _open(config(tmp_path, dram_pages=4)) as cache:
+        tokens, data = sequence(rng, 8)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        in_dram = [k for k in keys if cache.directory.is_committed(k, "dram")]
+        shutil.rmtree(tmp_path / "file")
+        out = np.zeros_like(data)
+        ok = await cache.read(keys, out)
+        assert [k for k, o in zip(keys, ok, strict=True) if o] == in_dram
+        for o, row, got in zip(ok, data, out, strict=True):
+            if o:
+                assert np.array_equal(got, row)
+        loaded = await cache.load(keys[:4], pin=False)
+        assert set(loaded.missing) == {k for k in keys[:4] if k not in in_dram}
+
+
+async def test_corrupted_page_on_disk_is_a_miss(tmp_path):
+    rng = np.random.default_rng(33)
+    async with _open(config(tmp_path, dram_pages=4)) as cache:
+        tokens, data = sequence(rng, 2)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        path = cache.tiers[1].backend.page_path(keys[0])  # type: ignore[attr-defined]
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF  # flip a payload byte
+        path.write_bytes(bytes(raw))
+        out = np.zeros_like(data)
+        assert await cache.read(keys, out) == [False, True]
+        assert np.array_equal(out[1], data[1])
+        assert cache.directory.locate(keys[0]) is None  # the bad copy is forgotten
+        assert (await cache.load(keys, pin=False)).missing == [keys[0]]
