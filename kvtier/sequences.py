@@ -96,8 +96,9 @@ class SequenceStats:
     rollbacks: int = 0
     pages_discarded: int = 0
     cow_copies: int = 0
-    faults: int = 0
-    pages_faulted: int = 0
+    resident_calls: int = 0
+    pages_loaded: int = 0
+    fault_errors: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -359,9 +360,9 @@ class SequenceManager:
                         for s, t in zip(ids, rows, strict=True)
                     }
                     missing = {s: lps for s, lps in missing.items() if lps}
-                    self.stats.faults += 1
+                    self.stats.fault_errors += 1
                     raise PageFaultError(missing)
-                self.stats.pages_faulted += len(wanted)
+                self.stats.pages_loaded += len(wanted)
             else:
                 pinned = []
 
@@ -369,6 +370,7 @@ class SequenceManager:
                 return p.slot if p.slot != PAD_SLOT else slot_of_key[p.key]  # type: ignore[index]
 
             table = tables.pack(ids, slot_of)
+            self.stats.resident_calls += 1
             return ResidentBatch(ids, table, [t.num_tokens for t in rows], pinned)
 
     async def release(self, batch: ResidentBatch) -> None:

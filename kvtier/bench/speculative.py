@@ -1,0 +1,281 @@
+"""A live workload with forks and speculative steps, on :class:`~kvtier.sequences.SequenceManager`.
+
+Sequences are prefilled in chunks, then decode in speculative steps: snapshot, append
+``draft_tokens`` proposed tokens, accept a leading run of them (each accepted with
+probability ``accept_rate``, as a verifier would), then ``commit`` what was accepted (the
+rest is dropped as by a rollback; a step that accepts nothing is a plain ``rollback``),
+and append the verifier's own next token. Every ``fork_every`` steps a live sequence
+forks (beam search / parallel sampling), sharing its pages copy-on-write; the oldest
+sequence finishes when more than ``max_live`` are alive.
+
+After each step every live sequence is faulted in (``ensure_resident``, a few at a
+time so the pinned pages fit the top tier) and every token's KV is read back through the
+packed block table and compared with what was appended: KV is a pure function of
+(token, position), so the check needs no copy of the data. The report counts rollbacks,
+pages discarded per tier (all in the working pool of the top tier: unverified pages never
+go further), pages of unverified tokens found stored in any tier (must be 0) and
+mismatches (must be 0). Returns plain data; the CLI renders it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.attention import torch_dtype
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import PageKey, page_keys
+from kvtier.sequences import SequenceManager
+from kvtier.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """Shape of the speculative workload.
+
+    Attributes:
+        sequences: sequences prefilled at the start.
+        prompt_tokens: tokens per prompt (prefilled in chunks of ``chunk_tokens``).
+        chunk_tokens: prefill chunk size.
+        steps: speculative decode steps per sequence.
+        draft_tokens: tokens the draft proposes per step.
+        accept_rate: probability that each proposed token is accepted (a step keeps the
+            leading run of accepted tokens).
+        fork_every: fork a live sequence every this many steps (0: never).
+        max_live: live sequences at most (the oldest finishes beyond it).
+        fault_batch: sequences faulted in together (their pages are pinned at once).
+        working_pages: working pool size (``None``: enough for ``max_live``).
+        seed: seed of tokens, acceptance and forks.
+    """
+
+    sequences: int = 4
+    prompt_tokens: int = 200
+    chunk_tokens: int = 64
+    steps: int = 12
+    draft_tokens: int = 4
+    accept_rate: float = 0.6
+    fork_every: int = 4
+    max_live: int = 8
+    fault_batch: int = 2
+    working_pages: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("sequences", "chunk_tokens", "draft_tokens", "max_live", "fault_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise KVTierUsageError(f"speculative workload: {name} must be >= 1, got {v!r}")
+        for name in ("prompt_tokens", "steps", "fork_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise KVTierUsageError(f"speculative workload: {name} must be >= 0, got {v!r}")
+        if not 0.0 <= self.accept_rate <= 1.0:
+            raise KVTierUsageError(
+                f"speculative workload: accept_rate must lie in [0, 1], got {self.accept_rate}"
+            )
+
+    def pool_pages(self, spec: KVSpec) -> int:
+        """Working pages the run needs: per live sequence its partial page, the pages a
+        draft can open, and one copy-on-write copy, twice over for forks in flight."""
+        if self.working_pages is not None:
+            return self.working_pages
+        per_seq = 2 + spec.pages_for(self.draft_tokens + 1) + 1
+        return 2 * self.max_live * per_seq
+
+
+@dataclass
+class SpeculativeReport:
+    """What a run measured (plain data through :meth:`to_dict`)."""
+
+    workload: str = "speculative"
+    sequences_created: int = 0
+    forks: int = 0
+    steps: int = 0
+    tokens_proposed: int = 0
+    tokens_accepted: int = 0
+    rollbacks: int = 0
+    partial_accepts: int = 0
+    full_accepts: int = 0
+    pages_discarded: dict[str, int] = field(default_factory=dict)
+    cow_copies: int = 0
+    pages_published: int = 0
+    resident_calls: int = 0
+    pages_loaded: int = 0
+    fault_errors: int = 0
+    checked_pages: int = 0
+    mismatches: int = 0
+    unverified_pages_stored: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["accept_rate_observed"] = (
+            self.tokens_accepted / self.tokens_proposed if self.tokens_proposed else None
+        )
+        return out
+
+
+def token_kv(spec: KVSpec, tokens: list[int], start: int) -> torch.Tensor:
+    """The KV appended for ``tokens`` at positions ``start..``: a pure function of
+    (token, position) whose bytes differ for every element, token and position."""
+    row = spec.num_kv_heads * spec.head_dim * spec.dtype_size
+    n = len(tokens)
+    idx = np.arange(spec.num_layers * spec.kv_factor * row, dtype=np.uint64).reshape(
+        spec.num_layers, spec.kv_factor, 1, row
+    )
+    tok = np.asarray(tokens, dtype=np.uint64).reshape(1, 1, n, 1)
+    pos = np.arange(start, start + n, dtype=np.uint64).reshape(1, 1, n, 1)
+    x = idx * np.uint64(0x9E3779B97F4A7C15)
+    x = x + tok * np.uint64(0xBF58476D1CE4E5B9) + pos * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0xD6E8FEB86659FD93)
+    x ^= x >> np.uint64(32)
+    raw = (x & np.uint64(0x3F)).astype(np.uint8)  # < 0x40: finite in every float dtype
+    t = torch.from_numpy(np.ascontiguousarray(raw))
+    return t.view(torch_dtype(spec)).reshape(
+        spec.num_layers, spec.kv_factor, n, spec.num_kv_heads, spec.head_dim
+    )
+
+
+class SpeculativeWorkload:
+    """Runs the workload on an open manager (see the module docstring)."""
+
+    def __init__(self, manager: SequenceManager, params: SpeculativeParams) -> None:
+        self.mgr = manager
+        self.params = params
+        self.spec = manager.spec
+        self.rng = random.Random(params.seed)
+        self.tokens: dict[int, list[int]] = {}
+        self.order: list[int] = []
+        self.verified: set[PageKey] = set()
+        self.report = SpeculativeReport()
+
+    def _new_tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(32_000) for _ in range(n)]
+
+    async def _append(self, s: int, tokens: list[int]) -> None:
+        start = len(self.tokens[s])
+        await self.mgr.append(s, tokens, token_kv(self.spec, tokens, start))
+        self.tokens[s] += tokens
+
+    def _note_verified(self, s: int) -> None:
+        table = self.mgr.tables.table(s)
+        self.verified.update(page_keys(self.tokens[s][: table.verified_tokens], self.mgr.namespace))
+
+    async def _step(self, s: int) -> None:
+        p = self.params
+        v = self.mgr.snapshot(s)
+        base = len(self.tokens[s])
+        await self._append(s, self._new_tokens(p.draft_tokens))
+        accepted = 0
+        while accepted < p.draft_tokens and self.rng.random() < p.accept_rate:
+            accepted += 1
+        self.report.tokens_proposed += p.draft_tokens
+        self.report.tokens_accepted += accepted
+        if accepted == 0:
+            await self.mgr.rollback(s, v)
+            self.report.rollbacks += 1
+        elif accepted < p.draft_tokens:
+            await self.mgr.commit(s, v, keep=accepted)
+            self.report.partial_accepts += 1
+        else:
+            await self.mgr.commit(s, v)
+            self.report.full_accepts += 1
+        del self.tokens[s][base + accepted :]
+        await self._append(s, self._new_tokens(1))  # the verifier's own token
+        self._note_verified(s)
+
+    async def _check(self) -> None:
+        live = list(self.order)
+        pt = self.spec.page_tokens
+        for i in range(0, len(live), self.params.fault_batch):
+            group = live[i : i + self.params.fault_batch]
+            batch = await self.mgr.ensure_resident(group)
+            try:
+                for row, s in enumerate(group):
+                    toks = self.tokens[s]
+                    expect = token_kv(self.spec, toks, 0)
+                    for lp in range(self.spec.pages_for(len(toks))):
+                        slot = int(batch.block_table[row, lp])
+                        n = min(pt, len(toks) - lp * pt)
+                        got = self.mgr.page(slot)[:, :, :n]
+                        want = expect[:, :, lp * pt : lp * pt + n]
+                        self.report.checked_pages += 1
+                        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                            self.report.mismatches += 1
+            finally:
+                await self.mgr.release(batch)
+
+    def _unverified_stored(self) -> int:
+        directory = self.mgr.cache.directory
+        ns = self.mgr.namespace.label
+        bad = 0
+        for key in directory:
+            entry = directory.get(key)
+            if entry is None or entry.namespace != ns or not directory.tiers_of(key):
+                continue
+            if key not in self.verified:
+                bad += 1
+        return bad
+
+    async def run(self, on_step: Callable[[], None] | None = None) -> SpeculativeReport:
+        p = self.params
+        t0 = time.perf_counter()
+        for _ in range(p.sequences):
+            s = self.mgr.create()
+            self.tokens[s] = []
+            self.order.append(s)
+            self.report.sequences_created += 1
+            prompt = self._new_tokens(p.prompt_tokens)
+            for c in range(0, len(prompt), p.chunk_tokens):  # chunked prefill
+                await self._append(s, prompt[c : c + p.chunk_tokens])
+            self._note_verified(s)
+        for step in range(p.steps):
+            for s in list(self.order):
+                await self._step(s)
+            self.report.steps += 1
+            if p.fork_every and (step + 1) % p.fork_every == 0:
+                parent = self.rng.choice(self.order)
+                child = self.mgr.fork(parent)
+                self.tokens[child] = list(self.tokens[parent])
+                self.order.append(child)
+                self.report.forks += 1
+                while len(self.order) > p.max_live:
+                    gone = self.order.pop(0)
+                    await self.mgr.free(gone)
+                    del self.tokens[gone]
+            await self._check()
+            if on_step is not None:
+                on_step()
+        self.report.unverified_pages_stored = self._unverified_stored()
+        for s in self.order:
+            await self.mgr.free(s)
+        st = self.mgr.stats
+        self.report.pages_discarded = {t.name: 0 for t in self.mgr.cache.tiers}
+        self.report.pages_discarded[self.mgr.top_tier] = st.pages_discarded
+        self.report.cow_copies = st.cow_copies
+        self.report.pages_published = st.pages_published
+        self.report.resident_calls = st.resident_calls
+        self.report.pages_loaded = st.pages_loaded
+        self.report.fault_errors = st.fault_errors
+        self.report.seconds = time.perf_counter() - t0
+        return self.report
+
+
+async def run_speculative(
+    cache: Any, params: SpeculativeParams, on_step: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Play the workload on an open :class:`~kvtier.cache.KVCache`; returns the report
+    as plain data (the cache stays open: take its metrics afterwards)."""
+    mgr = await SequenceManager.open(cache, params.pool_pages(cache.spec))
+    try:
+        report = await SpeculativeWorkload(mgr, params).run(on_step)
+    finally:
+        await mgr.close()
+    return report.to_dict()
