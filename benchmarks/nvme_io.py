@@ -86,7 +86,7 @@ async def bench_size(
     root: Path, size: int, total: int, repeats: int, batch_bytes: int, aligned: bool
 ) -> dict[str, Any]:
     n = max(8, total // size)
-    batch = max(1, min(n, batch_bytes // size))
+    batch = min(n, max(8, batch_bytes // size))  # at least 8 pages: the bench io default
     pages = make_pages(n, size, aligned, seed=size)
     outs = [aligned_empty(size) if aligned else np.ones(size, np.uint8) for _ in range(n)]
     store_dir = root / f"store-{size}"
@@ -132,7 +132,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, required=True, help="directory on the disk to measure")
     ap.add_argument("--sizes", default="256KiB,1MiB,4MiB,16MiB")
     ap.add_argument("--total", default="256MiB", help="bytes per repeat and page size")
-    ap.add_argument("--batch-bytes", default="32MiB", help="bytes per put/get call")
+    ap.add_argument(
+        "--batch-bytes", default="32MiB", help="bytes per put/get call (at least 8 pages)"
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unaligned", action="store_true")
     ap.add_argument("--json", action="store_true")
