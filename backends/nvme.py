@@ -499,6 +499,7 @@ class NvmeStore(StoreBackend):
 
     async def _commit_runner(self) -> None:
         """Group commit: drain every queued commit into one fsync pass + one transaction."""
+        queued: list[tuple[list[tuple[int, _Pending]], asyncio.Future[dict[int, bool]]]] = []
         try:
             while self._commit_queue:
                 queued, self._commit_queue = self._commit_queue, []
@@ -554,6 +555,13 @@ class NvmeStore(StoreBackend):
                 for _, fut in queued:
                     if not fut.done():
                         fut.set_result(results)
+        except BaseException as exc:
+            # Never leave a committer waiting: whatever broke the runner reaches them.
+            for _, fut in [*queued, *self._commit_queue]:
+                if not fut.done():
+                    fut.set_exception(exc)
+            self._commit_queue = []
+            raise
         finally:
             self._commit_task = None
 
