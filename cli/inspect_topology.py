@@ -10,7 +10,7 @@ from kvtier.cli.app import inspect_app
 from kvtier.cli.output import console, emit, err_console, run_guarded, table
 
 from kvtier.placement import PlacementMode, plan_placement
-from kvtier.topology import format_cpulist, read_topology
+from kvtier.topology import format_cpulist, path_device, read_topology
 
 
 def topology_report(
@@ -19,11 +19,18 @@ def topology_report(
     gpus: list[int] | None = None,
     node: int | None = None,
     use_nvml: bool = True,
+    paths: list[Path] | None = None,
 ) -> dict[str, Any]:
-    """``{"topology": {...}, "placement": {...}}`` for ``root`` (``/``: this machine)."""
+    """``{"topology": {...}, "placement": {...}, "paths": [...]}`` for ``root`` (``/``:
+    this machine); ``paths`` lists the block device and node of each store directory."""
     topo = read_topology(root, use_nvml=use_nvml)
     plan = plan_placement(topo, mode, gpus=gpus or None, node=node)
-    return {"root": str(root), "topology": topo.to_dict(), "placement": plan.to_dict()}
+    return {
+        "root": str(root),
+        "topology": topo.to_dict(),
+        "placement": plan.to_dict(),
+        "paths": [path_device(p, root).to_dict() for p in paths or []],
+    }
 
 
 def _gib(value: int | None) -> str | None:
@@ -77,6 +84,12 @@ def _render(data: dict[str, Any]) -> None:
             arena_rows,
         )
     )
+    if data["paths"]:
+        path_rows = [
+            (p["path"], p["device"], p["pci_address"], _node(p["numa_node"]), p["note"])
+            for p in data["paths"]
+        ]
+        console.print(table("paths", ["path", "device", "pci", "node", "note"], path_rows))
     for note in topo["notes"]:
         err_console.print(f"note: {note}", highlight=False)
 
@@ -97,12 +110,17 @@ def inspect_topology(
         Path, typer.Option("--root", help="Read sysfs under this directory (for testing).")
     ] = Path("/"),
     no_nvml: Annotated[bool, typer.Option("--no-nvml", help="Do not ask NVML.")] = False,
+    path: Annotated[
+        list[Path] | None,
+        typer.Option("--path", help="Show the block device and node of a directory."),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """Show NUMA nodes (CPUs, memory, distances), each GPU's and NVMe device's node, and
-    the host arena placement kvtier would choose, with the reason."""
+    """Show NUMA nodes (CPUs, memory, distances), each GPU's and NVMe device's node, the
+    host arena placement kvtier would choose with the reason, and (--path) which device
+    and node a store directory is on."""
 
     def body() -> None:
         data = topology_report(
@@ -111,6 +129,7 @@ def inspect_topology(
             gpu,
             numa_node,
             use_nvml=not no_nvml,
+            paths=path,
         )
         emit(data, as_json, _render)
 

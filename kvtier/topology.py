@@ -417,6 +417,64 @@ def _read_nvme(root: Path, notes: list[str]) -> list[NvmeDevice]:
     return devices
 
 
+@dataclass(frozen=True)
+class PathDevice:
+    """The block device a path lives on, and that device's NUMA node.
+
+    Attributes:
+        path: the path asked about.
+        device: the block device (``nvme0n1p1``, ``vda``), ``None`` when the path is on no
+            block device (tmpfs, overlay, network file systems).
+        pci_address: the PCI function serving it, when there is one.
+        numa_node: that function's node, ``None`` for no affinity or unknown.
+        note: how this was found, or why nothing was.
+    """
+
+    path: str
+    device: str | None
+    pci_address: str | None
+    numa_node: int | None
+    note: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def path_device(
+    path: str | os.PathLike[str], root: str | os.PathLike[str] = "/", dev: int | None = None
+) -> PathDevice:
+    """Which block device ``path`` is on and that device's NUMA node (where to run the
+    store's I/O threads). Never raises for sysfs problems; ``dev`` overrides the device
+    number (for tests). Raises :class:`KVTierUsageError` when ``path`` does not exist.
+    """
+    try:
+        st_dev = os.stat(path).st_dev if dev is None else dev
+    except OSError as exc:
+        raise KVTierUsageError(f"cannot stat {os.fspath(path)!r}: {exc.strerror}") from None
+    major, minor = os.major(st_dev), os.minor(st_dev)
+    name = os.fspath(path)
+    link = Path(root) / f"sys/dev/block/{major}:{minor}"
+    if not link.exists():
+        why = f"device {major}:{minor} is not a block device (tmpfs, overlay, network)"
+        return PathDevice(name, None, None, None, f"{why}: no affinity")
+    real = Path(os.path.realpath(link))
+    device = real.name
+    pci: str | None = None
+    node: int | None = None
+    for parent in [real, *real.parents]:
+        try:
+            addr = normalize_pci_address(parent.name)
+        except KVTierUsageError:
+            continue
+        pci = addr
+        node = _node_value(_read(parent / "numa_node"))
+        break
+    if pci is None:
+        return PathDevice(name, device, None, None, f"{device} has no PCI function: no affinity")
+    where = "no affinity (numa_node -1)" if node is None else f"node {node}"
+    return PathDevice(name, device, pci, node, f"{device} on PCI {pci}: {where}")
+
+
 def read_topology(root: str | os.PathLike[str] = "/", use_nvml: bool = True) -> Topology:
     """Read the topology under ``root`` (``/`` on a live machine). Never raises for
     missing or unreadable sysfs files: see :attr:`Topology.notes`.

@@ -13,6 +13,7 @@ from kvtier.topology import (
     format_cpulist,
     normalize_pci_address,
     parse_cpulist,
+    path_device,
     read_topology,
 )
 
@@ -168,6 +169,37 @@ def test_live_machine_topology_matches_proc() -> None:
     assert set(os.sched_getaffinity(0)) <= listed
 
 
+def test_path_device_walks_up_to_the_pci_function(fake: FakeSysfs, tmp_path: Path) -> None:
+    fake.nvme("nvme0", "0000:5e:00.0", "1")
+    part = fake.root / "sys/devices/pci0000:00/0000:5e:00.0/nvme/nvme0/nvme0n1/nvme0n1p2"
+    part.mkdir(parents=True)
+    (fake.root / "sys/dev/block").mkdir(parents=True)
+    os.symlink(part, fake.root / "sys/dev/block/259:2")
+    found = path_device(tmp_path, fake.root, dev=os.makedev(259, 2))
+    assert (found.device, found.pci_address, found.numa_node) == ("nvme0n1p2", "0000:5e:00.0", 1)
+    assert "node 1" in found.note
+
+    virtual = fake.root / "sys/devices/virtual/block/zram0"
+    virtual.mkdir(parents=True)
+    os.symlink(virtual, fake.root / "sys/dev/block/253:0")
+    ram = path_device(tmp_path, fake.root, dev=os.makedev(253, 0))
+    assert ram.device == "zram0" and ram.pci_address is None and ram.numa_node is None
+
+    nothing = path_device(tmp_path, fake.root, dev=os.makedev(0, 44))
+    assert nothing.device is None and "not a block device" in nothing.note
+    with pytest.raises(KVTierUsageError, match="cannot stat"):
+        path_device(tmp_path / "missing")
+
+
+def test_path_device_on_the_live_machine(tmp_path: Path) -> None:
+    found = path_device(tmp_path)
+    st = os.stat(tmp_path).st_dev
+    block = Path(f"/sys/dev/block/{os.major(st)}:{os.minor(st)}")
+    assert (found.device is not None) == block.exists()
+    if found.device is not None:
+        assert found.device == Path(os.path.realpath(block)).name
+
+
 # -- placement --------------------------------------------------------------------------
 
 
@@ -263,5 +295,9 @@ def test_cli_inspect_topology_json_and_errors(fake: FakeSysfs, monkeypatch) -> N
     bad = runner.invoke(get_app(), [*args, "--numa-node", "9"])
     assert bad.exit_code == 2
     assert "NUMA node 9 does not exist" in bad.output
+    with_path = runner.invoke(get_app(), [*args, "--json", "--path", str(fake.root)])
+    assert with_path.exit_code == 0
+    assert json.loads(with_path.stdout)["paths"][0]["path"] == str(fake.root)
+
     bad_mode = runner.invoke(get_app(), [*args, "--placement", "nearest"])
     assert bad_mode.exit_code == 2 and "placement mode" in bad_mode.output
