@@ -64,8 +64,9 @@ def bench_run_command(
         str | None,
         typer.Option(
             "--dram-capacity",
-            help="Top tier capacity, e.g. 256MiB (default: the config's; 256MiB for the "
-            "embedded default, so the run spills to disk).",
+            help="Top tier capacity, e.g. 256MiB (default: the config's; when the config "
+            "leaves the embedded default, a third of the workload's working set, so the run "
+            "spills to disk).",
         ),
     ] = None,
     nvme_dir: Annotated[

@@ -10,7 +10,7 @@ from kvtier.cli.app import get_app
 from typer.testing import CliRunner
 
 from kvtier.bench import live
-from kvtier.bench.workload import ChatParams, conversation_tokens, page_content
+from kvtier.bench.workload import ChatParams, conversation_tokens, footprint, page_content
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.spec import preset
@@ -122,3 +122,20 @@ def test_bench_run_bad_config_key_exit_2(runner: CliRunner, tmp_path: Path) -> N
     result = runner.invoke(get_app(), ["bench", "run", "--config", str(cfg), "--json"])
     assert result.exit_code == 2
     assert "tiers[0].watermark" in result.stderr
+
+
+@pytest.mark.parametrize("page_tokens", [4, 16, 64])
+def test_default_top_tier_spills_but_holds_a_wave(page_tokens: int) -> None:
+    params = ChatParams()
+    fp = footprint(params, page_tokens)
+    top = live.default_top_pages(params, page_tokens, batch_pages=32)
+    assert fp.max_wave_pages + 32 <= top < fp.working_set_pages
+
+
+def test_footprint_counts_the_pages_a_run_stores() -> None:
+    params = ChatParams(sessions=3, turns=2, system_prompts=2, system_tokens=32, seed=1)
+    convo = conversation_tokens(params)
+    finals = [sum(len(u) + len(r) for u, r in turns) for turns in convo]
+    fp = footprint(params, 8)
+    assert fp.working_set_pages == 2 * 4 + sum(n // 8 - 4 for n in finals)
+    assert fp.max_wave_pages == max(finals[0] // 8 + finals[1] // 8, finals[2] // 8)

@@ -10,6 +10,7 @@ the cache's metrics (pages, bytes and GB/s per link).
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -19,16 +20,23 @@ from typing import Any
 
 from kvtier import registry
 from kvtier.backend import ArenaBackend
-from kvtier.bench.workload import ChatParams, ChatWorkload
+from kvtier.bench.workload import ChatParams, ChatWorkload, footprint
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import ConfigError
 
 #: Backends that keep pages in a local directory (option ``path``).
 DISK_BACKENDS = ("nvme", "file")
-#: Top-tier capacity of the embedded default run: smaller than the default workload's
-#: working set (about 700 MiB of llama3-8b pages), larger than the pages two concurrent
-#: turns pin at once.
-DEFAULT_RUN_DRAM = 256 * 1024 * 1024
+#: A run whose configuration leaves the top tier's capacity at the embedded default sizes
+#: it to this share of the workload's working set (so pages spill and come back), or to
+#: what one wave of concurrent turns holds plus a transfer batch, whichever is larger.
+DEFAULT_TOP_SHARE = 1 / 3
+
+
+def default_top_pages(params: ChatParams, page_tokens: int, batch_pages: int) -> int:
+    """Top-tier pages for a run that spills: see :data:`DEFAULT_TOP_SHARE`."""
+    fp = footprint(params, page_tokens)
+    share = math.ceil(fp.working_set_pages * DEFAULT_TOP_SHARE)
+    return max(share, fp.max_wave_pages + batch_pages)
 
 
 def disk_backend() -> str:
@@ -152,10 +160,13 @@ async def bench_run(
     With ``disk_dir`` the disk tier's directory is kept (a second run finds its pages);
     without it a temporary directory is used and removed afterwards. When neither
     ``top_capacity`` nor the configuration sets the top tier's capacity (it is the
-    embedded default's), the run uses :data:`DEFAULT_RUN_DRAM` so that it spills.
+    embedded default's), the run sizes it with :func:`default_top_pages`, so that the
+    workload spills whatever the model.
     """
     if top_capacity is None and base.sources.get("tiers[0].capacity", "default") == "default":
-        top_capacity = DEFAULT_RUN_DRAM
+        cfg = run_config(base, model=model, disk_dir=None)
+        pages = default_top_pages(params, cfg.spec.page_tokens, cfg.batch_pages)
+        top_capacity = pages * cfg.spec.page_bytes
     kept = disk_dir is not None
     tmp = None if kept else Path(tempfile.mkdtemp(prefix="kvtier-bench-run-"))
     directory = disk_dir if disk_dir is not None else tmp

@@ -108,6 +108,42 @@ def conversation_tokens(params: ChatParams) -> list[list[tuple[np.ndarray, np.nd
     return out
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """Page counts of a workload for one page size.
+
+    Attributes:
+        working_set_pages: distinct full pages the whole run stores.
+        max_wave_pages: most pages one wave of concurrent turns holds at once (every
+            session's whole context after its turn: pinned prefix plus new pages), an upper
+            bound of what the top tier must fit at a time.
+    """
+
+    working_set_pages: int
+    max_wave_pages: int
+
+
+def footprint(params: ChatParams, page_tokens: int) -> Footprint:
+    """The :class:`Footprint` of ``params`` with ``page_tokens`` tokens per page."""
+    convo = conversation_tokens(params)
+    lengths = [0] * params.sessions
+    per_turn: list[list[int]] = []
+    for turn in range(params.turns):
+        for s in range(params.sessions):
+            user, reply = convo[s][turn]
+            lengths[s] += len(user) + len(reply)
+        per_turn.append([n // page_tokens for n in lengths])
+    waves = [
+        sum(pages[i : i + params.concurrency])
+        for pages in per_turn
+        for i in range(0, params.sessions, params.concurrency)
+    ]
+    shared = params.system_tokens // page_tokens
+    sessions_used = min(params.sessions, params.system_prompts)
+    working = shared * sessions_used + sum(n // page_tokens - shared for n in lengths)
+    return Footprint(working, max(waves))
+
+
 def _closed(bounds: tuple[int, int]) -> tuple[int, int]:
     return bounds[0], bounds[1] + 1
 
