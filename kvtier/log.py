@@ -99,3 +99,9 @@ def get_logger(name: str, **context: Any) -> Any:
     loggers created at import honour a later :func:`configure_logging`.
     """
     return structlog.get_logger(component=name, **context)
+
+
+# Until an application configures structlog, kvtier's events go to stderr (structlog's own
+# default is stdout, which would corrupt ``--json`` output).
+if not structlog.is_configured():
+    configure_logging()
