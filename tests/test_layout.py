@@ -114,6 +114,8 @@ def test_bad_inputs_name_the_problem() -> None:
         LayerFirstCache(spec, good, "kv_first")
     with pytest.raises(KVTierUsageError, match="layout must be one of"):
         LayerFirstCache(spec, good, "heads_first")  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match="stacked KV array must be C-contiguous"):
+        LayerFirstCache(spec, np.concatenate([good, good], axis=1)[:, ::2])
     with pytest.raises(KVTierUsageError, match="not a whole number"):
         LayerFirstCache(spec, good.reshape(spec.num_layers, -1)[:, :-1])
 

@@ -147,6 +147,8 @@ class LayerFirstCache:
             first = views[0]
         else:
             u8 = as_byte_array(_check_dtype(spec, layers, "stacked KV array"))
+            if not u8.flags.c_contiguous:  # a reshape would silently copy
+                raise KVTierUsageError("stacked KV array must be C-contiguous")
             if u8.shape[0] != spec.num_layers:
                 raise KVTierUsageError(
                     f"stacked KV array has {u8.shape[0]} layers on axis 0, "
