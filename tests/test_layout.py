@@ -117,7 +117,8 @@ def test_bad_inputs_name_the_problem() -> None:
     with pytest.raises(KVTierUsageError, match="stacked KV array must be C-contiguous"):
         LayerFirstCache(spec, np.concatenate([good, good], axis=1)[:, ::2])
     with pytest.raises(KVTierUsageError, match="not a whole number"):
-        LayerFirstCache(spec, good.reshape(spec.num_layers, -1)[:, :-1])
+        half_blocks = spec.bytes_per_layer // spec.dtype_size * 3 // 2  # 1.5 blocks
+        LayerFirstCache(spec, np.zeros((spec.num_layers, half_blocks), np.float16))
 
     cache = LayerFirstCache(spec, good)
     out = np.empty((2, spec.page_bytes), dtype=np.uint8)
