@@ -205,6 +205,9 @@ class KVCache:
             max_inflight_per_link=self.config.max_inflight_per_link,
         )
         self._state = "open"
+        for tier in self.tiers:
+            self.metrics.used.set(0, tier.name)
+            self.metrics.capacity.set(tier.capacity_pages, tier.name)
         recovered = await self._recover()
         _log.info(
             "kvtier cache open",

@@ -256,7 +256,8 @@ class CacheMetrics(Metrics):
     ``snapshot()`` returns::
 
         {"tiers": {tier: {"hits", "misses", "stored_pages", "evicted_pages",
-                          "dropped_pages", "failed_pages", "used_pages"}},
+                          "dropped_pages", "failed_pages", "used_pages",
+                          "capacity_pages"}},
          "links": {"src->dst": {"pages", "bytes", "seconds", "batches", "failed_pages",
                                 "gb_per_s"}},
          "queues": {"fetch", "prefetch", "evict"},          # current depth
@@ -293,6 +294,7 @@ class CacheMetrics(Metrics):
             "link_failed_pages_total", "Pages a link failed to move", ["link"]
         )
         self.used = self.gauge("used_pages", "Pages reserved or committed in a tier", ["tier"])
+        self.capacity = self.gauge("capacity_pages", "Pages a tier can hold", ["tier"])
         self.queue_depth = self.gauge(
             "queue_depth", "Batches waiting for a link slot, by queue", ["queue"]
         )
@@ -324,6 +326,7 @@ class CacheMetrics(Metrics):
                 "dropped_pages": self.dropped.get(t),
                 "failed_pages": self.failed.get(t),
                 "used_pages": self.used.get(t),
+                "capacity_pages": self.capacity.get(t),
             }
         links: dict[str, dict[str, float | None]] = {}
         for (link,) in sorted(self.link_batches.values):

@@ -261,13 +261,15 @@ class Pipeline:
 
     # -- room ----------------------------------------------------------------------------
 
-    async def make_room(self, tier: Tier, n: int) -> bool:
+    async def make_room(self, tier: Tier, n: int, priority: Priority = Priority.EVICT) -> bool:
         """Claim room for ``n`` pages in ``tier``, evicting per the watermarks first.
 
         On ``True`` the caller holds a claim of ``n`` pages (``tier.claimed``) that it must
         give back (by reserving, or by subtracting it). ``False`` means room could not be
         made because pages that should have gone down could not be written there (a lower
-        tier is failing): the caller treats its pages as failed.
+        tier is failing): the caller treats its pages as failed. Write-downs it triggers
+        run at the caller's ``priority`` (a demand fetch is not queued behind background
+        write-through).
 
         Raises:
             CapacityError: the tier is too small for ``n`` pages, or what fills it is
@@ -298,7 +300,7 @@ class Pipeline:
 
                 victims = tier.policy.victims(want, ok_victim)
             if victims:
-                stuck.update(await self._evict_shielded(tier, victims))
+                stuck.update(await self._evict_shielded(tier, victims, priority))
                 continue
             transient = evicting + tier.reserving + d.busy(name) + tier.claimed
             if transient:
@@ -331,7 +333,9 @@ class Pipeline:
         foreign = d.count(tier.name, PageState.RESERVED) - tier.reserving
         return d.pinned(tier.name) + max(0, foreign)
 
-    async def _evict_shielded(self, tier: Tier, victims: list[PageKey]) -> set[PageKey]:
+    async def _evict_shielded(
+        self, tier: Tier, victims: list[PageKey], priority: Priority = Priority.EVICT
+    ) -> set[PageKey]:
         """Run an eviction as its own task so a cancelled caller cannot cut it short.
 
         The victims are marked ``evicting`` before this returns to the loop, so nothing
@@ -340,12 +344,14 @@ class Pipeline:
         for k in victims:
             d.begin_evict(k, tier.name)
             self._begin_op(k, tier)
-        task = asyncio.get_running_loop().create_task(self._evict(tier, victims))
+        task = asyncio.get_running_loop().create_task(self._evict(tier, victims, priority))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _evict(self, tier: Tier, victims: list[PageKey]) -> set[PageKey]:
+    async def _evict(
+        self, tier: Tier, victims: list[PageKey], priority: Priority = Priority.EVICT
+    ) -> set[PageKey]:
         """Evict ``victims`` from ``tier`` (writing them down first where needed).
 
         The victims must already be marked ``evicting`` (see :meth:`_evict_shielded`).
@@ -366,7 +372,7 @@ class Pipeline:
                     dropped += 1
             if down and nxt is not None:
                 try:
-                    ok = await self._copy(tier, nxt, down, Priority.EVICT, evicting=True)
+                    ok = await self._copy(tier, nxt, down, priority, evicting=True)
                 except CapacityError as exc:
                     _log.warning("write-down blocked", tier=nxt.name, reason=str(exc))
                     ok = [False] * len(down)
@@ -415,7 +421,7 @@ class Pipeline:
         ``True`` where the page is committed in ``dst`` afterwards.
         """
         n = len(keys)
-        if not await self.make_room(dst, n):
+        if not await self.make_room(dst, n, priority):
             return [False] * n
         claim = n
         link = self.link(src, dst) if src is not None else None
