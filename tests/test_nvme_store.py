@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,28 @@ def test_layout_alignment() -> None:
         assert lay.slot_bytes - (page_bytes + 64) < BLOCK
         for slot in (0, 1, lay.slots_per_slab + 3):
             assert lay.locate(slot)[1] % BLOCK == 0
+
+
+async def test_inspect_store_cli_on_a_healthy_store(tmp_path: Path) -> None:
+    from kvtier.cli.app import get_app
+    from typer.testing import CliRunner
+
+    root = tmp_path / "s"
+    async with store(root, capacity=10) as s:
+        await s.put([key(i) for i in range(3)], [page(i) for i in range(3)], namespace="m@r/x")
+        await s.put([key(9)], [page(9)], namespace="other")
+    runner = CliRunner()
+    result = runner.invoke(get_app(), ["inspect", "store", str(root), "--verify", "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["pages"] == 4 and data["bytes"] == 4 * PAGE
+    assert data["fill"] == 0.4 and data["capacity_pages"] == 10
+    assert data["namespaces"] == {
+        "m@r/x": {"pages": 3, "bytes": 3 * PAGE},
+        "other": {"pages": 1, "bytes": PAGE},
+    }
+    assert data["format_version"] == 1 and data["verified"] == 4 and data["bad"] == []
+    assert data["slabs"] == 1
+    human = runner.invoke(get_app(), ["inspect", "store", str(root)])
+    assert human.exit_code == 0
+    assert "m@r/x" in human.stdout and "format version" in human.stdout
