@@ -30,7 +30,8 @@ import mmap
 import os
 import platform
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -383,6 +384,23 @@ def set_mempolicy(mode: MemPolicy, nodes: Iterable[int] = ()) -> None:
     )
     if rc != 0:
         raise _fail("set_mempolicy", ctypes.get_errno(), f"for nodes {list(node_list)}")
+
+
+@contextmanager
+def thread_policy(mode: MemPolicy, nodes: Iterable[int] = ()) -> Iterator[PolicyInfo]:
+    """Run the block with the calling thread's allocation policy set to ``mode``/``nodes``,
+    then restore the previous policy (even on error). Yields the previous policy.
+
+    For memory that is faulted in by the allocator itself (``cudaHostAlloc``, torch
+    ``pin_memory``): such pages are locked at once and can no longer be moved by
+    :func:`bind_buffer`, so the policy must be in force while they are allocated.
+    """
+    before = get_mempolicy()
+    set_mempolicy(mode, nodes)
+    try:
+        yield before
+    finally:
+        set_mempolicy(before.mode, before.nodes)
 
 
 def move_pages(addresses: Sequence[int], nodes: Sequence[int] | None = None) -> list[int]:

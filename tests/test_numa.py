@@ -123,6 +123,28 @@ def test_thread_policy_is_thread_local() -> None:
     assert numa.get_mempolicy().mode is numa.MemPolicy.DEFAULT  # this thread untouched
 
 
+def test_thread_policy_applies_to_allocations_and_restores() -> None:
+    node = numa.memory_nodes()[0]
+    seen: list[object] = []
+
+    def worker() -> None:
+        numa.set_mempolicy(numa.MemPolicy.PREFERRED, [node])
+        with numa.thread_policy(numa.MemPolicy.BIND, [node]) as before:
+            seen.append(before)
+            seen.append(numa.get_mempolicy())
+            buf = mmap.mmap(-1, MIB)
+            buf[:] = b"\x02" * MIB  # faulted in under the thread's policy
+            seen.append(set(numa.buffer_page_nodes(buf)))
+        seen.append(numa.get_mempolicy())
+        numa.set_mempolicy(numa.MemPolicy.DEFAULT)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    preferred = numa.PolicyInfo(numa.MemPolicy.PREFERRED, (node,))
+    assert seen == [preferred, numa.PolicyInfo(numa.MemPolicy.BIND, (node,)), {node}, preferred]
+
+
 def test_pin_thread_affects_only_that_thread() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     target = allowed[-1]
