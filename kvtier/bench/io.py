@@ -66,7 +66,8 @@ class IOBenchParams:
 
 @dataclass(frozen=True)
 class TierIOResult:
-    """The figures of one backend. Rates in GB/s (1e9 bytes per second)."""
+    """The figures of one backend. Rates in GB/s (1e9 bytes per second), medians over
+    repeats; ratios are medians of the per-repeat ratios kvtier / baseline."""
 
     tier: str
     kind: str
@@ -111,6 +112,21 @@ def copy_threads(backend: Backend) -> int:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _paired_ratio(
+    nbytes: int, kv_seconds: Sequence[float], base: Sequence[BaselineSample], write: bool
+) -> float:
+    """Median over repeats of kvtier's rate / the baseline's rate in the same repeat.
+
+    Pairs measured moments apart share the machine's load, so their ratio is steadier on
+    a busy machine than the ratio of the two medians.
+    """
+    ratios = []
+    for k, b in zip(kv_seconds, base, strict=True):
+        b_seconds = b.write_seconds if write else b.read_seconds
+        ratios.append(_gbps(nbytes, k) / _gbps(b.nbytes, b_seconds))
+    return statistics.median(ratios)
 
 
 async def _timed_batches(
@@ -203,8 +219,8 @@ async def bench_backend(
         kvtier_read_gbps=kr,
         baseline_write_gbps=bw,
         baseline_read_gbps=br,
-        write_ratio=kw / bw,
-        read_ratio=kr / br,
+        write_ratio=_paired_ratio(nbytes, kv_w, base, write=True),
+        read_ratio=_paired_ratio(nbytes, kv_r, base, write=False),
         verified_pages=verified,
         mismatches=mismatches,
         samples={
