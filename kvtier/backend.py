@@ -186,9 +186,16 @@ class Backend(ABC):
         """Acquire resources (memory, files, connections). Idempotent."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.io_threads, thread_name_prefix=f"kvtier-{type(self).__name__}"
+                max_workers=self.io_threads,
+                thread_name_prefix=f"kvtier-{type(self).__name__}",
+                initializer=self._thread_initializer(),
             )
         self._opened = True
+
+    def _thread_initializer(self) -> Callable[[], None] | None:
+        """A function each worker thread runs first (e.g. pinning it to the NUMA node of
+        the memory it copies); ``None`` for none. Subclasses override."""
+        return None
 
     async def close(self) -> None:
         """Release resources. Committed pages of persistent backends stay. Idempotent."""
