@@ -139,3 +139,18 @@ def test_footprint_counts_the_pages_a_run_stores() -> None:
     fp = footprint(params, 8)
     assert fp.working_set_pages == 2 * 4 + sum(n // 8 - 4 for n in finals)
     assert fp.max_wave_pages == max(finals[0] // 8 + finals[1] // 8, finals[2] // 8)
+
+
+def test_run_config_keeps_a_disk_backend_the_config_chose(tmp_path: Path) -> None:
+    chosen = load_config(
+        {
+            "tiers": [
+                {"backend": "dram", "capacity": "64MiB"},
+                {"name": "disk", "backend": "file", "capacity": "1GiB"},
+            ]
+        },
+        env={},
+    )
+    cfg = live.run_config(chosen, disk_dir=tmp_path)
+    assert (cfg.tiers[1].name, cfg.tiers[1].backend) == ("disk", "file")
+    assert cfg.tiers[1].options == {"path": str(tmp_path)}

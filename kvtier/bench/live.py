@@ -59,8 +59,10 @@ def run_config(
         model: a :data:`~kvtier.spec.PRESETS` name replacing the model (and the namespace's
             model id when it was the old model's name).
         top_capacity: bytes of the top tier.
-        disk_dir: directory of the disk tier: its backend becomes :func:`disk_backend`
-            (options of another backend are dropped) and its ``path`` this directory.
+        disk_dir: directory of the disk tier (the first ``file`` or ``nvme`` tier below
+            the top): its ``path`` becomes this directory, and its backend
+            :func:`disk_backend` unless the configuration chose the backend itself
+            (options of another backend are dropped).
         disk_required: whether a configuration without a disk tier is an error (else
             ``disk_dir`` is ignored for it).
 
@@ -87,7 +89,8 @@ def run_config(
             )
         if idx is not None:
             tier = raw["tiers"][idx]
-            backend = disk_backend()
+            chosen = base.sources.get(f"tiers[{idx}].backend", "default") != "default"
+            backend = tier["backend"] if chosen else disk_backend()
             if tier["backend"] != backend:
                 tier["options"] = {}
                 if tier.get("name") == tier["backend"]:
