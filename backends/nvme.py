@@ -10,11 +10,12 @@ Layout under ``path`` (see :mod:`~kvtier.backends.nvme_layout`,
 
 Guarantees:
 
-* **Visible only when durable.** ``commit`` makes the pages' bytes durable
-  (``fdatasync`` of their slabs) and then commits their index rows in one SQLite
-  transaction; only then do they become visible to ``get``/``contains``/``keys``.
-  Concurrent ``commit`` calls are grouped: one ``fdatasync`` per slab and one transaction
-  per group, not per page.
+* **Visible only when durable.** A page's bytes are durable before its index row is
+  committed: with O_DIRECT each write carries ``RWF_DSYNC`` (durable when it returns),
+  otherwise ``commit`` runs one ``fdatasync`` per touched slab first. The rows of a commit
+  go in one SQLite transaction; only then do the pages become visible to
+  ``get``/``contains``/``keys``. Concurrent ``commit`` calls are grouped: one sync pass and
+  one transaction per group, not per page.
 * **Crash-safe.** After ``kill -9`` at any point, reopening recovers every page whose
   commit returned ``True``; pages not yet committed are simply absent (their slots are
   free again). Recovery reads the index only; its duration is ``stats()["recovery_seconds"]``.
@@ -237,14 +238,15 @@ class NvmeStore(StoreBackend):
         try:
             index = StoreIndex(self.path / INDEX_FILE)
             layout = self._load_or_init_meta(index)
+            dsync = False
             if self._direct_opt is False:
                 self.direct, self.direct_reason = False, "disabled by option"
             else:
-                reason = probe_direct_io(self.path)
+                reason, dsync = probe_direct_io(self.path)
                 if reason is not None and self._direct_opt is True:
                     raise ConfigError(f"nvme: direct_io=true but {self.path} refuses it: {reason}")
                 self.direct, self.direct_reason = reason is None, reason
-            slabs = SlabFiles(self.path, layout, self.direct)
+            slabs = SlabFiles(self.path, layout, self.direct, dsync=self.direct and dsync)
             engine = ENGINES[self.engine_name](layout, slabs)
             rows, quarantined = index.load()
         except BaseException:
@@ -567,7 +569,9 @@ class NvmeStore(StoreBackend):
 
     def _durable_commit(self, rows: list[PageRow]) -> None:
         assert self._slabs is not None and self._index is not None
-        self._slabs.sync(r.slab for r in rows)
+        assert self._engine is not None
+        if not self._engine.durable_writes:
+            self._slabs.sync(r.slab for r in rows)
         self._index.insert(rows)
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
@@ -710,6 +714,13 @@ class NvmeStore(StoreBackend):
                 "engine": self.engine_name,
                 "direct_io": self.direct,
                 "direct_io_reason": self.direct_reason,
+                "write_durability": (
+                    None
+                    if self._engine is None
+                    else "RWF_DSYNC per write"
+                    if self._engine.durable_writes
+                    else "fdatasync per commit"
+                ),
                 "committed_pages": len(self._entries),
                 "reserved_pages": len(self._reserved),
                 "quarantined_slots": len(self._quarantined),
