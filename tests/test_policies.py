@@ -99,24 +99,33 @@ def test_prefix_lru_parent_becomes_leaf_after_children_removed() -> None:
     assert len(p) == 1
 
 
-def test_session_learns_turns_and_prefers_continued_sessions() -> None:
+def test_session_learns_turns_and_evicts_superseded_leaves_first() -> None:
     s = SessionPolicy(samples=64, seed=1)
-    # Session A: two turns (root 1, page 2; then 2 reused and extended by 3).
+    # Turn 1 of a session: pages 1 -> 2 -> 3 (3 is the partial tail of the prompt).
     s.on_insert(k(1))
     s.on_insert(k(2), k(1))
+    s.on_insert(k(3), k(2))
+    # Turn 2: the prefix 1, 2 is reused and extended on a new branch by 4.
     s.on_access(k(1))
     s.on_access(k(2))
-    s.on_insert(k(3), k(2))
-    assert s._turn[k(3)] == s._turn[k(2)] + 1
-    # Session B: one fresh turn, inserted later (younger than A's last touch).
+    s.on_insert(k(4), k(2))
+    assert s._turn[k(4)] == s._turn[k(2)] + 1 == 1
+    # The old tail 3 is superseded: it goes first even though other leaves are older.
     s.on_insert(k(10))
-    s.on_insert(k(11), k(10))
-    # Learned continuation odds rise with the turn: turn-0 sessions continued 1 of 3.
-    assert s.continuation(0) == pytest.approx((0.5 + 1) / (1 + 2))
-    # Leaves are 3 and 11; with equal odds the older (3) would go. Only leaves are chosen.
-    v = s.victims(1, every)
-    assert v[0] in (k(3), k(11))
-    assert k(1) not in s.victims(2, every)
+    assert s.score(k(3)) < 0 < s.score(k(10))
+    assert s.victims(1, every) == [k(3)]
+    # Reuse odds are learned per (turn, depth bucket) class with a 1-in-2 prior:
+    # page 2 (depth 1) was reused, page 3 (depth 2) was not.
+    assert s.reuse_probability(0, 1) == pytest.approx((1 + 1) / (2 + 1))
+    assert s.reuse_probability(0, 2) == pytest.approx(1 / (2 + 1))
+    # Only leaves (and their chains) are chosen; the root 1 never precedes its children.
+    order = s.victims(5, every)
+    assert order.index(k(1)) > order.index(k(4)) and order.index(k(2)) > order.index(k(4))
+
+
+def test_session_bad_params() -> None:
+    with pytest.raises(ConfigError, match="samples"):
+        SessionPolicy(samples=0)
 
 
 def test_session_never_returns_pinned() -> None:

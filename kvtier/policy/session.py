@@ -1,27 +1,31 @@
-"""``session``: kvtier's own policy, aimed at the gap between LRU and Belady's MIN.
+"""``session``: kvtier's own eviction policy, aimed at the gap between LRU and MIN.
 
-Three facts of real multi-turn LLM traffic drive it (none is tied to a trace's ids):
+Facts of multi-turn LLM traffic drive it (none is tied to a trace's ids):
 
 1. Only prefixes are reused, so a page without its parent is worthless: like
-   :mod:`~kvtier.policy.prefix_aware` it evicts leaves only, and a cold sequence leaves
+   :mod:`~kvtier.policy.prefix_aware` it evicts *leaves* only, and a cold sequence leaves
    as a unit, from its end back to the first page it shares with another sequence.
-2. Most pages are never reused, but sessions that already came back come back again:
-   the probability that a conversation continues grows with the number of turns it has
-   had (a Lindy effect). Each page carries a *turn*: a page inserted under a parent that
-   was just reused (hit, or recomputed after eviction) starts a new turn, ``turn(parent)
-   + 1``; pages inserted under a fresh parent inherit its turn. The policy learns online,
-   per turn (capped at ``max_turn``), the share of turns that were continued: ``p(turn)``.
-3. Return gaps are heavy-tailed: a session silent for long is unlikely to return soon.
-   With a Lomax gap law of scale ``tau`` (learned online as the geometric mean of observed
-   reuse ages, in page events) the chance that a session of continuation probability
-   ``p`` and age ``a`` returns in the next instant is
+2. Most pages are never reused, and whether one will be depends on what kind of sequence
+   it belongs to. Each page gets a *class* when it is inserted: its session's *turn*
+   (a page inserted under a parent that was reused starts a new turn, ``turn(parent) +
+   1``; under a fresh parent it inherits the turn), capped at ``max_turn``, and the
+   log2 bucket of its depth in the sequence (long prompts are reused less often per
+   page). The policy learns online, per class, the share of pages that were reused at
+   least once: ``p(class)``. Sessions that came back tend to come back again.
+3. When a session continues from a page on a new branch, the leaves it left under that
+   page (typically the partial last page of the previous prompt, or an abandoned
+   regeneration) are *superseded*: they go first.
+4. Return gaps are heavy-tailed: a session silent for long is unlikely to return soon.
+   With a Lomax gap law of scale ``tau`` (learned online as the geometric mean of the
+   observed reuse ages, in page events) the chance that a page of reuse probability
+   ``p`` and age ``a`` is reused in the next instant is
    ``p*tau / ((a+tau) * ((1-p)*(a+tau) + p*tau))``: the eviction score.
 
-Victims are chosen by sampling ``samples`` leaves (a seeded generator, so runs repeat) and
-evicting the lowest score, walking up its chain. Recently evicted keys are remembered
-(ghosts, at most as many as pages tracked) so that a session recomputed after eviction
-keeps its turn count. Time is counted in page events (inserts + accesses), which makes the
-policy independent of wall-clock rates.
+Victims are chosen by sampling ``samples`` leaves (a seeded generator, so runs repeat),
+evicting the lowest score and walking up its chain. Recently evicted keys are remembered
+(ghosts, at most ``ghost_factor`` times the pages tracked) so that a page recomputed
+after eviction counts as a reuse and keeps its turn. Time is counted in page events
+(inserts + accesses), so the policy does not depend on wall-clock rates.
 """
 
 from __future__ import annotations
@@ -30,47 +34,68 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
 
+_DEPTH_BUCKETS = 8
+
+
+class _Ghost(NamedTuple):
+    turn: int
+    last: int
+    depth: int
+    cls: int
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"session: {name} must be an integer >= 1, got {value!r}")
+    return value
+
 
 class SessionPolicy(EvictionPolicy):
-    """Leaf-first eviction scored by learned session-continuation odds and age."""
+    """Leaf-first eviction scored by learned per-class reuse odds and age."""
 
     name: ClassVar[str] = "session"
 
     def __init__(
-        self, samples: int = 16, max_turn: int = 8, ghost_factor: int = 8, seed: int = 0
+        self, samples: int = 64, max_turn: int = 4, ghost_factor: int = 8, seed: int = 0
     ) -> None:
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ConfigError(f"session: samples must be an integer >= 1, got {samples!r}")
-        if isinstance(max_turn, bool) or not isinstance(max_turn, int) or max_turn < 1:
-            raise ConfigError(f"session: max_turn must be an integer >= 1, got {max_turn!r}")
-        self.samples = samples
-        self.max_turn = max_turn
-        self.ghost_factor = ghost_factor
+        self.samples = _positive_int("samples", samples)
+        self.max_turn = _positive_int("max_turn", max_turn)
+        self.ghost_factor = _positive_int("ghost_factor", ghost_factor)
         self._rng = random.Random(seed)
         self._clock = 0
         self._parent: dict[PageKey, PageKey | None] = {}
-        self._children: dict[PageKey, int] = {}
+        self._kids: dict[PageKey, set[PageKey]] = {}
         self._last: dict[PageKey, int] = {}
         self._turn: dict[PageKey, int] = {}
-        self._reused: set[PageKey] = set()  # accessed since insert: a child starts a turn
+        self._depth: dict[PageKey, int] = {}
+        self._cls: dict[PageKey, int] = {}
+        self._reused: set[PageKey] = set()  # reused since the last continuation from it
+        self._hit: set[PageKey] = set()  # reused at least once since insert
+        self._superseded: set[PageKey] = set()
         self._leaves: list[PageKey] = []
         self._leaf_pos: dict[PageKey, int] = {}
-        self._ghost: OrderedDict[PageKey, tuple[int, int]] = OrderedDict()  # key -> (turn, last)
-        self._starts = [1.0] * (max_turn + 1)  # turns started, per turn (prior 1)
-        self._continued = [0.5] * (max_turn + 1)  # of which continued (prior 0.5)
+        self._ghost: OrderedDict[PageKey, _Ghost] = OrderedDict()
+        n_cls = (self.max_turn + 1) * _DEPTH_BUCKETS
+        self._inserted = [2.0] * n_cls  # pages inserted per class (prior 2)
+        self._reuses = [1.0] * n_cls  # of which reused (prior 1: p starts at 0.5)
         self._log_tau = math.log(1024.0)
 
     # -- learned quantities -------------------------------------------------------------
-    def continuation(self, turn: int) -> float:
-        """Learned probability that a session at ``turn`` continues."""
-        t = min(turn, self.max_turn)
-        return self._continued[t] / self._starts[t]
+    def class_of(self, turn: int, depth: int) -> int:
+        """Class index of a page at ``turn`` and ``depth``."""
+        bucket = min(depth.bit_length(), _DEPTH_BUCKETS - 1)
+        return min(turn, self.max_turn) * _DEPTH_BUCKETS + bucket
+
+    def reuse_probability(self, turn: int, depth: int = 0) -> float:
+        """Learned probability that a page of this class is reused."""
+        c = self.class_of(turn, depth)
+        return self._reuses[c] / self._inserted[c]
 
     @property
     def tau(self) -> float:
@@ -78,8 +103,11 @@ class SessionPolicy(EvictionPolicy):
         return math.exp(self._log_tau)
 
     def score(self, key: PageKey) -> float:
-        """Instantaneous return rate of ``key``'s session (lower = better victim)."""
-        p = self.continuation(self._turn[key])
+        """Instantaneous reuse rate of ``key`` (lower = better victim; superseded < 0)."""
+        if key in self._superseded:
+            return -1.0
+        c = self._cls[key]
+        p = self._reuses[c] / self._inserted[c]
         tau = self.tau
         a = float(self._clock - self._last[key]) + tau
         return p * tau / (a * ((1.0 - p) * a + p * tau))
@@ -87,6 +115,11 @@ class SessionPolicy(EvictionPolicy):
     def _learn_age(self, age: int) -> None:
         if age > 1:
             self._log_tau += 0.001 * (math.log(age) - self._log_tau)
+
+    def _note_reuse(self, key: PageKey, cls: int) -> None:
+        if key not in self._hit:
+            self._hit.add(key)
+            self._reuses[cls] += 1
 
     # -- leaves -------------------------------------------------------------------------
     def _add_leaf(self, key: PageKey) -> None:
@@ -109,34 +142,40 @@ class SessionPolicy(EvictionPolicy):
             self.on_access(key)
             return
         self._clock += 1
-        ghost = self._ghost.pop(key, None)
-        ghost_turn = None
-        if ghost is not None:
-            ghost_turn = ghost[0]
-            self._learn_age(self._clock - ghost[1])
         if parent is not None and parent not in self._parent:
             parent = None
-        if ghost_turn is not None:
-            turn = ghost_turn  # recomputed after eviction: a reuse of this page
+        ghost = self._ghost.pop(key, None)
+        continued = False
+        if ghost is not None:  # recomputed after eviction: a reuse of this page
+            turn, depth, cls = ghost.turn, ghost.depth, ghost.cls
+            self._learn_age(self._clock - ghost.last)
+            self._inserted[cls] += 1
+            self._note_reuse(key, cls)
             self._reused.add(key)
-        elif parent is None:
-            turn = 0
-            self._starts[0] += 1
-        elif parent in self._reused:
-            turn = self._turn[parent] + 1
-            t_prev = min(self._turn[parent], self.max_turn)
-            self._continued[t_prev] += 1
-            self._starts[min(turn, self.max_turn)] += 1
-            self._reused.discard(parent)  # one continuation per reuse
         else:
-            turn = self._turn[parent]
+            if parent is None:
+                turn, depth = 0, 0
+            elif parent in self._reused:
+                turn, depth = self._turn[parent] + 1, self._depth[parent] + 1
+                continued = True
+            else:
+                turn, depth = self._turn[parent], self._depth[parent] + 1
+            cls = self.class_of(turn, depth)
+            self._inserted[cls] += 1
         self._parent[key] = parent
-        self._children[key] = 0
+        self._kids[key] = set()
         self._last[key] = self._clock
         self._turn[key] = turn
+        self._depth[key] = depth
+        self._cls[key] = cls
         self._add_leaf(key)
         if parent is not None:
-            self._children[parent] += 1
+            siblings = self._kids[parent]
+            if continued:
+                # A new branch from a reused page: leaves left under it are superseded.
+                self._superseded.update(s for s in siblings if not self._kids.get(s, True))
+                self._reused.discard(parent)
+            siblings.add(key)
             self._drop_leaf(parent)
             self._last[parent] = self._clock
 
@@ -145,24 +184,33 @@ class SessionPolicy(EvictionPolicy):
         if last is None:
             return
         self._clock += 1
-        if key not in self._reused:  # first reuse since the last turn: one sample
+        if key not in self._reused:
             self._learn_age(self._clock - last)
+        self._note_reuse(key, self._cls[key])
         self._last[key] = self._clock
         self._reused.add(key)
+        self._superseded.discard(key)
 
     def on_remove(self, key: PageKey) -> None:
         if key not in self._parent:
             return
         parent = self._parent.pop(key)
-        self._children.pop(key, None)
+        for kid in self._kids.pop(key, ()):  # orphans (removed out of order) become roots
+            if kid in self._parent:
+                self._parent[kid] = None
         self._reused.discard(key)
-        self._ghost[key] = (self._turn.pop(key), self._last.pop(key))
+        self._hit.discard(key)
+        self._superseded.discard(key)
+        self._ghost[key] = _Ghost(
+            self._turn.pop(key), self._last.pop(key), self._depth.pop(key), self._cls.pop(key)
+        )
         while len(self._ghost) > self.ghost_factor * max(len(self._parent), 1):
             self._ghost.popitem(last=False)
         self._drop_leaf(key)
-        if parent is not None and parent in self._children:
-            self._children[parent] -= 1
-            if self._children[parent] == 0:
+        if parent is not None and parent in self._kids:
+            kids = self._kids[parent]
+            kids.discard(key)
+            if not kids:
                 self._add_leaf(parent)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
@@ -193,7 +241,7 @@ class SessionPolicy(EvictionPolicy):
                 parent = self._parent.get(key)
                 if parent is None:
                     break
-                left = pending.get(parent, self._children[parent]) - 1
+                left = pending.get(parent, len(self._kids[parent])) - 1
                 pending[parent] = left
                 key = parent if left == 0 else None
         if len(out) < n:  # sampling found too few: fall back to a full scan
