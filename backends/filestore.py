@@ -23,13 +23,15 @@ The full NVMe tier (slab files, O_DIRECT, an SQLite index) is ``kvtier.backends.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -41,6 +43,11 @@ from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 _log = logging.getLogger(__name__)
 
 _TMP = ".tmp"
+#: Batches of at least this many bytes are spread over the I/O threads.
+FAN_OUT_MIN_BYTES = 1 << 20
+
+J = TypeVar("J")
+R = TypeVar("R")
 _HEX_LEN = KEY_BYTES * 2
 
 
@@ -108,6 +115,21 @@ class FileStore(StoreBackend):
             "write_errors": 0,
             "skipped_files": 0,
         }
+
+    async def _fan_out(self, fn: Callable[[list[J]], list[R]], jobs: list[J]) -> list[R]:
+        """Run ``fn`` over ``jobs`` off the loop: one hop for a small batch; a large one is
+        cut into contiguous chunks run at once on the I/O threads. Results keep job order."""
+        parts = min(self.io_threads, os.cpu_count() or 1, len(jobs))
+        if parts <= 1 or len(jobs) * self.page_bytes < FAN_OUT_MIN_BYTES:
+            return await self.run_blocking(fn, jobs)
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        size = -(-len(jobs) // parts)
+        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
+        done = await asyncio.gather(
+            *(loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks)
+        )
+        return [r for chunk in done for r in chunk]
 
     # -- paths --------------------------------------------------------------------------
 
@@ -218,7 +240,7 @@ class FileStore(StoreBackend):
             elif (p := self._live(r)) is not None:
                 jobs.append((i, p, buf))
         if jobs:
-            results = await self.run_blocking(self._write_files, jobs)
+            results = await self._fan_out(self._write_files, jobs)
             for (i, p, _), res in zip(jobs, results, strict=True):
                 ok[i] = res
                 p.written = res
@@ -322,7 +344,7 @@ class FileStore(StoreBackend):
         jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in self._index]
         if not jobs:
             return ok
-        results = await self.run_blocking(self._read_files, jobs)
+        results = await self._fan_out(self._read_files, jobs)
         for (i, key, _), res in zip(jobs, results, strict=True):
             if res == "ok":
                 ok[i] = True
