@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
@@ -243,7 +244,7 @@ class KVTierCacheStats:
     faulted_pages: int = 0
 
 
-class _LayerView(CacheLayerMixin):
+class _LayerView(CacheLayerMixin):  # type: ignore[misc,no-untyped-call]
     """What transformers sees per layer; every question goes to the owning cache."""
 
     is_compileable = False
@@ -251,7 +252,7 @@ class _LayerView(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, owner: KVTierCache, index: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.owner = owner
         self.index = index
         self.is_initialized = True
@@ -662,10 +663,8 @@ class KVTierCache(Cache):  # type: ignore[misc]
 
 async def _quiet(coro: Coroutine[Any, Any, Any]) -> None:
     """Await a background prefetch; its failure only means the first load faults."""
-    try:
+    with contextlib.suppress(Exception):
         await coro
-    except Exception:  # noqa: S110 - a failed prefetch degrades to a demand fetch
-        pass
 
 
 def _token_list(input_ids: Any) -> list[int]:
