@@ -54,17 +54,12 @@ def _render(data: dict[str, Any]) -> None:
 
 
 def _tiers(requested: list[str] | None) -> tuple[list[str], list[dict[str, str]]]:
-    """Tiers to measure, and the ones skipped (unavailable, when none was named)."""
+    """Tiers to measure, and the ones skipped (only when none was named)."""
     if requested:
         for name in requested:
             registry.resolve(name)  # unknown -> usage error; unavailable -> failure
         return list(requested), []
-    skipped = [
-        {"tier": i.name, "reason": i.reason or "unavailable"}
-        for i in registry.discover()
-        if not i.available
-    ]
-    return default_tiers(), skipped
+    return default_tiers()
 
 
 @bench_app.command("io")

@@ -14,9 +14,11 @@ from kvtier.cli.app import get_app
 from typer.testing import CliRunner
 
 from kvtier.bench import baselines
+from kvtier.bench import io as io_bench
 from kvtier.bench.io import IOBenchParams, bench_io
 from kvtier.bench.pagecache import drop_page_cache
 from kvtier.errors import KVTierUsageError
+from kvtier.registry import BackendInfo
 
 SMALL = ["--page-size", "256KiB", "--pages", "8", "--repeats", "2", "--batch", "4"]
 
@@ -125,3 +127,21 @@ def test_drop_page_cache_touches_every_file(tmp_path: Path) -> None:
 def test_params_reject_bad_values() -> None:
     with pytest.raises(KVTierUsageError, match="repeats"):
         IOBenchParams(repeats=0)
+
+
+def test_default_tiers_skip_unavailable_and_stores_without_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    infos = [
+        BackendInfo("dram", "kvtier.backends.dram:DramArena", "entry point", "arena", True, None),
+        BackendInfo("file", "x:Y", "entry point", "store", True, None),
+        BackendInfo("acme-arena", "acme:Arena", "entry point", "arena", True, None),
+        BackendInfo("acme-store", "acme:Store", "entry point", "store", True, None),
+        BackendInfo("gpu", "acme:Gpu", "entry point", None, False, "no GPU"),
+    ]
+    monkeypatch.setattr(io_bench.registry, "discover", lambda: infos)
+    names, skipped = io_bench.default_tiers()
+    assert names == ["dram", "file", "acme-arena"]
+    reasons = {s["tier"]: s["reason"] for s in skipped}
+    assert reasons["gpu"] == "no GPU"
+    assert "no bench io profile" in reasons["acme-store"]

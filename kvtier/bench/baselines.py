@@ -12,6 +12,12 @@ own engine registering a baseline that matches its queue depth::
 
     register_profile("nvme", IOProfile(options=..., baseline=..., description=...),
                      replace=True)
+
+Plugin distributions register theirs through the entry-point group
+:data:`PROFILE_ENTRY_POINT_GROUP` (``kvtier.bench_io_profiles``), named like the backend.
+``bench io`` without ``--tier`` measures arenas and the stores that have a profile; a
+store without one is skipped (its options are unknown), and measured with the disk
+profile only when named.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import importlib.metadata
 import json
 import mmap
 import os
@@ -362,6 +369,10 @@ MEMCPY_PROFILE = IOProfile(no_options, memcpy_baseline, "memcpy into the arena's
 DISK_PROFILE = IOProfile(directory_options, disk_baseline, "fio / O_DIRECT on the store's dir")
 REDIS_PROFILE = IOProfile(valkey_options, redis_baseline, "bare redis.asyncio on the same server")
 
+#: Entry-point group where plugin distributions register the bench profile of their
+#: backends (name = the backend's name, value = ``module:PROFILE``).
+PROFILE_ENTRY_POINT_GROUP = "kvtier.bench_io_profiles"
+
 _PROFILES: dict[str, IOProfile] = {
     "dram": MEMCPY_PROFILE,
     "file": DISK_PROFILE,
@@ -383,10 +394,34 @@ def register_profile(backend_name: str, profile: IOProfile, *, replace: bool = F
     _PROFILES[backend_name] = profile
 
 
+def _entry_point_profile(backend_name: str) -> IOProfile | None:
+    """A profile a distribution registers in :data:`PROFILE_ENTRY_POINT_GROUP` under the
+    backend's name (``module:attribute`` of an :class:`IOProfile`), loaded on first use.
+    A profile that fails to load is treated as absent."""
+    try:
+        eps = importlib.metadata.entry_points(group=PROFILE_ENTRY_POINT_GROUP)
+        ep = next((e for e in eps if e.name == backend_name), None)
+        profile = ep.load() if ep is not None else None
+    except Exception:  # a broken plugin must not break the benchmark of the others
+        return None
+    if not isinstance(profile, IOProfile):
+        return None
+    _PROFILES[backend_name] = profile
+    return profile
+
+
+def registered_profile(backend_name: str) -> IOProfile | None:
+    """The profile registered for ``backend_name`` (here or through the entry-point
+    group), or ``None``."""
+    return _PROFILES.get(backend_name) or _entry_point_profile(backend_name)
+
+
 def profile_for(backend_name: str, kind: BackendKind | str | None) -> IOProfile:
-    """The registered profile of ``backend_name``, else the default for its kind."""
-    if backend_name in _PROFILES:
-        return _PROFILES[backend_name]
+    """The registered profile of ``backend_name``, else the default for its kind
+    (arena -> memcpy, store -> disk)."""
+    profile = registered_profile(backend_name)
+    if profile is not None:
+        return profile
     if kind is not None and str(kind) == str(BackendKind.ARENA):
         return MEMCPY_PROFILE
     return DISK_PROFILE

@@ -25,7 +25,7 @@ import xxhash
 
 from kvtier import registry
 from kvtier.backend import Backend
-from kvtier.bench.baselines import BaselineSample, IOTarget, profile_for
+from kvtier.bench.baselines import BaselineSample, IOTarget, profile_for, registered_profile
 from kvtier.bench.pagecache import drop_page_cache
 from kvtier.errors import KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
@@ -232,9 +232,29 @@ async def bench_backend(
     )
 
 
-def default_tiers() -> list[str]:
-    """Backends ``bench io`` measures when none is named: every available one."""
-    return [info.name for info in registry.discover() if info.available]
+def default_tiers() -> tuple[list[str], list[dict[str, str]]]:
+    """Backends ``bench io`` measures when none is named, and those it skips with why.
+
+    Measured: every available arena, and every available store with a registered bench
+    profile (:mod:`kvtier.bench.baselines`). Skipped: unavailable backends, and stores
+    without a profile (how to set them up for a run is not known).
+    """
+    names: list[str] = []
+    skipped: list[dict[str, str]] = []
+    for info in registry.discover():
+        if not info.available:
+            skipped.append({"tier": info.name, "reason": info.reason or "unavailable"})
+        elif info.kind == "arena" or registered_profile(info.name) is not None:
+            names.append(info.name)
+        else:
+            skipped.append(
+                {
+                    "tier": info.name,
+                    "reason": "no bench io profile registered (name it with --tier to try "
+                    "the disk profile)",
+                }
+            )
+    return names, skipped
 
 
 async def bench_io(
