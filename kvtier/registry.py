@@ -104,12 +104,23 @@ def describe(name: str) -> BackendInfo:
     return BackendInfo(name, "", "unknown", None, False, "no such backend")
 
 
+def _names_missing_target(exc: Exception, target: str) -> bool:
+    """Whether ``exc`` says the path's own module or attribute is missing (rather than
+    something the module itself failed to import)."""
+    if isinstance(exc, AttributeError):
+        return True
+    module_name = target.partition(":")[0]
+    missing = getattr(exc, "name", None) or ""
+    return bool(missing) and (module_name == missing or module_name.startswith(missing + "."))
+
+
 def resolve(name: str) -> type[Backend]:
     """The backend class for an entry-point name or a ``module:Class`` path.
 
-    Raises :class:`UnknownBackendError` for a name nobody registered or a path that does
-    not import, and :class:`BackendUnavailableError` (with the reason) for a backend that
-    cannot run here.
+    Raises :class:`UnknownBackendError` for a name nobody registered or a path whose module
+    or class does not exist, and :class:`BackendUnavailableError` (with the reason) for a
+    backend that cannot run here (including one whose module fails to import a
+    dependency).
     """
     if ":" in name:
         target = name
@@ -123,6 +134,11 @@ def resolve(name: str) -> type[Backend]:
         cls = _load_target(target)
     except UnknownBackendError:
         raise
+    except (ModuleNotFoundError, AttributeError) as exc:
+        if ":" in name and _names_missing_target(exc, target):
+            # The user's own path names something that does not exist: a usage error.
+            raise UnknownBackendError(f"backend path {target!r} does not resolve: {exc}") from exc
+        raise BackendUnavailableError(f"backend {name!r} ({target}) cannot load: {exc}") from exc
     except Exception as exc:
         raise BackendUnavailableError(f"backend {name!r} ({target}) cannot load: {exc}") from exc
     reason = cls.unavailable_reason()
