@@ -37,9 +37,8 @@ async def main(root: Path, pages: int, reopens: int) -> None:
     for _ in range(reopens):
         async with NvmeStore(page_bytes=PAGE, capacity_pages=pages, path=root) as s:
             st = s.stats()
-            print(
-                f"recovered_pages {st['recovered_pages']} recovery_seconds {st['recovery_seconds']:.3f}"
-            )
+            pages_back, seconds = st["recovered_pages"], st["recovery_seconds"]
+            print(f"recovered_pages {pages_back} recovery_seconds {seconds:.3f}")
     shutil.rmtree(root, ignore_errors=True)
 
 
