@@ -143,6 +143,11 @@ class DramArena(ArenaBackend):
         self._memory = "none"
         self._memory_note: str | None = None
         self._free: list[int] = []
+        # Slots being read by get() calls in flight, and deleted slots whose reuse waits
+        # for those reads (so a delete + put cannot overwrite bytes a get is copying out).
+        self._readers: dict[int, int] = {}
+        self._draining: set[int] = set()
+        self._epoch = 0  # bumped by open/close, so a get finishing late touches nothing
         self._committed: dict[PageKey, int] = {}
         self._reserved: dict[int, PageKey] = {}
         self._copies = 0
@@ -167,6 +172,9 @@ class DramArena(ArenaBackend):
             await super().close()
             raise
         self._free = list(range(self.capacity_pages - 1, -1, -1))
+        self._readers.clear()
+        self._draining.clear()
+        self._epoch += 1
         self._committed.clear()
         self._reserved.clear()
 
@@ -177,6 +185,9 @@ class DramArena(ArenaBackend):
         self._committed.clear()
         self._reserved.clear()
         self._free = []
+        self._readers.clear()
+        self._draining.clear()
+        self._epoch += 1
         self._buf = None
         self._torch_buf = None
         self._mmap = None  # not mm.close(): outstanding views would make it raise
@@ -358,14 +369,28 @@ class DramArena(ArenaBackend):
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         ok: list[bool] = []
         pairs: list[CopyPair] = []
+        slots: list[int] = []
         for key, buf in zip(keys, bufs, strict=True):
             slot = self._committed.get(key)
             if slot is None:
                 ok.append(False)
                 continue
             pairs.append((buf, self.view(slot)))
+            slots.append(slot)
             ok.append(True)
-        await self._copy(pairs)
+        for slot in slots:
+            self._readers[slot] = self._readers.get(slot, 0) + 1
+        epoch = self._epoch
+        try:
+            await self._copy(pairs)
+        finally:
+            for slot in slots if epoch == self._epoch else ():
+                left = self._readers.pop(slot) - 1
+                if left:
+                    self._readers[slot] = left
+                elif slot in self._draining:
+                    self._draining.discard(slot)
+                    self._free.append(slot)
         return ok
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
@@ -373,13 +398,18 @@ class DramArena(ArenaBackend):
         return [k in self._committed for k in keys]
 
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Free the slots of committed keys (the caller guarantees none is pinned)."""
+        """Remove committed keys. The caller guarantees none is pinned for zero-copy use;
+        a slot that a :meth:`get` in flight is still copying out is reused only once that
+        copy finished (until then it counts in :meth:`used_pages`)."""
         self._arena()
         ok: list[bool] = []
         for key in keys:
             slot = self._committed.pop(key, None)
             if slot is not None:
-                self._free.append(slot)
+                if self._readers.get(slot):
+                    self._draining.add(slot)
+                else:
+                    self._free.append(slot)
             ok.append(slot is not None)
         return ok
 
@@ -388,7 +418,7 @@ class DramArena(ArenaBackend):
         return list(self._committed)
 
     def used_pages(self) -> int:
-        return len(self._committed) + len(self._reserved)
+        return len(self._committed) + len(self._reserved) + len(self._draining)
 
     def stats(self) -> dict[str, Any]:
         """Base counters plus ``memory`` (pinned / mlocked / plain / none before open),
@@ -401,6 +431,7 @@ class DramArena(ArenaBackend):
             arena_bytes=self.nbytes,
             committed_pages=len(self._committed),
             reserved_pages=len(self._reserved),
+            draining_pages=len(self._draining),
             copies=self._copies,
             skipped_copies=self._skipped_copies,
         )

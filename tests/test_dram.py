@@ -3,6 +3,7 @@ options, and a state machine against the model of the contract."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 
@@ -136,6 +137,25 @@ async def test_slot_is_stable_while_committed_and_reused_after_delete() -> None:
         assert arena.slot_of(k[0]) == slot0
         assert np.array_equal(arena.view(slot0 or 0), d[0])
         assert {arena.slot_of(k[0]), arena.slot_of(k[2])} == {0, 1}
+
+
+async def test_a_slot_being_read_is_not_reused_until_the_read_ends() -> None:
+    page = 4 << 20
+    async with DramArena(page_bytes=page, capacity_pages=1) as arena:
+        a, b = _keys(2)
+        data = _pages(2, page)
+        assert await arena.put([a], data[:1]) == [True]
+        out = np.zeros(page, np.uint8)
+        reading = asyncio.create_task(arena.get([a], [out]))
+        await asyncio.sleep(0)  # the get is now copying on a worker thread
+        assert not reading.done()
+        assert await arena.delete([a]) == [True]
+        assert arena.used_pages() == 1 and arena.stats()["draining_pages"] == 1
+        assert await arena.reserve([b]) == [None]
+        assert await reading == [True]
+        assert np.array_equal(out, data[0])
+        assert arena.used_pages() == 0
+        assert await arena.put([b], data[1:]) == [True]
 
 
 async def test_reopen_starts_empty() -> None:
