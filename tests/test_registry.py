@@ -108,6 +108,16 @@ def test_unavailable_builtins_are_listed_with_a_reason() -> None:
                 registry.resolve(info.name)
 
 
+def test_hbm_without_a_gpu_is_unavailable_with_a_reason() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present: hbm may be available here")
+    hbm = _by_name()["hbm"]
+    assert not hbm.available and hbm.reason
+    assert hbm.origin.startswith("entry point (kvtier ")
+
+
 @pytest.mark.usefixtures("broken_plugin")
 def test_a_broken_plugin_does_not_break_discovery() -> None:
     infos = _by_name()
