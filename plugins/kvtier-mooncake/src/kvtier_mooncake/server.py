@@ -1,0 +1,231 @@
+"""A Mooncake Store deployment on 127.0.0.1 for tests and benchmarks.
+
+:class:`MooncakeCluster` starts
+
+* ``mooncake_master`` (the binary shipped in the ``mooncake`` wheel) with its RPC and
+  metrics listeners on 127.0.0.1 (both default to ``0.0.0.0``, every interface);
+* an HTTP metadata server on 127.0.0.1. By default this is Mooncake's Python one
+  (``mooncake.http_metadata_server --host 127.0.0.1``) because the master's *built-in*
+  metadata server (``--enable_http_metadata_server``) binds ``0.0.0.0`` whatever
+  ``--http_metadata_server_host`` says (measured with mooncake-transfer-engine-non-cuda
+  0.3.13.post1), exposing an unauthenticated metadata store to the network.
+  ``metadata="builtin"`` uses the built-in one anyway;
+* one *pool* process (``python -m kvtier_mooncake.pool``) that mounts ``pool_bytes`` of
+  memory into the store, so that pages outlive the clients that put them (a client's own
+  segment disappears when it closes).
+
+Clients' transfer engines (the pool's and every store's) listen on all interfaces on
+ports of their choosing; Mooncake 0.3.13 has no setting to bind TCP transfers to one
+address (``MC_RDMA_BIND_ADDRESS`` covers RDMA only).
+
+Leaving the ``with`` block stops both (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Literal, Self
+
+
+def master_binary() -> str:
+    """Path of ``mooncake_master``; raises :class:`RuntimeError` naming what is missing."""
+    try:
+        import mooncake
+    except ImportError as exc:
+        raise RuntimeError(
+            "the mooncake package is not installed "
+            "(pip install 'kvtier-mooncake[tcp]' for mooncake-transfer-engine-non-cuda)"
+        ) from exc
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    if not path.exists():
+        found = shutil.which("mooncake_master")
+        if found is None:
+            raise RuntimeError(f"mooncake_master not found next to {mooncake.__file__}")
+        return found
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class MooncakeCluster:
+    """``mooncake_master`` + one memory pool process, all on 127.0.0.1.
+
+    Args:
+        pool_bytes: memory the pool process contributes to the store.
+        lease_ms: the master's ``default_kv_lease_ttl``: how long a read protects an
+            object from removal (Mooncake's default is 10 s; removals inside it fail).
+    """
+
+    def __init__(
+        self,
+        pool_bytes: int = 256 << 20,
+        lease_ms: int = 200,
+        metadata: Literal["python", "builtin"] = "python",
+    ) -> None:
+        if metadata not in ("python", "builtin"):
+            raise ValueError(f"metadata must be 'python' or 'builtin', got {metadata!r}")
+        self.metadata = metadata
+        self.binary = master_binary()
+        self.pool_bytes = pool_bytes
+        self.lease_ms = lease_ms
+        self.rpc_port = _free_port()
+        self.http_port = _free_port()
+        self.metrics_port = _free_port()
+        self._dir = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-"))
+        self._master: subprocess.Popen[bytes] | None = None
+        self._pool: subprocess.Popen[bytes] | None = None
+        self._meta: subprocess.Popen[bytes] | None = None
+
+    @property
+    def master_address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def options(self) -> dict[str, str]:
+        """Backend options pointing a :class:`~kvtier_mooncake.store.MooncakeStore` here."""
+        return {"master": self.master_address, "metadata_server": self.metadata_server}
+
+    def start_master(self) -> None:
+        """Start the metadata server and ``mooncake_master``; wait until both answer."""
+        log = open(self._dir / "master.log", "ab")  # noqa: SIM115 - owned by the process
+        args = [
+            self.binary,
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.lease_ms}",
+        ]
+        if self.metadata == "builtin":
+            args += [
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.http_port}",
+            ]
+        elif self._meta is None or self._meta.poll() is not None:
+            self._meta = subprocess.Popen(
+                [sys.executable, "-m", "mooncake.http_metadata_server",
+                 "--host", "127.0.0.1", "--port", str(self.http_port), "--log-level", "ERROR"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        self._master = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self._dir
+        )
+        log.close()
+        self._wait(lambda: _port_open(self.rpc_port) and self._http_up(), "mooncake_master")
+
+    def _http_up(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.metadata_server}?key=probe", timeout=0.5):
+                return True
+        except urllib.error.HTTPError:
+            return True  # 404 for an unknown key: the server answers
+        except OSError:
+            return False
+
+    def start_pool(self) -> None:
+        ready = self._dir / "pool.ready"
+        log = open(self._dir / "pool.log", "ab")  # noqa: SIM115 - owned by the process
+        env = dict(os.environ, GLOG_minloglevel="2")
+        self._pool = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvtier_mooncake.pool",
+                "--master",
+                self.master_address,
+                "--metadata-server",
+                self.metadata_server,
+                "--bytes",
+                str(self.pool_bytes),
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        log.close()
+        self._wait(ready.exists, "mooncake pool")
+
+    def _wait(self, ok: object, what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc in (self._master, self._pool, self._meta):
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"{what} exited with {proc.returncode}: {self.logs()}")
+            if ok():  # type: ignore[operator]
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{what} did not start within {timeout:g} s: {self.logs()}")
+
+    def logs(self) -> str:
+        return "".join(
+            p.read_text(errors="replace")[-1500:]
+            for p in (self._dir / "master.log", self._dir / "pool.log")
+            if p.exists()
+        )
+
+    def stop_master(self) -> None:
+        """Stop ``mooncake_master`` only (the metadata server and pool stay)."""
+        self._stop(self._master)
+        self._master = None
+
+    def close(self) -> None:
+        try:
+            self._stop(self._pool)
+            self._stop(self._master)
+            self._stop(self._meta)
+        finally:
+            self._pool = self._master = self._meta = None
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> Self:
+        try:
+            self.start_master()
+            self.start_pool()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

@@ -1,0 +1,504 @@
+"""The remote tier on Mooncake Store (``mooncake.store.MooncakeDistributedStore``).
+
+Each page is one object ``<prefix>/<32 hex digits>`` holding the payload followed by the
+64-byte header of :mod:`kvtier.pageformat`; reads verify it (a mismatch is a miss).
+
+**Two-phase put without a rename.** Mooncake has no atomic rename, so nothing reaches the
+store before commit: ``reserve`` takes a slot of a registered staging buffer, ``write``
+copies the page and its header into it, ``commit`` sends every written slot in one
+``batch_upsert_from`` (zero-copy from the registered buffer). ``upsert``, not ``put``:
+Mooncake's ``put`` on an existing key silently keeps the old object, which would keep a
+page that failed verification forever. Uncommitted pages exist only in this process.
+
+**Removal and leases.** A read grants a lease (the master's ``default_kv_lease_ttl``,
+10 s by default) during which removal fails. :meth:`MooncakeStore.delete` retries such
+keys until ``op_timeout_s``; what is still leased then answers ``False``.
+
+**Listing.** Mooncake cannot list keys, so :meth:`keys` answers the keys this process
+committed that still exist; pages do not survive a reopen in the index (they may still be
+in the pool and are found again by ``contains``/``get``).
+
+Blocking client calls run on the backend's executor, one hop per batch, each bounded by
+``op_timeout_s``; a failing master makes pages misses, logged once per outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+from kvtier.backends.remote_health import Health
+
+from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
+from kvtier.keys import KEY_BYTES, PageKey
+from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
+
+log = logging.getLogger("kvtier_mooncake.store")
+
+T = TypeVar("T")
+
+#: Mooncake error codes the store interprets.
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+
+_DEFAULTS: dict[str, Any] = {
+    "master": None,
+    "metadata_server": None,
+    "local_hostname": "127.0.0.1",
+    "protocol": "tcp",
+    "device_name": "",
+    "segment_bytes": 0,
+    "staging_pages": 64,
+    "read_pages": 16,
+    "key_prefix": "kvtier",
+    "op_timeout_s": 5.0,
+}
+
+
+def _options(raw: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(raw) - set(_DEFAULTS))
+    if unknown:
+        raise ConfigError(
+            f"mooncake: unknown option(s) {', '.join(unknown)}; known: {', '.join(_DEFAULTS)}"
+        )
+    opts = {**_DEFAULTS, **raw}
+    for name in ("master", "metadata_server"):
+        if not isinstance(opts[name], str) or not opts[name]:
+            raise ConfigError(f"mooncake option {name!r} is required (got {opts[name]!r})")
+    if not opts["metadata_server"].startswith(("http://", "etcd://", "P2PHANDSHAKE")):
+        raise ConfigError(
+            f"mooncake option 'metadata_server' must be an http:// URL, got "
+            f"{opts['metadata_server']!r}"
+        )
+    for name in ("segment_bytes", "staging_pages", "read_pages"):
+        try:
+            opts[name] = int(opts[name])
+        except (TypeError, ValueError):
+            raise ConfigError(f"mooncake option {name!r} must be an integer") from None
+        if opts[name] < (0 if name == "segment_bytes" else 1):
+            raise ConfigError(f"mooncake option {name!r} is out of range: {opts[name]}")
+    try:
+        opts["op_timeout_s"] = float(opts["op_timeout_s"])
+    except (TypeError, ValueError):
+        raise ConfigError("mooncake option 'op_timeout_s' must be a number") from None
+    if opts["op_timeout_s"] <= 0:
+        raise ConfigError("mooncake option 'op_timeout_s' must be > 0")
+    prefix = opts["key_prefix"]
+    if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
+        raise ConfigError(f"mooncake option 'key_prefix' must be a word, got {prefix!r}")
+    return opts
+
+
+class _Slots:
+    """``n`` page slots in one buffer registered with the Mooncake client."""
+
+    def __init__(self, n: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.buf = np.zeros(n * slot_bytes, dtype=np.uint8)
+        self.free = list(range(n - 1, -1, -1))
+
+    def view(self, i: int) -> np.ndarray:
+        return self.buf[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+
+    def ptr(self, i: int) -> int:
+        return int(self.buf.ctypes.data) + i * self.slot_bytes
+
+
+class MooncakeStore(StoreBackend):
+    """A remote page store on Mooncake Store (TCP or RDMA transfer engine).
+
+    Options: ``master`` (``host:port`` of ``mooncake_master``, required),
+    ``metadata_server`` (``http://host:port/metadata``, required), ``local_hostname``
+    (the address other clients reach this one at; default 127.0.0.1), ``protocol``
+    (``tcp``/``rdma``), ``device_name`` (RDMA devices), ``segment_bytes`` (memory this
+    client lends to the pool; 0 = a pure client), ``staging_pages`` (reservations in flight),
+    ``read_pages`` (pages per read batch), ``key_prefix``, ``op_timeout_s``.
+    """
+
+    default_io_threads: ClassVar[int] = 2
+    #: Pause between removal attempts of keys still under a read lease.
+    _RETRY_REMOVE_EVERY_S = 0.05
+
+    def __init__(
+        self,
+        *,
+        page_bytes: int,
+        capacity_pages: int,
+        io_threads: int | None = None,
+        **options: Any,
+    ) -> None:
+        self.options = _options(options)
+        super().__init__(
+            page_bytes=page_bytes, capacity_pages=capacity_pages, io_threads=io_threads
+        )
+        self._client: Any = None
+        self._slot_bytes = page_bytes + HEADER_SIZE
+        self._staging: _Slots | None = None
+        self._reads: _Slots | None = None
+        self._read_lock = asyncio.Lock()
+        self._pending: dict[int, tuple[PageKey, str, bool]] = {}  # slot -> key, ns, written
+        self._committed: set[PageKey] = set()
+        self._last_setup_try = 0.0
+        self._setup: asyncio.Future[Any] | None = None
+        self.health = Health(f"mooncake://{self.options['master']}", log)
+        self.checksum_failures = 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            from mooncake.store import MooncakeDistributedStore  # noqa: F401
+        except ImportError as exc:
+            return (
+                "the mooncake package is not importable "
+                f"(pip install 'kvtier-mooncake[tcp]'): {exc}"
+            )
+        return None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Register the staging and read buffers and connect. A master that is down is
+        not an error: calls miss and the connection is retried (at most once a second)."""
+        if self._opened:
+            return
+        await super().open()
+        self._staging = _Slots(self.options["staging_pages"], self._slot_bytes)
+        self._reads = _Slots(self.options["read_pages"], self._slot_bytes)
+        await self._ensure_client()
+
+    def _setup_blocking(self) -> Any:
+        from mooncake.store import MooncakeDistributedStore
+
+        o = self.options
+        client = MooncakeDistributedStore()
+        rc = client.setup(
+            o["local_hostname"], o["metadata_server"], o["segment_bytes"], 16 << 20,
+            o["protocol"], o["device_name"], o["master"],
+        )  # fmt: skip
+        if rc != 0:
+            raise ConnectionError(f"setup failed with code {rc}")
+        assert self._staging is not None and self._reads is not None
+        for slots in (self._staging, self._reads):
+            rc = client.register_buffer(slots.ptr(0), slots.buf.nbytes)
+            if rc != 0:
+                client.close()
+                raise ConnectionError(f"register_buffer failed with code {rc}")
+        return client
+
+    async def _master_reachable(self) -> bool:
+        """A quick TCP connect to the master: a dead master fails fast here instead of
+        tying up a worker thread inside the client's own (minutes-long) retries."""
+        host, _, port = self.options["master"].rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host or "127.0.0.1", int(port)),
+                min(1.0, self.options["op_timeout_s"]),
+            )
+        except (OSError, TimeoutError, ValueError):
+            return False
+        writer.close()
+        return True
+
+    async def _ensure_client(self) -> Any:
+        """The connected client, or ``None`` while the master cannot be reached (then
+        the attempt is repeated at most once a second)."""
+        if self._client is not None:
+            return self._client
+        if self._setup is not None and not self._setup.done():
+            return None  # a slow setup is still running
+        now = time.monotonic()
+        if now - self._last_setup_try < 1.0:
+            return None
+        self._last_setup_try = now
+        if not await self._master_reachable():
+            self.health.failed(f"master {self.options['master']} is not reachable")
+            return None
+        # setup() can block for minutes when the master stops answering: run it on a
+        # daemon thread of its own so that neither close() nor interpreter exit waits.
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                client = self._setup_blocking()
+            except Exception as exc:
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, client, None)
+
+        self._setup = fut
+        threading.Thread(target=run, name="kvtier-mooncake-setup", daemon=True).start()
+        try:
+            self._client = await asyncio.wait_for(asyncio.shield(fut), self.options["op_timeout_s"])
+        except Exception as exc:
+            self.health.failed(f"cannot connect: {exc or type(exc).__name__}")
+            fut.add_done_callback(self._adopt_late_client)
+            return None
+        self.health.succeeded()
+        return self._client
+
+    def _adopt_late_client(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        if self._opened and self._client is None:
+            self._client = fut.result()
+        else:
+            threading.Thread(target=fut.result().close, daemon=True).start()
+
+    async def close(self) -> None:
+        """Disconnect (bounded by ``op_timeout_s``) and release buffers. Idempotent."""
+        client, self._client = self._client, None
+        self._pending.clear()
+        if client is not None and self._executor is not None:
+            try:
+                await self._call(client.close)
+            except Exception as exc:
+                log.debug("mooncake close failed: %r", exc)
+        executor, self._executor = self._executor, None
+        if executor is not None:  # a call stuck in a dead master must not block close()
+            executor.shutdown(wait=False, cancel_futures=True)
+        await super().close()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """One executor hop, bounded by ``op_timeout_s`` (raises TimeoutError)."""
+        return await asyncio.wait_for(self.run_blocking(fn, *args), self.options["op_timeout_s"])
+
+    async def _batch(self, method: str, *args: Any) -> list[int] | None:
+        """Call a ``batch_*`` client method; ``None`` (and an outage) when it fails."""
+        self._check_open()
+        client = await self._ensure_client()
+        if client is None:
+            return None
+        if self.health.down and not await self._master_reachable():
+            self.health.failed(f"master {self.options['master']} is not reachable")
+            return None
+        try:
+            out = await self._call(getattr(client, method), *args)
+        except Exception as exc:
+            self.health.failed(f"{method}: {type(exc).__name__}: {exc}")
+            return None
+        self.health.succeeded()
+        return list(out)
+
+    def name(self, key: PageKey) -> str:
+        """The Mooncake object key of a page."""
+        return f"{self.options['key_prefix']}/{key.hex()}"
+
+    def _check_keys(self, keys: Sequence[PageKey]) -> None:
+        for i, k in enumerate(keys):
+            if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+                raise KVTierUsageError(f"key {i} must be {KEY_BYTES} bytes, got {k!r:.60}")
+
+    # -- the keyed, two-phase interface --------------------------------------------------------
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        self._check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        found = await self._batch("batch_is_exist", [self.name(k) for k in keys])
+        assert self._staging is not None
+        out: list[Reservation | None] = []
+        for i, key in enumerate(keys):
+            if found is None or found[i] < 0:
+                out.append(None)
+            elif found[i] == 1:
+                out.append(Reservation(key, -1, present=True))
+            elif self.used_pages() < self.capacity_pages and self._staging.free:
+                slot = self._staging.free.pop()
+                self._pending[slot] = (key, namespace, False)
+                out.append(Reservation(key, slot))
+            else:
+                out.append(None)
+        return out
+
+    def _pending_of(self, r: Reservation) -> tuple[PageKey, str, bool] | None:
+        p = self._pending.get(r.handle)
+        return p if p is not None and p[0] == r.key else None
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        self._check_open()
+        staging = self._staging
+        assert staging is not None
+        todo = [i for i, r in enumerate(reservations)
+                if not r.present and self._pending_of(r) is not None]  # fmt: skip
+
+        def fill() -> None:
+            for i in todo:
+                r = reservations[i]
+                key, ns, _ = self._pending[r.handle]
+                slot = staging.view(r.handle)
+                slot[: self.page_bytes] = bufs[i]
+                slot[self.page_bytes :] = np.frombuffer(encode_header(key, ns, bufs[i]), np.uint8)
+
+        await self.run_blocking(fill)
+        for i in todo:
+            r = reservations[i]
+            key, ns, _ = self._pending[r.handle]
+            self._pending[r.handle] = (key, ns, True)
+        filled = set(todo)
+        return [r.present or i in filled for i, r in enumerate(reservations)]
+
+    def _release(self, slot: int) -> None:
+        if self._pending.pop(slot, None) is not None:
+            assert self._staging is not None
+            self._staging.free.append(slot)
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        self._check_open()
+        ok = [r.present for r in reservations]
+        todo: list[int] = []
+        for i, r in enumerate(reservations):
+            p = None if r.present else self._pending_of(r)
+            if p is not None and p[2]:
+                todo.append(i)
+            elif p is not None:
+                self._release(r.handle)
+        if not todo:
+            return ok
+        assert self._staging is not None
+        names = [self.name(reservations[i].key) for i in todo]
+        ptrs = [self._staging.ptr(reservations[i].handle) for i in todo]
+        codes = await self._batch("batch_upsert_from", names, ptrs, [self._slot_bytes] * len(todo))
+        for j, i in enumerate(todo):
+            r = reservations[i]
+            self._release(r.handle)
+            if codes is not None and codes[j] == 0:
+                self._committed.add(r.key)
+                ok[i] = True
+        return ok
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        for r in reservations:
+            if not r.present and self._pending_of(r) is not None:
+                self._release(r.handle)
+
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        self._check_keys(keys)
+        bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        self._check_open()
+        reads = self._reads
+        assert reads is not None
+        ok = [False] * len(keys)
+        step = self.options["read_pages"]
+        async with self._read_lock:
+            for start in range(0, len(keys), step):
+                chunk = list(range(start, min(start + step, len(keys))))
+                names = [self.name(keys[i]) for i in chunk]
+                ptrs = [reads.ptr(j) for j in range(len(chunk))]
+                got = await self._batch(
+                    "batch_get_into", names, ptrs, [self._slot_bytes] * len(chunk)
+                )
+                if got is None:
+                    break
+
+                def verify(chunk: list[int] = chunk, got: list[int] = got) -> list[str | None]:
+                    problems: list[str | None] = []
+                    for j, i in enumerate(chunk):
+                        if got[j] < 0:
+                            problems.append("absent")
+                            continue
+                        slot = reads.view(j)
+                        try:
+                            if got[j] != self._slot_bytes:
+                                raise IntegrityError(f"object is {got[j]} bytes")
+                            verify_page(slot[self.page_bytes :], keys[i], slot[: self.page_bytes])
+                        except IntegrityError as exc:
+                            problems.append(str(exc))
+                            continue
+                        np.copyto(bufs[i], slot[: self.page_bytes])
+                        problems.append(None)
+                    return problems
+
+                for i, problem in zip(chunk, await self.run_blocking(verify), strict=True):
+                    if problem is None:
+                        ok[i] = True
+                    elif problem == "absent":
+                        self._committed.discard(keys[i])
+                    else:
+                        self.checksum_failures += 1
+                        log.warning("mooncake page %s failed verification: %s",
+                                    keys[i].hex(), problem)  # fmt: skip
+        return ok
+
+    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_keys(keys)
+        self._check_open()
+        if not keys:
+            return []
+        found = await self._batch("batch_is_exist", [self.name(k) for k in keys])
+        if found is None:
+            return [False] * len(keys)
+        for k, f in zip(keys, found, strict=True):
+            if f == 0:
+                self._committed.discard(k)
+        return [f == 1 for f in found]
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Remove pages; keys under a lease are retried until ``op_timeout_s``.
+
+        Any access (``get``, ``contains``, even a failed check) grants a lease, so the
+        retry loop only calls ``remove`` (which does not extend it).
+        """
+        self._check_keys(keys)
+        self._check_open()
+        out = [False] * len(keys)
+        todo = list(range(len(keys)))
+        deadline = time.monotonic() + self.options["op_timeout_s"]
+        while todo:
+            codes = await self._batch("batch_remove", [self.name(keys[i]) for i in todo])
+            if codes is None:
+                break
+            retry = []
+            for i, code in zip(todo, codes, strict=True):
+                if code == 0:
+                    out[i] = True
+                if code in (0, OBJECT_NOT_FOUND):
+                    self._committed.discard(keys[i])
+                else:
+                    retry.append(i)
+            todo = retry
+            if not todo or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(self._RETRY_REMOVE_EVERY_S)  # a lease is still held
+        return out
+
+    async def keys(self) -> list[PageKey]:
+        """Keys committed by this process that still exist (Mooncake cannot list keys)."""
+        self._check_open()
+        known = sorted(self._committed)
+        present = await self.contains(known) if known else []
+        return [k for k, p in zip(known, present, strict=True) if p]
+
+    def used_pages(self) -> int:
+        return len(self._committed) + len(self._pending)
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(
+            master=self.options["master"],
+            outages=self.health.outages,
+            failed_batches=self.health.failed_batches,
+            checksum_failures=self.checksum_failures,
+        )
+        return out
+
+
+def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)

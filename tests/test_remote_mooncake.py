@@ -1,0 +1,162 @@
+"""The Mooncake Store plugin (plugins/kvtier-mooncake) against a real mooncake_master.
+
+Skips, with the reason, where the plugin or the ``mooncake`` package is not installed
+(``pip install -e './plugins/kvtier-mooncake[tcp]'``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.keys import PageKey
+from kvtier.registry import describe, resolve
+from kvtier.testing.conformance import check_backend
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's C++ logging: errors only
+
+try:
+    from kvtier_mooncake.server import MooncakeCluster
+    from kvtier_mooncake.store import MooncakeStore
+
+    REASON = MooncakeStore.unavailable_reason()
+except ImportError as exc:  # the plugin distribution is not installed
+    REASON = (
+        f"kvtier-mooncake is not installed (pip install -e './plugins/kvtier-mooncake[tcp]'): {exc}"
+    )
+
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[MooncakeCluster]:
+    with MooncakeCluster(pool_bytes=64 << 20, lease_ms=200) as cluster:
+        yield cluster
+
+
+def make(cluster: MooncakeCluster, **options: Any) -> MooncakeStore:
+    opts: dict[str, Any] = {"key_prefix": f"t{uuid.uuid4().hex[:8]}", "op_timeout_s": 5.0}
+    opts.update(cluster.options())
+    opts.update(options)
+    return MooncakeStore(page_bytes=PAGE, capacity_pages=16, **opts)
+
+
+def pages(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(n)
+    return [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(n)]
+
+
+def keys(n: int) -> list[PageKey]:
+    return [PageKey(os.urandom(16)) for _ in range(n)]
+
+
+def listening(port: int) -> set[str]:
+    """Local addresses with a listening TCP socket on ``port`` (from /proc/net/tcp)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        table = f.read().splitlines()[1:]
+    for line in table:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if state == "0A" and int(p, 16) == port:
+            octets = [str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)]
+            found.add(".".join(octets))
+    return found
+
+
+def test_registered_through_the_entry_point_as_a_plugin() -> None:
+    info = describe("mooncake")
+    assert info.available and "kvtier-mooncake" in info.origin
+    assert resolve("mooncake") is MooncakeStore
+
+
+def test_bad_options_name_the_option() -> None:
+    with pytest.raises(ConfigError, match="master"):
+        MooncakeStore(page_bytes=PAGE, capacity_pages=4, metadata_server="http://x:1/metadata")
+    with pytest.raises(ConfigError, match="bogus"):
+        MooncakeStore(page_bytes=PAGE, capacity_pages=4, master="a:1",
+                      metadata_server="http://x:1/metadata", bogus=1)  # fmt: skip
+
+
+async def test_conformance(mooncake: MooncakeCluster) -> None:
+    # Mooncake cannot list keys, so every case gets a fresh prefix (the kit's clean-up
+    # relies on keys()), and the store is not declared persistent.
+    report = await check_backend(lambda: make(mooncake))
+    assert set(report.skipped) == {"arena_zero_copy", "survives_reopen"}
+
+
+def test_master_and_metadata_listen_on_loopback_only(mooncake: MooncakeCluster) -> None:
+    for port in (mooncake.rpc_port, mooncake.http_port, mooncake.metrics_port):
+        addrs = listening(port)
+        assert addrs == {"127.0.0.1"}, (port, addrs)
+
+
+def test_builtin_metadata_server_ignores_its_host_flag() -> None:
+    """Why the default deployment runs the Python metadata server: the master's built-in
+    one binds every interface even with --http_metadata_server_host=127.0.0.1. When this
+    test fails, Mooncake honours the flag and the built-in server can be the default."""
+    with MooncakeCluster(pool_bytes=16 << 20, metadata="builtin") as cluster:
+        assert listening(cluster.rpc_port) == {"127.0.0.1"}
+        assert listening(cluster.http_port) == {"0.0.0.0"}
+
+
+async def test_pages_outlive_the_client_that_put_them(mooncake: MooncakeCluster) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    ks, data = keys(5), pages(5)
+    async with make(mooncake, key_prefix=prefix) as writer:
+        assert await writer.put(ks, data) == [True] * 5
+    async with make(mooncake, key_prefix=prefix) as reader:  # another client, later
+        out = [np.zeros(PAGE, np.uint8) for _ in ks]
+        assert await reader.get(ks, out) == [True] * 5
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        assert await reader.exists(ks) == 5
+
+
+async def test_corrupt_object_is_a_miss(mooncake: MooncakeCluster) -> None:
+    async with make(mooncake) as s:
+        ks, data = keys(2), pages(2)
+        await s.put(ks, data)
+        bad = np.zeros(PAGE + 64, np.uint8)  # right size, no valid header
+        client = s._client
+        assert client.upsert(s.name(ks[1]), bad.tobytes()) == 0
+        out = [np.zeros(PAGE, np.uint8) for _ in ks]
+        assert await s.get(ks, out) == [True, False]
+        assert s.stats()["checksum_failures"] == 1
+
+
+async def test_master_down_at_start_and_killed_mid_run() -> None:
+    cluster = MooncakeCluster(pool_bytes=32 << 20)
+    try:
+        s = make(cluster, op_timeout_s=2.0)
+        await s.open()  # nothing listens yet: opens, then misses
+        start = time.monotonic()
+        assert await s.put(keys(2), pages(2)) == [False, False]
+        assert await s.contains(keys(2)) == [False, False]
+        assert time.monotonic() - start < 5
+        assert s.stats()["outages"] == 1
+        await s.close()
+
+        cluster.start_master()
+        cluster.start_pool()
+        async with make(cluster, op_timeout_s=2.0) as s2:
+            ks, data = keys(3), pages(3)
+            assert await s2.put(ks, data) == [True] * 3
+            cluster.stop_master()
+            start = time.monotonic()
+            out = [np.zeros(PAGE, np.uint8) for _ in ks]
+            hits = await s2.get(ks, out)
+            assert time.monotonic() - start < 2.0 + 3.0
+            # whatever was served is exact; the rest are misses
+            assert all(np.array_equal(o, d) for o, d, h in zip(out, data, hits, strict=True) if h)
+            assert await s2.contains(ks) == [False] * 3
+    finally:
+        cluster.close()
