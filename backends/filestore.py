@@ -36,7 +36,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from kvtier.backend import Reservation, StoreBackend, check_buffers
-from kvtier.errors import ConfigError, IntegrityError
+from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
@@ -207,8 +207,15 @@ class FileStore(StoreBackend):
         self, keys: Sequence[PageKey], namespace: str = ""
     ) -> list[Reservation | None]:
         """Room for each key while committed + reserved pages < capacity (else ``None``).
-        A committed key gets a ``present`` reservation."""
+        A committed key gets a ``present`` reservation. Raises
+        :class:`~kvtier.errors.KVTierUsageError` for a key that is not 16 bytes (it names
+        the file)."""
         self._check_open()
+        for i, key in enumerate(keys):
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise KVTierUsageError(
+                    f"key {i} must be {KEY_BYTES} bytes (a PageKey), got {key!r:.60}"
+                )
         out: list[Reservation | None] = []
         for key in keys:
             if key in self._index:

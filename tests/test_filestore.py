@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from kvtier.backends.filestore import FileStore
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import Namespace, PageKey, page_keys
 from kvtier.pageformat import HEADER_SIZE, decode_header, namespace_digest
 from kvtier.testing.model import backend_state_machine
@@ -185,6 +185,14 @@ def test_options_are_checked(tmp_path: Path) -> None:
         _store(tmp_path, fsync="yes")
     with pytest.raises(ConfigError, match="compress"):
         _store(tmp_path, compress=True)
+
+
+async def test_keys_must_be_page_keys(tmp_path: Path) -> None:
+    async with _store(tmp_path) as store:
+        for bad in (b"short", "0" * 16, bytes(17)):
+            with pytest.raises(KVTierUsageError, match="key 0 must be 16 bytes"):
+                await store.put([bad], _pages(1))  # type: ignore[list-item]
+        assert store.used_pages() == 0
 
 
 async def test_unusable_directory_raises_on_open(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ One call runs every case::
 It raises :class:`ConformanceError` (an ``AssertionError``) naming each failed case, or
 returns a :class:`ConformanceReport`. For one pytest test per case, parametrize over
 :func:`conformance_cases` (see :mod:`kvtier.testing.conformance` for the recipe).
+:func:`kvtier.testing.model.backend_state_machine` adds a hypothesis state machine that
+checks random call sequences against a model of the contract (needs ``hypothesis``).
 """
 
 from kvtier.testing.conformance import (
