@@ -4,10 +4,11 @@ Memory comes from one of two places, chosen at :meth:`DramArena.open`:
 
 * **pinned**: when a CUDA driver is present, a page-locked buffer from
   ``torch.empty(..., pin_memory=True)``, so host<->device copies run at full PCIe speed;
-* otherwise a page-aligned anonymous ``mmap``, pre-faulted (``MAP_POPULATE``) so the first
-  copy into a slot does not pay for page faults, and ``mlock``-ed when the kernel allows it
-  (``RLIMIT_MEMLOCK`` or ``CAP_IPC_LOCK``): **mlocked**. When ``mlock`` is refused the
-  arena still works (**plain**); the refusal is logged once per process.
+* otherwise a page-aligned anonymous ``mmap``, bound to ``numa_node`` when one is given,
+  then ``mlock``-ed when the kernel allows it (``RLIMIT_MEMLOCK`` or ``CAP_IPC_LOCK``):
+  **mlocked**, which also faults every page in. When ``mlock`` is refused the arena still
+  works (**plain**), pre-faulted by touching every page so the first copy into a slot
+  does not pay for page faults; the refusal is logged once per process.
 
 :meth:`DramArena.stats` reports which of the three (``memory``) the arena got.
 
@@ -201,16 +202,17 @@ class DramArena(ArenaBackend):
             self._memory = "pinned"
             self._bind_memory(self._buf)
             return
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        # Not MAP_POPULATE: the NUMA policy is set first, so pages are faulted in on the
+        # right node (by mlock, or by touching each one) instead of being migrated there.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)
-        if not hasattr(mmap, "MAP_POPULATE"):
-            buf[:: mmap.PAGESIZE] = 0  # touch every page so no copy pays for faults
-        refusal = _try_mlock(buf.ctypes.data, self.nbytes)
+        refusal = _try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
         if refusal is None:
             self._memory = "mlocked"
         else:
+            buf[:: mmap.PAGESIZE] = 0  # pre-fault: touch every page so no copy pays for it
             self._memory = "plain"
             self._memory_note = refusal
             global _mlock_refusal_logged
