@@ -111,7 +111,8 @@ def spec_for_model(
     except AttributeError as exc:
         raise KVTierUsageError(f"model config lacks a field kvtier needs: {exc}") from None
     if dtype is None:
-        dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32"
+        # transformers 5 names it dtype (reading the old torch_dtype only warns)
+        dtype = getattr(text, "dtype", None) or "float32"
     return KVSpec(
         layers,
         kv_heads,
