@@ -116,10 +116,14 @@ async def closed_raises(ctx: CaseContext) -> None:
     fresh = await build(ctx.factory)
     page = np.zeros(fresh.page_bytes, dtype=np.uint8)
     k = ctx.keys(1)
+    fake = Reservation(k[0], 0)
 
     async def all_calls(b: Backend, when: str) -> None:
         calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
             ("reserve", lambda: b.reserve(k)),
+            ("write", lambda: b.write([fake], [page])),
+            ("commit", lambda: b.commit([fake])),
+            ("abort", lambda: b.abort([fake])),
             ("put", lambda: b.put(k, [page])),
             ("get", lambda: b.get(k, [page])),
             ("contains", lambda: b.contains(k)),
