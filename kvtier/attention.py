@@ -149,6 +149,8 @@ def paged_attention(
             f"q {tuple(q.shape)}, block table {table.shape} and {len(seq_lens)} seq_lens "
             "must agree on the number of sequences"
         )
+    if table.shape[0] == 0:
+        return torch.empty(tuple(q.shape), dtype=torch.float32)
     outs = []
     for i in range(table.shape[0]):
         k, v = gather_kv(pages, table[i], int(seq_lens[i]), layer, spec)

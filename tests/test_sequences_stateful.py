@@ -1,17 +1,22 @@
-"""Stateful check of the sequence manager on real tiers (DRAM arena over a file store).
+"""Stateful check of the sequence manager on real tiers.
 
-Random create / append / fork / snapshot / rollback / commit / evict / fault / free
-against a model of token lists; after every step: tables equal the model, no working
-page leaked or freed while referenced, the directory and the prefix tree agree, and no
-unverified page was ever stored.
+Random create / append / fork / snapshot / rollback / commit / evict / fault / tier
+failure (pages lost, then recomputed) / free against a model of token lists; after every
+step: tables equal the model, no working page leaked or freed while referenced, the
+directory and the prefix tree agree, and no unverified page was ever stored. Runs twice:
+on a small DRAM-over-file cache built from the real backends and Directory (explicit
+leaf-first eviction), and on the real KVCache facade (watermark eviction, write-back).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -24,8 +29,9 @@ from kvtier.attention import attention, paged_attention
 from kvtier.errors import CapacityError
 from kvtier.index.block_table import VersionError
 from kvtier.index.directory import PageState
-from kvtier.keys import page_keys
-from kvtier.sequences import SequenceManager
+from kvtier.index.prefix_tree import PrefixTree
+from kvtier.keys import PageKey, page_keys
+from kvtier.sequences import PageFaultError, SequenceManager
 
 
 class SequencesModel(RuleBasedStateMachine):
@@ -33,17 +39,32 @@ class SequencesModel(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.tmp = tempfile.TemporaryDirectory()
-        self.cache = TwoTierCache(SPEC, 20, 400, Path(self.tmp.name) / "store")
-        self.run(self.cache.open())
+        self.cache = self.make_cache(Path(self.tmp.name))
+        self.tree = self.attach_tree()
         self.mgr = self.run(SequenceManager.open(self.cache, 10))
         self.model: dict[int, list[int]] = {}
         self.kv: dict[int, torch.Tensor] = {}
         self.versions: dict[int, list[tuple[int, list[int]]]] = {}
         self.verified_keys: set[bytes] = set()
+        self.filler: set[bytes] = set()
         self.next_token = 1
 
     def run(self, coro):  # type: ignore[no-untyped-def]
         return self.loop.run_until_complete(coro)
+
+    def make_cache(self, root: Path) -> Any:
+        cache = TwoTierCache(SPEC, 20, 400, root / "store")
+        self.run(cache.open())
+        return cache
+
+    def attach_tree(self) -> PrefixTree:
+        return self.cache.tree
+
+    async def push_down(self, n: int | None) -> None:
+        await self.cache.evict(n)
+
+    async def lose(self, keys: list[bytes]) -> None:
+        await self.cache.lose(keys)
 
     def teardown(self) -> None:
         self.run(self.mgr.close())
@@ -109,26 +130,79 @@ class SequencesModel(RuleBasedStateMachine):
 
     @rule(n=st.none() | st.integers(1, 4))
     def evict(self, n: int | None) -> None:
-        self.run(self.cache.evict(n))
+        self.run(self.push_down(n))
+
+    @precondition(
+        lambda self: any(
+            not self.versions[s] and len(t) >= SPEC.page_tokens for s, t in self.model.items()
+        )
+    )
+    @rule(data=st.data())
+    def lose_and_recover(self, data: st.DataObject) -> None:
+        """A tier fails: a stored page is gone. The fault names it; nothing stays pinned;
+        the engine cuts the sequence there and recomputes (appends the tokens again)."""
+        pt = SPEC.page_tokens
+        s = data.draw(
+            st.sampled_from(
+                sorted(s for s, t in self.model.items() if not self.versions[s] and len(t) >= pt)
+            )
+        )
+        table = self.mgr.tables.table(s)
+        stored = [i for i, p in enumerate(table.pages) if p.key is not None and p.slot < 0]
+        if not stored:
+            return
+        lp = data.draw(st.sampled_from(stored))
+        self.run(self.lose([table.pages[lp].key]))
+        with pytest.raises(PageFaultError) as info:
+            self.run(self.mgr.ensure_resident([s]))
+        assert lp in info.value.missing[s]
+        assert not any(self.cache.directory.is_pinned(k) for k in self.cache.directory)
+        first = min(info.value.missing[s])
+        toks = self.model[s]
+        self.run(self.mgr.truncate(s, first * pt))
+        try:
+            self.run(self.mgr.append(s, toks[first * pt :], self.kv[s][:, :, first * pt :]))
+        except CapacityError:  # no working slots to recompute into now: stays cut
+            self.model[s] = toks[: first * pt]
+            self.kv[s] = self.kv[s][:, :, : first * pt]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def fault(self, data: st.DataObject) -> None:
         seqs = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True))
+        self._fault_check(seqs)
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def evict_then_fault(self) -> None:
+        """Push pages down, then fault every live sequence back, two at a time."""
+        self.run(self.push_down(None))
+        live = sorted(self.model)
+        for i in range(0, len(live), 2):
+            self._fault_check(live[i : i + 2])
+
+    def _fault_check(self, seqs: list[int]) -> None:
+        """ensure_resident, then attention through the table equals attention over the
+        original tensors, bit for bit, for every non-empty sequence."""
         try:
             batch = self.run(self.mgr.ensure_resident(seqs))
         except CapacityError:
-            return
+            return  # the top tier is pinned full: a clear error, nothing pinned
         try:
             assert batch.seq_lens == [len(self.model[s]) for s in seqs]
-            q = torch.ones((len(seqs), 1, 4, SPEC.head_dim), dtype=torch.float16)
-            if all(batch.seq_lens):
-                out = paged_attention(q, self.mgr.page, batch.block_table, batch.seq_lens, 1, SPEC)
-                for i, s in enumerate(seqs):
-                    kv = self.kv[s][1]
-                    assert torch.equal(out[i], attention(q[i], kv[0], kv[1]))
+            rows = [i for i, n in enumerate(batch.seq_lens) if n]
+            g = torch.Generator().manual_seed(len(self.model))
+            q = torch.randn((len(rows), 1, 4, SPEC.head_dim), generator=g).half()
+            lens = [batch.seq_lens[i] for i in rows]
+            table = batch.block_table[rows]
+            for layer in range(SPEC.num_layers):
+                out = paged_attention(q, self.mgr.page, table, lens, layer, SPEC)
+                for j, i in enumerate(rows):
+                    kv = self.kv[seqs[i]][layer]
+                    assert torch.equal(out[j], attention(q[j], kv[0], kv[1]))
         finally:
             self.run(self.mgr.release(batch))
+        assert not any(self.cache.directory.is_pinned(k) for k in self.cache.directory)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -151,7 +225,7 @@ class SequencesModel(RuleBasedStateMachine):
         # the working pool is exactly the reserved (never committed) part of the top tier
         d = self.cache.directory
         assert d.count("dram", PageState.RESERVED) == self.mgr.working_pages
-        assert d.count("dram") <= self.cache.dram.capacity_pages
+        assert d.count("dram") <= self.cache.tiers[0].backend.capacity_pages
         assert not any(d.is_pinned(k) for k in d)
 
     @invariant()
@@ -162,16 +236,63 @@ class SequencesModel(RuleBasedStateMachine):
         d = self.cache.directory
         for tier in ("dram", "disk"):
             committed = set(d.keys_in(tier))
-            in_tree = {k for k, tiers in self.cache.tree.items() if tier in tiers}
+            in_tree = {k for k, tiers in self.tree.items() if tier in tiers}
             assert committed == in_tree
             # nothing unverified was ever stored (keys of verified prefixes only)
-            assert committed <= self.verified_keys
+            assert committed <= self.verified_keys | self.filler
 
 
 TestSequencesModel = SequencesModel.TestCase
 TestSequencesModel.settings = settings(
     max_examples=60,
-    stateful_step_count=30,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class KVCacheSequencesModel(SequencesModel):
+    """The same machine on the real KVCache: a 24-page DRAM tier (10 of them the working
+    pool) with watermark eviction over a file store, write-back. ``evict`` stores other
+    tenants' pages, which pushes the sequences' pages down."""
+
+    def make_cache(self, root: Path) -> Any:
+        from kvtier.cache import KVCache
+        from kvtier.config import KVTierConfig, TierConfig
+        from kvtier.keys import Namespace
+
+        pb = SPEC.page_bytes
+        config = KVTierConfig(
+            spec=SPEC,
+            namespace=Namespace.for_spec(SPEC),
+            tiers=[
+                TierConfig("dram", "dram", 24 * pb, 0.8, 0.6),
+                TierConfig("disk", "file", 600 * pb, 0.9, 0.8, options={"path": str(root)}),
+            ],
+            write_policy="write-back",
+        )
+        return self.run(KVCache.open(config, configure_log=False))
+
+    def attach_tree(self) -> PrefixTree:
+        tree = PrefixTree([t.name for t in self.cache.tiers])
+        tree.attach(self.cache.directory)
+        return tree
+
+    async def push_down(self, n: int | None) -> None:
+        count = 6 if n is None else n
+        keys = [PageKey(os.urandom(16)) for _ in range(count)]
+        self.filler.update(keys)
+        pages = np.zeros((count, SPEC.page_bytes), dtype=np.uint8)
+        await self.cache.store_pages(keys, pages)
+
+    async def lose(self, keys: list[bytes]) -> None:
+        await self.cache.delete(keys)
+
+
+TestKVCacheSequencesModel = KVCacheSequencesModel.TestCase
+TestKVCacheSequencesModel.settings = settings(
+    max_examples=30,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
