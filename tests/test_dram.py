@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,6 +97,25 @@ async def test_write_of_the_reserved_view_skips_the_copy() -> None:
         out = [np.empty(PAGE, np.uint8) for _ in range(2)]
         assert await arena.get(keys, out) == [True, True]
         assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+async def test_one_executor_hop_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=8) as arena:
+        hops: list[str] = []
+        real = arena.run_blocking
+
+        async def counting(fn: Any, *args: Any) -> Any:
+            hops.append(getattr(fn, "__name__", "?"))
+            return await real(fn, *args)
+
+        monkeypatch.setattr(arena, "run_blocking", counting)
+        keys, data = _keys(6), _pages(6)
+        assert await arena.put(keys, data) == [True] * 6
+        assert len(hops) == 1
+        out = [np.empty(PAGE, np.uint8) for _ in keys]
+        assert await arena.get(keys, out) == [True] * 6
+        assert len(hops) == 2
+        assert await arena.contains(keys) == [True] * 6 and len(hops) == 2
 
 
 async def test_large_batches_are_split_across_threads_and_stay_correct() -> None:

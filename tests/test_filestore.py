@@ -12,6 +12,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,6 +72,25 @@ async def test_nothing_is_visible_on_disk_before_commit(tmp_path: Path) -> None:
         await store.abort(res[1:])
         assert list((tmp_path / ".tmp").iterdir()) == []
         assert not store.page_path(keys[1]).exists()
+
+
+async def test_one_executor_hop_per_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _store(tmp_path) as store:
+        hops: list[str] = []
+        real = store.run_blocking
+
+        async def counting(fn: Any, *args: Any) -> Any:
+            hops.append(getattr(fn, "__name__", "?"))
+            return await real(fn, *args)
+
+        monkeypatch.setattr(store, "run_blocking", counting)
+        keys, data = _keys(5), _pages(5)
+        assert await store.put(keys, data) == [True] * 5
+        assert hops == ["_write_files", "_commit_files"]
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        assert await store.get(keys, out) == [True] * 5
+        assert await store.delete(keys[:2]) == [True, True]
+        assert hops[2:] == ["_read_files", "_unlink_all"]
 
 
 async def test_commit_of_an_unwritten_reservation_fails_and_frees(tmp_path: Path) -> None:
