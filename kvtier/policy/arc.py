@@ -27,9 +27,12 @@ class ARCPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "arc"
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, ghost_factor: float = 1.0) -> None:
         if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
             raise ConfigError(f"arc: capacity must be a positive number of pages, got {capacity!r}")
+        if not ghost_factor >= 1.0:
+            raise ConfigError(f"arc: ghost_factor must be >= 1, got {ghost_factor!r}")
+        self.ghost_factor = ghost_factor
         self._fixed_c = capacity
         self._seen_c = 0
         self.p = 0.0
@@ -63,9 +66,10 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         c = self.c
-        while self.b1 and len(self.t1) + len(self.b1) > c:
+        g = self.ghost_factor * c
+        while self.b1 and len(self.t1) + len(self.b1) > g:
             self.b1.popitem(last=False)
-        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
+        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * g:
             self.b2.popitem(last=False)
 
     def on_access(self, key: PageKey) -> None:

@@ -27,10 +27,13 @@ class S3FIFOPolicy(EvictionPolicy):
 
     name: ClassVar[str] = "s3-fifo"
 
-    def __init__(self, small_ratio: float = 0.1) -> None:
+    def __init__(self, small_ratio: float = 0.1, ghost_factor: float = 1.0) -> None:
         if not 0.0 < small_ratio < 1.0:
             raise ConfigError(f"s3-fifo: small_ratio must lie in (0, 1), got {small_ratio!r}")
+        if not ghost_factor > 0:
+            raise ConfigError(f"s3-fifo: ghost_factor must be > 0, got {ghost_factor!r}")
         self.small_ratio = small_ratio
+        self.ghost_factor = ghost_factor
         self.small: OrderedDict[PageKey, None] = OrderedDict()
         self.main: OrderedDict[PageKey, None] = OrderedDict()
         self.ghost: OrderedDict[PageKey, None] = OrderedDict()
@@ -60,7 +63,7 @@ class S3FIFOPolicy(EvictionPolicy):
         if key in self.small:
             del self.small[key]
             self.ghost[key] = None
-            while len(self.ghost) > max(self._seen_c, 1):
+            while len(self.ghost) > max(self.ghost_factor * self._seen_c, 1):
                 self.ghost.popitem(last=False)
         else:
             self.main.pop(key, None)

@@ -1,256 +1,162 @@
 """``session``: kvtier's own eviction policy, aimed at the gap between LRU and MIN.
 
-Facts of multi-turn LLM traffic drive it (none is tied to a trace's ids):
+It is ARC (adaptive split between recency and frequency, see
+:mod:`~kvtier.policy.arc`) reshaped for prefix-structured, multi-turn KV traffic. Facts of
+such traffic drive each change (none is tied to a trace's ids):
 
-1. Only prefixes are reused, so a page without its parent is worthless: like
-   :mod:`~kvtier.policy.prefix_aware` it evicts *leaves* only, and a cold sequence leaves
-   as a unit, from its end back to the first page it shares with another sequence.
-2. Most pages are never reused, and whether one will be depends on what kind of sequence
-   it belongs to. Each page gets a *class* when it is inserted: its session's *turn*
-   (a page inserted under a parent that was reused starts a new turn, ``turn(parent) +
-   1``; under a fresh parent it inherits the turn), capped at ``max_turn``, and the
-   log2 bucket of its depth in the sequence (long prompts are reused less often per
-   page). The policy learns online, per class, the share of pages that were reused at
-   least once: ``p(class)``. Sessions that came back tend to come back again.
-3. When a session continues from a page on a new branch, the leaves it left under that
-   page (typically the partial last page of the previous prompt, or an abandoned
-   regeneration) are *superseded*: they go first.
-4. Return gaps are heavy-tailed: a session silent for long is unlikely to return soon.
-   With a Lomax gap law of scale ``tau`` (learned online as the geometric mean of the
-   observed reuse ages, in page events) the chance that a page of reuse probability
-   ``p`` and age ``a`` is reused in the next instant is
-   ``p*tau / ((a+tau) * ((1-p)*(a+tau) + p*tau))``: the eviction score.
+1. *Most pages are used once, and sessions return after minutes.* A page used twice is
+   about twice as likely to be used again as a new one, but its second use typically
+   comes long after a cache of realistic size has forgotten it. So the ghost lists (keys
+   of evicted pages, no data) remember ``ghost_factor`` times the capacity instead of one
+   capacity: a session that returns after its pages were evicted is recognised, and its
+   recomputed pages enter the frequency list ``T2`` where one-use pages cannot push them
+   out. ARC's adaptation of the ``T1``/``T2`` split does the rest.
+2. *A continued session supersedes its old tail.* When a session continues from a
+   reused page on a new branch, the leaf pages left under that page (the partial last
+   page of the previous prompt, an abandoned regeneration) are moved to the cold end of
+   ``T1``: they go first.
 
-Victims are chosen by sampling ``samples`` leaves (a seeded generator, so runs repeat),
-evicting the lowest score and walking up its chain. Recently evicted keys are remembered
-(ghosts, at most ``ghost_factor`` times the pages tracked) so that a page recomputed
-after eviction counts as a reuse and keeps its turn. Time is counted in page events
-(inserts + accesses), so the policy does not depend on wall-clock rates.
+``victims`` reorders nothing and removes nothing; removal happens in :meth:`on_remove`.
+Every hook is O(1) amortised.
+
+Why not leaf-only eviction: on real traces it changes nothing measurable (ARC's ``T1``
+already drops a cold request from its first page to its last), and protecting interior
+pages lets dead sessions' prefixes linger; see docs/benchmarks-sim.md.
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
 
-_DEPTH_BUCKETS = 8
-
-
-class _Ghost(NamedTuple):
-    turn: int
-    last: int
-    depth: int
-    cls: int
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"session: {name} must be an integer >= 1, got {value!r}")
-    return value
-
 
 class SessionPolicy(EvictionPolicy):
-    """Leaf-first eviction scored by learned per-class reuse odds and age."""
+    """ARC with long ghost memory, prefix-aware victims and superseded-tail demotion."""
 
     name: ClassVar[str] = "session"
 
-    def __init__(
-        self, samples: int = 64, max_turn: int = 4, ghost_factor: int = 8, seed: int = 0
-    ) -> None:
-        self.samples = _positive_int("samples", samples)
-        self.max_turn = _positive_int("max_turn", max_turn)
-        self.ghost_factor = _positive_int("ghost_factor", ghost_factor)
-        self._rng = random.Random(seed)
-        self._clock = 0
+    def __init__(self, ghost_factor: float = 4.0, capacity: int | None = None) -> None:
+        if isinstance(ghost_factor, bool) or not ghost_factor >= 1.0:
+            raise ConfigError(f"session: ghost_factor must be >= 1, got {ghost_factor!r}")
+        if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
+            raise ConfigError(f"session: capacity must be >= 1 page, got {capacity!r}")
+        self.ghost_factor = float(ghost_factor)
+        self._fixed_c = capacity
+        self._seen_c = 0
+        self.p = 0.0
+        self.t1: OrderedDict[PageKey, None] = OrderedDict()
+        self.t2: OrderedDict[PageKey, None] = OrderedDict()
+        self.b1: OrderedDict[PageKey, None] = OrderedDict()
+        self.b2: OrderedDict[PageKey, None] = OrderedDict()
         self._parent: dict[PageKey, PageKey | None] = {}
         self._kids: dict[PageKey, set[PageKey]] = {}
-        self._last: dict[PageKey, int] = {}
-        self._turn: dict[PageKey, int] = {}
-        self._depth: dict[PageKey, int] = {}
-        self._cls: dict[PageKey, int] = {}
-        self._reused: set[PageKey] = set()  # reused since the last continuation from it
-        self._hit: set[PageKey] = set()  # reused at least once since insert
-        self._superseded: set[PageKey] = set()
-        self._leaves: list[PageKey] = []
-        self._leaf_pos: dict[PageKey, int] = {}
-        self._ghost: OrderedDict[PageKey, _Ghost] = OrderedDict()
-        n_cls = (self.max_turn + 1) * _DEPTH_BUCKETS
-        self._inserted = [2.0] * n_cls  # pages inserted per class (prior 2)
-        self._reuses = [1.0] * n_cls  # of which reused (prior 1: p starts at 0.5)
-        self._log_tau = math.log(1024.0)
-
-    # -- learned quantities -------------------------------------------------------------
-    def class_of(self, turn: int, depth: int) -> int:
-        """Class index of a page at ``turn`` and ``depth``."""
-        bucket = min(depth.bit_length(), _DEPTH_BUCKETS - 1)
-        return min(turn, self.max_turn) * _DEPTH_BUCKETS + bucket
-
-    def reuse_probability(self, turn: int, depth: int = 0) -> float:
-        """Learned probability that a page of this class is reused."""
-        c = self.class_of(turn, depth)
-        return self._reuses[c] / self._inserted[c]
+        self._reused: set[PageKey] = set()  # accessed since a child was last added
 
     @property
-    def tau(self) -> float:
-        """Learned scale of reuse ages, in page events."""
-        return math.exp(self._log_tau)
+    def c(self) -> int:
+        """The capacity the policy adapts within (given, or the most pages seen)."""
+        return self._fixed_c or max(self._seen_c, 1)
 
-    def score(self, key: PageKey) -> float:
-        """Instantaneous reuse rate of ``key`` (lower = better victim; superseded < 0)."""
-        if key in self._superseded:
-            return -1.0
-        c = self._cls[key]
-        p = self._reuses[c] / self._inserted[c]
-        tau = self.tau
-        a = float(self._clock - self._last[key]) + tau
-        return p * tau / (a * ((1.0 - p) * a + p * tau))
-
-    def _learn_age(self, age: int) -> None:
-        if age > 1:
-            self._log_tau += 0.001 * (math.log(age) - self._log_tau)
-
-    def _note_reuse(self, key: PageKey, cls: int) -> None:
-        if key not in self._hit:
-            self._hit.add(key)
-            self._reuses[cls] += 1
-
-    # -- leaves -------------------------------------------------------------------------
-    def _add_leaf(self, key: PageKey) -> None:
-        if key not in self._leaf_pos:
-            self._leaf_pos[key] = len(self._leaves)
-            self._leaves.append(key)
-
-    def _drop_leaf(self, key: PageKey) -> None:
-        pos = self._leaf_pos.pop(key, None)
-        if pos is None:
-            return
-        last = self._leaves.pop()
-        if last != key:
-            self._leaves[pos] = last
-            self._leaf_pos[last] = pos
-
-    # -- interface ----------------------------------------------------------------------
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
         if key in self._parent:
             self.on_access(key)
             return
-        self._clock += 1
         if parent is not None and parent not in self._parent:
             parent = None
-        ghost = self._ghost.pop(key, None)
-        continued = False
-        if ghost is not None:  # recomputed after eviction: a reuse of this page
-            turn, depth, cls = ghost.turn, ghost.depth, ghost.cls
-            self._learn_age(self._clock - ghost.last)
-            self._inserted[cls] += 1
-            self._note_reuse(key, cls)
-            self._reused.add(key)
+        c = float(self.c)
+        if key in self.b1:
+            self.p = min(c, self.p + max(len(self.b2) / len(self.b1), 1.0))
+            del self.b1[key]
+            self.t2[key] = None
+        elif key in self.b2:
+            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
+            del self.b2[key]
+            self.t2[key] = None
         else:
-            if parent is None:
-                turn, depth = 0, 0
-            elif parent in self._reused:
-                turn, depth = self._turn[parent] + 1, self._depth[parent] + 1
-                continued = True
-            else:
-                turn, depth = self._turn[parent], self._depth[parent] + 1
-            cls = self.class_of(turn, depth)
-            self._inserted[cls] += 1
+            self.t1[key] = None
         self._parent[key] = parent
         self._kids[key] = set()
-        self._last[key] = self._clock
-        self._turn[key] = turn
-        self._depth[key] = depth
-        self._cls[key] = cls
-        self._add_leaf(key)
         if parent is not None:
             siblings = self._kids[parent]
-            if continued:
-                # A new branch from a reused page: leaves left under it are superseded.
-                self._superseded.update(s for s in siblings if not self._kids.get(s, True))
+            if parent in self._reused:
+                # The session continued from ``parent`` on a new branch: demote old tails.
+                for s in siblings:
+                    if not self._kids[s] and s in self.t1:
+                        self.t1.move_to_end(s, last=False)
                 self._reused.discard(parent)
             siblings.add(key)
-            self._drop_leaf(parent)
-            self._last[parent] = self._clock
+        self._seen_c = max(self._seen_c, len(self._parent))
+        self._trim_ghosts()
+
+    def _trim_ghosts(self) -> None:
+        g = self.ghost_factor * self.c
+        while self.b1 and len(self.t1) + len(self.b1) > g:
+            self.b1.popitem(last=False)
+        while self.b2 and len(self._parent) + len(self.b1) + len(self.b2) > 2 * g:
+            self.b2.popitem(last=False)
 
     def on_access(self, key: PageKey) -> None:
-        last = self._last.get(key)
-        if last is None:
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+        else:
             return
-        self._clock += 1
-        if key not in self._reused:
-            self._learn_age(self._clock - last)
-        self._note_reuse(key, self._cls[key])
-        self._last[key] = self._clock
         self._reused.add(key)
-        self._superseded.discard(key)
 
     def on_remove(self, key: PageKey) -> None:
         if key not in self._parent:
             return
         parent = self._parent.pop(key)
-        for kid in self._kids.pop(key, ()):  # orphans (removed out of order) become roots
+        for kid in self._kids.pop(key, ()):  # removed out of order: children become roots
             if kid in self._parent:
                 self._parent[kid] = None
-        self._reused.discard(key)
-        self._hit.discard(key)
-        self._superseded.discard(key)
-        self._ghost[key] = _Ghost(
-            self._turn.pop(key), self._last.pop(key), self._depth.pop(key), self._cls.pop(key)
-        )
-        while len(self._ghost) > self.ghost_factor * max(len(self._parent), 1):
-            self._ghost.popitem(last=False)
-        self._drop_leaf(key)
         if parent is not None and parent in self._kids:
-            kids = self._kids[parent]
-            kids.discard(key)
-            if not kids:
-                self._add_leaf(parent)
+            self._kids[parent].discard(key)
+        self._reused.discard(key)
+        if key in self.t1:
+            del self.t1[key]
+            self.b1[key] = None
+        else:
+            self.t2.pop(key, None)
+            self.b2[key] = None
+        self._trim_ghosts()
+
+    @staticmethod
+    def _take(
+        lst: OrderedDict[PageKey, None],
+        chosen: set[PageKey],
+        evictable: Callable[[PageKey], bool],
+    ) -> PageKey | None:
+        """The coldest page of ``lst`` not yet chosen and evictable."""
+        for key in lst:
+            if key not in chosen and evictable(key):
+                return key
+        return None
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         out: list[PageKey] = []
         chosen: set[PageKey] = set()
-        pending: dict[PageKey, int] = {}
-        leaves = self._leaves
-        misses = 0
-        while len(out) < n and leaves and misses < 4:
-            best: PageKey | None = None
-            best_score = math.inf
-            for _ in range(min(self.samples, len(leaves))):
-                k = leaves[self._rng.randrange(len(leaves))]
-                if k in chosen or not evictable(k):
-                    continue
-                s = self.score(k)
-                if s < best_score:
-                    best, best_score = k, s
-            if best is None:
-                misses += 1
-                continue
-            key: PageKey | None = best
-            while key is not None and len(out) < n:
-                if key in chosen or not evictable(key):
+        n1 = len(self.t1)
+        while len(out) < n:
+            first, second = (
+                (self.t1, self.t2) if (n1 > self.p or not self.t2) else (self.t2, self.t1)
+            )
+            key = self._take(first, chosen, evictable)
+            if key is None:
+                key = self._take(second, chosen, evictable)
+                if key is None:
                     break
-                out.append(key)
-                chosen.add(key)
-                parent = self._parent.get(key)
-                if parent is None:
-                    break
-                left = pending.get(parent, len(self._kids[parent])) - 1
-                pending[parent] = left
-                key = parent if left == 0 else None
-        if len(out) < n:  # sampling found too few: fall back to a full scan
-            for k in list(leaves):
-                if len(out) >= n:
-                    break
-                if k not in chosen and evictable(k):
-                    out.append(k)
-                    chosen.add(k)
+            out.append(key)
+            chosen.add(key)
+            if key in self.t1:
+                n1 -= 1
         return out
 
     def __len__(self) -> int:
