@@ -171,11 +171,21 @@ def test_bad_paths_raise_unknown_backend(path: str) -> None:
         registry.resolve(path)
 
 
-def test_path_to_a_missing_module_is_named() -> None:
-    with pytest.raises((UnknownBackendError, BackendUnavailableError), match="kvtier_nope"):
+def test_path_to_a_missing_module_or_class_is_unknown() -> None:
+    with pytest.raises(UnknownBackendError, match="kvtier_nope"):
         registry.resolve("kvtier_nope.mod:Store")
+    with pytest.raises(UnknownBackendError, match="NoSuchClass"):
+        registry.resolve("kvtier.backends.dram:NoSuchClass")
     info = registry.describe("kvtier_nope.mod:Store")
     assert not info.available and "kvtier_nope" in (info.reason or "")
+
+
+def test_path_whose_dependency_is_missing_is_unavailable(tmp_path: Path) -> None:
+    (tmp_path / "kvtier_depfail.py").write_text("import kvtier_missing_dependency\n")
+    for _ in _on_path(tmp_path):
+        with pytest.raises(BackendUnavailableError, match="kvtier_missing_dependency"):
+            registry.resolve("kvtier_depfail:Store")
+    sys.modules.pop("kvtier_depfail", None)
 
 
 def test_unknown_name_lists_registered_backends() -> None:
