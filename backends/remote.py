@@ -58,21 +58,29 @@ T = TypeVar("T")
 #: so the event loop never spends long on them (design invariant 7).
 _OFFLOAD_BYTES = 1 << 20
 
-# KEYS[1] staging key, KEYS[2] final key, ARGV[1] TTL in ms (0: none).
-# 1: committed now; 2: staging gone but the page is already committed (a retried commit,
-# or another writer of the same content-addressed key); 0: nothing to commit.
+# KEYS[1] staging key, KEYS[2] final key; ARGV[1] TTL in ms (0: none), ARGV[2] the exact
+# length a complete page has, ARGV[3] 1 to keep an existing final key (the one-round-trip
+# put, which cannot ask first), 0 to replace it (the two-phase path asked in reserve).
+# 1: committed now; 2: the page is already committed (staging dropped); 0: nothing
+# complete to commit (staging missing, evicted or short: a refused APPEND) -- dropped.
 _COMMIT_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('RENAME', KEYS[1], KEYS[2])
-  if tonumber(ARGV[1]) > 0 then
-    redis.call('PEXPIRE', KEYS[2], ARGV[1])
-  else
-    redis.call('PERSIST', KEYS[2])
-  end
-  return 1
+local staged = redis.call('STRLEN', KEYS[1])
+if staged ~= tonumber(ARGV[2]) then
+  if staged > 0 then redis.call('DEL', KEYS[1]) end
+  if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
+  return 0
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
-return 0
+if tonumber(ARGV[3]) == 1 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('DEL', KEYS[1])
+  return 2
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+if tonumber(ARGV[1]) > 0 then
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+else
+  redis.call('PERSIST', KEYS[2])
+end
+return 1
 """
 
 
@@ -122,6 +130,7 @@ class RedisStore(StoreBackend):
         self._pending: dict[int, _Pending] = {}
         self._committed: set[PageKey] = set()
         self._next_handle = 0
+        self._putting = 0  # pages inside a one-round-trip put()
         self._token = uuid.uuid4().hex[:12]
         self._ttl_ms = 0 if self.options.ttl_s is None else max(1, round(self.options.ttl_s * 1e3))
         self._staging_ttl_ms = max(1, round(self.options.staging_ttl_s * 1e3))
@@ -222,12 +231,18 @@ class RedisStore(StoreBackend):
         return await self.run_blocking(fn)
 
     async def _pipelined(
-        self, items: Sequence[T], build: Callable[[Any, T], object], per_item: int = 1
+        self,
+        items: Sequence[T],
+        build: Callable[[Any, T], object],
+        per_item: int = 1,
+        on_chunk: Callable[[range, list[list[Any] | None]], Awaitable[None]] | None = None,
     ) -> list[list[Any] | None]:
         """Send ``build(pipe, item)`` for every item in pipelined batches.
 
         Returns, per item, its ``per_item`` replies (each a value or an exception object),
         or ``None`` when its whole batch failed (timeout, connection, cluster down).
+        ``on_chunk(indices, results)`` runs as each batch's replies arrive, outside the
+        concurrency bound, so that its CPU work overlaps the next batches' transfers.
         """
         self._check_open()
         results: list[list[Any] | None] = [None] * len(items)
@@ -261,6 +276,8 @@ class RedisStore(StoreBackend):
                 self.health.succeeded()
             for j, i in enumerate(chunk):
                 results[i] = list(replies[j * per_item : (j + 1) * per_item])
+            if on_chunk is not None:
+                await on_chunk(chunk, results)
 
         await asyncio.gather(*(one(s) for s in range(0, len(items), step)))
         return results
@@ -273,6 +290,7 @@ class RedisStore(StoreBackend):
         """``present`` reservations for keys already committed on the server; new ones
         while the client-side capacity lasts; ``None`` when full or the server fails."""
         self._check_keys(keys)
+        self._check_open()
         found = await self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         out: list[Reservation | None] = []
         for key, reply in zip(keys, found, strict=True):
@@ -299,6 +317,7 @@ class RedisStore(StoreBackend):
         """Store each page under its staging key (zero-copy send); ``False`` where the
         server refused it (e.g. out of memory) or the batch failed."""
         bufs = check_buffers(data, len(reservations), self.page_bytes)
+        self._check_open()
         ok = [r.present for r in reservations]
         todo = [(i, p) for i, r in enumerate(reservations) if not r.present
                 if (p := self._pending_of(r)) is not None]  # fmt: skip
@@ -336,6 +355,7 @@ class RedisStore(StoreBackend):
         """Publish written pages atomically (rename staging -> final, set TTL); ``False``
         where the page was not written, its staging data was evicted, or the batch failed.
         Every non-present reservation is released, committed or not."""
+        self._check_open()
         ok = [r.present for r in reservations]
         todo: list[tuple[int, _Pending]] = []
         for i, r in enumerate(reservations):
@@ -350,7 +370,8 @@ class RedisStore(StoreBackend):
             return ok
 
         def build(pipe: Any, p: _Pending) -> None:
-            pipe.eval(_COMMIT_SCRIPT, 2, p.staging, self.page_name(p.key), self._ttl_ms)
+            pipe.eval(_COMMIT_SCRIPT, 2, p.staging, self.page_name(p.key), self._ttl_ms,
+                      self.page_bytes + HEADER_SIZE, 0)  # fmt: skip
 
         replies = await self._pipelined([p for _, p in todo], build)
         for (i, p), reply in zip(todo, replies, strict=True):
@@ -360,9 +381,88 @@ class RedisStore(StoreBackend):
                 ok[i] = True
         return ok
 
+    async def put(
+        self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
+    ) -> list[bool]:
+        """Reserve, write and commit in one pipelined round trip per batch.
+
+        Each page goes ``SET staging payload`` (zero-copy), ``APPEND staging header``,
+        then the commit script, which publishes it only if it is complete and the key is
+        not already committed (so an existing page is kept, as the contract asks). Keys
+        this client knows are committed answer ``True`` without sending anything. The
+        client-side capacity is checked before sending, so a key already committed by
+        another client is refused (``False``) when this client is full.
+        """
+        self._check_keys(keys)
+        bufs = check_buffers(data, len(keys), self.page_bytes)
+        self._check_open()
+        ok = [False] * len(keys)
+        first: dict[PageKey, int] = {}
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            if key in self._committed:
+                ok[i] = True
+            elif key in first:
+                continue  # the same key twice in one batch: answered like the first
+            elif self.used_pages() < self.capacity_pages:
+                first[key] = i
+                todo.append(i)
+                self._putting += 1
+        try:
+            if todo:
+                await self._put_now(keys, bufs, todo, namespace, ok)
+        finally:
+            self._putting -= len(todo)
+        for i, key in enumerate(keys):
+            if key in first and first[key] != i:
+                ok[i] = ok[first[key]]
+        return ok
+
+    async def _put_now(
+        self,
+        keys: Sequence[PageKey],
+        bufs: list[np.ndarray],
+        todo: list[int],
+        namespace: str,
+        ok: list[bool],
+    ) -> None:
+        headers = await self._cpu(
+            lambda: [encode_header(keys[i], namespace, bufs[i]) for i in todo],
+            len(todo) * self.page_bytes,
+        )
+        full = self.page_bytes + HEADER_SIZE
+        items = []
+        for i, header in zip(todo, headers, strict=True):
+            self._next_handle += 1
+            name = self.page_name(keys[i])
+            items.append((name, name + f":w:{self._token}:{self._next_handle}".encode(),
+                          header, bufs[i].data))  # fmt: skip
+
+        def build(pipe: Any, item: tuple[bytes, bytes, bytes, memoryview]) -> None:
+            name, staging, header, payload = item
+            pipe.set(staging, payload, px=self._staging_ttl_ms)
+            pipe.append(staging, header)
+            pipe.eval(_COMMIT_SCRIPT, 2, staging, name, self._ttl_ms, full, 1)
+
+        replies = await self._pipelined(items, build, per_item=3)
+        refusals: list[BaseException] = []
+        for i, reply in zip(todo, replies, strict=True):
+            if reply is None:
+                continue
+            err = next((x for x in reply if isinstance(x, BaseException)), None)
+            if err is not None:
+                refusals.append(err)
+            elif reply[2] in (1, 2):
+                ok[i] = True
+                if reply[2] == 1:
+                    self._committed.add(keys[i])
+        if refusals:
+            self.health.refused(len(refusals), _describe(refusals[0]))
+
     async def abort(self, reservations: Sequence[Reservation]) -> None:
         """Release reservations; written staging data is deleted (best effort: if the
         server is unreachable it expires after ``staging_ttl_s``)."""
+        self._check_open()
         staging: list[bytes] = []
         for r in reservations:
             p = self._pending_of(r)
@@ -378,19 +478,12 @@ class RedisStore(StoreBackend):
         unverifiable or unreachable pages (then ``out[i]`` is unspecified)."""
         self._check_keys(keys)
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
-        replies = await self._pipelined(keys, lambda pipe, k: pipe.get(self.page_name(k)))
+        self._check_open()
         size = self.page_bytes
-        fetched: list[tuple[int, bytes]] = []
-        for i, reply in enumerate(replies):
-            if reply is None or isinstance(reply[0], BaseException):
-                continue  # batch failed, or a foreign value type under our key
-            if reply[0] is None:
-                self._committed.discard(keys[i])  # gone: evicted, expired or deleted
-                continue
-            fetched.append((i, reply[0]))
+        ok = [False] * len(keys)
+        bad: list[tuple[int, str]] = []
 
-        def verify_and_copy() -> list[tuple[int, str | None]]:
-            done: list[tuple[int, str | None]] = []
+        def verify_and_copy(fetched: list[tuple[int, bytes]]) -> None:
             for i, value in fetched:
                 view = memoryview(value)
                 try:
@@ -399,21 +492,29 @@ class RedisStore(StoreBackend):
                                              f"{size + HEADER_SIZE}")  # fmt: skip
                     verify_page(view[size:], keys[i], view[:size])
                 except IntegrityError as exc:
-                    done.append((i, str(exc)))
+                    bad.append((i, str(exc)))
                     continue
                 np.copyto(bufs[i], np.frombuffer(view[:size], dtype=np.uint8))
-                done.append((i, None))
-            return done
-
-        ok = [False] * len(keys)
-        checked = await self._cpu(verify_and_copy, len(fetched) * self.page_bytes)
-        for i, problem in checked:
-            if problem is None:
                 ok[i] = True
-            else:
-                self.checksum_failures += 1
-                log.warning("remote page %s failed verification, treated as a miss: %s",
-                            keys[i].hex(), problem)  # fmt: skip
+
+        async def arrived(chunk: range, replies: list[list[Any] | None]) -> None:
+            fetched: list[tuple[int, bytes]] = []
+            for i in chunk:
+                reply = replies[i]
+                if reply is None or isinstance(reply[0], BaseException):
+                    continue  # batch failed, or a foreign value type under our key
+                if reply[0] is None:
+                    self._committed.discard(keys[i])  # gone: evicted, expired or deleted
+                    continue
+                fetched.append((i, reply[0]))
+                replies[i] = None  # let the bytes go as soon as they are copied
+            await self._cpu(lambda: verify_and_copy(fetched), len(fetched) * size)
+
+        await self._pipelined(keys, lambda pipe, k: pipe.get(self.page_name(k)), on_chunk=arrived)
+        for i, problem in bad:
+            self.checksum_failures += 1
+            log.warning("remote page %s failed verification, treated as a miss: %s",
+                        keys[i].hex(), problem)  # fmt: skip
         return ok
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
@@ -473,7 +574,7 @@ class RedisStore(StoreBackend):
     def used_pages(self) -> int:
         """Pages this client reserved, committed or adopted (:meth:`keys`) and still
         believes present."""
-        return len(self._committed) + len(self._pending)
+        return len(self._committed) + len(self._pending) + self._putting
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

@@ -342,3 +342,27 @@ async def test_tls_connection(tmp_path: Path) -> None:
         # an unknown CA is refused: the store misses, it never falls back to plain text
         async with make(server.url, op_timeout_s=1.0) as s:
             assert await s.put(keys_for(1), pages(1)) == [False]
+
+
+async def test_one_round_trip_put_keeps_another_clients_page(valkey: RedisServer) -> None:
+    prefix = f"shared-{uuid.uuid4().hex[:8]}"
+    key, first, second = keys_for(1), pages(1, seed=1), pages(1, seed=2)
+    async with make(valkey.url, key_prefix=prefix) as a, make(valkey.url, key_prefix=prefix) as b:
+        assert await a.put(key, first) == [True]
+        assert await b.put(key, second) == [True]  # b did not know: it sent, the server kept
+        assert b.used_pages() == 0  # the page is a's, not b's
+        out = [np.zeros(PAGE, np.uint8)]
+        assert await b.get(key, out) == [True]
+        np.testing.assert_array_equal(out[0], first[0])
+
+
+async def test_incomplete_staging_is_never_committed(store: RedisStore, raw: redis.Redis) -> None:
+    # a write whose APPEND of the header never happened (refused, connection lost)
+    key = keys_for(1)
+    res = [r for r in await store.reserve(key) if r is not None]
+    assert await store.write(res, pages(1)) == [True]
+    staging = raw.keys(f"{store.options.key_prefix}:*:w:*".encode())[0]
+    raw.set(staging, pages(1)[0].tobytes())  # payload only, no header
+    assert await store.commit(res) == [False]
+    assert await store.contains(key) == [False]
+    assert raw.keys(f"{store.options.key_prefix}:*".encode()) == []  # dropped, not published

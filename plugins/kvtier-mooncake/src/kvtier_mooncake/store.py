@@ -380,6 +380,7 @@ class MooncakeStore(StoreBackend):
         return ok
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
+        self._check_open()
         for r in reservations:
             if not r.present and self._pending_of(r) is not None:
                 self._release(r.handle)
