@@ -200,9 +200,10 @@ class Backend(ABC):
     async def close(self) -> None:
         """Release resources. Committed pages of persistent backends stay. Idempotent."""
         self._opened = False
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            # Wait for in-flight copies without blocking the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
 
     async def __aenter__(self) -> Self:
         await self.open()

@@ -47,7 +47,7 @@ class PageHeader:
     namespace_digest: bytes
 
 
-BytesLike = np.ndarray | bytes | memoryview
+BytesLike = np.ndarray | bytes | bytearray | memoryview
 
 
 def _bytes_view(data: BytesLike) -> memoryview:
