@@ -17,7 +17,10 @@ from kvtier.cli.app import bench_app
 from kvtier.cli.output import console, emit, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
+from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
+from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy
+from kvtier.policy.prefetch import LookaheadPredictor
 from kvtier.sim.belady import belady_min
 from kvtier.sim.cost import evaluate
 from kvtier.sim.hardware import profile
@@ -47,6 +50,15 @@ def parse_capacity(text: str, distinct: int) -> int:
     return int(v)
 
 
+def make_admission(name: str) -> AdmissionPolicy:
+    """The admission policy ``name`` (``reuse`` or ``frequency``) for selective writes."""
+    if name == "reuse":
+        return ReusePredictor()
+    if name == "frequency":
+        return FrequencyAdmission()
+    raise KVTierUsageError(f"unknown admission policy {name!r}; known: frequency, reuse")
+
+
 def _load(trace: Path | None, name: str | None, requests: int | None, block_tokens: int) -> Trace:
     if (trace is None) == (name is None):
         raise KVTierUsageError("give exactly one of --trace FILE or --workload NAME")
@@ -66,12 +78,16 @@ def run_sim(
     hardware: str,
     model: str,
     show_progress: bool,
+    admission: str = "reuse",
+    prefetch: str | None = None,
 ) -> dict[str, Any]:
     """Run every (policy, capacity) pair and return the report as plain data."""
     for p in policies:
         if p not in EVICTION_POLICIES:
             known = ", ".join(sorted(EVICTION_POLICIES))
             raise KVTierUsageError(f"unknown policy {p!r}; known: {known}")
+    if prefetch not in (None, "lookahead"):
+        raise KVTierUsageError(f"unknown prefetch predictor {prefetch!r}; known: lookahead")
     if write_policy not in WRITE_POLICIES:
         raise KVTierUsageError(f"unknown write policy {write_policy!r}; known: {WRITE_POLICIES}")
     hw = profile(hardware)
@@ -87,8 +103,20 @@ def run_sim(
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
-                tiers = make_tiers(caps, lambda pol=pol: make_policy(pol), tier_names)
-                res = replay(tr, tiers, write_policy, progress=adv)  # type: ignore[arg-type]
+                adm = (
+                    {i: make_admission(admission) for i in range(1, len(caps))}
+                    if write_policy == "selective"
+                    else None
+                )
+                tiers = make_tiers(caps, lambda pol=pol: make_policy(pol), tier_names, adm)
+                predictor = LookaheadPredictor() if prefetch == "lookahead" else None
+                res = replay(
+                    tr,
+                    tiers,
+                    write_policy,  # type: ignore[arg-type]
+                    predictor=predictor,
+                    progress=adv,
+                )
                 secs = time.perf_counter() - t0
                 cost = evaluate(res, spec, hw)
                 runs.append(
@@ -112,6 +140,7 @@ def run_sim(
                             for k, v in res.pages_moved.items()
                         },
                         "replay_s": secs,
+                        "prefetch": res.prefetch,
                         "cost": cost.to_dict(),
                     }
                 )
@@ -125,6 +154,8 @@ def run_sim(
         "write_policy": write_policy,
         "hardware": hw.name,
         "model": spec.name,
+        "admission": admission if write_policy == "selective" else None,
+        "prefetch": prefetch,
         "runs": runs,
     }
 
@@ -216,6 +247,12 @@ def sim(
     tiers: Annotated[str, typer.Option(help="tier names, top first, comma-separated")] = "hbm",
     tier_scale: Annotated[float, typer.Option(help="each lower tier = this x the one above")] = 4.0,
     write_policy: Annotated[str, typer.Option(help=", ".join(WRITE_POLICIES))] = "write-back",
+    admission: Annotated[
+        str, typer.Option(help="for --write-policy selective: reuse | frequency")
+    ] = "reuse",
+    prefetch: Annotated[
+        str | None, typer.Option(help="lookahead: run the lookahead prefetch predictor")
+    ] = None,
     hardware: Annotated[str, typer.Option(help="hardware profile or .json")] = "h200-gen5",
     model: Annotated[str, typer.Option(help="KVSpec preset for the cost model")] = "llama3-70b",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
@@ -237,6 +274,8 @@ def sim(
             hardware,
             model,
             show_progress,
+            admission,
+            prefetch,
         )
         if plot_file is not None:
             plot(report, plot_file)

@@ -24,8 +24,10 @@ Semantics of one request (its pages are pinned while it runs, as attention pins 
    * ``selective``: like write-through, but only pages the *next* tier's admission policy
      admits go down at insert time; a victim not below is written down if admitted now.
 
-An admission policy on a tier may refuse a page: it is then not retained there (for the
-top tier: used by the running request, then dropped). A tier that cannot find enough
+An admission policy on a tier sees every reference (``on_access``; predictors that
+define ``note_parent(key, parent)`` also learn each page's parent) and may refuse a page:
+it is then not retained there (for the top tier: used by the running request, then
+dropped). A tier that cannot find enough
 evictable victims keeps the pages it can and drops the rest (deepest first).
 
 Capacities are in pages; all blocks are the same size. Results count hits per tier, the
@@ -220,8 +222,11 @@ class _Replayer:
                 break
         for t in tiers:
             if t.admission is not None:
+                note_parent = getattr(t.admission, "note_parent", None)
                 for k in blocks:
                     t.admission.on_access(k)
+                    if note_parent is not None:  # sequence-aware predictors
+                        note_parent(k, parent.get(k))
         self.pinned = set(blocks)
         top = tiers[0]
         fetch: list[PageKey] = []
