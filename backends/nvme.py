@@ -386,12 +386,20 @@ class NvmeStore(StoreBackend):
         assert self.layout is not None
         out: list[Reservation | None] = []
         needed: dict[int, list[int]] = {}
+        first: dict[bytes, int] = {}  # a key repeated in one batch shares one slot
         for i, key in enumerate(keys):
             k = _check_key(key, i)
             row = self._entries.get(k)
             if row is not None:
                 out.append(Reservation(PageKey(k), row.slot, present=True))
                 continue
+            if k in first:
+                twin = out[first[k]]
+                out.append(twin)
+                if twin is not None and self.layout.locate(twin.handle)[0] in needed:
+                    needed[self.layout.locate(twin.handle)[0]].append(i)
+                continue
+            first[k] = i
             if self.used_pages() >= self.capacity_pages:
                 self._counters["reserve_full"] += 1
                 out.append(None)
@@ -423,6 +431,7 @@ class NvmeStore(StoreBackend):
         bufs = check_buffers(data, len(reservations), self.page_bytes)
         ok = [False] * len(reservations)
         jobs: list[tuple[int, int, _Pending, np.ndarray]] = []
+        twins: dict[int, list[int]] = {}
         for i, (r, buf) in enumerate(zip(reservations, bufs, strict=True)):
             if r.present:
                 ok[i] = True
@@ -430,6 +439,10 @@ class NvmeStore(StoreBackend):
             pending = self._reserved.get(r.handle)
             if pending is None or pending.key != bytes(r.key):
                 continue  # aborted, committed or unknown reservation
+            if r.handle in twins:
+                twins[r.handle].append(i)  # same slot twice in one batch: write it once
+                continue
+            twins[r.handle] = []
             jobs.append((i, r.handle, pending, buf))
         if not jobs:
             return ok
@@ -444,6 +457,8 @@ class NvmeStore(StoreBackend):
                     if self._reserved.get(slot) is pending:
                         pending.written, pending.checksum = True, checksum
                         ok[i] = True
+                        for j in twins[slot]:
+                            ok[j] = True
                         self._counters["pages_written"] += 1
                         self._counters["bytes_written"] += self.page_bytes
                 else:
@@ -476,6 +491,7 @@ class NvmeStore(StoreBackend):
         ok = [False] * len(reservations)
         batch: list[tuple[int, _Pending]] = []
         where: list[tuple[int, int]] = []
+        queued_slots: set[int] = set()
         for i, r in enumerate(reservations):
             if r.present:
                 ok[i] = bytes(r.key) in self._entries
@@ -483,11 +499,14 @@ class NvmeStore(StoreBackend):
             pending = self._reserved.get(r.handle)
             if pending is None or pending.key != bytes(r.key):
                 continue
+            where.append((i, r.handle))
+            if r.handle in queued_slots:
+                continue  # the same reservation twice in one call: commit it once
             if not pending.written:
                 self._release(r.handle)
                 continue
+            queued_slots.add(r.handle)
             batch.append((r.handle, pending))
-            where.append((i, r.handle))
         if not batch:
             return ok
         fut: asyncio.Future[dict[int, bool]] = asyncio.get_running_loop().create_future()
@@ -508,10 +527,13 @@ class NvmeStore(StoreBackend):
                 results: dict[int, bool] = {}
                 rows: list[PageRow] = []
                 seen: set[bytes] = set()
+                row_slots: set[int] = set()
                 now = time.time()
                 assert self.layout is not None
                 for batch, _ in queued:
                     for slot, pending in batch:
+                        if slot in results or slot in row_slots:
+                            continue  # committed twice concurrently: once is enough
                         if self._reserved.get(slot) is not pending:
                             results[slot] = False
                         elif pending.key in self._entries or pending.key in seen:
@@ -519,6 +541,7 @@ class NvmeStore(StoreBackend):
                             self._release(slot)
                         else:
                             seen.add(pending.key)
+                            row_slots.add(slot)
                             slab, offset = self.layout.locate(slot)
                             rows.append(
                                 PageRow(

@@ -92,6 +92,13 @@ async def test_put_of_committed_key_is_noop_and_duplicates_in_batch(tmp_path: Pa
         assert s.used_pages() == 1
         assert await s.put([key(1)], [page(1)]) == [True]
         assert s.used_pages() == 1
+    # A key repeated in one batch takes one slot: it fits a store with room for one page.
+    async with store(tmp_path / "one", capacity=1) as s:
+        assert await s.put([key(5), key(5), key(5)], [page(5)] * 3) == [True] * 3
+        assert s.used_pages() == 1
+        out = np.empty(PAGE, np.uint8)
+        assert await s.get([key(5)], [out]) == [True]
+        np.testing.assert_array_equal(out, page(5))
 
 
 async def test_concurrent_commits_are_grouped(tmp_path: Path) -> None:
