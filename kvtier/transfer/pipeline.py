@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,6 +225,7 @@ class Pipeline:
         parents: Sequence[PageKey | None] | None = None,
         namespace: str = "",
         evicting: bool = False,
+        protect: Collection[PageKey] = (),
     ) -> _Job:
         """Run one :meth:`_move` batch as a job."""
 
@@ -239,6 +240,7 @@ class Pipeline:
                 parents=parents,
                 namespace=namespace,
                 evicting=evicting,
+                protect=protect,
             )
 
         return self._launch(run)
@@ -415,10 +417,13 @@ class Pipeline:
         parents: Sequence[PageKey | None] | None = None,
         namespace: str = "",
         evicting: bool = False,
+        protect: Collection[PageKey] = (),
     ) -> list[bool]:
         """Bring ``keys`` into ``dst`` from ``src`` (or from ``data`` when ``src`` is None).
 
-        ``True`` where the page is committed in ``dst`` afterwards.
+        ``True`` where the page is committed in ``dst`` afterwards. If ``dst`` ends above
+        its high watermark, it is trimmed, sparing ``protect`` (the pages a fetch is
+        bringing up for its caller).
         """
         n = len(keys)
         if not await self.make_room(dst, n, priority):
@@ -442,6 +447,37 @@ class Pipeline:
             dst.claimed -= claim
             if claim:
                 dst.notify()
+            if self.directory.used(dst.name) > dst.high_pages:
+                await self._trim(dst, priority, protect)
+
+    async def _trim(
+        self, tier: Tier, priority: Priority, protect: Collection[PageKey] = ()
+    ) -> None:
+        """Bring ``tier`` back under its high watermark after batches landed above it.
+
+        Room is claimed before batches land, but concurrent batches can each find the
+        tier held up by pins, claim room above the watermark, and land; once they have,
+        their pages are evictable, so they are evicted (down to the low watermark).
+        Pages in ``protect`` are spared: a fetch does not evict what it brought up.
+        """
+        d = self.directory
+        while True:
+            used = d.used(tier.name)
+            if used <= tier.high_pages:
+                return
+            want = used - tier.low_pages - d.count(tier.name, PageState.EVICTING)
+            if want <= 0:
+                return
+
+            def ok_victim(k: PageKey) -> bool:
+                return k not in protect and d.evictable(k, tier.name)
+
+            victims = tier.policy.victims(want, ok_victim)
+            if not victims:
+                return
+            stuck = await self._evict_shielded(tier, victims, priority)
+            if len(stuck) == len(victims):
+                return
 
     async def _move_locked(
         self,
@@ -647,6 +683,8 @@ class Pipeline:
                 out[i] = r
         for i, k in enumerate(keys):
             out[i] = out[first[k]]
+        if d.used(top.name) > top.high_pages:
+            await self._trim(top, Priority.FETCH)
         stored = [keys[i] for i in todo if out[i]]
         if stored and self.write_policy != "write-back" and len(self.tiers) > 1:
             self._spawn(self._write_through(top, stored))
@@ -714,6 +752,7 @@ class Pipeline:
             for k in uniq:
                 self._count_lookup(k)
             failed: dict[PageKey, set[str]] = {k: set() for k in uniq}
+            wanted = frozenset(uniq)
             for _round in range(len(self.tiers)):
                 await self._settle(uniq)
                 need = [k for k in uniq if not d.is_committed(k, top.name)]
@@ -728,7 +767,7 @@ class Pipeline:
                 for idx, group in groups.items():
                     src = self.tiers[idx]
                     for batch in _chunks(group, self._batch_size(top)):
-                        job = self._launch_move(src, top, batch, Priority.FETCH)
+                        job = self._launch_move(src, top, batch, Priority.FETCH, protect=wanted)
                         jobs.append((batch, src, job))
                 results = await self._await_jobs([j for _, _, j in jobs])
                 for (batch, src, _), res in zip(jobs, results, strict=True):
@@ -737,6 +776,8 @@ class Pipeline:
                         failed[k].add(src.name)
                     if bad:
                         await self._purge_vanished(src, bad)
+            if d.used(top.name) > top.high_pages:  # in the background: not on the fetch path
+                self._spawn(self._trim(top, Priority.EVICT, wanted))
             ok = True
         finally:
             if not pin or not ok:
@@ -755,7 +796,11 @@ class Pipeline:
         return LoadResult(slots, missing)
 
     def release(self, keys: Sequence[PageKey]) -> None:
-        """Drop one pin per key. Raises :class:`KVTierUsageError` for a key not pinned."""
+        """Drop one pin per key. Raises :class:`KVTierUsageError` for a key not pinned.
+
+        When pins held the top tier above its high watermark, eviction back down to the
+        low watermark starts in the background.
+        """
         d = self.directory
         for k in keys:
             if not d.is_pinned(k):
@@ -763,6 +808,14 @@ class Pipeline:
         for k in keys:
             d.unpin(k)
         self._changed(*self.tiers)
+        top = self.top
+        if d.used(top.name) > top.high_pages:
+            # pins held the tier above its watermark: bring it back, in the background
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no running loop: the next operation needing room trims
+                return
+            self._spawn(self._trim(top, Priority.EVICT))
 
     async def _purge_vanished(self, tier: Tier, keys: list[PageKey]) -> None:
         """Forget pages a store no longer holds (e.g. dropped after a failed checksum)."""
@@ -851,6 +904,7 @@ class Pipeline:
         top = self.top
         d = self.directory
         uniq = list(dict.fromkeys(keys))
+        wanted = frozenset(uniq)
         arrived: list[PageKey] = []
         missing: list[PageKey] = []
         groups: dict[int, list[PageKey]] = {}
@@ -868,7 +922,7 @@ class Pipeline:
         for idx, group in groups.items():
             src = self.tiers[idx]
             for batch in _chunks(group, self._batch_size(top)):
-                job = self._launch_move(src, top, batch, Priority.PREFETCH)
+                job = self._launch_move(src, top, batch, Priority.PREFETCH, protect=wanted)
                 batches.append((batch, job))
         if waiting:
             job = _Job()
@@ -897,6 +951,8 @@ class Pipeline:
                     continue
                 for k in batch:
                     (arrived if d.is_committed(k, top.name) else missing).append(k)
+        if d.used(top.name) > top.high_pages:  # in the background: the deadline is met
+            self._spawn(self._trim(top, Priority.EVICT, wanted))
         self.metrics.prefetch_pages.inc("arrived", by=len(arrived))
         self.metrics.prefetch_pages.inc("late", by=len(late))
         self.metrics.prefetch_pages.inc("missing", by=len(missing))
