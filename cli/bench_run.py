@@ -8,14 +8,17 @@ from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import bench_app
+from kvtier.cli.bench_speculative import run_speculative_cli
 from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
 
 from kvtier.bench.live import bench_run
+from kvtier.bench.speculative import SpeculativeParams
 from kvtier.bench.workload import ChatParams
 from kvtier.config import format_size, load_config, parse_size
 from kvtier.errors import KVTierUsageError
 
 _DEFAULTS = ChatParams()
+_SPEC_DEFAULTS = SpeculativeParams()
 
 
 def _render(data: dict[str, Any]) -> None:
@@ -97,6 +100,27 @@ def bench_run_command(
         int, typer.Option("--concurrency", help="Turns running at once.")
     ] = _DEFAULTS.concurrency,
     seed: Annotated[int, typer.Option("--seed", help="Seed of every token stream.")] = 0,
+    workload: Annotated[
+        str,
+        typer.Option(
+            "--workload",
+            help="chat (multi-turn sessions) or speculative (forks and speculative steps; "
+            "--sessions sets the sequences).",
+        ),
+    ] = "chat",
+    steps: Annotated[
+        int, typer.Option("--steps", help="speculative: decode steps per sequence.")
+    ] = _SPEC_DEFAULTS.steps,
+    draft_tokens: Annotated[
+        int, typer.Option("--draft-tokens", help="speculative: tokens proposed per step.")
+    ] = _SPEC_DEFAULTS.draft_tokens,
+    accept_rate: Annotated[
+        float,
+        typer.Option("--accept-rate", help="speculative: probability each draft token passes."),
+    ] = _SPEC_DEFAULTS.accept_rate,
+    fork_every: Annotated[
+        int, typer.Option("--fork-every", help="speculative: fork every N steps (0: never).")
+    ] = _SPEC_DEFAULTS.fork_every,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -105,6 +129,26 @@ def bench_run_command(
     page read back; report hits per tier, link bandwidth and fetch latency."""
 
     def body() -> None:
+        if workload not in ("chat", "speculative"):
+            raise KVTierUsageError(f"--workload must be chat or speculative, got {workload!r}")
+        if workload == "speculative":
+            spec_params = SpeculativeParams(
+                sequences=sessions,
+                steps=steps,
+                draft_tokens=draft_tokens,
+                accept_rate=accept_rate,
+                fork_every=fork_every,
+                seed=seed,
+            )
+            run_speculative_cli(
+                config=config,
+                model=model,
+                dram_capacity=dram_capacity,
+                nvme_dir=nvme_dir,
+                params=spec_params,
+                as_json=as_json,
+            )
+            return
         if turn_tokens < 1:
             raise KVTierUsageError(f"--turn-tokens must be >= 1, got {turn_tokens}")
         spread = turn_tokens // 2

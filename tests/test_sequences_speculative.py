@@ -72,3 +72,29 @@ def test_bad_params() -> None:
         SpeculativeParams(accept_rate=1.5)
     with pytest.raises(KVTierUsageError, match="draft_tokens"):
         SpeculativeParams(draft_tokens=0)
+
+
+def test_cli_bench_run_speculative_json(tmp_path: Path) -> None:
+    import json
+
+    from kvtier.cli.app import get_app
+    from typer.testing import CliRunner
+
+    args = ["bench", "run", "--workload", "speculative", "--model", "tiny", "--sessions", "3"]
+    args += ["--steps", "4", "--accept-rate", "0.5", "--fork-every", "2", "--json"]
+    args += ["--nvme-dir", str(tmp_path / "disk")]
+    result = CliRunner().invoke(get_app(), args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["workload"] == "speculative" and data["steps"] == 4 and data["forks"] == 2
+    assert data["mismatches"] == 0 and data["unverified_pages_stored"] == 0
+    assert data["checked_pages"] > 0 and data["params"]["accept_rate"] == 0.5
+    assert set(data["pages_discarded"]) == {t["name"] for t in data["config"]["tiers"]}
+    assert data["metrics"]["tiers"][data["config"]["tiers"][1]["name"]]["hits"] > 0
+
+    bad = CliRunner().invoke(get_app(), ["bench", "run", "--workload", "nope"])
+    assert bad.exit_code == 2 and "chat or speculative" in bad.output
+    bad = CliRunner().invoke(
+        get_app(), ["bench", "run", "--workload", "speculative", "--accept-rate", "2"]
+    )
+    assert bad.exit_code == 2 and "accept_rate" in bad.output

@@ -20,15 +20,20 @@ mismatches (must be 0). Returns plain data; the CLI renders it.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtier.attention import torch_dtype
+from kvtier.bench.live import RunResult, run_config
+from kvtier.config import ResolvedConfig
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey, page_keys
 from kvtier.sequences import SequenceManager
@@ -121,23 +126,35 @@ class SpeculativeReport:
         return out
 
 
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser (uint64 in, uint64 out; wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def token_kv(spec: KVSpec, tokens: list[int], start: int) -> torch.Tensor:
     """The KV appended for ``tokens`` at positions ``start..``: a pure function of
-    (token, position) whose bytes differ for every element, token and position."""
-    row = spec.num_kv_heads * spec.head_dim * spec.dtype_size
+    (token, position). Each token's bytes are a fixed per-element pattern XOR a 64-bit hash
+    of (token, position) repeated over the row, so two tokens or two positions collide
+    only if 48 hash bits agree. Every byte is below 0x40: finite in every float dtype."""
+    row = spec.num_layers * spec.kv_factor * spec.num_kv_heads * spec.head_dim * spec.dtype_size
     n = len(tokens)
-    idx = np.arange(spec.num_layers * spec.kv_factor * row, dtype=np.uint64).reshape(
-        spec.num_layers, spec.kv_factor, 1, row
-    )
-    tok = np.asarray(tokens, dtype=np.uint64).reshape(1, 1, n, 1)
-    pos = np.arange(start, start + n, dtype=np.uint64).reshape(1, 1, n, 1)
-    x = idx * np.uint64(0x9E3779B97F4A7C15)
-    x = x + tok * np.uint64(0xBF58476D1CE4E5B9) + pos * np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    x *= np.uint64(0xD6E8FEB86659FD93)
-    x ^= x >> np.uint64(32)
-    raw = (x & np.uint64(0x3F)).astype(np.uint8)  # < 0x40: finite in every float dtype
-    t = torch.from_numpy(np.ascontiguousarray(raw))
+    elems = np.arange(row, dtype=np.uint64)
+    base = _mix64(elems).astype(np.uint8)  # fixed per-element pattern
+    tok = np.asarray(tokens, dtype=np.uint64)
+    pos = np.arange(start, start + n, dtype=np.uint64)
+    h = _mix64(tok * np.uint64(0x9E3779B97F4A7C15) + pos).view(np.uint8).reshape(n, 8)
+    reps = -(-row // 8)
+    raw = np.bitwise_xor(base[None, :], np.tile(h, (1, reps))[:, :row])
+    raw &= np.uint8(0x3F)
+    # [tokens, layers*kv*heads*dim*size] -> [layers, kv, tokens, heads, dim]
+    shaped = raw.reshape(
+        n, spec.num_layers, spec.kv_factor, spec.num_kv_heads * spec.head_dim * spec.dtype_size
+    ).transpose(1, 2, 0, 3)
+    t = torch.from_numpy(np.ascontiguousarray(shaped))
     return t.view(torch_dtype(spec)).reshape(
         spec.num_layers, spec.kv_factor, n, spec.num_kv_heads, spec.head_dim
     )
@@ -279,3 +296,49 @@ async def run_speculative(
     finally:
         await mgr.close()
     return report.to_dict()
+
+
+def default_top_pages(params: SpeculativeParams, spec: KVSpec, batch_pages: int) -> int:
+    """Top-tier pages for a run that spills: the working pool, the pages of the
+    ``fault_batch`` longest sequences pinned at once, and one transfer batch of room;
+    with ``max_live`` above ``fault_batch`` the other sequences' pages must go down."""
+    longest = params.prompt_tokens + params.steps * (params.draft_tokens + 1)
+    pinned = params.fault_batch * spec.pages_for(longest)
+    return params.pool_pages(spec) + pinned + batch_pages
+
+
+async def bench_speculative(
+    base: ResolvedConfig,
+    params: SpeculativeParams,
+    *,
+    model: str | None = None,
+    top_capacity: int | None = None,
+    disk_dir: Path | None = None,
+    on_step: Callable[[], None] | None = None,
+) -> RunResult:
+    """Run the speculative workload on a :class:`~kvtier.cache.KVCache` opened on ``base``
+    with ``bench run``'s overrides (see :func:`kvtier.bench.live.run_config`).
+
+    When neither ``top_capacity`` nor the configuration sets the top tier's capacity, it
+    is sized by :func:`default_top_pages` so that pages spill to the disk tier. Without
+    ``disk_dir`` the disk tier lives in a temporary directory, removed afterwards.
+    """
+    from kvtier.cache import KVCache
+
+    if top_capacity is None and base.sources.get("tiers[0].capacity", "default") == "default":
+        cfg = run_config(base, model=model, disk_dir=None)
+        top_capacity = default_top_pages(params, cfg.spec, cfg.batch_pages) * cfg.spec.page_bytes
+    kept = disk_dir is not None
+    tmp = None if kept else Path(tempfile.mkdtemp(prefix="kvtier-bench-spec-"))
+    directory = disk_dir if disk_dir is not None else tmp
+    try:
+        config = run_config(
+            base, model=model, top_capacity=top_capacity, disk_dir=directory, disk_required=kept
+        )
+        async with KVCache(config) as cache:
+            report = await run_speculative(cache, params, on_step)
+        metrics = cache.metrics.snapshot()
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return RunResult(report, metrics, config.to_dict(), str(directory), kept)
