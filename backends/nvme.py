@@ -36,7 +36,8 @@ Options (besides ``page_bytes``, ``capacity_pages``, ``io_threads``):
   (KvikIO ``CuFile``; needs a CUDA driver) or ``"auto"`` (kvikio when it can run).
 * ``direct_io``: ``"auto"`` (O_DIRECT when the file system supports it), ``True``
   (required), ``False`` (buffered I/O).
-* ``slab_bytes``: size of each slab file (default 1 GiB; fixed when a store is created).
+* ``slab_bytes``: size of each slab file (default 1 GiB, at most ``capacity_pages`` slots;
+  fixed when a store is created).
 * ``preallocate``: reserve slab space up front (``posix_fallocate``, default) so a full
   disk fails ``reserve`` rather than ``write``.
 """
@@ -264,7 +265,7 @@ class NvmeStore(StoreBackend):
         if "format_version" not in meta:
             if index.load()[0]:
                 raise NotAStoreError(f"{self.path}: the index has pages but no format record")
-            layout = SlotLayout.for_page(self.page_bytes, self._slab_opt)
+            layout = SlotLayout.for_page(self.page_bytes, self._slab_opt, self.capacity_pages)
             index.set_meta(
                 {
                     "format_version": STORE_FORMAT_VERSION,

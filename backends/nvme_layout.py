@@ -61,10 +61,14 @@ class SlotLayout:
     slots_per_slab: int
 
     @classmethod
-    def for_page(cls, page_bytes: int, slab_bytes: int) -> SlotLayout:
-        """The layout for ``page_bytes`` pages in slabs of about ``slab_bytes`` bytes."""
+    def for_page(cls, page_bytes: int, slab_bytes: int, max_slots: int | None = None) -> SlotLayout:
+        """The layout for ``page_bytes`` pages in slabs of about ``slab_bytes`` bytes, and
+        of at most ``max_slots`` slots (a small store does not preallocate a big slab)."""
         slot = cls(page_bytes, 1).slot_bytes
-        return cls(page_bytes, max(1, slab_bytes // slot))
+        per_slab = max(1, slab_bytes // slot)
+        if max_slots is not None:
+            per_slab = max(1, min(per_slab, max_slots))
+        return cls(page_bytes, per_slab)
 
     @property
     def body_bytes(self) -> int:

@@ -199,3 +199,11 @@ async def test_inspect_store_cli_on_a_healthy_store(tmp_path: Path) -> None:
     human = runner.invoke(get_app(), ["inspect", "store", str(root)])
     assert human.exit_code == 0
     assert "m@r/x" in human.stdout and "format version" in human.stdout
+
+
+async def test_small_store_preallocates_only_its_capacity(tmp_path: Path) -> None:
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=3, path=tmp_path / "s") as s:
+        assert await s.put([key(1)], [page(1)]) == [True]
+        assert s.layout is not None
+        slabs = list((tmp_path / "s" / "slabs").iterdir())
+        assert [p.stat().st_size for p in slabs] == [3 * s.layout.slot_bytes]
