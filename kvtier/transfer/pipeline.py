@@ -364,14 +364,14 @@ class Pipeline:
         try:
             nxt = self._next(tier)
             down: list[PageKey] = []
-            dropped = 0
+            dropping: set[PageKey] = set()
             for k in victims:
                 if d.below(k, tier.name):
                     continue
                 if nxt is not None and self._wants_down(k):
                     down.append(k)
                 else:
-                    dropped += 1
+                    dropping.add(k)
             if down and nxt is not None:
                 try:
                     ok = await self._copy(tier, nxt, down, priority, evicting=True)
@@ -394,6 +394,7 @@ class Pipeline:
                     d.remove(k, tier.name)
                     tier.policy.on_remove(k)
                 self.metrics.evicted.inc(tier.name, by=len(go))
+                dropped = sum(1 for k in go if k in dropping)
                 if dropped:
                     self.metrics.dropped.inc(tier.name, by=dropped)
             return stuck
@@ -748,21 +749,27 @@ class Pipeline:
             d.pin(k)
         ok = False
         try:
-            await self._settle(uniq)
+            await self._settle(uniq, [top])
             for k in uniq:
                 self._count_lookup(k)
             failed: dict[PageKey, set[str]] = {k: set() for k in uniq}
             wanted = frozenset(uniq)
-            for _round in range(len(self.tiers)):
-                await self._settle(uniq)
+            for _round in range(2 * len(self.tiers) + 2):
+                await self._settle(uniq, [top])  # fetched or evicted by someone else
                 need = [k for k in uniq if not d.is_committed(k, top.name)]
                 groups: dict[int, list[PageKey]] = {}
+                moving: list[PageKey] = []
                 for k in need:
                     src = self._source(k, failed[k])
                     if src is not None:
                         groups.setdefault(src.index, []).append(k)
+                    elif any((k, t.name) in self._ops for t in self.tiers):
+                        moving.append(k)  # on its way between lower tiers: wait for it
                 if not groups:
-                    break
+                    if not moving:
+                        break
+                    await self._settle(moving)
+                    continue
                 jobs: list[tuple[list[PageKey], Tier, _Job]] = []
                 for idx, group in groups.items():
                     src = self.tiers[idx]
