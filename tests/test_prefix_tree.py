@@ -176,3 +176,70 @@ class PrefixTreeModel(RuleBasedStateMachine):
 
 TestPrefixTreeModel = PrefixTreeModel.TestCase
 TestPrefixTreeModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+async def _evictions_with_children(tmp_path, leaf_first: bool) -> tuple[int, int]:
+    """Store a 40-page chain into a 20-page DRAM tier of a real KVCache; count DRAM
+    evictions of a page whose child was still in DRAM at that moment."""
+    import numpy as np
+
+    from kvtier.cache import KVCache
+    from kvtier.config import KVTierConfig, TierConfig
+    from kvtier.index.prefix_tree import LeafFirstPolicy
+    from kvtier.spec import KVSpec
+
+    spec = KVSpec(1, 1, 8, "float16", 4, name="leaf")
+    pb = spec.page_bytes
+    config = KVTierConfig(
+        spec=spec,
+        namespace=Namespace.for_spec(spec),
+        tiers=[
+            TierConfig("dram", "dram", 20 * pb, 0.8, 0.6),
+            TierConfig("disk", "file", 200 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
+        ],
+        write_policy="write-back",
+    )
+    async with KVCache(config, configure_log=False) as cache:
+        d = cache.directory
+        tree = PrefixTree([t.name for t in cache.tiers])
+        tree.attach(d)
+        if leaf_first:
+            for i, t in enumerate(cache.tiers):
+                t.policy = LeafFirstPolicy(t.policy, tree, t.name, last=i == len(cache.tiers) - 1)
+        bad = 0
+        removed = 0
+
+        class Watch:
+            def on_commit(self, key: PageKey, tier: str) -> None:
+                pass
+
+            def on_remove(self, key: PageKey, tier: str) -> None:
+                nonlocal bad, removed
+                if tier != "dram":
+                    return
+                removed += 1
+                for k in d:
+                    e = d.get(k)
+                    if e is not None and e.parent == key and d.is_committed(k, "dram"):
+                        bad += 1
+                        return
+
+        d.subscribe(Watch())
+        tokens = np.arange(160, dtype=np.int64)
+        for chunk in range(0, 160, 16):  # chunked: 4 pages at a time
+            part = tokens[: chunk + 16]
+            keys = cache.page_keys(part)
+            new = keys[chunk // 4 :]
+            parents = [keys[i - 1] if i else None for i in range(chunk // 4, len(keys))]
+            pages = np.zeros((len(new), pb), dtype=np.uint8)
+            await cache.store_pages(new, pages, parents=parents)
+        assert tree.match_length(cache.page_keys(tokens)) == 40
+    return bad, removed
+
+
+async def test_leaf_first_policy_never_evicts_a_parent_before_its_child(tmp_path) -> None:
+    bad, removed = await _evictions_with_children(tmp_path / "a", leaf_first=True)
+    assert removed > 0 and bad == 0
+    # control: plain LRU does evict parents first, so the check above can fail
+    bad_lru, removed_lru = await _evictions_with_children(tmp_path / "b", leaf_first=False)
+    assert removed_lru > 0 and bad_lru > 0
