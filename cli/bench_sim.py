@@ -176,9 +176,22 @@ def plot(report: dict[str, Any], path: Path) -> None:
     xs = sorted(mins)
     ax.plot(xs, [mins[x] for x in xs], "k--", lw=2, label="Belady MIN (ceiling)")
     for pol, pts in by_pol.items():
+        if pol == "lru":
+            continue
         pts.sort()
-        style = {"lw": 2.0, "color": "gray", "ls": ":"} if pol == "lru" else {"marker": "o"}
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=pol, **style)  # type: ignore[arg-type]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+    if "lru" in by_pol:  # the reference line, drawn last so no policy hides it
+        pts = sorted(by_pol["lru"])
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            color="gray",
+            ls=":",
+            lw=3,
+            marker="x",
+            ms=8,
+            label="LRU (reference)",
+        )
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (share of distinct blocks, all tiers)")
     ax.set_ylabel("prefix hit rate")
