@@ -12,7 +12,8 @@ rollback frees them by giving their slots back.
 Operations (all checked; bad input raises a :class:`~kvtier.errors.KVTierUsageError`
 subclass naming the problem):
 
-* :meth:`create`, :meth:`append` (tokens + their KV; chunked prefill is a series of
+* :meth:`create`, :meth:`adopt_prefix` (start from the longest cached prefix),
+  :meth:`append` (tokens + their KV; chunked prefill is a series of
   appends: every full verified page is stored right away, so it may move down while
   later chunks run), :meth:`fork` (copy-on-write), :meth:`free`;
 * :meth:`snapshot` / :meth:`rollback` / :meth:`commit` (see
@@ -48,7 +49,8 @@ from kvtier.index.block_table import (
     SlotPool,
     check_token_ids,
 )
-from kvtier.keys import KEY_BYTES, ROOT_KEY, PageKey, page_keys
+from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
+from kvtier.spec import KVSpec
 
 #: Namespace label recorded for working-pool reservations (visible in the directory).
 WORKING_NAMESPACE = "kvtier-working-pool"
@@ -93,6 +95,7 @@ class SequenceStats:
 
     pages_published: int = 0
     publish_failures: int = 0
+    pages_adopted: int = 0
     rollbacks: int = 0
     pages_discarded: int = 0
     cow_copies: int = 0
@@ -128,8 +131,8 @@ class SequenceManager:
                 f"the top tier {top.name!r} must be a memory arena to hold running sequences"
             )
         self.cache = cache
-        self.spec = cache.spec
-        self.namespace = cache.namespace
+        self.spec: KVSpec = cache.spec
+        self.namespace: Namespace = cache.namespace
         self.top_tier: str = top.name
         self.arena: ArenaBackend = top.backend
         self.working_pages = working_pages
@@ -249,6 +252,23 @@ class SequenceManager:
                 ]
             self.stats.cow_copies += tables.cow_copies - before
             await self._publish(seq_id)
+
+    async def adopt_prefix(self, seq_id: int, tokens: Any) -> int:
+        """Start the empty sequence ``seq_id`` with the longest cached prefix of
+        ``tokens`` (prefix reuse: a shared system prompt, an earlier turn). Returns the
+        number of tokens adopted; the engine appends the rest with their KV. Adopted
+        pages are stored pages: :meth:`ensure_resident` faults them in."""
+        async with self._lock:
+            ids = check_token_ids(tokens)
+            self.tables.table(seq_id)  # unknown id -> clear error before any I/O
+            found = await self.cache.lookup(np.asarray(ids, dtype=np.int64))
+            keys = list(found.keys)
+            if self.max_tokens is not None:
+                keys = keys[: self.max_tokens // self.spec.page_tokens]
+            n = len(keys) * self.spec.page_tokens
+            self.tables.adopt(seq_id, ids[:n], keys)
+            self.stats.pages_adopted += len(keys)
+            return n
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing all pages of ``seq_id`` (copy-on-write)."""

@@ -2,7 +2,7 @@
 
 Built from the real backends and the real Directory (with a PrefixTree attached), it
 offers the part of the KVCache facade the SequenceManager uses (``tiers``, ``directory``,
-``spec``, ``namespace``, ``store_pages``, ``load``, ``release``) plus ``evict`` (push
+``spec``, ``namespace``, ``store_pages``, ``lookup``, ``load``, ``release``) plus ``evict`` (push
 unpinned pages down) and ``lose`` (drop pages from every tier: a failed tier).
 """
 
@@ -19,7 +19,7 @@ from kvtier.backends.filestore import FileStore
 from kvtier.errors import CapacityError
 from kvtier.index.directory import Directory, PageState
 from kvtier.index.prefix_tree import PrefixTree
-from kvtier.keys import Namespace, PageKey
+from kvtier.keys import Namespace, PageKey, page_keys
 from kvtier.spec import KVSpec
 
 
@@ -27,6 +27,11 @@ from kvtier.spec import KVSpec
 class _Tier:
     name: str
     backend: Any
+
+
+@dataclass
+class _Lookup:
+    keys: list[PageKey]
 
 
 @dataclass
@@ -145,6 +150,10 @@ class TwoTierCache:
             for i, g in zip(todo, got, strict=True):
                 ok[i] = g
         return ok
+
+    async def lookup(self, tokens: Any) -> _Lookup:
+        keys = self.tree.match(page_keys(tokens, self.namespace)).keys
+        return _Lookup(keys)
 
     async def load(self, keys: list[PageKey], pin: bool = True) -> _Load:
         for k in keys:  # pin first so making room never evicts what we load

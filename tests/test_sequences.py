@@ -275,3 +275,27 @@ async def test_on_kvcache_pages_go_to_disk_and_back_bit_exact(tmp_path: Path) ->
             await check_attention(mgr, ref, group)
         mgr.check_invariants()
         await mgr.close()
+
+
+async def test_adopt_cached_prefix_then_attention_bit_exact(tmp_path: Path) -> None:
+    cache, mgr = await make(tmp_path)
+    ref = Ref()
+    system = list(range(1000, 1014))  # 3 full pages + 2 tokens
+    a = mgr.create()
+    await ref.append(mgr, a, [*system, 1, 2, 3])
+    await cache.evict()
+    b = mgr.create()
+    prompt = [*system, 7, 7, 7, 7, 7]
+    got = await mgr.adopt_prefix(b, prompt)
+    assert got == 12 and mgr.stats.pages_adopted == 3
+    ref.tokens[b] = prompt[:got]
+    ref.kv[b] = kv_for(SPEC, prompt[:got], 0)  # what the cached pages must hold
+    await ref.append(mgr, b, prompt[got:])
+    await check_attention(mgr, ref, [a, b])
+    with pytest.raises(KVTierUsageError, match="not empty"):
+        await mgr.adopt_prefix(b, prompt)
+    c = mgr.create()
+    assert await mgr.adopt_prefix(c, [5, 5, 5, 5]) == 0  # nothing cached: nothing adopted
+    mgr.check_invariants()
+    await mgr.close()
+    await cache.close()

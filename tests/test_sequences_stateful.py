@@ -97,6 +97,20 @@ class SequencesModel(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
+    def adopt(self, data: st.DataObject) -> None:
+        """A new sequence starts from the cached prefix of another's tokens."""
+        src = self._pick(data)
+        toks = self.model[src][: data.draw(st.integers(0, len(self.model[src])))]
+        s = self.mgr.create()
+        n = self.run(self.mgr.adopt_prefix(s, toks))
+        assert n % SPEC.page_tokens == 0 and n <= len(toks)
+        keys = page_keys(toks[:n], self.mgr.namespace)
+        assert all(self.cache.directory.locate(k) is not None for k in keys)
+        self.model[s], self.versions[s] = toks[:n], []
+        self.kv[s] = kv_for(SPEC, toks[:n], 0)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         s = self._pick(data)
         c = self.mgr.fork(s)

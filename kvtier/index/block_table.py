@@ -349,6 +349,37 @@ class BlockTables:
         table.tokens.extend(ids)
         return writes
 
+    def adopt(self, seq_id: int, tokens: Any, keys: Sequence[PageKey]) -> None:
+        """Start an empty sequence with pages already stored in the cache (a cached
+        prefix): ``keys[i]`` holds ``tokens[i*page_tokens:(i+1)*page_tokens]``.
+
+        Raises :class:`KVTierUsageError` unless the sequence is empty, has no versions,
+        and ``tokens`` fills exactly ``len(keys)`` pages.
+        """
+        table = self._live(seq_id)
+        ids = check_token_ids(tokens)
+        if table.tokens or table.versions:
+            raise KVTierUsageError(
+                f"sequence {seq_id} is not empty: a cached prefix can only start a sequence"
+            )
+        if len(ids) != len(keys) * self.page_tokens:
+            raise KVTierUsageError(
+                f"{len(keys)} cached pages hold {len(keys) * self.page_tokens} tokens, "
+                f"got {len(ids)}"
+            )
+        if self.max_tokens is not None and len(ids) > self.max_tokens:
+            raise SequenceLengthError(
+                f"sequence {seq_id}: a cached prefix of {len(ids)} tokens exceeds the "
+                f"maximum length of {self.max_tokens}"
+            )
+        for key in keys:
+            page = Page(next(self._pids), PAD_SLOT)
+            page.key = key
+            page.filled = self.page_tokens
+            page.refs = 1
+            table.pages.append(page)
+        table.tokens.extend(ids)
+
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every page (and the version stack) of ``seq_id``."""
         src = self._live(seq_id)
