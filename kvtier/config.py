@@ -220,10 +220,18 @@ class ResolvedConfig:
     sources: dict[str, str]
 
     def as_rows(self) -> list[tuple[str, Any, str]]:
-        """(key, value, source) rows of every leaf value, in file order."""
+        """(key, value, source) rows of every leaf value, in file order.
+
+        Model fields that came from a preset carry the preset's source, and the preset
+        itself is listed first.
+        """
         rows: list[tuple[str, Any, str]] = []
+        preset_src = self.sources.get("model.preset")
+        if preset_src is not None:
+            rows.append(("model.preset", self.config.spec.name, preset_src))
         for key, value in _flatten(self.config.to_dict()):
-            rows.append((key, value, self.sources.get(key, "default")))
+            fallback = preset_src if key.startswith("model.") and preset_src else "default"
+            rows.append((key, value, self.sources.get(key, fallback)))
         return rows
 
 

@@ -97,6 +97,8 @@ def test_toml_file_values_and_sources(tmp_path):
     assert src["pipeline.max_inflight_per_link"] == "default"
     rows = {key: (value, origin) for key, value, origin in resolved.as_rows()}
     assert rows["tiers[2].capacity"] == (64 << 30, f"file:{path}")
+    assert rows["model.preset"] == ("llama3-8b", f"file:{path}")
+    assert rows["model.num_layers"] == (32, f"file:{path}")  # from the file's preset
     assert rows["pipeline.max_inflight_per_link"] == (4, "default")
 
 
