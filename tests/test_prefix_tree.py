@@ -132,6 +132,20 @@ class PrefixTreeModel(RuleBasedStateMachine):
         self.tree.add(key, _PAGES[key], tier)
         self.model[key].add(tier)
 
+    @rule(
+        c=st.sampled_from(_CHAINS),
+        i=st.integers(0, 2),
+        j=st.integers(1, 3),
+        tier=st.sampled_from(TIERS),
+    )
+    def insert_chain(self, c: list[PageKey], i: int, j: int, tier: str) -> None:
+        part = c[i : max(i, j)]
+        if not part:
+            return
+        self.tree.insert(part, tier, parent=_PAGES[part[0]])
+        for k in part:
+            self.model[k].add(tier)
+
     @precondition(lambda self: any(self.model.values()))
     @rule(data=st.data())
     def discard(self, data: st.DataObject) -> None:

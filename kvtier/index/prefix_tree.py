@@ -51,15 +51,21 @@ class PrefixMatch:
         return len(self.keys)
 
 
+#: Width of one tier's child counter inside ``_Node.child_tiers`` (one int for all tiers:
+#: no list per node, which halves insert cost at 10^6 pages).
+_FIELD = 32
+_FIELD_MASK = (1 << _FIELD) - 1
+
+
 class _Node:
     __slots__ = ("child_tiers", "children", "mask", "parent")
 
-    def __init__(self, parent: PageKey | None, ntiers: int) -> None:
+    def __init__(self, parent: PageKey | None) -> None:
         # None = parent unknown (the node was created hollow, as someone's parent).
         self.parent = parent
-        self.mask = 0
-        self.children = 0
-        self.child_tiers = [0] * ntiers
+        self.mask = 0  # bit t: the page is held by tier t
+        self.children = 0  # child nodes (hollow ones included)
+        self.child_tiers = 0  # field t (_FIELD bits): children held by tier t
 
 
 class PrefixTree:
@@ -106,7 +112,7 @@ class PrefixTree:
         nodes = self._nodes
         node = nodes.get(key)
         if node is None:
-            node = _Node(parent, len(self.tier_names))
+            node = _Node(parent)
             nodes[key] = node
             if parent is not None:
                 self._link(parent)
@@ -121,31 +127,53 @@ class PrefixTree:
         node.mask |= bit
         self._pages_per_tier[t] += 1
         if node.parent is not None:
-            self._nodes[node.parent].child_tiers[t] += 1
+            nodes[node.parent].child_tiers += 1 << (_FIELD * t)
 
     def _link(self, parent: PageKey) -> None:
         """Count one more child under ``parent``, creating it hollow if unknown."""
         pnode = self._nodes.get(parent)
         if pnode is None:
-            pnode = _Node(None, len(self.tier_names))
+            pnode = _Node(None)
             self._nodes[parent] = pnode
         pnode.children += 1
 
     def _count_child_tiers(self, parent: PageKey, mask: int, delta: int) -> None:
-        counts = self._nodes[parent].child_tiers
+        pnode = self._nodes[parent]
         t = 0
         while mask:
             if mask & 1:
-                counts[t] += delta
+                pnode.child_tiers += delta << (_FIELD * t)
             mask >>= 1
             t += 1
 
     def insert(self, keys: Sequence[PageKey], tier: str, parent: PageKey = ROOT_KEY) -> None:
         """Record a chain of pages (``keys[0]``'s parent is ``parent``) as held by ``tier``."""
-        prev: PageKey | None = parent
+        t = self._tier_index(tier)
+        bit = 1 << t
+        inc = 1 << (_FIELD * t)
+        nodes = self._nodes
+        prev: PageKey | None = None if parent == ROOT_KEY else parent
+        added = 0
         for key in keys:
-            self.add(key, prev, tier)
+            node = nodes.get(key)
+            if node is not None or len(key) != KEY_BYTES:
+                self.add(key, prev, tier)  # the general path: existing node, bad key
+                prev = key
+                continue
+            # fast path: a new page whose parent is known (or the root)
+            node = _Node(prev)
+            node.mask = bit
+            nodes[key] = node
+            added += 1
+            if prev is not None:
+                pnode = nodes.get(prev)
+                if pnode is None:
+                    pnode = _Node(None)
+                    nodes[prev] = pnode
+                pnode.children += 1
+                pnode.child_tiers += inc
             prev = key
+        self._pages_per_tier[t] += added
 
     def discard(self, key: PageKey, tier: str) -> bool:
         """Record that ``key`` left ``tier``; ``True`` if it was recorded there.
@@ -161,7 +189,7 @@ class PrefixTree:
         node.mask &= ~bit
         self._pages_per_tier[t] -= 1
         if node.parent is not None:
-            self._nodes[node.parent].child_tiers[t] -= 1
+            self._nodes[node.parent].child_tiers -= 1 << (_FIELD * t)
         self._prune(key, node)
         return True
 
@@ -242,7 +270,7 @@ class PrefixTree:
             return True
         if tier is None:
             return node.children == 0
-        return node.child_tiers[self._tier_index(tier)] == 0
+        return (node.child_tiers >> (_FIELD * self._tier_index(tier))) & _FIELD_MASK == 0
 
     def evictable(
         self, tier: str | None = None, also: Callable[[PageKey], bool] | None = None
