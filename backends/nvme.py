@@ -77,7 +77,7 @@ from kvtier.backends.nvme_index import (
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io
 
-from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
 from kvtier.errors import BackendUnavailableError, ConfigError, IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.log import get_logger
@@ -207,6 +207,10 @@ class NvmeStore(StoreBackend):
         self._commit_task: asyncio.Task[None] | None = None
         self._logged: set[str] = set()
         self._counters: Counter[str] = Counter()
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = False
         self.recovery_seconds = 0.0
         self.recovered_pages = 0
 
@@ -310,9 +314,13 @@ class NvmeStore(StoreBackend):
         self.recovered_pages = len(rows)
 
     async def close(self) -> None:
-        """Finish pending commits, drop uncommitted reservations, release the store."""
-        if not self._opened:
+        """Wait for calls in flight and pending commits, drop uncommitted reservations,
+        release the store. Calls made once closing has begun raise
+        :class:`~kvtier.backend.BackendClosedError`."""
+        if not self._opened or self._closing:
             return
+        self._closing = True
+        await self._idle.wait()
         if self._commit_task is not None:
             await asyncio.shield(self._commit_task)
         self._reserved.clear()
@@ -339,6 +347,19 @@ class NvmeStore(StoreBackend):
             self._lock.release()
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        """Start a call: refused once closing began; :meth:`close` waits for it."""
+        self._check_open()
+        if self._closing:
+            raise BackendClosedError(f"NvmeStore {self.path} is closing")
+        self._active += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self._active -= 1
+        if not self._active:
+            self._idle.set()
 
     def _log_once(self, cause: str, event: str, **fields: Any) -> None:
         """Log an error the first time its cause is seen (counted every time)."""
@@ -383,7 +404,38 @@ class NvmeStore(StoreBackend):
     async def reserve(
         self, keys: Sequence[PageKey], namespace: str = ""
     ) -> list[Reservation | None]:
-        self._check_open()
+        self._enter()
+        try:
+            return await self._reserve(keys, namespace)
+        finally:
+            self._exit()
+
+    async def put(
+        self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
+    ) -> list[bool]:
+        """Reserve, write and commit as one call (``close`` waits for all of it)."""
+        self._enter()
+        try:
+            bufs = check_buffers(data, len(keys), self.page_bytes)
+            reservations = await self._reserve(keys, namespace)
+            ok = [False] * len(keys)
+            taken = [(i, r) for i, r in enumerate(reservations) if r is not None]
+            if not taken:
+                return ok
+            written = await self._write([r for _, r in taken], [bufs[i] for i, _ in taken])
+            failed = [r for (_, r), w in zip(taken, written, strict=True) if not w]
+            if failed:
+                await self.abort(failed)
+            to_commit = [(i, r) for (i, r), w in zip(taken, written, strict=True) if w]
+            if to_commit:
+                committed = await self._commit([r for _, r in to_commit])
+                for (i, _), c in zip(to_commit, committed, strict=True):
+                    ok[i] = c
+            return ok
+        finally:
+            self._exit()
+
+    async def _reserve(self, keys: Sequence[PageKey], namespace: str) -> list[Reservation | None]:
         assert self.layout is not None
         out: list[Reservation | None] = []
         needed: dict[int, list[int]] = {}
@@ -428,7 +480,13 @@ class NvmeStore(StoreBackend):
         return out
 
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
-        self._check_open()
+        self._enter()
+        try:
+            return await self._write(reservations, data)
+        finally:
+            self._exit()
+
+    async def _write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         bufs = check_buffers(data, len(reservations), self.page_bytes)
         ok = [False] * len(reservations)
         jobs: list[tuple[int, int, _Pending, np.ndarray]] = []
@@ -488,7 +546,13 @@ class NvmeStore(StoreBackend):
         return list(zip(sums, self._engine.write_batch(items), strict=True))
 
     async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
-        self._check_open()
+        self._enter()
+        try:
+            return await self._commit(reservations)
+        finally:
+            self._exit()
+
+    async def _commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         ok = [False] * len(reservations)
         batch: list[tuple[int, _Pending]] = []
         where: list[tuple[int, int]] = []
@@ -607,7 +671,13 @@ class NvmeStore(StoreBackend):
                     self._release(r.handle)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
-        self._check_open()
+        self._enter()
+        try:
+            return await self._get(keys, out)
+        finally:
+            self._exit()
+
+    async def _get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         ok = [False] * len(keys)
         jobs: list[tuple[int, PageRow, np.ndarray]] = []
@@ -672,11 +742,25 @@ class NvmeStore(StoreBackend):
         return out
 
     async def _quarantine(self, bad: list[tuple[PageRow, BaseException]]) -> None:
-        """Drop damaged pages from the index and take their slots out of service."""
+        """Drop pages that failed verification from the index and take their slots out of
+        service; pages that met an I/O error are only counted and logged."""
         entries: list[tuple[int, bytes | None, str]] = []
         for row, err in bad:
-            kind = "integrity" if isinstance(err, IntegrityError) else "io"
-            self._counters[f"{kind}_errors"] += 1
+            if not isinstance(err, IntegrityError):
+                # An I/O error says nothing about the bytes on disk: a miss this time, the
+                # page stays (a later read may succeed), the cause is logged once.
+                self._log_once(
+                    f"read:{_cause(err)}",
+                    "nvme.read_failed",
+                    key=row.key.hex(),
+                    slab=row.slab,
+                    offset=row.offset,
+                    error=str(err),
+                )
+                self._counters["io_errors"] += 1
+                continue
+            kind = "integrity"
+            self._counters["integrity_errors"] += 1
             _log().error(
                 "nvme.page_unreadable",
                 path=str(self.path),
@@ -704,7 +788,13 @@ class NvmeStore(StoreBackend):
         return [_check_key(k, i) in self._entries for i, k in enumerate(keys)]
 
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        self._check_open()
+        self._enter()
+        try:
+            return await self._delete(keys)
+        finally:
+            self._exit()
+
+    async def _delete(self, keys: Sequence[PageKey]) -> list[bool]:
         gone: list[PageRow] = []
         ok = []
         for i, key in enumerate(keys):

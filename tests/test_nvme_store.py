@@ -207,3 +207,25 @@ async def test_small_store_preallocates_only_its_capacity(tmp_path: Path) -> Non
         assert s.layout is not None
         slabs = list((tmp_path / "s" / "slabs").iterdir())
         assert [p.stat().st_size for p in slabs] == [3 * s.layout.slot_bytes]
+
+
+async def test_close_waits_for_calls_in_flight(tmp_path: Path) -> None:
+    from kvtier.backend import BackendClosedError
+
+    s = store(tmp_path / "s", capacity=32)
+    await s.open()
+    keys = [key(i) for i in range(24)]
+    assert all(await s.put(keys, [page(i) for i in range(24)]))
+    outs = [np.empty(PAGE, np.uint8) for _ in keys]
+    reading = asyncio.ensure_future(s.get(keys, outs))
+    writing = asyncio.ensure_future(s.put([key(100)], [page(100)]))
+    await asyncio.sleep(0)  # both calls have started
+    await s.close()
+    assert reading.done() and writing.done()
+    assert reading.result() == [True] * 24  # nothing was torn down under them
+    assert writing.result() == [True]
+    assert all(np.array_equal(o, page(i)) for i, o in enumerate(outs))
+    with pytest.raises(BackendClosedError):
+        await s.get(keys[:1], outs[:1])
+    async with store(tmp_path / "s", capacity=32) as s2:
+        assert s2.stats()["recovered_pages"] == 25
