@@ -26,8 +26,11 @@ Guarantees:
 * **Capacity.** At most ``capacity_pages`` slots are in use (committed + reserved +
   quarantined); ``reserve`` answers ``None`` beyond that. Deleted slots are reused.
 * **Faults.** A full disk or an I/O error fails the affected pages only (``None`` from
-  ``reserve``, ``False`` from ``write``/``commit``), is logged once per cause, and leaves
-  the store consistent.
+  ``reserve``, ``False`` from ``write``/``commit``/``get``), is logged once per cause, and
+  leaves the store consistent; a read that meets an I/O error (rather than bad bytes)
+  keeps the page, since a later read may succeed.
+* **Closing.** ``close`` waits for the calls in flight (and refuses new ones), then for
+  pending commits; uncommitted reservations are dropped.
 
 Options (besides ``page_bytes``, ``capacity_pages``, ``io_threads``):
 
