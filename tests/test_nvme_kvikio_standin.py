@@ -25,6 +25,7 @@ from kvtier.backends import nvme, nvme_engines
 from kvtier.backends.nvme import NvmeStore
 
 from kvtier.keys import PageKey
+from kvtier.testing.conformance import Case, conformance_cases
 
 PAGE = 3 * 4096 + 77
 
@@ -116,3 +117,13 @@ async def test_kvikio_engine_detects_truncation(standin_kvikio: Any, tmp_path: P
     async with make(root, "kvikio") as s:
         assert await s.get([key(1)], [np.empty(PAGE, np.uint8)]) == [False]
         assert s.stats()["integrity_errors"] == 1
+
+
+@pytest.mark.parametrize("case", conformance_cases(), ids=str)
+async def test_conformance_through_the_standin(
+    case: Case, standin_kvikio: Any, tmp_path: Path
+) -> None:
+    """The whole contract, with every page moved by the kvikio engine's code."""
+    result = await case.run(lambda: make(tmp_path / "s", "kvikio"), persistent=True)
+    if result.skipped:
+        pytest.skip(result.detail)
