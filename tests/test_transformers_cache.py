@@ -216,3 +216,15 @@ async def test_bridge_refuses_the_loop_thread(model: LlamaForCausalLM, tmp_path:
         got = await loop.run_in_executor(None, c.load_prefix, [1, 2, 3, 4, 5])
         assert got == 0
         await loop.run_in_executor(None, c.close)
+
+
+async def test_bridge_needs_an_arena_top_tier(model: LlamaForCausalLM, tmp_path: Path) -> None:
+    from kvtier.cache import KVCache
+
+    cfg = config(model, tmp_path / "nvme", dram_pages=16)
+    cfg["tiers"] = cfg["tiers"][1:]  # the NVMe store alone
+    async with KVCache(cfg, env={}) as cache:
+        with pytest.raises(KVTierUsageError, match="memory arena"):
+            KVTierBridge(cache, asyncio.get_running_loop())
+    with pytest.raises(KVTierUsageError, match="open KVCache"):
+        KVTierBridge(cache, asyncio.get_running_loop())
