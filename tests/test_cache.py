@@ -200,3 +200,30 @@ def test_default_cache_constructs_without_opening():
     assert cache.config.tiers[0].backend == "dram" and cache.tiers == []
     with pytest.raises(Exception, match="not open"):
         cache.release([])
+
+
+async def test_single_store_tier_cache(tmp_path):
+    """A cache whose only tier is a store: pages round-trip, load reports no slots."""
+    rng = np.random.default_rng(27)
+    cfg = {
+        "model": {"preset": "tiny"},
+        "tiers": [
+            {
+                "name": "disk",
+                "backend": "file",
+                "capacity": 64 * PAGE,
+                "options": {"path": str(tmp_path)},
+            }
+        ],
+    }
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 3)
+        res = await cache.store(tokens, data)
+        assert all(res.stored)
+        loaded = await cache.load(res.keys, pin=False)
+        assert loaded.slots == [None] * 3 and loaded.missing == []
+        out = np.zeros_like(data)
+        assert all(await cache.read(res.keys, out)) and np.array_equal(out, data)
+        stats = cache.stats()
+        assert stats["tiers"][0]["used_pages"] == 3
+        assert stats["tiers"][0]["backend_stats"]["used_pages"] == 3
