@@ -152,7 +152,7 @@ def test_workloads_follow_the_prefix_rule(name: str) -> None:
 
 
 @needs_trace
-def test_mooncake_reference_figures_and_speed() -> None:
+def test_mooncake_reference_figures() -> None:
     tr = read_mooncake(MOONCAKE)
     distinct = tr.distinct_blocks()
     assert (tr.total_refs, distinct) == (288_500, 182_790)
