@@ -78,7 +78,7 @@ from kvtier.backends.nvme_index import (
     check_store_dir,
 )
 from kvtier.backends.nvme_layout import SlotLayout
-from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io
+from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io, slab_path
 
 from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
 from kvtier.errors import BackendUnavailableError, ConfigError, IntegrityError, KVTierUsageError
@@ -310,7 +310,7 @@ class NvmeStore(StoreBackend):
         size = self.layout.slab_bytes
         for slab in slabs.existing():
             try:
-                if os.stat(self.path / "slabs" / f"slab-{slab:05d}.dat").st_size >= size:
+                if os.stat(slab_path(self.path, slab)).st_size >= size:
                     self._ready_slabs.add(slab)
             except OSError:
                 continue
