@@ -2,20 +2,20 @@
 
 :class:`RedisStore` keeps each page as one string value under ``<prefix>:{<key hex>}``:
 the payload followed by the 64-byte header of :mod:`kvtier.pageformat` (key, length, xxh3
-checksum), the same layout as the NVMe slots. The payload is sent straight from the
-caller's buffer (redis-py sends a ``memoryview`` argument without copying it) and the
-header is appended to it on the server, so writing a page copies nothing on the client;
-reads are a plain ``GET`` (measured twice as fast as ``HMGET`` of a hash field).
+checksum), the same layout as the NVMe slots. Reads are a plain pipelined ``GET``
+(measured twice as fast as ``HMGET`` of hash fields), verified before the bytes are
+copied out; a page that does not verify, that the server evicted, or that a failing server
+could not return is a miss, never wrong bytes (a page that fails verification is also
+deleted, so that it can be stored again).
 
-Every read verifies the header and checksum; a page that does not verify, that the server
-evicted, or that a failing server could not return is a miss, never wrong bytes.
-
-**Two-phase put.** ``reserve`` checks which keys already exist (those are no-ops) and takes
-client-side capacity; ``write`` stores the page under a private staging key
-``<prefix>:{<hex>}:w:<token>`` (same hash slot as the final key, with a TTL so a crashed
-writer leaves nothing behind for long); ``commit`` renames it to the final key in one
-server-side script (atomic: readers see either no page or the whole page). Uncommitted data
-is never under the final key, so ``get``/``contains``/``exists``/``keys`` cannot see it.
+**Two-phase put: the value reaches the server only at commit.** ``reserve`` asks which
+keys already exist (those are no-ops) and takes client-side capacity; ``write`` copies the
+page and its header into a client-side buffer (the one copy a header+payload value needs;
+the caller may reuse its buffer at once); ``commit`` sends each buffer in one ``SET``
+(zero-copy: redis-py sends a ``memoryview`` without copying it). A ``SET`` is atomic, so
+readers see either no page or the whole page, and uncommitted data is never on the server
+for ``get``/``contains``/``exists``/``keys`` to see. :meth:`RedisStore.put` does the same in
+one round trip (``SET ... NX``: a page already there is kept).
 
 **Capacity.** ``capacity_pages`` bounds what *this client* has reserved and committed (the
 pool is shared; the server's own ``maxmemory`` bounds it as a whole). Pages the server drops
@@ -26,15 +26,15 @@ notices they are gone.
 (``op_timeout_s``); a batch that times out or cannot reach the server fails as a whole and
 its pages count as misses (``False``/``None``), and the rest of that call is skipped. The
 client reconnects by itself on the next call. An outage is logged once when it starts and
-once when it ends (:class:`~kvtier.backends.remote_health.Health`). A server that is down
-when the store opens is not an error: the store opens and misses until the server is up.
+once when it ends (:class:`~kvtier.backends.remote_health.Health`); a server refusing
+writes (out of memory) is logged once per episode. A server that is down when the store
+opens is not an error: the store opens and misses until the server is up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -53,35 +53,10 @@ log = logging.getLogger("kvtier.backends.remote")
 
 T = TypeVar("T")
 
-
-#: Batches whose CPU work (checksums, copies) is at least this large run on the executor,
-#: so the event loop never spends long on them (design invariant 7).
-_OFFLOAD_BYTES = 1 << 20
-
-# KEYS[1] staging key, KEYS[2] final key; ARGV[1] TTL in ms (0: none), ARGV[2] the exact
-# length a complete page has, ARGV[3] 1 to keep an existing final key (the one-round-trip
-# put, which cannot ask first), 0 to replace it (the two-phase path asked in reserve).
-# 1: committed now; 2: the page is already committed (staging dropped); 0: nothing
-# complete to commit (staging missing, evicted or short: a refused APPEND) -- dropped.
-_COMMIT_SCRIPT = """
-local staged = redis.call('STRLEN', KEYS[1])
-if staged ~= tonumber(ARGV[2]) then
-  if staged > 0 then redis.call('DEL', KEYS[1]) end
-  if redis.call('EXISTS', KEYS[2]) == 1 then return 2 end
-  return 0
-end
-if tonumber(ARGV[3]) == 1 and redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('DEL', KEYS[1])
-  return 2
-end
-redis.call('RENAME', KEYS[1], KEYS[2])
-if tonumber(ARGV[1]) > 0 then
-  redis.call('PEXPIRE', KEYS[2], ARGV[1])
-else
-  redis.call('PERSIST', KEYS[2])
-end
-return 1
-"""
+#: Batches whose verify-and-copy work is at least this large run on the executor, so the
+#: event loop never spends long on them (design invariant 7); below it an executor hop
+#: (100 us to milliseconds on a loaded machine) costs more than the work.
+_OFFLOAD_BYTES = 4 << 20
 
 
 @dataclass
@@ -89,10 +64,8 @@ class _Pending:
     """A reservation between ``reserve`` and ``commit``/``abort``."""
 
     key: PageKey
-    staging: bytes
     namespace: str
-    sent: bool = False  # bytes may sit under the staging key (delete them on release)
-    written: bool = False
+    value: np.ndarray | None = None  # payload + header, filled by write()
 
 
 def _describe(exc: BaseException) -> str:
@@ -105,10 +78,10 @@ class RedisStore(StoreBackend):
     """A remote page store on Valkey/Redis (``redis.asyncio``, hiredis parser).
 
     Options (see :class:`~kvtier.backends.remote_options.RemoteOptions`): ``url``,
-    ``cluster``, ``key_prefix``, ``ttl_s``, ``staging_ttl_s``, ``batch_pages``,
-    ``max_inflight``, ``op_timeout_s``, ``connect_timeout_s``, ``username``, ``password``,
-    ``tls``, ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``. Unknown or
-    invalid options raise :class:`~kvtier.errors.ConfigError` naming the option.
+    ``cluster``, ``key_prefix``, ``ttl_s``, ``batch_pages``, ``max_inflight``,
+    ``op_timeout_s``, ``connect_timeout_s``, ``username``, ``password``, ``tls``,
+    ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``. Unknown or invalid
+    options raise :class:`~kvtier.errors.ConfigError` naming the option.
     """
 
     default_io_threads: ClassVar[int] = 2
@@ -131,9 +104,8 @@ class RedisStore(StoreBackend):
         self._committed: set[PageKey] = set()
         self._next_handle = 0
         self._putting = 0  # pages inside a one-round-trip put()
-        self._token = uuid.uuid4().hex[:12]
+        self._spare: list[np.ndarray] = []  # value buffers kept for reuse
         self._ttl_ms = 0 if self.options.ttl_s is None else max(1, round(self.options.ttl_s * 1e3))
-        self._staging_ttl_ms = max(1, round(self.options.staging_ttl_s * 1e3))
         self.health = Health(self.options.public()["url"], log)
         self.checksum_failures = 0
 
@@ -196,14 +168,11 @@ class RedisStore(StoreBackend):
         await super().open()
 
     async def close(self) -> None:
-        """Drop pending reservations (their staging keys are deleted when the server is
-        reachable, else they expire) and close the connections. Idempotent."""
+        """Drop pending reservations (they never reached the server) and close the
+        connections. Idempotent."""
+        self._pending.clear()
+        self._spare.clear()
         if self._client is not None:
-            if self._pending and self._opened:
-                staging = [p.staging for p in self._pending.values() if p.sent]
-                if staging:
-                    await self._pipelined(staging, lambda pipe, s: pipe.delete(s))
-            self._pending.clear()
             client, self._client = self._client, None
             try:
                 await client.aclose()
@@ -225,24 +194,55 @@ class RedisStore(StoreBackend):
                 )
 
     async def _cpu(self, fn: Callable[[], T], nbytes: int) -> T:
-        """Run checksum/copy work inline when small, on the executor when large."""
+        """Run copy/checksum work over ``nbytes`` inline when small, on the executor when
+        large (one hop per batch)."""
         if nbytes < _OFFLOAD_BYTES:
             return fn()
         return await self.run_blocking(fn)
+
+    def _take_buffers(self, n: int) -> list[np.ndarray]:
+        """``n`` value buffers (payload + header) from the spares, or new ones."""
+        size = self.page_bytes + HEADER_SIZE
+        out = [self._spare.pop() for _ in range(min(n, len(self._spare)))]
+        out += [np.empty(size, dtype=np.uint8) for _ in range(n - len(out))]
+        return out
+
+    def _give_buffers(self, bufs: Sequence[np.ndarray]) -> None:
+        room = 2 * self.options.max_inflight * self.options.batch_pages - len(self._spare)
+        self._spare.extend(bufs[: max(0, room)])
+
+    def _fill(
+        self, values: Sequence[np.ndarray], keys: Sequence[PageKey], namespace: Sequence[str],
+        pages: Sequence[np.ndarray],
+    ) -> None:  # fmt: skip
+        """Copy each page and its header into its value buffer (one batch, one call)."""
+        size = self.page_bytes
+        for value, key, ns, page in zip(values, keys, namespace, pages, strict=True):
+            value[:size] = page
+            value[size:] = np.frombuffer(encode_header(key, ns, page), dtype=np.uint8)
+
+    def _set_kwargs(self, nx: bool) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"nx": nx}
+        if self._ttl_ms:
+            kwargs["px"] = self._ttl_ms
+        return kwargs
 
     async def _pipelined(
         self,
         items: Sequence[T],
         build: Callable[[Any, T], object],
         per_item: int = 1,
-        on_chunk: Callable[[range, list[list[Any] | None]], Awaitable[None]] | None = None,
+        *,
+        before: Callable[[range], Awaitable[None]] | None = None,
+        after: Callable[[range, list[list[Any] | None]], Awaitable[None]] | None = None,
     ) -> list[list[Any] | None]:
         """Send ``build(pipe, item)`` for every item in pipelined batches.
 
         Returns, per item, its ``per_item`` replies (each a value or an exception object),
         or ``None`` when its whole batch failed (timeout, connection, cluster down).
-        ``on_chunk(indices, results)`` runs as each batch's replies arrive, outside the
-        concurrency bound, so that its CPU work overlaps the next batches' transfers.
+        ``before(indices)`` prepares a batch (inside the concurrency bound, before its
+        deadline starts); ``after(indices, results)`` runs as each batch's replies arrive,
+        outside the bound. Both let CPU work on one batch overlap other batches' transfers.
         """
         self._check_open()
         results: list[list[Any] | None] = [None] * len(items)
@@ -259,6 +259,8 @@ class RedisStore(StoreBackend):
             async with sem:
                 if give_up:
                     return
+                if before is not None:
+                    await before(chunk)
                 try:
                     async with asyncio.timeout(self.options.op_timeout_s):
                         pipe = client.pipeline(transaction=False)
@@ -276,8 +278,8 @@ class RedisStore(StoreBackend):
                 self.health.succeeded()
             for j, i in enumerate(chunk):
                 results[i] = list(replies[j * per_item : (j + 1) * per_item])
-            if on_chunk is not None:
-                await on_chunk(chunk, results)
+            if after is not None:
+                await after(chunk, results)
 
         await asyncio.gather(*(one(s) for s in range(0, len(items), step)))
         return results
@@ -302,8 +304,7 @@ class RedisStore(StoreBackend):
             if reply[0]:
                 out.append(Reservation(key, handle, present=True))
             elif self.used_pages() < self.capacity_pages:
-                staging = self.page_name(key) + f":w:{self._token}:{handle}".encode()
-                self._pending[handle] = _Pending(key, staging, namespace)
+                self._pending[handle] = _Pending(key, namespace)
                 out.append(Reservation(key, handle))
             else:
                 out.append(None)
@@ -314,8 +315,8 @@ class RedisStore(StoreBackend):
         return p if p is not None and p.key == r.key else None
 
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
-        """Store each page under its staging key (zero-copy send); ``False`` where the
-        server refused it (e.g. out of memory) or the batch failed."""
+        """Stage each page (payload + header) in a client-side buffer; nothing is sent
+        before :meth:`commit`. ``False`` only for reservations no longer pending."""
         bufs = check_buffers(data, len(reservations), self.page_bytes)
         self._check_open()
         ok = [r.present for r in reservations]
@@ -323,75 +324,81 @@ class RedisStore(StoreBackend):
                 if (p := self._pending_of(r)) is not None]  # fmt: skip
         if not todo:
             return ok
-        headers = await self._cpu(
-            lambda: [encode_header(p.key, p.namespace, bufs[i]) for i, p in todo],
+        values = [p.value for _, p in todo]
+        fresh = self._take_buffers(sum(v is None for v in values))
+        values = [v if v is not None else fresh.pop() for v in values]
+        await self._cpu(
+            lambda: self._fill(values, [p.key for _, p in todo], [p.namespace for _, p in todo],
+                               [bufs[i] for i, _ in todo]),
             len(todo) * self.page_bytes,
-        )
-        items = [(p.staging, h, bufs[i].data) for (i, p), h in zip(todo, headers, strict=True)]
-        for _, p in todo:
-            p.sent = True
-
-        def build(pipe: Any, item: tuple[bytes, bytes, memoryview]) -> None:
-            staging, header, payload = item
-            pipe.set(staging, payload, px=self._staging_ttl_ms)
-            pipe.append(staging, header)
-
-        replies = await self._pipelined(items, build, per_item=2)
-        refusals: list[BaseException] = []
-        for (i, p), reply in zip(todo, replies, strict=True):
-            if reply is None:
-                continue
-            err = next((x for x in reply if isinstance(x, BaseException)), None)
-            if err is None:
-                p.written = True
-                ok[i] = True
-            else:
-                refusals.append(err)
-        if refusals:
-            self.health.refused(len(refusals), _describe(refusals[0]))
+        )  # fmt: skip
+        for (i, p), value in zip(todo, values, strict=True):
+            p.value = value
+            ok[i] = True
         return ok
 
+    def _release(self, handle: int) -> None:
+        p = self._pending.pop(handle, None)
+        if p is not None and p.value is not None:
+            self._give_buffers([p.value])
+
     async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
-        """Publish written pages atomically (rename staging -> final, set TTL); ``False``
-        where the page was not written, its staging data was evicted, or the batch failed.
-        Every non-present reservation is released, committed or not."""
+        """Publish written pages, each with one atomic ``SET`` (sent from the staged
+        buffer without a copy); ``False`` where the page was not written, the server
+        refused it (out of memory) or the batch failed. Every non-present reservation is
+        released, committed or not."""
         self._check_open()
         ok = [r.present for r in reservations]
         todo: list[tuple[int, _Pending]] = []
         for i, r in enumerate(reservations):
-            if r.present:
-                continue
-            p = self._pending_of(r)
-            if p is not None and p.written:
+            p = None if r.present else self._pending_of(r)
+            if p is not None and p.value is not None:
                 todo.append((i, p))
             elif p is not None:
-                await self.abort([r])
+                self._release(r.handle)
         if not todo:
             return ok
+        kwargs = self._set_kwargs(nx=False)
 
         def build(pipe: Any, p: _Pending) -> None:
-            pipe.eval(_COMMIT_SCRIPT, 2, p.staging, self.page_name(p.key), self._ttl_ms,
-                      self.page_bytes + HEADER_SIZE, 0)  # fmt: skip
+            assert p.value is not None
+            pipe.set(self.page_name(p.key), p.value.data, **kwargs)
 
-        replies = await self._pipelined([p for _, p in todo], build)
-        for (i, p), reply in zip(todo, replies, strict=True):
-            self._pending.pop(reservations[i].handle, None)
-            if reply is not None and reply[0] in (1, 2):
-                self._committed.add(p.key)
-                ok[i] = True
+        try:
+            replies = await self._pipelined([p for _, p in todo], build)
+        finally:
+            for i, _ in todo:
+                self._release(reservations[i].handle)
+        self._settle([(i, reservations[i].key) for i, _ in todo], replies, ok)
         return ok
+
+    def _settle(
+        self, items: Sequence[tuple[int, PageKey]], replies: list[list[Any] | None],
+        ok: list[bool],
+    ) -> None:  # fmt: skip
+        """Mark the ``SET`` replies of ``items`` in ``ok``; log refused writes once."""
+        refusals: list[BaseException] = []
+        for (i, key), reply in zip(items, replies, strict=True):
+            if reply is None:
+                continue
+            if isinstance(reply[0], BaseException):
+                refusals.append(reply[0])
+                continue
+            ok[i] = True
+            if reply[0]:  # stored now (an NX put answers None for a page already there)
+                self._committed.add(key)
+        if refusals:
+            self.health.refused(len(refusals), _describe(refusals[0]))
 
     async def put(
         self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
     ) -> list[bool]:
-        """Reserve, write and commit in one pipelined round trip per batch.
+        """Reserve, write and commit in one round trip per batch: ``SET ... NX`` of the
+        page and its header (an existing page is kept, as the contract asks).
 
-        Each page goes ``SET staging payload`` (zero-copy), ``APPEND staging header``,
-        then the commit script, which publishes it only if it is complete and the key is
-        not already committed (so an existing page is kept, as the contract asks). Keys
-        this client knows are committed answer ``True`` without sending anything. The
-        client-side capacity is checked before sending, so a key already committed by
-        another client is refused (``False``) when this client is full.
+        Keys this client knows are committed answer ``True`` without sending anything.
+        Capacity is checked before sending, so when this client is full a key committed
+        by another client answers ``False`` (the two-phase path would find it present).
         """
         self._check_keys(keys)
         bufs = check_buffers(data, len(keys), self.page_bytes)
@@ -402,20 +409,20 @@ class RedisStore(StoreBackend):
         for i, key in enumerate(keys):
             if key in self._committed:
                 ok[i] = True
-            elif key in first:
-                continue  # the same key twice in one batch: answered like the first
-            elif self.used_pages() < self.capacity_pages:
+            elif key not in first and self.used_pages() < self.capacity_pages:
                 first[key] = i
                 todo.append(i)
                 self._putting += 1
+        values = self._take_buffers(len(todo))
         try:
             if todo:
-                await self._put_now(keys, bufs, todo, namespace, ok)
+                await self._put_now(keys, bufs, todo, values, namespace, ok)
         finally:
             self._putting -= len(todo)
+            self._give_buffers(values)
         for i, key in enumerate(keys):
             if key in first and first[key] != i:
-                ok[i] = ok[first[key]]
+                ok[i] = ok[first[key]]  # the same key twice in one batch
         return ok
 
     async def _put_now(
@@ -423,55 +430,34 @@ class RedisStore(StoreBackend):
         keys: Sequence[PageKey],
         bufs: list[np.ndarray],
         todo: list[int],
+        values: list[np.ndarray],
         namespace: str,
         ok: list[bool],
     ) -> None:
-        headers = await self._cpu(
-            lambda: [encode_header(keys[i], namespace, bufs[i]) for i in todo],
-            len(todo) * self.page_bytes,
-        )
-        full = self.page_bytes + HEADER_SIZE
-        items = []
-        for i, header in zip(todo, headers, strict=True):
-            self._next_handle += 1
-            name = self.page_name(keys[i])
-            items.append((name, name + f":w:{self._token}:{self._next_handle}".encode(),
-                          header, bufs[i].data))  # fmt: skip
+        kwargs = self._set_kwargs(nx=True)
+        filled: set[int] = set()
 
-        def build(pipe: Any, item: tuple[bytes, bytes, bytes, memoryview]) -> None:
-            name, staging, header, payload = item
-            pipe.set(staging, payload, px=self._staging_ttl_ms)
-            pipe.append(staging, header)
-            pipe.eval(_COMMIT_SCRIPT, 2, staging, name, self._ttl_ms, full, 1)
+        async def fill(chunk: range) -> None:  # per batch, so copies overlap transfers
+            await self._cpu(
+                lambda: self._fill([values[j] for j in chunk], [keys[todo[j]] for j in chunk],
+                                   [namespace] * len(chunk), [bufs[todo[j]] for j in chunk]),
+                len(chunk) * self.page_bytes,
+            )  # fmt: skip
+            filled.update(chunk)
 
-        replies = await self._pipelined(items, build, per_item=3)
-        refusals: list[BaseException] = []
-        for i, reply in zip(todo, replies, strict=True):
-            if reply is None:
-                continue
-            err = next((x for x in reply if isinstance(x, BaseException)), None)
-            if err is not None:
-                refusals.append(err)
-            elif reply[2] in (1, 2):
-                ok[i] = True
-                if reply[2] == 1:
-                    self._committed.add(keys[i])
-        if refusals:
-            self.health.refused(len(refusals), _describe(refusals[0]))
+        def build(pipe: Any, j: int) -> None:
+            assert j in filled
+            pipe.set(self.page_name(keys[todo[j]]), values[j].data, **kwargs)
+
+        replies = await self._pipelined(list(range(len(todo))), build, before=fill)
+        self._settle([(i, keys[i]) for i in todo], replies, ok)
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
-        """Release reservations; written staging data is deleted (best effort: if the
-        server is unreachable it expires after ``staging_ttl_s``)."""
+        """Release reservations (nothing of them is on the server)."""
         self._check_open()
-        staging: list[bytes] = []
         for r in reservations:
-            p = self._pending_of(r)
-            if p is not None:
-                del self._pending[r.handle]
-                if p.sent:
-                    staging.append(p.staging)
-        if staging:
-            await self._pipelined(staging, lambda pipe, s: pipe.delete(s))
+            if self._pending_of(r) is not None:
+                self._release(r.handle)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Read and verify each page into ``out[i]``; ``False`` for absent, evicted,
@@ -510,11 +496,13 @@ class RedisStore(StoreBackend):
                 replies[i] = None  # let the bytes go as soon as they are copied
             await self._cpu(lambda: verify_and_copy(fetched), len(fetched) * size)
 
-        await self._pipelined(keys, lambda pipe, k: pipe.get(self.page_name(k)), on_chunk=arrived)
-        for i, problem in bad:
-            self.checksum_failures += 1
-            log.warning("remote page %s failed verification, treated as a miss: %s",
-                        keys[i].hex(), problem)  # fmt: skip
+        await self._pipelined(keys, lambda pipe, k: pipe.get(self.page_name(k)), after=arrived)
+        if bad:
+            for i, problem in bad:
+                self.checksum_failures += 1
+                log.warning("remote page %s failed verification, treated as a miss and "
+                            "deleted: %s", keys[i].hex(), problem)  # fmt: skip
+            await self.delete([keys[i] for i, _ in bad])
         return ok
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
@@ -598,7 +586,7 @@ def _is_connection_error(reply: Any) -> bool:
 
 
 def _parse_page_name(name: bytes, prefix: bytes) -> PageKey | None:
-    """The key of ``<prefix>{<32 hex>}``, or ``None`` for anything else (staging keys)."""
+    """The key of ``<prefix>{<32 hex>}``, or ``None`` for anything else."""
     if not name.startswith(prefix) or len(name) != len(prefix) + 2 * KEY_BYTES + 1:
         return None
     if not name.endswith(b"}"):

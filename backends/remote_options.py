@@ -31,8 +31,9 @@ class RemoteOptions:
             tell kvtier pages apart; keys are ``<prefix>:{<32 hex digits>}``.
         ttl_s: expire committed pages after this many seconds; ``None`` keeps them until
             deleted or evicted by the server.
-        staging_ttl_s: lifetime of written-but-uncommitted data (left by a crashed writer).
-        batch_pages: pages per pipelined round trip (the pipeline depth).
+        batch_pages: pages per pipelined round trip (the pipeline depth); a call with more
+            pages runs several such pipelines concurrently (up to ``max_inflight``), so
+            verifying and copying one batch overlaps the transfer of the next.
         max_inflight: pipelines in flight at once per store (bounded concurrency).
         op_timeout_s: deadline of one pipelined batch; past it the batch is a miss.
         connect_timeout_s: deadline of establishing one connection.
@@ -46,8 +47,7 @@ class RemoteOptions:
     cluster: bool = False
     key_prefix: str = "kvtier"
     ttl_s: float | None = None
-    staging_ttl_s: float = 300.0
-    batch_pages: int = 16
+    batch_pages: int = 4
     max_inflight: int = 4
     op_timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
@@ -143,9 +143,6 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         cluster=_as_bool("cluster", raw.get("cluster", d.cluster)),
         key_prefix=prefix,
         ttl_s=ttl,
-        staging_ttl_s=_as_number(
-            "staging_ttl_s", raw.get("staging_ttl_s", d.staging_ttl_s), integer=False, minimum=1
-        ),
         batch_pages=int(
             _as_number(
                 "batch_pages", raw.get("batch_pages", d.batch_pages), integer=True, minimum=1

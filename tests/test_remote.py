@@ -99,7 +99,7 @@ async def test_stored_layout_header_and_readable_key(store: RedisStore, raw: red
     header = decode_header(stored[PAGE:])
     assert header.key == key and header.payload_len == PAGE
     assert header.namespace_digest == namespace_digest(NS.label)
-    assert raw.ttl(name) == -1  # no TTL configured: the staging TTL was removed
+    assert raw.ttl(name) == -1  # no TTL configured
 
 
 async def test_uncommitted_pages_are_invisible(store: RedisStore, raw: redis.Redis) -> None:
@@ -108,19 +108,17 @@ async def test_uncommitted_pages_are_invisible(store: RedisStore, raw: redis.Red
     assert all(r is not None and not r.present for r in res)
     reservations = [r for r in res if r is not None]
     assert await store.write(reservations, data) == [True] * 3
-    # written but not committed: invisible to every read path, bytes live only in staging
+    # written but not committed: invisible to every read path, bytes still client-side
     assert await store.contains(keys) == [False] * 3
     assert await store.exists(keys) == 0
     assert await store.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == [False] * 3
     assert await store.keys() == []
-    staging = raw.keys(f"{store.options.key_prefix}:*".encode())
-    assert len(staging) == 3 and all(b":w:" in k for k in staging)
-    assert all(0 < raw.ttl(k) <= store.options.staging_ttl_s for k in staging)
+    assert raw.keys(f"{store.options.key_prefix}:*".encode()) == []  # nothing sent yet
     assert await store.commit(reservations[:2]) == [True, True]
     assert await store.contains(keys) == [True, True, False]
     await store.abort(reservations[2:])
     assert await store.contains(keys) == [True, True, False]
-    assert raw.keys(f"{store.options.key_prefix}:*:w:*".encode()) == []  # abort cleaned up
+    assert len(raw.keys(f"{store.options.key_prefix}:*".encode())) == 2
     assert store.used_pages() == 2
 
 
@@ -181,6 +179,11 @@ async def test_corrupt_payload_is_a_counted_miss(
     assert await store.get(keys, out) == [True, False, False]
     assert store.stats()["checksum_failures"] == 2
     assert "failed verification" in caplog.text
+    # bad pages are deleted, so that a put can store them again
+    assert await store.contains(keys) == [True, False, False]
+    assert await store.put(keys[1:], data[1:]) == [True, True]
+    assert await store.get(keys, out) == [True, True, True]
+    np.testing.assert_array_equal(out[1], data[1])
 
 
 async def test_truncated_or_foreign_values_are_misses(store: RedisStore, raw: redis.Redis) -> None:
@@ -270,14 +273,25 @@ async def test_closed_store_raises(valkey: RedisServer) -> None:
         await s.get(keys_for(1), [np.zeros(PAGE, np.uint8)])
 
 
-async def test_close_removes_pending_staging_data(valkey: RedisServer, raw: redis.Redis) -> None:
+async def test_close_drops_pending_pages(valkey: RedisServer, raw: redis.Redis) -> None:
     s = make(valkey.url)
     await s.open()
     res = [r for r in await s.reserve(keys_for(2)) if r is not None]
-    await s.write(res, pages(2))
-    assert len(raw.keys(f"{s.options.key_prefix}:*".encode())) == 2
+    assert await s.write(res, pages(2)) == [True, True]
     await s.close()
     assert raw.keys(f"{s.options.key_prefix}:*".encode()) == []
+
+
+async def test_write_copies_so_the_caller_may_reuse_its_buffer(store: RedisStore) -> None:
+    key, data = keys_for(1), pages(1)
+    buf = data[0].copy()
+    res = [r for r in await store.reserve(key) if r is not None]
+    assert await store.write(res, [buf]) == [True]
+    buf[:] = 0  # reused before commit
+    assert await store.commit(res) == [True]
+    out = [np.zeros(PAGE, np.uint8)]
+    assert await store.get(key, out) == [True]
+    np.testing.assert_array_equal(out[0], data[0])
 
 
 # -- authentication and TLS ----------------------------------------------------------------
@@ -354,15 +368,3 @@ async def test_one_round_trip_put_keeps_another_clients_page(valkey: RedisServer
         out = [np.zeros(PAGE, np.uint8)]
         assert await b.get(key, out) == [True]
         np.testing.assert_array_equal(out[0], first[0])
-
-
-async def test_incomplete_staging_is_never_committed(store: RedisStore, raw: redis.Redis) -> None:
-    # a write whose APPEND of the header never happened (refused, connection lost)
-    key = keys_for(1)
-    res = [r for r in await store.reserve(key) if r is not None]
-    assert await store.write(res, pages(1)) == [True]
-    staging = raw.keys(f"{store.options.key_prefix}:*:w:*".encode())[0]
-    raw.set(staging, pages(1)[0].tobytes())  # payload only, no header
-    assert await store.commit(res) == [False]
-    assert await store.contains(key) == [False]
-    assert raw.keys(f"{store.options.key_prefix}:*".encode()) == []  # dropped, not published
