@@ -190,7 +190,7 @@ async def memcpy_baseline(target: IOTarget) -> BaselineSample:
 # -- disk ----------------------------------------------------------------------------------
 
 
-def _aligned_buffers(n: int, size: int) -> list[np.ndarray]:
+def aligned_buffers(n: int, size: int) -> list[np.ndarray]:
     """``n`` page-aligned (mmap) buffers of ``size`` bytes, pre-faulted."""
     bufs = []
     for _ in range(n):
@@ -217,10 +217,10 @@ def _threaded_direct_io(
     """Write then read ``pages`` at consecutive offsets of ``path`` with ``threads``
     threads; returns (write seconds incl. fsync, read seconds, whether O_DIRECT)."""
     aligned = page_bytes % 4096 == 0
-    src = _aligned_buffers(len(pages), page_bytes)
+    src = aligned_buffers(len(pages), page_bytes)
     for s, p in zip(src, pages, strict=True):
         np.copyto(s, p)
-    dst = _aligned_buffers(len(pages), page_bytes)
+    dst = aligned_buffers(len(pages), page_bytes)
     if aligned:
         fd, direct = _open_direct(path)
     else:

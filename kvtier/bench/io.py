@@ -25,7 +25,13 @@ import xxhash
 
 from kvtier import registry
 from kvtier.backend import Backend
-from kvtier.bench.baselines import BaselineSample, IOTarget, profile_for, registered_profile
+from kvtier.bench.baselines import (
+    BaselineSample,
+    IOTarget,
+    aligned_buffers,
+    profile_for,
+    registered_profile,
+)
 from kvtier.bench.pagecache import drop_page_cache
 from kvtier.errors import KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
@@ -91,10 +97,14 @@ class TierIOResult:
 
 
 def page_data(n: int, page_bytes: int, seed: int) -> list[np.ndarray]:
-    """``n`` pages of pseudo-random bytes (incompressible, distinct)."""
+    """``n`` pages of pseudo-random bytes (incompressible, distinct), each in its own
+    page-aligned buffer: pages reach a store from arena slots, which are aligned, and the
+    disk baselines use aligned buffers too."""
     rng = np.random.default_rng(seed)
-    blob = np.frombuffer(rng.bytes(n * page_bytes), dtype=np.uint8)
-    return [blob[i * page_bytes : (i + 1) * page_bytes] for i in range(n)]
+    pages = aligned_buffers(n, page_bytes)
+    for page in pages:
+        page[:] = np.frombuffer(rng.bytes(page_bytes), dtype=np.uint8)
+    return pages
 
 
 def bench_keys(tier: str, repeat: int, n: int, seed: int) -> list[PageKey]:
@@ -158,7 +168,7 @@ async def bench_backend(
     profile = profile_for(name, cls.kind)
     workdir = scratch / name.replace(":", "_").replace("/", "_")
     pages = page_data(params.pages, params.page_bytes, params.seed)
-    outs = [np.ones(params.page_bytes, dtype=np.uint8) for _ in range(params.pages)]
+    outs = aligned_buffers(params.pages, params.page_bytes)
     kv_w: list[float] = []
     kv_r: list[float] = []
     base: list[BaselineSample] = []
