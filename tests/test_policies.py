@@ -188,3 +188,11 @@ def test_lookahead_predictor_weights_by_distance() -> None:
     p2.observe([k(1), k(2), k(4)])
     assert p2.predict([k(1)]) == [k(2), k(3), k(4)]
     assert PrefixPredictor().predict([k(5), k(6)]) == [k(5), k(6)]
+
+
+def test_admission_policies_selectable_in_config() -> None:
+    from kvtier.config import make_admission
+
+    assert isinstance(make_admission("reuse"), ReusePredictor)
+    adm = make_admission("frequency", threshold=3)
+    assert isinstance(adm, FrequencyAdmission) and adm.threshold == 3

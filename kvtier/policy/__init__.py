@@ -1,9 +1,13 @@
 """Policies: what should be where (eviction, admission, prefetch, write).
 
-Importing this package registers every built-in eviction policy with
-:func:`kvtier.policy.eviction.register_policy`, so config can name them.
+Importing this package (or any module in it) registers every built-in eviction policy
+with :func:`kvtier.policy.eviction.register_policy` and the admission policies for
+selective write-through with :func:`kvtier.config.register_admission`, so config can name
+them (``eviction = "session"``, ``admission = "reuse"``).
 """
 
+from kvtier.config import register_admission
+from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy, register_policy
 from kvtier.policy.prefix_aware import PrefixLRUPolicy
@@ -12,11 +16,15 @@ from kvtier.policy.session import SessionPolicy
 
 for _cls in (ARCPolicy, S3FIFOPolicy, PrefixLRUPolicy, SessionPolicy):
     register_policy(_cls.name, _cls)
+for _adm in (FrequencyAdmission, ReusePredictor):
+    register_admission(_adm.name, _adm)
 
 __all__ = [
     "EVICTION_POLICIES",
     "ARCPolicy",
+    "FrequencyAdmission",
     "PrefixLRUPolicy",
+    "ReusePredictor",
     "S3FIFOPolicy",
     "SessionPolicy",
     "make_policy",
