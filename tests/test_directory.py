@@ -231,6 +231,11 @@ class DirectoryMachine(RuleBasedStateMachine):
             ]
             assert self.d.tiers_of(key) == visible
             assert self.d.is_pinned(key) == bool(self.pins.get(key))
+        for tier in TIERS:
+            assert self.d.pinned(tier) == sum(
+                1 for key in K if self.pins.get(key) and (key, tier) in self.states
+            )
+            assert self.d.busy(tier) == sum(1 for key in K if self.copies.get((key, tier)))
             live = (
                 any((key, t) in self.states for t in TIERS)
                 or self.pins.get(key)

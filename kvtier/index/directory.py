@@ -81,6 +81,9 @@ class Directory:
             t: dict.fromkeys(PageState, 0) for t in self.tiers
         }
         self._listeners: list[DirectoryListener] = []
+        # kept in step with the entries so that room-making never scans the directory
+        self._pinned: dict[str, int] = dict.fromkeys(self.tiers, 0)
+        self._busy: dict[str, int] = dict.fromkeys(self.tiers, 0)
 
     # -- listeners ---------------------------------------------------------------------
 
@@ -175,12 +178,12 @@ class Directory:
         )
 
     def busy(self, tier: str) -> int:
-        """Pages of ``tier`` with copies in flight out of it."""
-        return sum(1 for e in self._entries.values() if e.inflight.get(tier, 0) > 0)
+        """Pages of ``tier`` with copies in flight out of it (O(1))."""
+        return self._busy[self._check_tier(tier)]
 
     def pinned(self, tier: str) -> int:
-        """Pinned pages that occupy space in ``tier``."""
-        return sum(1 for e in self._entries.values() if e.pins > 0 and tier in e.states)
+        """Pinned pages that occupy space in ``tier`` (O(1))."""
+        return self._pinned[self._check_tier(tier)]
 
     # -- transitions -------------------------------------------------------------------
 
@@ -193,6 +196,10 @@ class Directory:
         old = entry.states.get(tier)
         if old is not None:
             self._counts[tier][old] -= 1
+            if new is None and entry.pins:
+                self._pinned[tier] -= 1
+        elif new is not None and entry.pins:
+            self._pinned[tier] += 1
         if new is None:
             entry.states.pop(tier, None)
         else:
@@ -272,6 +279,9 @@ class Directory:
         if entry is None:
             entry = Entry(key)
             self._entries[key] = entry
+        if entry.pins == 0:
+            for tier in entry.states:
+                self._pinned[tier] += 1
         entry.pins += 1
 
     def unpin(self, key: PageKey) -> None:
@@ -280,6 +290,9 @@ class Directory:
         if entry is None or entry.pins == 0:
             raise DirectoryError(f"page {key.hex()} is not pinned")
         entry.pins -= 1
+        if entry.pins == 0:
+            for tier in entry.states:
+                self._pinned[tier] -= 1
         self._drop_if_unused(entry)
 
     def begin_copy(self, key: PageKey, tier: str) -> None:
@@ -287,6 +300,8 @@ class Directory:
         entry = self._entries.get(key)
         if entry is None or not entry.visible_in(tier):
             raise DirectoryError(f"page {key.hex()} is not readable in tier {tier!r}")
+        if not entry.inflight.get(tier):
+            self._busy[tier] += 1
         entry.inflight[tier] = entry.inflight.get(tier, 0) + 1
 
     def end_copy(self, key: PageKey, tier: str) -> None:
@@ -297,6 +312,7 @@ class Directory:
         entry.inflight[tier] -= 1
         if entry.inflight[tier] == 0:
             del entry.inflight[tier]
+            self._busy[tier] -= 1
         self._drop_if_unused(entry)
 
     def _require(self, key: PageKey, tier: str, state: PageState, what: str) -> Entry:
@@ -315,9 +331,10 @@ class Directory:
     def check_invariants(self) -> None:
         """Verify internal consistency; raises :class:`DirectoryError` on the first breach.
 
-        Checks: per-tier counts equal a recount; no entry is empty (no state, no pin, no
-        copy in flight); pin and in-flight counts are positive; no copy is in flight out of
-        a tier where the page is not readable; every tier named is known.
+        Checks: per-tier state, pinned and busy counts equal a recount; no entry is empty
+        (no state, no pin, no copy in flight); pin and in-flight counts are positive; no
+        copy is in flight out of a tier where the page is not readable; every tier named
+        is known.
         """
         recount: dict[str, dict[PageState, int]] = {
             t: dict.fromkeys(PageState, 0) for t in self.tiers
@@ -343,3 +360,12 @@ class Directory:
                     )
         if recount != self._counts:
             raise DirectoryError(f"tier counts {self._counts} differ from recount {recount}")
+        pinned = {
+            t: sum(1 for e in self._entries.values() if e.pins and t in e.states)
+            for t in self.tiers
+        }
+        if pinned != self._pinned:
+            raise DirectoryError(f"pinned counts {self._pinned} differ from recount {pinned}")
+        busy = {t: sum(1 for e in self._entries.values() if e.inflight.get(t)) for t in self.tiers}
+        if busy != self._busy:
+            raise DirectoryError(f"busy counts {self._busy} differ from recount {busy}")
