@@ -159,8 +159,13 @@ class _Replayer:
         if n:
             self.moved[link] = self.moved.get(link, 0) + n
 
-    def insert(self, level: int, keys: list[PageKey], source: str) -> list[PageKey]:
-        """Insert ``keys`` (not resident there) into tier ``level``; returns those kept."""
+    def insert(
+        self, level: int, keys: list[PageKey], source: str | None, write_new_down: bool = True
+    ) -> list[PageKey]:
+        """Insert ``keys`` (not resident there) into tier ``level``; returns those kept.
+
+        ``source`` names the link counted (``None``: counted by the caller). With
+        ``write_new_down`` false (pages fetched from below), only victims may go down."""
         tier = self.tiers[level]
         adm = tier.admission
         if adm is not None:
@@ -186,17 +191,18 @@ class _Replayer:
         for k in keys:
             resident.add(k)
             policy.on_insert(k, parent.get(k))
-        self._count(f"{source}->{tier.name}", len(keys))
+        if source is not None:
+            self._count(f"{source}->{tier.name}", len(keys))
         below = level + 1
         if below < len(self.tiers):
             lower = self.tiers[below].resident
+            new = [k for k in keys if k not in lower] if write_new_down else []
             if self.write_policy == "write-back":
                 down = [v for v in victims if v not in lower]
             elif self.write_policy == "write-through":
-                down = [k for k in keys if k not in lower]
+                down = new
             else:  # selective: the lower tier's admission filters in insert()
-                down = [k for k in keys if k not in lower]
-                down += [v for v in victims if v not in lower]
+                down = new + [v for v in victims if v not in lower]
             if down:
                 self.insert(below, down, tier.name)
         return keys
@@ -252,36 +258,11 @@ class _Replayer:
             self._count(f"{tiers[lvl].name}->{top.name}", n)
         # Fetched pages enter the top tier without a write-down (their copy is below).
         if fetch:
-            self._insert_fetched(fetch)
+            self.insert(0, fetch, None, write_new_down=False)
         if computed:
             self.insert(0, computed, "compute")
         self.pinned = set()
         return hits
-
-    def _insert_fetched(self, keys: list[PageKey]) -> None:
-        """Insert pages fetched from below into the top tier; victims follow the write
-        policy as usual but the fetched pages themselves are not written down again."""
-        top = self.tiers[0]
-        resident = top.resident
-        need = len(resident) + len(keys) - top.capacity
-        victims: list[PageKey] = []
-        if need > 0:
-            for v in top.policy.victims(need, self._evictable):
-                if v in resident:
-                    resident.discard(v)
-                    top.policy.on_remove(v)
-                    self.prefetched.discard(v)
-                    victims.append(v)
-        room = top.capacity - len(resident)
-        kept = keys[: max(room, 0)]
-        for k in kept:
-            resident.add(k)
-            top.policy.on_insert(k, self.parent.get(k))
-        if len(self.tiers) > 1 and self.write_policy != "write-through":
-            lower = self.tiers[1].resident
-            down = [v for v in victims if v not in lower]
-            if down:
-                self.insert(1, down, top.name)
 
     def prefetch(self, keys: Sequence[PageKey]) -> None:
         """Pull ``keys`` resident below into the top tier (a prefetch)."""
@@ -291,9 +272,7 @@ class _Replayer:
         if not found:
             return
         self.pf_counts["issued"] += len(found)
-        before = set(top.resident)
-        self._insert_fetched(found)
-        arrived = [k for k in found if k in top.resident and k not in before]
+        arrived = self.insert(0, found, None, write_new_down=False)
         self.prefetched.update(arrived)
         self._count(f"prefetch->{top.name}", len(arrived))
 
