@@ -41,7 +41,7 @@ async def run(page: int, pages: int, batch: int, repeats: int) -> dict[str, Any]
     pool = max(256 << 20, 3 * pages * (page + 4096))
     t: dict[str, list[float]] = {"kv_put": [], "kv_get": [], "raw_put": [], "raw_get": []}
     with MooncakeCluster(pool_bytes=pool, lease_ms=50) as cluster:
-        opts = cluster.options()
+        opts: dict[str, Any] = dict(cluster.options())
         store = MooncakeStore(page_bytes=page, capacity_pages=pages, staging_pages=batch,
                               read_pages=batch, op_timeout_s=60, **opts)  # fmt: skip
         async with store:
