@@ -155,14 +155,12 @@ def test_bad_input() -> None:
         tables.append(s, list(range(9)))
     assert tables.table(s).num_tokens == 0 and tables.pool.in_use == 0
     tables.free(s)
-    with pytest.raises(UnknownSequenceError):
+    with pytest.raises(SequenceFinishedError, match=f"sequence {s} is finished"):
         tables.fork(s)
-    with pytest.raises(UnknownSequenceError):
-        tables.free(s)
-    t = tables.create()
-    tables.table(t).finished = True
     with pytest.raises(SequenceFinishedError):
-        tables.fork(t)
+        tables.free(s)
+    with pytest.raises(SequenceFinishedError):
+        tables.snapshot(s)
 
 
 def test_pack_pads_and_checks_width() -> None:

@@ -11,7 +11,12 @@ from seq_harness import TwoTierCache
 
 from kvtier.attention import attention, paged_attention
 from kvtier.errors import CapacityError, KVTierUsageError
-from kvtier.index.block_table import SequenceLengthError, UnknownSequenceError, VersionError
+from kvtier.index.block_table import (
+    SequenceFinishedError,
+    SequenceLengthError,
+    UnknownSequenceError,
+    VersionError,
+)
 from kvtier.keys import page_keys
 from kvtier.sequences import PageFaultError, SequenceManager, VersionedGroup
 from kvtier.spec import KVSpec
@@ -185,9 +190,9 @@ async def test_bad_input(tmp_path: Path) -> None:
         SequenceManager(cache, 1)  # fine to build ...
         await SequenceManager.open(cache, 100)  # ... but the top tier lacks 100 slots
     await mgr.free(s)
-    with pytest.raises(UnknownSequenceError):
+    with pytest.raises(SequenceFinishedError, match="finished"):
         mgr.fork(s)
-    with pytest.raises(UnknownSequenceError):
+    with pytest.raises(SequenceFinishedError):
         await mgr.ensure_resident([s])
     with pytest.raises(KVTierUsageError, match="working_pages"):
         SequenceManager(cache, 0)
@@ -299,3 +304,77 @@ async def test_adopt_cached_prefix_then_attention_bit_exact(tmp_path: Path) -> N
     mgr.check_invariants()
     await mgr.close()
     await cache.close()
+
+
+def _kvcache_config(tmp_path: Path, dram_pages: int):  # type: ignore[no-untyped-def]
+    from kvtier.config import KVTierConfig, TierConfig
+    from kvtier.keys import Namespace
+
+    pb = SPEC.page_bytes
+    return KVTierConfig(
+        spec=SPEC,
+        namespace=Namespace.for_spec(SPEC),
+        tiers=[
+            TierConfig("dram", "dram", dram_pages * pb, 0.8, 0.6),
+            TierConfig("disk", "file", 400 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
+        ],
+        write_policy="write-back",
+    )
+
+
+async def test_on_kvcache_a_failing_disk_tier_is_a_named_fault(tmp_path: Path) -> None:
+    from kvtier.cache import KVCache
+
+    async with KVCache(_kvcache_config(tmp_path, 20), configure_log=False) as cache:
+        mgr = await SequenceManager.open(cache, 6)
+        ref = Ref()
+        a, b = mgr.create(), mgr.create()
+        for c in range(0, 40, 12):  # chunked prefill: a chunk must fit the working pool
+            await ref.append(mgr, a, list(range(c, min(c + 12, 40))))
+        for c in range(100, 140, 12):  # b's prefill pushes a's pages down
+            await ref.append(mgr, b, list(range(c, min(c + 12, 140))))
+        keys = page_keys(ref.tokens[a], mgr.namespace)
+        on_disk = [i for i, k in enumerate(keys) if cache.directory.locate(k) == "disk"]
+        assert len(on_disk) >= 2
+        store = cache.tiers[1].backend
+        for i in on_disk[:2]:  # the disk fails these pages: torn bytes
+            path = store.page_path(keys[i])
+            raw = bytearray(path.read_bytes())
+            raw[10] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        with pytest.raises(PageFaultError) as info:
+            await mgr.ensure_resident([a])
+        assert info.value.missing == {a: on_disk[:2]}
+        assert not any(cache.directory.is_pinned(k) for k in cache.directory)
+        # the engine recomputes from the first lost page; then everything checks out
+        first = on_disk[0] * SPEC.page_tokens
+        await mgr.truncate(a, first)
+        toks = ref.tokens[a]
+        ref.tokens[a], ref.kv[a] = toks[:first], ref.kv[a][:, :, :first]
+        for c in range(first, 40, 12):
+            await ref.append(mgr, a, toks[c : c + 12])
+        await check_attention(mgr, ref, [a])
+        await check_attention(mgr, ref, [b])
+        await mgr.close()
+
+
+async def test_on_kvcache_all_pinned_is_a_capacity_error_not_a_hang(tmp_path: Path) -> None:
+    import asyncio
+
+    from kvtier.cache import KVCache
+    from kvtier.errors import CapacityError as CapErr
+
+    async with KVCache(_kvcache_config(tmp_path, 16), configure_log=False) as cache:
+        mgr = await SequenceManager.open(cache, 4)
+        ref = Ref()
+        a, b = mgr.create(), mgr.create()
+        for c in range(0, 40, 12):  # 10 pages each, in chunks that fit the pool
+            await ref.append(mgr, a, list(range(c, min(c + 12, 40))))
+            await ref.append(mgr, b, list(range(100 + c, 100 + min(c + 12, 40))))
+        batch = await mgr.ensure_resident([a])
+        with pytest.raises(CapErr, match="pinned"):
+            await asyncio.wait_for(mgr.ensure_resident([b]), timeout=30)
+        assert mgr.stats.resident_calls == 1
+        await mgr.release(batch)
+        await check_attention(mgr, ref, [b])
+        await mgr.close()

@@ -46,11 +46,11 @@ PAD_SLOT = -1
 
 
 class UnknownSequenceError(KVTierUsageError):
-    """A sequence id that was never created, or was freed."""
+    """A sequence id that was never created."""
 
 
 class SequenceFinishedError(KVTierUsageError):
-    """An operation other than ``free`` on a finished sequence."""
+    """An operation on a finished (freed) sequence."""
 
 
 class VersionError(KVTierUsageError):
@@ -235,6 +235,7 @@ class BlockTables:
         self.max_tokens = max_tokens
         self._copy_page = copy_page
         self._tables: dict[int, BlockTable] = {}
+        self._finished: set[int] = set()  # freed ids, for a clear error on reuse
         self._seq_ids = itertools.count(1)
         self._pids = itertools.count(1)
         self._vids = itertools.count(1)
@@ -249,6 +250,10 @@ class BlockTables:
         try:
             return self._tables[seq_id]
         except (KeyError, TypeError):
+            if seq_id in self._finished:
+                raise SequenceFinishedError(
+                    f"sequence {seq_id} is finished (freed): it cannot be used or forked"
+                ) from None
             raise UnknownSequenceError(f"unknown sequence id {seq_id!r}") from None
 
     def _live(self, seq_id: int) -> BlockTable:
@@ -392,8 +397,9 @@ class BlockTables:
         return child.seq_id
 
     def free(self, seq_id: int) -> int:
-        """Finish ``seq_id``: drop its pages and versions and forget it. Returns working
-        pages freed. Freeing twice raises :class:`UnknownSequenceError`."""
+        """Finish ``seq_id``: drop its pages and versions. Returns working pages freed.
+        Any later use of the id (freeing twice, forking) raises
+        :class:`SequenceFinishedError`."""
         table = self.table(seq_id)
         freed = self._unref(table.pages)
         for v in table.versions:
@@ -402,6 +408,7 @@ class BlockTables:
         table.versions.clear()
         table.finished = True
         del self._tables[seq_id]
+        self._finished.add(seq_id)
         return freed
 
     # -- versions ------------------------------------------------------------------------
