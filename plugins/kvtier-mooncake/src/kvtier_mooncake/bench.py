@@ -38,7 +38,7 @@ async def run(page: int, pages: int, batch: int, repeats: int) -> dict[str, Any]
     rng = np.random.default_rng(0)
     data = [rng.integers(0, 256, page, dtype=np.uint8) for _ in range(pages)]
     out = [np.empty(page, np.uint8) for _ in range(pages)]
-    pool = max(256 << 20, 3 * pages * (page + 4096))
+    pool = max(512 << 20, 6 * pages * (page + 4096))  # far from its eviction watermark
     t: dict[str, list[float]] = {"kv_put": [], "kv_get": [], "raw_put": [], "raw_get": []}
     with MooncakeCluster(pool_bytes=pool, lease_ms=50) as cluster:
         opts: dict[str, Any] = dict(cluster.options())

@@ -46,6 +46,7 @@ T = TypeVar("T")
 #: Mooncake error codes the store interprets.
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
+OBJECT_ALREADY_EXISTS = -705
 
 _DEFAULTS: dict[str, Any] = {
     "master": None,
@@ -288,6 +289,24 @@ class MooncakeStore(StoreBackend):
         self.health.succeeded()
         return list(out)
 
+    async def _with_client(self, what: str, fn: Callable[[Any], T]) -> T | None:
+        """Run ``fn(client)`` on the executor (one hop, bounded by ``op_timeout_s``);
+        ``None`` (and an outage) when the master cannot be reached or the call fails."""
+        self._check_open()
+        client = await self._ensure_client()
+        if client is None:
+            return None
+        if self.health.down and not await self._master_reachable():
+            self.health.failed(f"master {self.options['master']} is not reachable")
+            return None
+        try:
+            out = await self._call(fn, client)
+        except Exception as exc:
+            self.health.failed(f"{what}: {type(exc).__name__}: {exc}")
+            return None
+        self.health.succeeded()
+        return out
+
     def name(self, key: PageKey) -> str:
         """The Mooncake object key of a page."""
         return f"{self.options['key_prefix']}/{key.hex()}"
@@ -379,6 +398,60 @@ class MooncakeStore(StoreBackend):
                 ok[i] = True
         return ok
 
+    async def put(
+        self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
+    ) -> list[bool]:
+        """Reserve, write and commit in one executor hop per batch: copy into staging
+        slots, then ``batch_put_from`` (Mooncake's ``put`` keeps an existing object, which
+        is what putting a committed key must do). Keys this process knows are committed
+        answer ``True`` without a call; capacity is checked before sending."""
+        self._check_keys(keys)
+        bufs = check_buffers(data, len(keys), self.page_bytes)
+        self._check_open()
+        staging = self._staging
+        assert staging is not None
+        ok = [False] * len(keys)
+        first: dict[PageKey, int] = {}
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            if key in self._committed:
+                ok[i] = True
+            elif key not in first and self.used_pages() + len(todo) < self.capacity_pages:
+                first[key] = i
+                todo.append(i)
+        while todo:
+            slots = [staging.free.pop() for _ in range(min(len(todo), len(staging.free)))]
+            if not slots:
+                break  # every staging slot is in use by pending reservations
+            batch, todo = todo[: len(slots)], todo[len(slots) :]
+            for slot, i in zip(slots, batch, strict=True):
+                self._pending[slot] = (keys[i], namespace, True)
+
+            def send(client: Any, batch: list[int] = batch, slots: list[int] = slots) -> list[int]:
+                for slot, i in zip(slots, batch, strict=True):
+                    view = staging.view(slot)
+                    view[: self.page_bytes] = bufs[i]
+                    header = encode_header(keys[i], namespace, bufs[i])
+                    view[self.page_bytes :] = np.frombuffer(header, np.uint8)
+                names = [self.name(keys[i]) for i in batch]
+                ptrs = [staging.ptr(slot) for slot in slots]
+                return list(client.batch_put_from(names, ptrs, [self._slot_bytes] * len(batch)))
+
+            try:
+                codes = await self._with_client("batch_put_from", send)
+            finally:
+                for slot in slots:
+                    self._release(slot)
+            for j, i in enumerate(batch):
+                if codes is not None and codes[j] in (0, OBJECT_ALREADY_EXISTS):
+                    ok[i] = True
+                    if codes[j] == 0:
+                        self._committed.add(keys[i])
+        for i, key in enumerate(keys):
+            if key in first and first[key] != i:
+                ok[i] = ok[first[key]]  # the same key twice in one batch
+        return ok
+
     async def abort(self, reservations: Sequence[Reservation]) -> None:
         self._check_open()
         for r in reservations:
@@ -398,13 +471,12 @@ class MooncakeStore(StoreBackend):
                 chunk = list(range(start, min(start + step, len(keys))))
                 names = [self.name(keys[i]) for i in chunk]
                 ptrs = [reads.ptr(j) for j in range(len(chunk))]
-                got = await self._batch(
-                    "batch_get_into", names, ptrs, [self._slot_bytes] * len(chunk)
-                )
-                if got is None:
-                    break
 
-                def verify(chunk: list[int] = chunk, got: list[int] = got) -> list[str | None]:
+                def fetch(
+                    client: Any, chunk: list[int] = chunk, names: list[str] = names,
+                    ptrs: list[int] = ptrs,
+                ) -> list[str | None]:  # fmt: skip
+                    got = client.batch_get_into(names, ptrs, [self._slot_bytes] * len(chunk))
                     problems: list[str | None] = []
                     for j, i in enumerate(chunk):
                         if got[j] < 0:
@@ -422,7 +494,11 @@ class MooncakeStore(StoreBackend):
                         problems.append(None)
                     return problems
 
-                for i, problem in zip(chunk, await self.run_blocking(verify), strict=True):
+                # one executor hop per batch: fetch into the registered slots, verify, copy
+                checked = await self._with_client("batch_get_into", fetch)
+                if checked is None:
+                    break
+                for i, problem in zip(chunk, checked, strict=True):
                     if problem is None:
                         ok[i] = True
                     elif problem == "absent":
