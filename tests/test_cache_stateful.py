@@ -105,7 +105,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         keys = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.fetched = set()
+        # released pages may keep the tier above its watermark until the next operation
+        # that needs room there
+        self.fetched = set(keys) | {k for ks in self.pins for k in ks} | self.fetched
 
         async def release() -> None:  # from the loop, as an engine calls it
             await self.cache.release(keys)

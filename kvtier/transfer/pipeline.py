@@ -783,8 +783,8 @@ class Pipeline:
                         failed[k].add(src.name)
                     if bad:
                         await self._purge_vanished(src, bad)
-            if d.used(top.name) > top.high_pages:  # in the background: not on the fetch path
-                self._spawn(self._trim(top, Priority.EVICT, wanted))
+            if d.used(top.name) > top.high_pages:
+                await self._trim(top, Priority.FETCH, wanted)
             ok = True
         finally:
             if not pin or not ok:
@@ -805,8 +805,8 @@ class Pipeline:
     def release(self, keys: Sequence[PageKey]) -> None:
         """Drop one pin per key. Raises :class:`KVTierUsageError` for a key not pinned.
 
-        When pins held the top tier above its high watermark, eviction back down to the
-        low watermark starts in the background.
+        Starts no work: when pins held the top tier above its high watermark, the next
+        operation that needs room there evicts it back down to the low watermark.
         """
         d = self.directory
         for k in keys:
@@ -815,14 +815,6 @@ class Pipeline:
         for k in keys:
             d.unpin(k)
         self._changed(*self.tiers)
-        top = self.top
-        if d.used(top.name) > top.high_pages:
-            # pins held the tier above its watermark: bring it back, in the background
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:  # no running loop: the next operation needing room trims
-                return
-            self._spawn(self._trim(top, Priority.EVICT))
 
     async def _purge_vanished(self, tier: Tier, keys: list[PageKey]) -> None:
         """Forget pages a store no longer holds (e.g. dropped after a failed checksum)."""
