@@ -47,6 +47,7 @@ class SequencesModel(RuleBasedStateMachine):
         self.versions: dict[int, list[tuple[int, list[int]]]] = {}
         self.verified_keys: set[bytes] = set()
         self.filler: set[bytes] = set()
+        self.lost: set[bytes] = set()
         self.next_token = 1
 
     def run(self, coro):  # type: ignore[no-untyped-def]
@@ -166,19 +167,31 @@ class SequencesModel(RuleBasedStateMachine):
         if not stored:
             return
         lp = data.draw(st.sampled_from(stored))
+        self.lost.add(table.pages[lp].key)
         self.run(self.lose([table.pages[lp].key]))
         with pytest.raises(PageFaultError) as info:
             self.run(self.mgr.ensure_resident([s]))
         assert lp in info.value.missing[s]
         assert not any(self.cache.directory.is_pinned(k) for k in self.cache.directory)
-        first = min(info.value.missing[s])
+        self._recover(s, min(info.value.missing[s]))
+
+    def _recover(self, s: int, first: int) -> None:
+        """What an engine does after a fault: abandon speculation, cut the sequence at
+        the first lost page and recompute (append those tokens again)."""
+        pt = SPEC.page_tokens
+        if self.versions[s]:
+            v, toks = self.versions[s][0]
+            self.run(self.mgr.rollback(s, v))
+            self.model[s], self.versions[s] = toks, []
+            self.kv[s] = self.kv[s][:, :, : len(toks)]
         toks = self.model[s]
-        self.run(self.mgr.truncate(s, first * pt))
+        cut = min(first * pt, len(toks))
+        self.run(self.mgr.truncate(s, cut))
         try:
-            self.run(self.mgr.append(s, toks[first * pt :], self.kv[s][:, :, first * pt :]))
+            self.run(self.mgr.append(s, toks[cut:], self.kv[s][:, :, cut:]))
         except CapacityError:  # no working slots to recompute into now: stays cut
-            self.model[s] = toks[: first * pt]
-            self.kv[s] = self.kv[s][:, :, : first * pt]
+            self.model[s] = toks[:cut]
+            self.kv[s] = self.kv[s][:, :, :cut]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
@@ -202,6 +215,15 @@ class SequencesModel(RuleBasedStateMachine):
             batch = self.run(self.mgr.ensure_resident(seqs))
         except CapacityError:
             return  # the top tier is pinned full: a clear error, nothing pinned
+        except PageFaultError as exc:
+            # only pages a tier lost may be missing (shared with a sequence that lost them)
+            for s, lps in exc.missing.items():
+                pages = self.mgr.tables.table(s).pages
+                assert all(pages[lp].key in self.lost for lp in lps), exc
+            assert not any(self.cache.directory.is_pinned(k) for k in self.cache.directory)
+            for s, lps in exc.missing.items():
+                self._recover(s, min(lps))
+            return
         try:
             assert batch.seq_lens == [len(self.model[s]) for s in seqs]
             rows = [i for i, n in enumerate(batch.seq_lens) if n]
