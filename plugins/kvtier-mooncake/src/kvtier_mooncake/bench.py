@@ -40,7 +40,8 @@ async def run(page: int, pages: int, batch: int, repeats: int) -> dict[str, Any]
     out = [np.empty(page, np.uint8) for _ in range(pages)]
     pool = max(512 << 20, 6 * pages * (page + 4096))  # far from its eviction watermark
     t: dict[str, list[float]] = {"kv_put": [], "kv_get": [], "raw_put": [], "raw_get": []}
-    with MooncakeCluster(pool_bytes=pool, lease_ms=50) as cluster:
+    # the lease must outlast the slowest batch transfer, or reads fail with LEASE_EXPIRED
+    with MooncakeCluster(pool_bytes=pool, lease_ms=2000) as cluster:
         opts: dict[str, Any] = dict(cluster.options())
         store = MooncakeStore(page_bytes=page, capacity_pages=pages, staging_pages=batch,
                               read_pages=batch, op_timeout_s=60, **opts)  # fmt: skip
@@ -79,7 +80,7 @@ async def run(page: int, pages: int, batch: int, repeats: int) -> dict[str, Any]
                     assert all(g == page for g in got), got
                 raw_get = time.perf_counter() - start
                 await store.delete(keys)
-                await asyncio.sleep(0.06)  # let the read leases lapse
+                await asyncio.sleep(0.01)
                 await store.run_blocking(client.batch_remove, names, True)
                 if rep >= 0:
                     for name, v in zip(t, (kv_put, kv_get, raw_put, raw_get), strict=True):

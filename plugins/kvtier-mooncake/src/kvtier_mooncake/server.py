@@ -72,7 +72,9 @@ class MooncakeCluster:
     Args:
         pool_bytes: memory the pool process contributes to the store.
         lease_ms: the master's ``default_kv_lease_ttl``: how long a read protects an
-            object from removal (Mooncake's default is 10 s; removals inside it fail).
+            object from removal (Mooncake's default is 10 s; removals inside it fail). It
+            must outlast the slowest batch transfer: a read still running when its lease
+            ends fails (``LEASE_EXPIRED``, -707).
     """
 
     def __init__(

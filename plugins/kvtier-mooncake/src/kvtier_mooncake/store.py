@@ -47,6 +47,9 @@ T = TypeVar("T")
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 OBJECT_ALREADY_EXISTS = -705
+#: A read that outlasted its lease fails with this: the lease must exceed the slowest
+#: batch transfer (``read_pages`` pages), or large pages on a slow link are misses.
+LEASE_EXPIRED = -707
 
 _DEFAULTS: dict[str, Any] = {
     "master": None,
