@@ -34,7 +34,7 @@ import asyncio
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -49,12 +49,42 @@ from kvtier.index.block_table import (
     SlotPool,
     check_token_ids,
 )
+from kvtier.index.directory import Directory
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.spec import KVSpec
 
 #: Namespace label recorded for working-pool reservations (visible in the directory).
 WORKING_NAMESPACE = "kvtier-working-pool"
 _WORKING_TAG = b"\xffkvtier-wk"  # private keys: tag + counter; never a content hash prefix
+
+
+class PageCache(Protocol):
+    """What the manager needs of :class:`kvtier.cache.KVCache` (the facade satisfies it)."""
+
+    spec: KVSpec
+    namespace: Namespace
+    directory: Directory
+
+    @property
+    def tiers(self) -> Sequence[Any]:
+        """Tiers, top first; each has ``name`` and ``backend``."""
+
+    def release(self, keys: Sequence[PageKey]) -> Any:
+        """Unpin keys pinned by :meth:`load` (the result may be awaited)."""
+
+    async def store_pages(
+        self,
+        keys: Sequence[PageKey],
+        pages: Any,
+        parents: Sequence[PageKey | None] | None = None,
+    ) -> list[bool]:
+        """Store pages under explicit keys in the top tier."""
+
+    async def lookup(self, tokens: Any) -> Any:
+        """The longest cached prefix of ``tokens`` (``.keys``)."""
+
+    async def load(self, keys: Sequence[PageKey], pin: bool = True) -> Any:
+        """Bring keys to the top tier (``.slots``, ``.missing``), pinned."""
 
 
 class PageFaultError(TierIOError):
@@ -120,7 +150,7 @@ class SequenceManager:
 
     _key_counter = itertools.count(1)
 
-    def __init__(self, cache: Any, working_pages: int, max_tokens: int | None = None) -> None:
+    def __init__(self, cache: PageCache, working_pages: int, max_tokens: int | None = None) -> None:
         if isinstance(working_pages, bool) or not isinstance(working_pages, int):
             raise KVTierUsageError(f"working_pages must be an int, got {working_pages!r}")
         if working_pages < 1:
@@ -145,7 +175,7 @@ class SequenceManager:
 
     @classmethod
     async def open(
-        cls, cache: Any, working_pages: int, max_tokens: int | None = None
+        cls, cache: PageCache, working_pages: int, max_tokens: int | None = None
     ) -> SequenceManager:
         """Build a manager and reserve its working pool in the cache's top tier.
 

@@ -36,7 +36,7 @@ from kvtier.bench.live import RunResult, run_config
 from kvtier.config import ResolvedConfig
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey, page_keys
-from kvtier.sequences import SequenceManager
+from kvtier.sequences import PageCache, SequenceManager
 from kvtier.spec import KVSpec
 
 
@@ -287,7 +287,7 @@ class SpeculativeWorkload:
 
 
 async def run_speculative(
-    cache: Any, params: SpeculativeParams, on_step: Callable[[], None] | None = None
+    cache: PageCache, params: SpeculativeParams, on_step: Callable[[], None] | None = None
 ) -> dict[str, Any]:
     """Play the workload on an open :class:`~kvtier.cache.KVCache`; returns the report
     as plain data (the cache stays open: take its metrics afterwards)."""
