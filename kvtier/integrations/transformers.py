@@ -82,6 +82,9 @@ T = TypeVar("T")
 WORKING_NAMESPACE = "kvtier-transformers-working"
 _WORKING_TAG = b"\xfekvtier-hf"  # private keys: tag + counter; never a content hash prefix
 _working_ids = itertools.count(1)
+#: Deadline of the prefetch that :meth:`KVTierCache.load_prefix` starts (seconds).
+PREFIX_PREFETCH_DEADLINE_S = 30.0
+_background: set[asyncio.Task[None]] = set()  # touched on cache loops only
 
 
 class PrefixLostError(TierIOError):
@@ -417,7 +420,11 @@ class KVTierCache(Cache):  # type: ignore[misc]
             hit = await cache.lookup(ids[:usable])
             if hit.keys:
                 # move them up in the background; the first forward's load waits for them
-                asyncio.get_running_loop().create_task(_quiet(cache.prefetch(hit.keys, 30.0)))
+                task = asyncio.get_running_loop().create_task(
+                    _quiet(cache.prefetch(hit.keys, PREFIX_PREFETCH_DEADLINE_S))
+                )
+                _background.add(task)  # keep a reference until it is done
+                task.add_done_callback(_background.discard)
             return hit.keys
 
         keys = self.bridge.call(find())
