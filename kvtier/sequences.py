@@ -51,7 +51,10 @@ from kvtier.index.block_table import (
 )
 from kvtier.index.directory import Directory
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
+from kvtier.log import get_logger
 from kvtier.spec import KVSpec
+
+_log = get_logger("kvtier.sequences")
 
 #: Namespace label recorded for working-pool reservations (visible in the directory).
 WORKING_NAMESPACE = "kvtier-working-pool"
@@ -361,13 +364,28 @@ class SequenceManager:
         page_keys_ = [by_lp[lp] for lp, _ in todo]
         parents = [by_lp.get(lp - 1, parent) for lp, _ in todo]
         views = [self.arena.view(p.slot) for p in pages]
-        ok = await self.cache.store_pages(page_keys_, views, parents=parents)
+        try:
+            ok = await self.cache.store_pages(page_keys_, views, parents=parents)
+        except (CapacityError, TierIOError) as exc:
+            # The top tier cannot take them now (pinned full, failing): the pages stay in
+            # the working pool, whole and usable, and are stored by a later call.
+            self.stats.publish_failures += 1
+            _log.info("pages not stored yet", seq_id=seq_id, pages=len(pages), cause=str(exc))
+            return
         for page, key, stored in zip(pages, page_keys_, ok, strict=True):
             if not stored:
                 self.stats.publish_failures += 1
                 break  # keep order: later pages chain from this one
             tables.mark_published(page, key)
             self.stats.pages_published += 1
+
+    async def publish_pending(self, seq_id: int) -> int:
+        """Store the full verified pages of ``seq_id`` that an earlier store could not
+        take (every append and commit also retries them). Returns pages stored."""
+        async with self._lock:
+            before = self.stats.pages_published
+            await self._publish(seq_id)
+            return self.stats.pages_published - before
 
     # -- page faults ---------------------------------------------------------------------
 

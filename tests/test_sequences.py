@@ -378,3 +378,29 @@ async def test_on_kvcache_all_pinned_is_a_capacity_error_not_a_hang(tmp_path: Pa
         await mgr.release(batch)
         await check_attention(mgr, ref, [b])
         await mgr.close()
+
+
+async def test_store_deferred_while_top_tier_is_pinned_full(tmp_path: Path) -> None:
+    from kvtier.cache import KVCache
+
+    async with KVCache(_kvcache_config(tmp_path, 16), configure_log=False) as cache:
+        mgr = await SequenceManager.open(cache, 6)
+        ref = Ref()
+        a, b = mgr.create(), mgr.create()
+        for c in range(0, 40, 8):  # a: 10 stored pages
+            await ref.append(mgr, a, list(range(c, c + 8)))
+        await ref.append(mgr, b, [500, 501, 502])
+        batch = await mgr.ensure_resident([a])  # 10 pinned + 6 working = 16: full
+        before = mgr.stats.pages_published
+        await ref.append(mgr, b, [503, 504])  # b's first page is full: it cannot be stored
+        assert mgr.stats.pages_published == before and mgr.stats.publish_failures >= 1
+        keys = page_keys(ref.tokens[b], mgr.namespace)
+        assert cache.directory.locate(keys[0]) is None
+        assert mgr.tables.table(b).pages[0].slot >= 0  # still whole in the working pool
+        await mgr.release(batch)
+        assert await mgr.publish_pending(b) == 1
+        assert cache.directory.locate(keys[0]) == "dram"
+        await check_attention(mgr, ref, [a])
+        await check_attention(mgr, ref, [b])
+        mgr.check_invariants()
+        await mgr.close()
