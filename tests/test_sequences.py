@@ -404,3 +404,88 @@ async def test_store_deferred_while_top_tier_is_pinned_full(tmp_path: Path) -> N
         await check_attention(mgr, ref, [b])
         mgr.check_invariants()
         await mgr.close()
+
+
+async def test_on_kvcache_draft_namespace_versioned_with_target(tmp_path: Path) -> None:
+    from kvtier.cache import KVCache
+    from kvtier.config import KVTierConfig, TierConfig
+    from kvtier.keys import Namespace
+
+    def cfg(spec: KVSpec, sub: str) -> KVTierConfig:
+        pb = spec.page_bytes
+        return KVTierConfig(
+            spec=spec,
+            namespace=Namespace.for_spec(spec),
+            tiers=[
+                TierConfig("dram", "dram", 20 * pb, 0.8, 0.6),
+                TierConfig(
+                    "disk", "file", 200 * pb, 0.9, 0.8, options={"path": str(tmp_path / sub)}
+                ),
+            ],
+            write_policy="write-back",
+        )
+
+    async with (
+        KVCache(cfg(SPEC, "t"), configure_log=False) as tcache,
+        KVCache(cfg(DRAFT, "d"), configure_log=False) as dcache,
+    ):
+        assert tcache.namespace != dcache.namespace
+        target = await SequenceManager.open(tcache, 6)
+        draft = await SequenceManager.open(dcache, 6)
+        group = VersionedGroup({"target": target, "draft": draft})
+        refs = {"target": Ref(), "draft": Ref()}
+        mgrs = {"target": target, "draft": draft}
+        s = group.create()
+
+        async def step(tokens: list[int]) -> None:
+            start = len(refs["target"].tokens.get(group.member(s, "target"), []))
+            kv = {n: kv_for(m.spec, tokens, start) for n, m in mgrs.items()}
+            await group.append(s, tokens, kv)
+            for n in mgrs:
+                sid = group.member(s, n)
+                r = refs[n]
+                r.tokens[sid] = r.tokens.get(sid, []) + tokens
+                prev = r.kv.get(sid)
+                r.kv[sid] = kv[n] if prev is None else torch.cat([prev, kv[n]], dim=2)
+
+        await step(list(range(10)))
+        v = group.snapshot(s)
+        saved = {}
+        for n in mgrs:
+            sid = group.member(s, n)
+            saved[n] = (list(refs[n].tokens[sid]), refs[n].kv[sid].clone())
+        await step([50, 51, 52, 53, 54, 55])
+        await group.rollback(s, v)  # both models back, both pools freed
+        for n, m in mgrs.items():
+            sid = group.member(s, n)
+            refs[n].tokens[sid], refs[n].kv[sid] = saved[n]
+            assert m.tables.table(sid).tokens == list(range(10))
+            assert m.stats.pages_discarded >= 1
+        v2 = group.snapshot(s)
+        await step([60, 61, 62])
+        await group.commit(s, v2)
+        await step([70])
+        for n, m in mgrs.items():
+            await check_attention_spec(m, refs[n], [group.member(s, n)])
+            m.check_invariants()
+        fork = group.fork(s)
+        assert group.member(fork, "draft") != group.member(s, "draft")
+        await group.free(fork)
+        await group.free(s)
+        await target.close()
+        await draft.close()
+
+
+async def check_attention_spec(mgr: SequenceManager, ref: Ref, seqs: list[int]) -> None:
+    """check_attention for any spec (the draft model's geometry too)."""
+    spec = mgr.spec
+    batch = await mgr.ensure_resident(seqs)
+    try:
+        q = torch.randn((len(seqs), 1, spec.num_kv_heads * 2, spec.head_dim)).half()
+        for layer in range(spec.num_layers):
+            out = paged_attention(q, mgr.page, batch.block_table, batch.seq_lens, layer, spec)
+            for i, s in enumerate(seqs):
+                kv = ref.kv[s][layer]
+                assert torch.equal(out[i], attention(q[i], kv[0], kv[1]))
+    finally:
+        await mgr.release(batch)
