@@ -31,8 +31,9 @@ with its own cache and namespace) in step: one snapshot, rollback or commit cove
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,6 +108,10 @@ class PageFaultError(TierIOError):
 @dataclass
 class ResidentBatch:
     """What :meth:`SequenceManager.ensure_resident` hands out.
+
+    The table stays valid (its slots pinned or held by the working pool) until
+    :meth:`SequenceManager.release`, as long as these sequences are not changed meanwhile
+    (an append, rollback, commit, truncate or free may reuse working slots).
 
     Attributes:
         seq_ids: the sequences, in table row order.
@@ -440,6 +445,16 @@ class SequenceManager:
             table = tables.pack(ids, slot_of)
             self.stats.resident_calls += 1
             return ResidentBatch(ids, table, [t.num_tokens for t in rows], pinned)
+
+    @contextlib.asynccontextmanager
+    async def resident(self, seq_ids: Sequence[int]) -> AsyncIterator[ResidentBatch]:
+        """``async with manager.resident(seqs) as batch:``: :meth:`ensure_resident`, and
+        :meth:`release` on the way out."""
+        batch = await self.ensure_resident(seq_ids)
+        try:
+            yield batch
+        finally:
+            await self.release(batch)
 
     async def release(self, batch: ResidentBatch) -> None:
         """Unpin what :meth:`ensure_resident` pinned. Releasing twice raises."""

@@ -61,8 +61,7 @@ class Ref:
 
 
 async def check_attention(mgr: SequenceManager, ref: Ref, seqs: list[int]) -> None:
-    batch = await mgr.ensure_resident(seqs)
-    try:
+    async with mgr.resident(seqs) as batch:
         assert batch.block_table.dtype == np.int32
         assert batch.seq_lens == [len(ref.tokens[s]) for s in seqs]
         g = torch.Generator().manual_seed(7)
@@ -73,8 +72,7 @@ async def check_attention(mgr: SequenceManager, ref: Ref, seqs: list[int]) -> No
                 kv = ref.kv[s][layer]
                 expect = attention(q[i], kv[0], kv[1])
                 assert torch.equal(out[i], expect), f"sequence {s} layer {layer}"
-    finally:
-        await mgr.release(batch)
+    assert batch.released
 
 
 async def test_attention_equal_after_disk_forks_and_rollbacks(tmp_path: Path) -> None:
