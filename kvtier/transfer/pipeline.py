@@ -846,8 +846,9 @@ class Pipeline:
         for k in dict.fromkeys(keys):
             self._count_lookup(k)
         tried: list[set[str]] = [set() for _ in range(n)]
-        while True:
+        for _round in range(2 * len(self.tiers) + 2):
             groups: dict[int, list[int]] = {}
+            moving: list[PageKey] = []
             for i, k in enumerate(keys):
                 if ok[i]:
                     continue
@@ -855,10 +856,20 @@ class Pipeline:
                     if t.name not in tried[i] and d.is_committed(k, t.name):
                         groups.setdefault(t.index, []).append(i)
                         break
+                else:
+                    if any((k, t.name) in self._ops for t in self.tiers):
+                        moving.append(k)  # being evicted or written: wait, then look again
             if not groups:
-                return ok
-            for idx, items in groups.items():
+                if not moving:
+                    return ok
+                await self._settle(moving)
+                continue
+            for idx, group in groups.items():
                 tier = self.tiers[idx]
+                # earlier groups awaited: re-check, so nothing evicted meanwhile is copied
+                items = [i for i in group if d.is_committed(keys[i], tier.name)]
+                if not items:
+                    continue
                 for i in items:
                     tried[i].add(tier.name)
                     d.begin_copy(keys[i], tier.name)
@@ -891,6 +902,7 @@ class Pipeline:
                 elif items:
                     tier.record_success()
                 self._changed(tier)
+        return ok
 
     async def prefetch(self, keys: Sequence[PageKey], deadline_s: float) -> PrefetchResult:
         """Start bringing ``keys`` to the top tier and return what arrived by the deadline.
