@@ -22,7 +22,7 @@ pool is shared; the server's own ``maxmemory`` bounds it as a whole). Pages the 
 on its own become misses and leave the client-side count when a read or ``contains``
 notices they are gone.
 
-**Failures.** Each pipelined batch (``batch_pages`` pages) has a deadline
+**Failures.** Each pipelined batch (``batch_pages`` pages, by default 16 MiB) has a deadline
 (``op_timeout_s``); a batch that times out or cannot reach the server fails as a whole and
 its pages count as misses (``False``/``None``), and the rest of that call is skipped. The
 client reconnects by itself on the next call. An outage is logged once when it starts and
@@ -47,7 +47,7 @@ from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
 from .remote_health import Health
-from .remote_options import RemoteOptions, parse_options
+from .remote_options import RemoteOptions, parse_options, pipeline_pages
 
 log = logging.getLogger("kvtier.backends.remote")
 
@@ -105,6 +105,7 @@ class RedisStore(StoreBackend):
         self._next_handle = 0
         self._putting = 0  # pages inside a one-round-trip put()
         self._spare: list[np.ndarray] = []  # value buffers kept for reuse
+        self._step = pipeline_pages(self.options.batch_pages, page_bytes)
         self._ttl_ms = 0 if self.options.ttl_s is None else max(1, round(self.options.ttl_s * 1e3))
         self.health = Health(self.options.public()["url"], log)
         self.checksum_failures = 0
@@ -208,7 +209,7 @@ class RedisStore(StoreBackend):
         return out
 
     def _give_buffers(self, bufs: Sequence[np.ndarray]) -> None:
-        room = 2 * self.options.max_inflight * self.options.batch_pages - len(self._spare)
+        room = 2 * self.options.max_inflight * self._step - len(self._spare)
         self._spare.extend(bufs[: max(0, room)])
 
     def _fill(
@@ -248,7 +249,7 @@ class RedisStore(StoreBackend):
         results: list[list[Any] | None] = [None] * len(items)
         if not items:
             return results
-        step = self.options.batch_pages
+        step = self._step
         client, sem = self._client, self._sem
         assert client is not None and sem is not None
         give_up = False

@@ -19,6 +19,19 @@ from kvtier.errors import ConfigError
 _BAD_PREFIX = re.compile(r"[{}*?\[\]\\\s]")
 
 
+#: Bytes per pipelined round trip when ``batch_pages`` is 0 (auto).
+AUTO_BATCH_BYTES = 16 << 20
+#: Upper bound of the automatic pipeline depth.
+AUTO_BATCH_MAX_PAGES = 64
+
+
+def pipeline_pages(batch_pages: int, page_bytes: int) -> int:
+    """The pipeline depth in pages: ``batch_pages``, or by bytes when it is 0."""
+    if batch_pages > 0:
+        return batch_pages
+    return max(1, min(AUTO_BATCH_MAX_PAGES, AUTO_BATCH_BYTES // page_bytes))
+
+
 @dataclass(frozen=True)
 class RemoteOptions:
     """Validated options of :class:`~kvtier.backends.remote.RedisStore`.
@@ -31,9 +44,12 @@ class RemoteOptions:
             tell kvtier pages apart; keys are ``<prefix>:{<32 hex digits>}``.
         ttl_s: expire committed pages after this many seconds; ``None`` keeps them until
             deleted or evicted by the server.
-        batch_pages: pages per pipelined round trip (the pipeline depth); a call with more
-            pages runs several such pipelines concurrently (up to ``max_inflight``), so
-            verifying and copying one batch overlaps the transfer of the next.
+        batch_pages: pages per pipelined round trip (the pipeline depth); ``0`` (the
+            default) sizes it by bytes: as many pages as fit in :data:`AUTO_BATCH_BYTES`
+            (4 pages of 4 MiB, 64 of 256 KiB). A call with more pages runs several such
+            pipelines concurrently (up to ``max_inflight``), so verifying and copying one
+            batch overlaps the transfer of the next; small pages gain nothing from the
+            split and pay its fixed cost, hence the byte-based default.
         max_inflight: pipelines in flight at once per store (bounded concurrency).
         op_timeout_s: deadline of one pipelined batch; past it the batch is a miss.
         connect_timeout_s: deadline of establishing one connection.
@@ -47,7 +63,7 @@ class RemoteOptions:
     cluster: bool = False
     key_prefix: str = "kvtier"
     ttl_s: float | None = None
-    batch_pages: int = 4
+    batch_pages: int = 0
     max_inflight: int = 4
     op_timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
@@ -145,7 +161,7 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         ttl_s=ttl,
         batch_pages=int(
             _as_number(
-                "batch_pages", raw.get("batch_pages", d.batch_pages), integer=True, minimum=1
+                "batch_pages", raw.get("batch_pages", d.batch_pages), integer=True, minimum=0
             )
         ),
         max_inflight=int(

@@ -237,7 +237,7 @@ async def test_bad_inputs_name_the_problem(store: RedisStore) -> None:
         ({"url": "redis://localhost"}, "url"),
         ({"key_prefix": "a{b}"}, "key_prefix"),
         ({"key_prefix": "a*"}, "key_prefix"),
-        ({"batch_pages": 0}, "batch_pages"),
+        ({"batch_pages": -1}, "batch_pages"),
         ({"batch_pages": "many"}, "batch_pages"),
         ({"op_timeout_s": -1}, "op_timeout_s"),
         ({"cluster": "maybe"}, "cluster"),
@@ -249,6 +249,15 @@ def test_bad_options_raise_config_error_naming_the_option(
 ) -> None:
     with pytest.raises(ConfigError, match=named):
         RedisStore(page_bytes=PAGE, capacity_pages=4, **options)
+
+
+def test_pipeline_depth_defaults_to_a_byte_budget() -> None:
+    from kvtier.backends.remote_options import AUTO_BATCH_BYTES, pipeline_pages
+
+    assert pipeline_pages(0, 4 << 20) == AUTO_BATCH_BYTES // (4 << 20)
+    assert pipeline_pages(0, 256 << 10) == min(64, AUTO_BATCH_BYTES // (256 << 10))
+    assert pipeline_pages(0, 1 << 30) == 1  # a page larger than the budget: one per trip
+    assert pipeline_pages(8, 4 << 20) == 8  # an explicit depth wins
 
 
 def test_options_accept_strings_from_files_and_env() -> None:
