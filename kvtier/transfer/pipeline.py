@@ -172,11 +172,16 @@ class Pipeline:
             self.metrics.used.set(self.directory.used(t.name), t.name)
             t.notify()
 
-    def _begin_op(self, key: PageKey, tier: Tier) -> None:
+    @staticmethod
+    def _op_future() -> asyncio.Future[None]:
+        """One future per batch, shared by its pages (resolved when the batch ends)."""
+        return asyncio.get_running_loop().create_future()
+
+    def _begin_op(self, key: PageKey, tier: Tier, fut: asyncio.Future[None]) -> None:
         op = (key, tier.name)
         if op in self._ops:  # pragma: no cover - guarded by the state checks
             raise AssertionError(f"two operations on page {key.hex()} in {tier.name}")
-        self._ops[op] = asyncio.get_running_loop().create_future()
+        self._ops[op] = fut
 
     def _end_op(self, key: PageKey, tier: Tier) -> None:
         fut = self._ops.pop((key, tier.name), None)
@@ -187,7 +192,7 @@ class Pipeline:
         """Wait until no reservation or eviction of ``keys`` is in progress in ``tiers``."""
         names = [t.name for t in (tiers if tiers is not None else self.tiers)]
         while True:
-            pending = [self._ops[(k, n)] for k in keys for n in names if (k, n) in self._ops]
+            pending = {self._ops[(k, n)] for k in keys for n in names if (k, n) in self._ops}
             if not pending:
                 return
             await asyncio.wait(pending)  # never cancels the futures it waits on
@@ -343,9 +348,10 @@ class Pipeline:
         The victims are marked ``evicting`` before this returns to the loop, so nothing
         can start copying them meanwhile."""
         d = self.directory
+        fut = self._op_future()
         for k in victims:
             d.begin_evict(k, tier.name)
-            self._begin_op(k, tier)
+            self._begin_op(k, tier, fut)
         task = asyncio.get_running_loop().create_task(self._evict(tier, victims, priority))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -506,11 +512,12 @@ class Pipeline:
                 pass
             else:
                 todo.append(i)
+        fut = self._op_future()
         for i in todo:
             k = keys[i]
             d.reserve(k, dst.name, namespace, parents[i] if parents is not None else None)
             dst.reserving += 1
-            self._begin_op(k, dst)
+            self._begin_op(k, dst, fut)
             if src is not None:
                 d.begin_copy(k, src.name)
         dst.claimed -= claim  # the claim became reservations (or is not needed)
@@ -992,9 +999,10 @@ class Pipeline:
             here = [k for k in uniq if d.is_committed(k, tier.name) and not d.is_pinned(k)]
             if not here:
                 continue
+            fut = self._op_future()
             for k in here:
                 d.begin_evict(k, tier.name)
-                self._begin_op(k, tier)
+                self._begin_op(k, tier, fut)
             try:
                 try:
                     await tier.backend.delete(here)
