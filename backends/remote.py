@@ -57,6 +57,8 @@ T = TypeVar("T")
 #: event loop never spends long on them (design invariant 7); below it an executor hop
 #: (100 us to milliseconds on a loaded machine) costs more than the work.
 _OFFLOAD_BYTES = 4 << 20
+#: Most bytes of idle value buffers kept for reuse between calls.
+_SPARE_BYTES = 64 << 20
 
 
 @dataclass
@@ -209,7 +211,8 @@ class RedisStore(StoreBackend):
         return out
 
     def _give_buffers(self, bufs: Sequence[np.ndarray]) -> None:
-        room = 2 * self.options.max_inflight * self._step - len(self._spare)
+        keep = min(2 * self.options.max_inflight * self._step, _SPARE_BYTES // self.page_bytes)
+        room = max(1, keep) - len(self._spare)
         self._spare.extend(bufs[: max(0, room)])
 
     def _fill(
