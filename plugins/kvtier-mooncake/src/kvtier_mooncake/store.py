@@ -51,6 +51,10 @@ OBJECT_ALREADY_EXISTS = -705
 #: batch transfer (``read_pages`` pages), or large pages on a slow link are misses.
 LEASE_EXPIRED = -707
 
+#: Registered memory for staged writes and for reads when their page counts are 0 (auto).
+STAGING_BYTES = 64 << 20
+READ_BYTES = 32 << 20
+
 _DEFAULTS: dict[str, Any] = {
     "master": None,
     "metadata_server": None,
@@ -58,8 +62,8 @@ _DEFAULTS: dict[str, Any] = {
     "protocol": "tcp",
     "device_name": "",
     "segment_bytes": 0,
-    "staging_pages": 64,
-    "read_pages": 16,
+    "staging_pages": 0,  # 0: as many as fit in STAGING_BYTES
+    "read_pages": 0,  # 0: as many as fit in READ_BYTES
     "key_prefix": "kvtier",
     "op_timeout_s": 5.0,
 }
@@ -85,7 +89,7 @@ def _options(raw: dict[str, Any]) -> dict[str, Any]:
             opts[name] = int(opts[name])
         except (TypeError, ValueError):
             raise ConfigError(f"mooncake option {name!r} must be an integer") from None
-        if opts[name] < (0 if name == "segment_bytes" else 1):
+        if opts[name] < 0:
             raise ConfigError(f"mooncake option {name!r} is out of range: {opts[name]}")
     try:
         opts["op_timeout_s"] = float(opts["op_timeout_s"])
@@ -103,6 +107,7 @@ class _Slots:
     """``n`` page slots in one buffer registered with the Mooncake client."""
 
     def __init__(self, n: int, slot_bytes: int) -> None:
+        self.count = n
         self.slot_bytes = slot_bytes
         self.buf = np.zeros(n * slot_bytes, dtype=np.uint8)
         self.free = list(range(n - 1, -1, -1))
@@ -121,8 +126,9 @@ class MooncakeStore(StoreBackend):
     ``metadata_server`` (``http://host:port/metadata``, required), ``local_hostname``
     (the address other clients reach this one at; default 127.0.0.1), ``protocol``
     (``tcp``/``rdma``), ``device_name`` (RDMA devices), ``segment_bytes`` (memory this
-    client lends to the pool; 0 = a pure client), ``staging_pages`` (reservations in flight),
-    ``read_pages`` (pages per read batch), ``key_prefix``, ``op_timeout_s``.
+    client lends to the pool; 0 = a pure client), ``staging_pages`` (reservations in flight;
+    0: 64 MiB worth), ``read_pages`` (pages per read batch; 0: 32 MiB worth), ``key_prefix``,
+    ``op_timeout_s``.
     """
 
     default_io_threads: ClassVar[int] = 2
@@ -172,9 +178,14 @@ class MooncakeStore(StoreBackend):
         if self._opened:
             return
         await super().open()
-        self._staging = _Slots(self.options["staging_pages"], self._slot_bytes)
-        self._reads = _Slots(self.options["read_pages"], self._slot_bytes)
+        self._staging = _Slots(self._slots("staging_pages", STAGING_BYTES), self._slot_bytes)
+        self._reads = _Slots(self._slots("read_pages", READ_BYTES), self._slot_bytes)
         await self._ensure_client()
+
+    def _slots(self, option: str, budget: int) -> int:
+        """Slots of a registered buffer: the option, or as many as ``budget`` holds."""
+        n = int(self.options[option])
+        return n if n > 0 else max(4, budget // self._slot_bytes)
 
     def _setup_blocking(self) -> Any:
         from mooncake.store import MooncakeDistributedStore
@@ -468,7 +479,7 @@ class MooncakeStore(StoreBackend):
         reads = self._reads
         assert reads is not None
         ok = [False] * len(keys)
-        step = self.options["read_pages"]
+        step = reads.count
         async with self._read_lock:
             for start in range(0, len(keys), step):
                 chunk = list(range(start, min(start + step, len(keys))))
