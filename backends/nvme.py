@@ -57,7 +57,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 from kvtier.backends.nvme_engines import (
@@ -117,11 +117,15 @@ def _check_key(key: Any, i: int) -> bytes:
     return key
 
 
-def _split(items: Sequence[Any], parts: int) -> list[list[Any]]:
+_T = TypeVar("_T")
+
+
+def _split(items: Sequence[_T], parts: int) -> list[list[_T]]:
     """``items`` cut into at most ``parts`` contiguous, non-empty chunks."""
     parts = max(1, min(parts, len(items)))
     size, extra = divmod(len(items), parts)
-    out, start = [], 0
+    out: list[list[_T]] = []
+    start = 0
     for p in range(parts):
         end = start + size + (1 if p < extra else 0)
         out.append(list(items[start:end]))
@@ -514,10 +518,10 @@ class NvmeStore(StoreBackend):
             *(self.run_blocking(self._write_blocking, g) for g in groups)
         )
         for group, res in zip(groups, results, strict=True):
-            for (i, slot, pending, _), (checksum, err) in zip(group, res, strict=True):
+            for (i, slot, job_pending, _), (checksum, err) in zip(group, res, strict=True):
                 if err is None:
-                    if self._reserved.get(slot) is pending:
-                        pending.written, pending.checksum = True, checksum
+                    if job_pending is self._reserved.get(slot):
+                        job_pending.written, job_pending.checksum = True, checksum
                         ok[i] = True
                         for j in twins[slot]:
                             ok[j] = True
@@ -528,7 +532,7 @@ class NvmeStore(StoreBackend):
                     self._log_once(
                         f"write:{_cause(err)}",
                         "nvme.write_failed",
-                        key=pending.key.hex(),
+                        key=job_pending.key.hex(),
                         slab=slab,
                         offset=offset,
                         error=str(err),

@@ -44,8 +44,8 @@ def probe_direct_io(directory: Path) -> tuple[str | None, bool]:
     except OSError as exc:
         return f"O_DIRECT open failed: {exc.strerror}", False
     try:
-        os.pwritev(fd, [buf], 0)
-        os.preadv(fd, [buf], 0)
+        os.pwritev(fd, [buf.data], 0)
+        os.preadv(fd, [buf.data], 0)
     except OSError as exc:
         os.close(fd)
         probe.unlink(missing_ok=True)
@@ -53,7 +53,7 @@ def probe_direct_io(directory: Path) -> tuple[str | None, bool]:
     dsync = hasattr(os, "RWF_DSYNC")
     if dsync:
         try:
-            os.pwritev(fd, [buf], 0, os.RWF_DSYNC)
+            os.pwritev(fd, [buf.data], 0, os.RWF_DSYNC)
         except OSError:
             dsync = False
     os.close(fd)

@@ -8,6 +8,7 @@ capacity with MIN and LRU as reference lines.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -108,7 +109,7 @@ def run_sim(
                     if write_policy == "selective"
                     else None
                 )
-                tiers = make_tiers(caps, lambda pol=pol: make_policy(pol), tier_names, adm)
+                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names, adm)
                 predictor = LookaheadPredictor() if prefetch == "lookahead" else None
                 res = replay(
                     tr,
