@@ -160,3 +160,10 @@ async def test_master_down_at_start_and_killed_mid_run() -> None:
             assert await s2.contains(ks) == [False] * 3
     finally:
         cluster.close()
+
+
+def test_plugin_registers_its_bench_baseline() -> None:
+    from kvtier.bench.baselines import profile_for
+
+    profile = profile_for("mooncake", "store")
+    assert profile.baseline.__module__ == "kvtier_mooncake.bench_profile"

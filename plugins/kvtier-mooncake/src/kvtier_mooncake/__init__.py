@@ -6,3 +6,7 @@ tests and benchmarks.
 """
 
 __version__ = "0.1.0"
+
+from kvtier_mooncake.bench_profile import register as _register_bench_profile
+
+_register_bench_profile()  # `kvtier bench io --tier mooncake` gets its own baseline
