@@ -35,9 +35,11 @@ from kvtier.backend import Backend, check_buffer
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import ConfigError, KVTierError, KVTierUsageError
 from kvtier.index.directory import Directory
+from kvtier.index.prefix_tree import LeafFirstPolicy, PrefixTree
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.log import configure_logging, get_logger
 from kvtier.metrics import CacheMetrics
+from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
 from kvtier.spec import KVSpec, canonical_dtype
 from kvtier.transfer.pipeline import LoadResult, Pipeline, PrefetchResult
@@ -114,6 +116,10 @@ class KVCache:
         self.namespace: Namespace = self.config.namespace
         self.metrics = CacheMetrics()
         self.directory = Directory([t.name for t in self.config.tiers])
+        #: Radix tree over the committed pages of every tier, kept in step with the
+        #: directory through its listeners.
+        self.prefix_tree = PrefixTree([t.name for t in self.config.tiers])
+        self.prefix_tree.attach(self.directory)
         self.tiers: list[Tier] = []
         self._pipeline: Pipeline | None = None
         self._state = "new"
@@ -170,6 +176,16 @@ class KVCache:
         except KVTierUsageError as exc:
             raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
 
+    def _eviction_policy(self, i: int) -> EvictionPolicy:
+        """Tier ``i``'s configured policy, offering only prefix-tree leaves when
+        ``leaf_first`` is set."""
+        tc = self.config.tiers[i]
+        policy = make_policy(tc.eviction, **tc.eviction_params)
+        if not self.config.leaf_first:
+            return policy
+        last = i == len(self.config.tiers) - 1
+        return LeafFirstPolicy(policy, self.prefix_tree, tc.name, last=last)
+
     async def start(self) -> None:
         """Create and open the backends, recover persistent tiers into the directory and
         start the pipeline. Idempotent while open; a closed cache cannot restart."""
@@ -190,7 +206,7 @@ class KVCache:
                 await b.close()
             raise
         self.tiers = [
-            Tier(i, tc, b, make_policy(tc.eviction, **tc.eviction_params))
+            Tier(i, tc, b, self._eviction_policy(i))
             for i, (tc, b) in enumerate(zip(self.config.tiers, backends, strict=True))
         ]
         from kvtier.config import make_admission

@@ -183,6 +183,8 @@ class KVTierConfig:
         admission_params: its keyword parameters.
         batch_pages: maximum pages per transfer batch (one executor hop per batch).
         max_inflight_per_link: batches in flight at once per (source, destination) link.
+        leaf_first: evict leaves of the prefix tree before their ancestors (a page is
+            useless without its prefix); the tier's eviction policy orders the leaves.
         log_format: ``console`` or ``json`` (structlog, on stderr).
         log_level: minimum log level.
     """
@@ -195,6 +197,7 @@ class KVTierConfig:
     admission_params: dict[str, Any] = field(default_factory=dict)
     batch_pages: int = 32
     max_inflight_per_link: int = 4
+    leaf_first: bool = True
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -281,6 +284,7 @@ _SECTIONS: dict[str, tuple[str, ...]] = {
     "namespace": ("model_id", "revision", "rank"),
     "pipeline": (
         "write_policy", "admission", "admission_params", "batch_pages", "max_inflight_per_link",
+        "leaf_first",
     ),
     "log": ("format", "level"),
 }  # fmt: skip
@@ -309,6 +313,7 @@ def default_raw() -> dict[str, Any]:
             "admission_params": {},
             "batch_pages": 32,
             "max_inflight_per_link": 4,
+            "leaf_first": True,
         },
         "log": {"format": "console", "level": "info"},
         "tiers": [
@@ -560,6 +565,12 @@ def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfi
     make_admission(admission, **admission_params)  # fails early on a bad name/params
     batch = _int(pipe.get("batch_pages", 32), "pipeline.batch_pages", sources)
     inflight = _int(pipe.get("max_inflight_per_link", 4), "pipeline.max_inflight_per_link", sources)
+    leaf_first = pipe.get("leaf_first", True)
+    if not isinstance(leaf_first, bool):
+        raise ConfigError(
+            f"pipeline.leaf_first: must be true or false, got {leaf_first!r}"
+            f"{_src(sources, 'pipeline.leaf_first')}"
+        )
 
     log = raw.get("log", {})
     log_format = log.get("format", "console")
@@ -589,6 +600,7 @@ def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfi
         admission_params=admission_params,
         batch_pages=batch,
         max_inflight_per_link=inflight,
+        leaf_first=leaf_first,
         log_format=log_format,
         log_level=log_level,
     )
@@ -662,6 +674,7 @@ def _to_raw(cfg: KVTierConfig) -> dict[str, Any]:
             "admission_params": dict(cfg.admission_params),
             "batch_pages": cfg.batch_pages,
             "max_inflight_per_link": cfg.max_inflight_per_link,
+            "leaf_first": cfg.leaf_first,
         },
         "log": {"format": cfg.log_format, "level": cfg.log_level},
         "tiers": [t.to_dict() for t in cfg.tiers],

@@ -9,6 +9,7 @@ bounded in-flight work per link, the link gate's priorities, write policies, and
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ from kvtier.cache import KVCache
 from kvtier.config import register_admission
 from kvtier.errors import CapacityError
 from kvtier.index.directory import PageState
+from kvtier.index.prefix_tree import LeafFirstPolicy
+from kvtier.keys import ROOT_KEY
 from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.eviction import LRUKPolicy
 from kvtier.transfer.links import Priority, PriorityGate
@@ -298,8 +301,13 @@ async def test_lru_k_selectable_per_tier(tmp_path):
     cfg["tiers"][0]["eviction"] = "lru-k"
     cfg["tiers"][0]["eviction_params"] = {"k": 3}
     async with _open(cfg) as cache:
+        policy = cache.tiers[0].policy
+        assert isinstance(policy, LeafFirstPolicy)  # leaf_first is on by default
+        assert isinstance(policy.inner, LRUKPolicy)
+        assert policy.inner.k == 3
+    cfg["pipeline"] = {"leaf_first": False}
+    async with _open(cfg) as cache:
         assert isinstance(cache.tiers[0].policy, LRUKPolicy)
-        assert cache.tiers[0].policy.k == 3
 
 
 class _EvenFirstByte(AdmissionPolicy):
@@ -327,6 +335,41 @@ async def test_selective_write_policy_admits_only_what_the_policy_accepts(tmp_pa
             in_file = cache.directory.is_committed(k, "file")
             assert in_file == (k[0] % 2 == 0)
         assert cache.metrics.snapshot()["tiers"]["dram"]["dropped_pages"] > 0
+
+
+class _Recording(AdmissionPolicy):
+    name = "recording"
+    instances: ClassVar[list[_Recording]] = []
+
+    def __init__(self) -> None:
+        self.accessed: list[bytes] = []
+        self.parents: list[tuple[bytes, bytes | None]] = []
+        _Recording.instances.append(self)
+
+    def admit(self, key: bytes) -> bool:  # type: ignore[override]
+        return True
+
+    def on_access(self, key: bytes) -> None:  # type: ignore[override]
+        self.accessed.append(key)
+
+    def note_parent(self, key: bytes, parent: bytes | None) -> None:  # type: ignore[override]
+        self.parents.append((key, parent))
+
+
+async def test_admission_policy_sees_every_reference_and_each_pages_parent(tmp_path):
+    register_admission("recording", _Recording)
+    cfg = config(tmp_path, write_policy="selective", admission="recording")
+    rng = np.random.default_rng(12)
+    async with _open(cfg) as cache:
+        policy = _Recording.instances[-1]
+        tokens = rng.integers(0, 1000, 3 * cache.spec.page_tokens)
+        pages = np.zeros((3, cache.spec.page_bytes), dtype=np.uint8)
+        stored = await cache.store(tokens, pages)
+        keys = stored.keys
+        assert policy.parents == [(keys[0], ROOT_KEY), (keys[1], keys[0]), (keys[2], keys[1])]
+        out = [np.empty(cache.spec.page_bytes, dtype=np.uint8) for _ in keys]
+        assert all(await cache.read(keys, out))
+        assert policy.accessed == keys + keys  # stored once, read once
 
 
 async def test_close_drains_and_write_back_flushes_dirty_pages(tmp_path):

@@ -212,14 +212,12 @@ async def _evictions_with_children(tmp_path, leaf_first: bool) -> tuple[int, int
             TierConfig("disk", "file", 200 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
         ],
         write_policy="write-back",
+        leaf_first=leaf_first,
     )
     async with KVCache(config, configure_log=False) as cache:
         d = cache.directory
-        tree = PrefixTree([t.name for t in cache.tiers])
-        tree.attach(d)
-        if leaf_first:
-            for i, t in enumerate(cache.tiers):
-                t.policy = LeafFirstPolicy(t.policy, tree, t.name, last=i == len(cache.tiers) - 1)
+        tree = cache.prefix_tree
+        assert isinstance(cache.tiers[0].policy, LeafFirstPolicy) == leaf_first
         bad = 0
         removed = 0
 

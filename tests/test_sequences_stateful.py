@@ -310,9 +310,7 @@ class KVCacheSequencesModel(SequencesModel):
         return self.run(KVCache.open(config, configure_log=False))
 
     def attach_tree(self) -> PrefixTree:
-        tree = PrefixTree([t.name for t in self.cache.tiers])
-        tree.attach(self.cache.directory)
-        return tree
+        return self.cache.prefix_tree  # the tree KVCache's leaf-first eviction uses
 
     async def push_down(self, n: int | None) -> None:
         count = 6 if n is None else n

@@ -20,6 +20,8 @@ async def test_replay_matches_live_cache_hits(tmp_path, policy: str) -> None:
     spec_page_tokens = 4  # the "tiny" preset
     cfg = {
         "model": {"preset": "tiny"},
+        # The replay drives the bare policy; live leaf-first wrapping would reorder victims.
+        "pipeline": {"leaf_first": False},
         "tiers": [
             {
                 "name": "dram",

@@ -66,7 +66,12 @@ class AdmissionPolicy(ABC):
         """Whether to admit ``key`` now."""
 
     def on_access(self, key: PageKey) -> None:  # noqa: B027 - optional hook
-        """A page was referenced (hit or miss); frequency-based filters count here."""
+        """A page was referenced (stored, looked up, loaded or read; hit or miss);
+        frequency-based filters count here."""
+
+    def note_parent(self, key: PageKey, parent: PageKey | None) -> None:  # noqa: B027
+        """``key`` was stored as the page after ``parent`` (``None``: first or unknown);
+        reuse predictors that follow prefix chains learn here. Optional hook."""
 
 
 class AdmitAll(AdmissionPolicy):

@@ -669,6 +669,8 @@ class Pipeline:
             if k in first:
                 continue
             first[k] = i
+            self.admission.on_access(k)
+            self.admission.note_parent(k, parents[i])
             if d.state(k, top.name) is PageState.COMMITTED:
                 top.policy.on_access(k)
                 out[i] = True
@@ -732,7 +734,9 @@ class Pipeline:
 
     def _count_lookup(self, key: PageKey) -> None:
         """Hits/misses per tier for one requested page: a hit in the first tier holding it,
-        a miss in every tier above (all tiers when none does)."""
+        a miss in every tier above (all tiers when none does). The admission policy
+        sees every reference (frequency filters count here)."""
+        self.admission.on_access(key)
         for t in self.tiers:
             if self.directory.is_committed(key, t.name):
                 self.metrics.hits.inc(t.name)
