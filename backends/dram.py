@@ -3,7 +3,8 @@
 Memory comes from one of two places, chosen at :meth:`DramArena.open`:
 
 * **pinned**: when a CUDA driver is present, a page-locked buffer from
-  ``torch.empty(..., pin_memory=True)``, so host<->device copies run at full PCIe speed;
+  ``torch.empty(..., pin_memory=True)``, so host<->device copies run at full PCIe speed,
+  allocated under ``numa_node``'s memory policy when one is given;
 * otherwise a page-aligned anonymous ``mmap``, bound to ``numa_node`` when one is given,
   then ``mlock``-ed when the kernel allows it (``RLIMIT_MEMLOCK`` or ``CAP_IPC_LOCK``):
   **mlocked**, which also faults every page in. When ``mlock`` is refused the arena still
@@ -21,6 +22,7 @@ a large batch is split across the I/O threads so the copy runs on several cores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -197,10 +199,16 @@ class DramArena(ArenaBackend):
         if _cuda_available():
             import torch
 
-            self._torch_buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            # Pinned pages are locked as they are allocated and cannot migrate later:
+            # allocate them under the node's policy instead of binding afterwards.
+            with contextlib.ExitStack() as stack:
+                if self.numa_node is not None:
+                    from kvtier import numa
+
+                    stack.enter_context(numa.thread_policy(numa.MemPolicy.BIND, [self.numa_node]))
+                self._torch_buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             self._buf = self._torch_buf.numpy()
             self._memory = "pinned"
-            self._bind_memory(self._buf)
             return
         # Not MAP_POPULATE: the NUMA policy is set first, so pages are faulted in on the
         # right node (by mlock, or by touching each one) instead of being migrated there.

@@ -434,6 +434,8 @@ async def arena_zero_copy(ctx: CaseContext) -> None:
     b = await ctx.backend()
     if not isinstance(b, ArenaBackend):
         raise CaseSkipped("not an arena")
+    if not getattr(b, "host_addressable", True):
+        raise CaseSkipped("slots live in device memory: no numpy views (host_addressable=False)")
     keys = ctx.keys(3)
     data = ctx.pages(3, b.page_bytes)
     expect(await b.put(keys[:1], data[:1]) == [True], "put failed")
