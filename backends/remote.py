@@ -87,6 +87,7 @@ class RedisStore(StoreBackend):
     """
 
     default_io_threads: ClassVar[int] = 2
+    shared: ClassVar[bool] = True  # one pool, many servers
 
     def __init__(
         self,
@@ -328,9 +329,9 @@ class RedisStore(StoreBackend):
                 if (p := self._pending_of(r)) is not None]  # fmt: skip
         if not todo:
             return ok
-        values = [p.value for _, p in todo]
-        fresh = self._take_buffers(sum(v is None for v in values))
-        values = [v if v is not None else fresh.pop() for v in values]
+        staged = [p.value for _, p in todo]
+        fresh = self._take_buffers(sum(v is None for v in staged))
+        values = [v if v is not None else fresh.pop() for v in staged]
         await self._cpu(
             lambda: self._fill(values, [p.key for _, p in todo], [p.namespace for _, p in todo],
                                [bufs[i] for i, _ in todo]),

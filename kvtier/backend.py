@@ -135,6 +135,10 @@ class Backend(ABC):
     kind: ClassVar[BackendKind]
     #: Default number of worker threads for blocking work.
     default_io_threads: ClassVar[int] = 4
+    #: Other processes may commit pages here behind this process's back (a remote pool
+    #: shared by many servers): lookups then ask the backend about pages the local
+    #: directory does not know yet.
+    shared: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -414,19 +414,61 @@ class KVCache:
         self, tokens: Sequence[int] | np.ndarray, parent: PageKey = ROOT_KEY
     ) -> LookupResult:
         """The longest cached prefix of ``tokens`` (pages readable in some tier) and the
-        highest tier of each page. Metadata only: no bytes move."""
+        highest tier of each page. No page bytes move; past the pages this process knows,
+        tiers on shared backends (a remote pool) are asked whether other processes stored
+        the rest, and what they hold is indexed so that :meth:`load` finds it."""
         self.pipeline  # noqa: B018 - raises when not open
+        keys = self.page_keys(tokens, parent)
         found: list[PageKey] = []
         tiers: list[str] = []
-        for k in self.page_keys(tokens, parent):
-            tier = next(
-                (t.name for t in self.tiers if self.directory.is_committed(k, t.name)), None
-            )
-            if tier is None:
+        for attempt in range(2):
+            for k in keys[len(found) :]:
+                tier = next(
+                    (t.name for t in self.tiers if self.directory.is_committed(k, t.name)), None
+                )
+                if tier is None:
+                    break
+                found.append(k)
+                tiers.append(tier)
+            rest = keys[len(found) :]
+            if attempt or not rest or not await self._index_shared(rest, parent, found):
                 break
-            found.append(k)
-            tiers.append(tier)
         return LookupResult(found, tiers, len(found) * self.spec.page_tokens)
+
+    async def _index_shared(
+        self, keys: list[PageKey], parent: PageKey, before: list[PageKey]
+    ) -> int:
+        """Index the leading run of ``keys`` that shared tiers hold but the directory does
+        not know (committed there by another process). Returns how many were indexed; a
+        tier that fails to answer is skipped (a miss, as always)."""
+        shared = [t for t in self.tiers if t.backend.shared]
+        if not shared:
+            return 0
+        holder: list[Tier | None] = [None] * len(keys)
+        for tier in shared:
+            try:
+                hits = await tier.backend.contains(keys)
+            except Exception as exc:
+                tier.record_failure("lookup", len(keys), exc)
+                continue
+            for i, hit in enumerate(hits):
+                if hit and holder[i] is None:
+                    holder[i] = tier
+        added = 0
+        prev = before[-1] if before else parent
+        for k, owner in zip(keys, holder, strict=True):
+            if owner is None:
+                break
+            if self.directory.state(k, owner.name) is None:  # may have changed meanwhile
+                self.directory.reserve(k, owner.name, self.namespace.label, prev)
+                self.directory.commit(k, owner.name)
+                owner.policy.on_insert(k, prev)
+                added += 1
+            prev = k
+        if added:
+            for tier in shared:
+                self.metrics.used.set(self.directory.used(tier.name), tier.name)
+        return added
 
     async def load(self, keys: Sequence[PageKey], pin: bool = True) -> LoadResult:
         """Bring ``keys`` to the top tier in one batched pass.

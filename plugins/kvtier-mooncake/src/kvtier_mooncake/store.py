@@ -132,6 +132,7 @@ class MooncakeStore(StoreBackend):
     """
 
     default_io_threads: ClassVar[int] = 2
+    shared: ClassVar[bool] = True  # one pool, many servers
     #: Pause between removal attempts of keys still under a read lease.
     _RETRY_REMOVE_EVERY_S = 0.05
 
