@@ -38,6 +38,7 @@ import numpy as np
 from kvtier.backend import ArenaBackend, Reservation, check_buffers
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
+from kvtier.slots import SlotBook
 
 if TYPE_CHECKING:
     import torch
@@ -145,14 +146,10 @@ class DramArena(ArenaBackend):
         self._mmap: mmap.mmap | None = None
         self._memory = "none"
         self._memory_note: str | None = None
-        self._free: list[int] = []
-        # Slots being read by get() calls in flight, and deleted slots whose reuse waits
-        # for those reads (so a delete + put cannot overwrite bytes a get is copying out).
-        self._readers: dict[int, int] = {}
-        self._draining: set[int] = set()
-        self._epoch = 0  # bumped by open/close, so a get finishing late touches nothing
-        self._committed: dict[PageKey, int] = {}
-        self._reserved: dict[int, PageKey] = {}
+        # A new book per open: a get finishing after close touches only its old book.
+        # The book also keeps a slot being read from reuse until the read ends (so a
+        # delete + put cannot overwrite bytes a get is copying out).
+        self._slots = SlotBook(0)
         self._copies = 0
         self._skipped_copies = 0
 
@@ -174,23 +171,13 @@ class DramArena(ArenaBackend):
         except BaseException:
             await super().close()
             raise
-        self._free = list(range(self.capacity_pages - 1, -1, -1))
-        self._readers.clear()
-        self._draining.clear()
-        self._epoch += 1
-        self._committed.clear()
-        self._reserved.clear()
+        self._slots = SlotBook(self.capacity_pages)
 
     async def close(self) -> None:
         """Drop every page and release the memory (views already handed out keep their
         bytes alive). Idempotent."""
         await super().close()
-        self._committed.clear()
-        self._reserved.clear()
-        self._free = []
-        self._readers.clear()
-        self._draining.clear()
-        self._epoch += 1
+        self._slots = SlotBook(0)
         self._buf = None
         self._torch_buf = None
         self._mmap = None  # not mm.close(): outstanding views would make it raise
@@ -276,7 +263,7 @@ class DramArena(ArenaBackend):
         return torch.from_numpy(view)
 
     def slot_of(self, key: PageKey) -> int | None:
-        return self._committed.get(key)
+        return self._slots.slot_of(key)
 
     # -- copies -------------------------------------------------------------------------
 
@@ -311,19 +298,14 @@ class DramArena(ArenaBackend):
         self._arena()
         out: list[Reservation | None] = []
         for key in keys:
-            slot = self._committed.get(key)
-            if slot is not None:
-                out.append(Reservation(key, slot, present=True))
-            elif self._free:
-                slot = self._free.pop()
-                self._reserved[slot] = key
-                out.append(Reservation(key, slot, view=self.view(slot)))
-            else:
+            taken = self._slots.take(key)
+            if taken is None:
                 out.append(None)
+            elif taken[1]:
+                out.append(Reservation(key, taken[0], present=True))
+            else:
+                out.append(Reservation(key, taken[0], view=self.view(taken[0])))
         return out
-
-    def _live(self, r: Reservation) -> bool:
-        return self._reserved.get(r.handle) == r.key
 
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         """Copy each buffer into its slot (skipped when the buffer *is* the slot view).
@@ -335,7 +317,7 @@ class DramArena(ArenaBackend):
         for r, buf in zip(reservations, bufs, strict=True):
             if r.present:
                 ok.append(True)
-            elif self._live(r):
+            elif self._slots.is_live(r.handle, r.key):
                 dst = self.view(r.handle)
                 if _same_memory(dst, buf):
                     self._skipped_copies += 1
@@ -351,27 +333,12 @@ class DramArena(ArenaBackend):
         """Publish slots. A key committed meanwhile by another reservation keeps its
         first slot; the duplicate's slot is freed and the commit still succeeds."""
         self._arena()
-        ok: list[bool] = []
-        for r in reservations:
-            if r.present:
-                ok.append(r.key in self._committed)
-            elif self._live(r):
-                del self._reserved[r.handle]
-                if r.key in self._committed:
-                    self._free.append(r.handle)
-                else:
-                    self._committed[r.key] = r.handle
-                ok.append(True)
-            else:
-                ok.append(False)
-        return ok
+        return [self._slots.commit(r.handle, r.key, r.present) for r in reservations]
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
         self._arena()
         for r in reservations:
-            if not r.present and self._live(r):
-                del self._reserved[r.handle]
-                self._free.append(r.handle)
+            self._slots.abort(r.handle, r.key, r.present)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Copy committed pages into ``out`` (one hop); ``False`` for keys not here."""
@@ -380,55 +347,39 @@ class DramArena(ArenaBackend):
         ok: list[bool] = []
         pairs: list[CopyPair] = []
         slots: list[int] = []
+        book = self._slots
         for key, buf in zip(keys, bufs, strict=True):
-            slot = self._committed.get(key)
+            slot = book.slot_of(key)
             if slot is None:
                 ok.append(False)
                 continue
             pairs.append((buf, self.view(slot)))
             slots.append(slot)
             ok.append(True)
-        for slot in slots:
-            self._readers[slot] = self._readers.get(slot, 0) + 1
-        epoch = self._epoch
+        book.begin_reads(slots)
         try:
             await self._copy(pairs)
         finally:
-            for slot in slots if epoch == self._epoch else ():
-                left = self._readers.pop(slot) - 1
-                if left:
-                    self._readers[slot] = left
-                elif slot in self._draining:
-                    self._draining.discard(slot)
-                    self._free.append(slot)
+            book.end_reads(slots)
         return ok
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         self._arena()
-        return [k in self._committed for k in keys]
+        return [self._slots.slot_of(k) is not None for k in keys]
 
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
         """Remove committed keys. The caller guarantees none is pinned for zero-copy use;
         a slot that a :meth:`get` in flight is still copying out is reused only once that
         copy finished (until then it counts in :meth:`used_pages`)."""
         self._arena()
-        ok: list[bool] = []
-        for key in keys:
-            slot = self._committed.pop(key, None)
-            if slot is not None:
-                if self._readers.get(slot):
-                    self._draining.add(slot)
-                else:
-                    self._free.append(slot)
-            ok.append(slot is not None)
-        return ok
+        return [self._slots.delete(key) for key in keys]
 
     async def keys(self) -> list[PageKey]:
         self._arena()
-        return list(self._committed)
+        return list(self._slots.committed)
 
     def used_pages(self) -> int:
-        return len(self._committed) + len(self._reserved) + len(self._draining)
+        return self._slots.used()
 
     def stats(self) -> dict[str, Any]:
         """Base counters plus ``memory`` (pinned / mlocked / plain / none before open),
@@ -439,9 +390,9 @@ class DramArena(ArenaBackend):
             memory_note=self._memory_note,
             numa_node=self.numa_node,
             arena_bytes=self.nbytes,
-            committed_pages=len(self._committed),
-            reserved_pages=len(self._reserved),
-            draining_pages=len(self._draining),
+            committed_pages=len(self._slots.committed),
+            reserved_pages=len(self._slots.reserved),
+            draining_pages=self._slots.draining,
             copies=self._copies,
             skipped_copies=self._skipped_copies,
         )

@@ -36,6 +36,7 @@ import numpy as np
 from kvtier.backend import ArenaBackend, Reservation, check_buffer
 from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.keys import PageKey
+from kvtier.slots import SlotBook
 from kvtier.transfer.cuda_streams import (
     CopyStreams,
     EventPoller,
@@ -94,9 +95,9 @@ class HbmArena(ArenaBackend):
         self._poller: EventPoller | None = None
         self._ordering = SlotOrdering()
         self._submit_lock = threading.Lock()
-        self._free: list[int] = []
-        self._committed: dict[PageKey, int] = {}
-        self._reserved: dict[int, PageKey] = {}
+        # Slot reuse needs no read guard here: SlotOrdering makes a write to a slot wait
+        # on the GPU for every read of it already submitted.
+        self._slots = SlotBook(0)
         self._bytes_h2d = 0
         self._bytes_d2h = 0
 
@@ -129,9 +130,7 @@ class HbmArena(ArenaBackend):
             raise
         self._poller = default_poller()
         self._ordering = SlotOrdering()
-        self._free = list(range(self.capacity_pages - 1, -1, -1))
-        self._committed.clear()
-        self._reserved.clear()
+        self._slots = SlotBook(self.capacity_pages)
 
     def _allocate(self) -> None:
         import cupy
@@ -152,9 +151,7 @@ class HbmArena(ArenaBackend):
         if self._streams is not None and self._executor is not None:
             await self.run_blocking(self._synchronize)
         await super().close()
-        self._committed.clear()
-        self._reserved.clear()
-        self._free = []
+        self._slots = SlotBook(0)
         self._buf = None
         self._streams = None
         self._ordering = SlotOrdering()
@@ -193,7 +190,7 @@ class HbmArena(ArenaBackend):
         return torch.utils.dlpack.from_dlpack(self.device_view(slot))
 
     def slot_of(self, key: PageKey) -> int | None:
-        return self._committed.get(key)
+        return self._slots.slot_of(key)
 
     # -- copies -------------------------------------------------------------------------
 
@@ -290,19 +287,12 @@ class HbmArena(ArenaBackend):
         self._check_open()
         out: list[Reservation | None] = []
         for key in keys:
-            slot = self._committed.get(key)
-            if slot is not None:
-                out.append(Reservation(key, slot, present=True))
-            elif self._free:
-                slot = self._free.pop()
-                self._reserved[slot] = key
-                out.append(Reservation(key, slot))
+            taken = self._slots.take(key)
+            if taken is not None:
+                out.append(Reservation(key, taken[0], present=taken[1]))
             else:
                 out.append(None)
         return out
-
-    def _live(self, r: Reservation) -> bool:
-        return self._reserved.get(r.handle) == r.key
 
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         """Copy host or same-GPU pages into reserved slots; returns after the copies are
@@ -314,7 +304,7 @@ class HbmArena(ArenaBackend):
         for r, buf in zip(reservations, bufs, strict=True):
             if r.present:
                 ok.append(True)
-            elif self._live(r):
+            elif self._slots.is_live(r.handle, r.key):
                 jobs.append((r.handle, buf))
                 ok.append(True)
             else:
@@ -324,27 +314,12 @@ class HbmArena(ArenaBackend):
 
     async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         self._check_open()
-        ok: list[bool] = []
-        for r in reservations:
-            if r.present:
-                ok.append(r.key in self._committed)
-            elif self._live(r):
-                del self._reserved[r.handle]
-                if r.key in self._committed:
-                    self._free.append(r.handle)
-                else:
-                    self._committed[r.key] = r.handle
-                ok.append(True)
-            else:
-                ok.append(False)
-        return ok
+        return [self._slots.commit(r.handle, r.key, r.present) for r in reservations]
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
         self._check_open()
         for r in reservations:
-            if not r.present and self._live(r):
-                del self._reserved[r.handle]
-                self._free.append(r.handle)
+            self._slots.abort(r.handle, r.key, r.present)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Copy committed pages into host or same-GPU buffers; ``False`` for misses."""
@@ -353,7 +328,7 @@ class HbmArena(ArenaBackend):
         ok: list[bool] = []
         jobs: list[tuple[int, Any]] = []
         for key, buf in zip(keys, bufs, strict=True):
-            slot = self._committed.get(key)
+            slot = self._slots.slot_of(key)
             if slot is None:
                 ok.append(False)
             else:
@@ -364,25 +339,19 @@ class HbmArena(ArenaBackend):
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         self._check_open()
-        return [k in self._committed for k in keys]
+        return [self._slots.slot_of(k) is not None for k in keys]
 
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
         """Free the slots of committed keys (the caller guarantees none is pinned)."""
         self._check_open()
-        ok: list[bool] = []
-        for key in keys:
-            slot = self._committed.pop(key, None)
-            if slot is not None:
-                self._free.append(slot)
-            ok.append(slot is not None)
-        return ok
+        return [self._slots.delete(key) for key in keys]
 
     async def keys(self) -> list[PageKey]:
         self._check_open()
-        return list(self._committed)
+        return list(self._slots.committed)
 
     def used_pages(self) -> int:
-        return len(self._committed) + len(self._reserved)
+        return self._slots.used()
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
