@@ -23,9 +23,12 @@ request already used:
 5. ``kvtier_tight``: reopened with a DRAM tier only ``--tight`` x the sequence's pages: R
    (all cached) decodes while its own older pages go to NVMe whenever a new page is
    stored and are faulted back by the next step: decode tokens/s, pages faulted.
-6. ``recompute_static`` (``--static``): Q with ``StaticCache`` (preallocated, written in
+6. ``decode_interleaved`` (``--interleave`` rounds): from R's context, decode with a copy
+   of one prefilled ``DynamicCache`` and with KVTierCache (regular, then tight DRAM),
+   alternating, so both see the same machine load; medians.
+7. ``recompute_static`` (``--static``): Q with ``StaticCache`` (preallocated, written in
    place): a second baseline for decode.
-7. ``recompute_again`` (``--repeat-recompute``): step 1 once more, to show the noise.
+8. ``recompute_again`` (``--repeat-recompute``): step 1 once more, to show the noise.
 
 Ratios use the best ``DynamicCache`` figure of the run (the fastest TTFT, the highest
 decode rate of ``recompute`` and ``recompute_again``): timings here are noisy and the
@@ -36,8 +39,10 @@ against the recompute's (the tight run's tokens against the cold run's).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -90,6 +95,35 @@ def timed_generate(
     return res
 
 
+def interleaved_decode(
+    model: Any, ids: torch.Tensor, new: int, rounds: int, configs: dict[str, Any]
+) -> dict[str, Any]:
+    """Decode tokens/s from the same context (``ids``, all but its last token cached),
+    alternating DynamicCache (a copy of one prefilled cache) and KVTierCache (the prefix
+    from kvtier) ``rounds`` times per kvtier config: the fairest decode comparison on a
+    noisy machine. Medians, and whether every run generated the same tokens."""
+    prefilled = DynamicCache(config=model.config)
+    model(ids[:, :-1], cache=prefilled)
+    rates: dict[str, list[float]] = {"dynamic": []}
+    tokens: list[list[int]] = []
+    for name, cfg in configs.items():
+        rates[name] = []
+        with KVTierBridge.start(cfg, env={}) as bridge:
+            for _ in range(rounds):
+                res = timed_generate(model, ids, copy.deepcopy(prefilled), new)
+                rates["dynamic"].append(res["decode_tokens_per_s"])
+                tokens.append(res["tokens"])
+                with bridge.new_cache(model.config) as c:
+                    res = timed_generate(model, ids, c, new, before=lambda c=c: c.load_prefix(ids))
+                rates[name].append(res["decode_tokens_per_s"])
+                tokens.append(res["tokens"])
+    out: dict[str, Any] = {k: {"median": statistics.median(v), "all": v} for k, v in rates.items()}
+    out["same_tokens"] = all(t == tokens[0] for t in tokens)
+    for name in configs:
+        out[f"{name}_over_dynamic"] = out[name]["median"] / out["dynamic"]["median"]
+    return out
+
+
 def link_pages(bridge: KVTierBridge) -> dict[str, float]:
     snap = bridge.cache.metrics.snapshot()
     out = {f"link {k}": v["pages"] for k, v in snap["links"].items()}
@@ -107,6 +141,7 @@ def main() -> None:
     ap.add_argument("--cached", type=int, default=3584)
     ap.add_argument("--decode", type=int, default=32, help="tokens generated per decode run")
     ap.add_argument("--tight", type=float, default=1.05, help="tight DRAM / sequence pages")
+    ap.add_argument("--interleave", type=int, default=3, help="interleaved decode rounds")
     ap.add_argument("--static", action="store_true", help="also recompute with StaticCache")
     ap.add_argument("--repeat-recompute", action="store_true", help="time recompute again last")
     ap.add_argument("--filler", type=int, default=2048, help="tokens of the earlier conversation")
@@ -193,6 +228,10 @@ def main() -> None:
                 report["kvtier_tight"]["faulted_pages"] = c.stats.faulted_pages
                 report["kvtier_tight"]["moves_during_run"] = delta(link_pages(bridge), {})
                 report["kvtier_tight"]["same_tokens_as_cold"] = res["tokens"] == cold["tokens"]
+            if args.interleave:
+                report["decode_interleaved"] = interleaved_decode(
+                    model, r, args.decode, args.interleave, {"kvtier": cfg, "kvtier_tight": tight}
+                )
             if args.static:
                 static = StaticCache(config=model.config, max_cache_len=q.shape[1] + args.decode)
                 st = timed_generate(model, q, static, args.decode)
