@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
+from rich.markup import escape
 
 from kvtier import registry
 from kvtier.bench.io import IOBenchParams, bench_io, default_tiers
@@ -46,11 +47,13 @@ def _render(data: dict[str, Any]) -> None:
     ]
     console.print(table(title, columns, rows))
     for r in data["tiers"]:
-        console.print(f"baseline of {r['tier']}: {r['baseline_method']}", highlight=False)
+        line = f"baseline of {r['tier']}: {r['baseline_method']}"
+        console.print(line, highlight=False, markup=False)
     for skip in data["skipped"]:
-        console.print(f"skipped {skip['tier']}: {skip['reason']}", highlight=False)
+        console.print(f"skipped {skip['tier']}: {skip['reason']}", highlight=False, markup=False)
     for bad in data["failed"]:
-        console.print(f"[red]failed[/] {bad['tier']}: {bad['error']}", highlight=False)
+        what = escape(f"{bad['tier']}: {bad['error']}")
+        console.print(f"[red]failed[/] {what}", highlight=False)
 
 
 def _tiers(requested: list[str] | None) -> tuple[list[str], list[dict[str, str]]]:

@@ -47,7 +47,8 @@ def _render(data: dict[str, Any]) -> None:
         highlight=False,
     )
     where = "kept" if data["disk_kept"] else "removed"
-    console.print(f"disk tier directory {data['disk_dir']} ({where})", highlight=False)
+    line = f"disk tier directory {data['disk_dir']} ({where})"
+    console.print(line, highlight=False, markup=False)
 
 
 def _ms(value: float | None) -> str:

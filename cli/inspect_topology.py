@@ -91,7 +91,7 @@ def _render(data: dict[str, Any]) -> None:
         ]
         console.print(table("paths", ["path", "device", "pci", "node", "note"], path_rows))
     for note in topo["notes"]:
-        err_console.print(f"note: {note}", highlight=False)
+        err_console.print(f"note: {note}", highlight=False, markup=False)
 
 
 @inspect_app.command("topology")

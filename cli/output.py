@@ -16,6 +16,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -60,7 +61,7 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
     for col in columns:
         t.add_column(col)
     for row in rows:
-        t.add_row(*(fmt(v) for v in row))
+        t.add_row(*(escape(fmt(v)) for v in row))  # cells are data, never rich markup
     return t
 
 
@@ -95,7 +96,7 @@ def progress(
 
 def fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
     """Print ``message`` on stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(code)
 
 
