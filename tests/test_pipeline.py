@@ -481,3 +481,20 @@ async def test_concurrent_engine_tasks_keep_every_page_intact(tmp_path, policy):
         out = np.zeros((len(keys), PAGE), dtype=np.uint8)
         assert all(await cache.read(keys, out))
         assert all(np.array_equal(row, truth[k]) for k, row in zip(keys, out, strict=True))
+
+
+async def test_pages_moved_down_keep_their_namespace_label(tmp_path):
+    """A page written down by the pipeline is labelled with the namespace it was stored
+    under, so `kvtier inspect store` can tell caches apart."""
+    from kvtier.backends.nvme_inspect import inspect_store
+
+    cfg = config(tmp_path, dram_pages=4, file_pages=64, file_backend="nvme")
+    rng = np.random.default_rng(13)
+    async with _open(cfg) as cache:
+        seqs = await _store_many(cache, rng, 3, 4)
+        await cache.flush()
+        label = cache.namespace.label
+        moved = sum(cache.directory.is_committed(k, "file") for _, _, ks in seqs for k in ks)
+    report = inspect_store(tmp_path / "file")
+    assert moved > 0
+    assert report["namespaces"] == {label: {"pages": moved, "bytes": report["bytes"]}}

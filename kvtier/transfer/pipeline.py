@@ -457,6 +457,25 @@ class Pipeline:
             if self.directory.used(dst.name) > dst.high_pages:
                 await self._trim(dst, priority, protect)
 
+    async def _reserve_by_namespace(
+        self, dst: Tier, keys: list[PageKey], namespace: str
+    ) -> list[Reservation | None]:
+        """Reserve ``keys`` in ``dst``, each under its own namespace label: ``namespace``
+        when given (fresh pages), else the one the directory recorded when the page was
+        first stored (pages moving between tiers), so stores label every page."""
+        if namespace:
+            return await dst.backend.reserve(keys, namespace)
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            entry = self.directory.get(k)
+            groups.setdefault(entry.namespace if entry is not None else "", []).append(i)
+        out: list[Reservation | None] = [None] * len(keys)
+        for label, idx in groups.items():
+            got = await dst.backend.reserve([keys[i] for i in idx], label)
+            for i, r in zip(idx, got, strict=True):
+                out[i] = r
+        return out
+
     async def _trim(
         self, tier: Tier, priority: Priority, protect: Collection[PageKey] = ()
     ) -> None:
@@ -528,7 +547,7 @@ class Pipeline:
                 return ok
             tkeys = [keys[i] for i in todo]
             try:
-                res = await dst.backend.reserve(tkeys, namespace)
+                res = await self._reserve_by_namespace(dst, tkeys, namespace)
             except KVTierUsageError:
                 raise
             except Exception as exc:
