@@ -180,6 +180,14 @@ class PageWrite:
     count: int
 
 
+def _check_int(value: Any, what: str) -> int:
+    """``value`` as an int (numpy integers accepted); :class:`KVTierUsageError` naming
+    ``what`` for anything else (bools, floats, strings, ``None``)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise KVTierUsageError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 def check_token_ids(tokens: Any) -> list[int]:
     """Token ids as a list of ints; :class:`KVTierUsageError` for the wrong dtype/shape.
 
@@ -250,7 +258,8 @@ class BlockTables:
         try:
             return self._tables[seq_id]
         except (KeyError, TypeError):
-            if seq_id in self._finished:
+            # an unhashable id is unknown, not a TypeError from the set lookup below
+            if isinstance(seq_id, int | np.integer) and seq_id in self._finished:
                 raise SequenceFinishedError(
                     f"sequence {seq_id} is finished (freed): it cannot be used or forked"
                 ) from None
@@ -457,6 +466,8 @@ class BlockTables:
         i = self._version_index(table, vid, "commit")
         v = table.versions[i]
         since = table.num_tokens - v.num_tokens
+        if keep is not None:
+            keep = _check_int(keep, "commit keep")
         if keep is not None and not 0 <= keep <= since:
             raise KVTierUsageError(
                 f"commit keep={keep} must lie in [0, {since}] (tokens appended since version {vid})"
@@ -471,32 +482,48 @@ class BlockTables:
         return freed
 
     def _truncate(self, table: BlockTable, num_tokens: int) -> int:
-        """Cut the table to ``num_tokens``; the now-partial last page, if its contents
-        beyond that point are held by another holder, is left shared (it is copied on
-        the next write, since positions past ``num_tokens`` are then overwritten)."""
-        keep_pages = -(-num_tokens // self.page_tokens)
+        """Cut the table to ``num_tokens``. The now-partial last page is shrunk in place
+        when this table is its only holder; otherwise (shared, or stored) this table gets
+        its own copy, since every holder must see the same fill.
+
+        Raises, before changing anything, :class:`KVTierUsageError` for a cut inside a
+        page whose only copy is stored, and :class:`CapacityError` when that copy needs
+        a working slot and the pool has none."""
+        pt = self.page_tokens
+        keep_pages = -(-num_tokens // pt)
         gone = table.pages[keep_pages:]
-        del table.pages[keep_pages:]
-        del table.tokens[num_tokens:]
-        freed = self._unref(gone)
-        if table.pages:
-            last = table.pages[-1]
-            fill = num_tokens - (keep_pages - 1) * self.page_tokens
-            if last.filled != fill and last.refs == 1 and last.key is None:
-                last.filled = fill  # sole holder: shrink in place
-            elif last.filled != fill and last.slot == PAD_SLOT:
+        last = table.pages[keep_pages - 1] if keep_pages else None
+        fill = num_tokens - (keep_pages - 1) * pt
+        reshape = last is not None and last.filled != fill
+        in_place = reshape and last is not None and last.refs == 1 and last.key is None
+        if reshape and not in_place:
+            assert last is not None
+            if last.slot == PAD_SLOT:
                 raise KVTierUsageError(
                     f"cannot cut sequence {table.seq_id} to {num_tokens} tokens: that falls "
                     "inside a stored page; cut at a page boundary"
                 )
-            elif last.filled != fill:
-                # Every holder must see the same fill: give this table its own copy.
-                copy = self._new_page()
-                self._copy_page(last.slot, copy.slot, fill)
-                copy.filled = fill
-                table.pages[-1] = copy
-                freed += self._unref([last])
-                self.cow_copies += 1
+            # the pages cut off give their slots back before the copy takes one
+            frees = sum(1 for p in gone if p.refs == 1 and p.slot != PAD_SLOT)
+            if self.pool.capacity - self.pool.in_use + frees < 1:
+                raise CapacityError(
+                    f"sequence {table.seq_id}: cutting to {num_tokens} tokens inside a shared "
+                    f"page needs a working slot for its copy; all {self.pool.capacity} are in use"
+                )
+        del table.pages[keep_pages:]
+        del table.tokens[num_tokens:]
+        freed = self._unref(gone)
+        if in_place:
+            assert last is not None
+            last.filled = fill
+        elif reshape:
+            assert last is not None
+            copy = self._new_page()
+            self._copy_page(last.slot, copy.slot, fill)
+            copy.filled = fill
+            table.pages[-1] = copy
+            freed += self._unref([last])
+            self.cow_copies += 1
         self.rollback_discarded += freed
         return freed
 
@@ -509,7 +536,8 @@ class BlockTables:
                 f"sequence {seq_id} has live versions {table.live_versions()}: commit or "
                 "roll them back before truncating"
             )
-        if isinstance(num_tokens, bool) or not 0 <= num_tokens <= table.num_tokens:
+        num_tokens = _check_int(num_tokens, "truncate num_tokens")
+        if not 0 <= num_tokens <= table.num_tokens:
             raise KVTierUsageError(
                 f"truncate to {num_tokens!r} tokens: must lie in [0, {table.num_tokens}]"
             )

@@ -147,33 +147,38 @@ class PrefixTree:
             t += 1
 
     def insert(self, keys: Sequence[PageKey], tier: str, parent: PageKey = ROOT_KEY) -> None:
-        """Record a chain of pages (``keys[0]``'s parent is ``parent``) as held by ``tier``."""
+        """Record a chain of pages (``keys[0]``'s parent is ``parent``) as held by ``tier``.
+
+        A key of the wrong length raises :class:`KVTierUsageError`; the pages before it
+        stay recorded."""
         t = self._tier_index(tier)
         bit = 1 << t
         inc = 1 << (_FIELD * t)
         nodes = self._nodes
         prev: PageKey | None = None if parent == ROOT_KEY else parent
         added = 0
-        for key in keys:
-            node = nodes.get(key)
-            if node is not None or len(key) != KEY_BYTES:
-                self.add(key, prev, tier)  # the general path: existing node, bad key
+        try:
+            for key in keys:
+                node = nodes.get(key)
+                if node is not None or len(key) != KEY_BYTES:
+                    self.add(key, prev, tier)  # the general path: existing node, bad key
+                    prev = key
+                    continue
+                # fast path: a new page whose parent is known (or the root)
+                node = _Node(prev)
+                node.mask = bit
+                nodes[key] = node
+                added += 1
+                if prev is not None:
+                    pnode = nodes.get(prev)
+                    if pnode is None:
+                        pnode = _Node(None)
+                        nodes[prev] = pnode
+                    pnode.children += 1
+                    pnode.child_tiers += inc
                 prev = key
-                continue
-            # fast path: a new page whose parent is known (or the root)
-            node = _Node(prev)
-            node.mask = bit
-            nodes[key] = node
-            added += 1
-            if prev is not None:
-                pnode = nodes.get(prev)
-                if pnode is None:
-                    pnode = _Node(None)
-                    nodes[prev] = pnode
-                pnode.children += 1
-                pnode.child_tiers += inc
-            prev = key
-        self._pages_per_tier[t] += added
+        finally:  # a bad key raises mid-chain: the pages before it stay, counted
+            self._pages_per_tier[t] += added
 
     def discard(self, key: PageKey, tier: str) -> bool:
         """Record that ``key`` left ``tier``; ``True`` if it was recorded there.

@@ -1,0 +1,111 @@
+"""Review of sequences and indexes: state stays whole when an operation raises, and bad
+input gets a clear error naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+from test_block_table import PT, Memory, make
+
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.index.block_table import BlockTables, UnknownSequenceError
+from kvtier.index.prefix_tree import PrefixTree
+from kvtier.keys import Namespace, PageKey, page_keys
+
+NS = Namespace("review-model", page_tokens=4)
+
+
+def _state(
+    tables: BlockTables, mem: Memory, seq: int
+) -> tuple[list[int | None], list[int], int, list[int]]:
+    t = tables.table(seq)
+    return mem.read(tables, seq), [p.filled for p in t.pages], tables.pool.in_use, t.tokens[:]
+
+
+def test_truncate_inside_a_stored_page_raises_before_changing_the_table() -> None:
+    tables, mem = make()
+    s = tables.create()
+    mem.write(tables, s, list(range(10)))
+    assert mem.publish(tables, s) == 2  # pages 0 and 1 stored, page 2 partial
+    before = _state(tables, mem, s)
+    with pytest.raises(KVTierUsageError, match="inside a stored page"):
+        tables.truncate(s, 5)
+    assert _state(tables, mem, s) == before
+    assert tables.pool.in_use == 1
+
+
+def test_truncate_needing_a_copy_with_the_pool_full_changes_nothing() -> None:
+    tables, mem = make(slots=2)
+    a = tables.create()
+    mem.write(tables, a, list(range(7)))  # 2 of 2 working pages, shared with the fork
+    b = tables.fork(a)
+    before = _state(tables, mem, a)
+    # cutting a inside page 0, shared with b, needs a copy and the pool is full
+    with pytest.raises(CapacityError):
+        tables.truncate(a, 2)
+    assert _state(tables, mem, a) == before
+    assert mem.read(tables, b) == list(range(7))
+    tables.free(b)
+    tables.truncate(a, 2)  # sole holder now: cut in place
+    assert mem.read(tables, a) == [0, 1] and tables.pool.in_use == 1
+
+
+def test_commit_keep_needing_a_copy_with_the_pool_full_changes_nothing() -> None:
+    tables, mem = make(slots=2)
+    a = tables.create()
+    v = tables.snapshot(a)
+    mem.write(tables, a, list(range(6)))  # 2 of 2 working pages
+    b = tables.fork(a)
+    before = _state(tables, mem, a)
+    with pytest.raises(CapacityError):
+        tables.commit(a, v, keep=2)  # cut inside page 0, shared with b
+    assert _state(tables, mem, a) == before
+    assert tables.table(a).live_versions() == [v]
+    tables.free(b)
+    tables.commit(a, v, keep=2)  # with room it goes through
+    assert mem.read(tables, a) == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [2.5, "3"])
+def test_truncate_and_commit_keep_reject_non_integers(bad: object) -> None:
+    tables, mem = make()
+    s = tables.create()
+    mem.write(tables, s, list(range(6)))
+    for wrong in (bad, None, True):
+        with pytest.raises(KVTierUsageError, match="truncate num_tokens must be an int"):
+            tables.truncate(s, wrong)  # type: ignore[arg-type]
+    v = tables.snapshot(s)
+    mem.write(tables, s, [7, 8, 9])
+    with pytest.raises(KVTierUsageError, match="must be an int"):
+        tables.commit(s, v, keep=bad)  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match="must be an int"):
+        tables.commit(s, v, keep=True)
+    assert tables.table(s).num_tokens == 9 and tables.table(s).live_versions() == [v]
+
+
+def test_an_unhashable_sequence_id_is_a_clear_error() -> None:
+    tables, _mem = make()
+    with pytest.raises(UnknownSequenceError, match=r"unknown sequence id \[1\]"):
+        tables.table([1])  # type: ignore[arg-type]
+
+
+def test_prefix_tree_insert_with_a_bad_key_keeps_counts_true() -> None:
+    tree = PrefixTree(["dram", "disk"])
+    keys = page_keys(list(range(12)), NS)
+    with pytest.raises(KVTierUsageError, match="16 bytes"):
+        tree.insert([keys[0], keys[1], PageKey(b"short")], "dram")
+    # whatever the tree kept, its per-tier count agrees with its pages
+    assert tree.pages_in("dram") == sum(1 for _, tiers in tree.items() if "dram" in tiers)
+
+
+def test_truncate_table_only_ever_cuts_tokens_in_step_with_pages() -> None:
+    """A cut inside a shared partial page gives this table its own copy; the other holder
+    keeps every token."""
+    tables, mem = make()
+    a = tables.create()
+    mem.write(tables, a, list(range(2 * PT + 3)))
+    b = tables.fork(a)
+    tables.truncate(a, PT + 1)
+    assert mem.read(tables, a) == list(range(PT + 1))
+    assert mem.read(tables, b) == list(range(2 * PT + 3))
+    mem.write(tables, a, [99])
+    assert mem.read(tables, b) == list(range(2 * PT + 3))
