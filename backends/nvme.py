@@ -24,13 +24,17 @@ Guarantees:
   fails is a miss: counted, logged once with its key, slab and offset, dropped from the
   index and its slot quarantined (never reused, never served).
 * **Capacity.** At most ``capacity_pages`` slots are in use (committed + reserved +
-  quarantined); ``reserve`` answers ``None`` beyond that. Deleted slots are reused.
+  quarantined + freed but still under running I/O); ``reserve`` answers ``None`` beyond
+  that. Deleted slots are reused, never while a read or write on them still runs.
 * **Faults.** A full disk or an I/O error fails the affected pages only (``None`` from
   ``reserve``, ``False`` from ``write``/``commit``/``get``), is logged once per cause, and
   leaves the store consistent; a read that meets an I/O error (rather than bad bytes)
   keeps the page, since a later read may succeed.
-* **Closing.** ``close`` waits for the calls in flight (and refuses new ones), then for
-  pending commits; uncommitted reservations are dropped.
+* **Closing.** ``close`` waits for the calls in flight and their page I/O (which outlives
+  a cancelled caller: worker threads cannot be stopped) and refuses new calls, then waits
+  for pending commits; uncommitted reservations are dropped.
+* **Cancellation.** A cancelled ``reserve`` or ``put`` gives back the space it had not
+  committed; a reservation whose commit already reached the index cannot be aborted.
 
 Options (besides ``page_bytes``, ``capacity_pages``, ``io_threads``):
 
@@ -54,7 +58,7 @@ import os
 import struct
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -118,6 +122,7 @@ def _check_key(key: Any, i: int) -> bytes:
 
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 def _split(items: Sequence[_T], parts: int) -> list[list[_T]]:
@@ -205,8 +210,9 @@ class NvmeStore(StoreBackend):
         self._hwm = 0
         self._ready_slabs: set[int] = set()
         self._slab_lock = asyncio.Lock()
-        self._reading: Counter[int] = Counter()
-        self._free_after_read: set[int] = set()
+        self._busy: Counter[int] = Counter()  # slot -> page I/O batches running on it
+        self._free_after_io: set[int] = set()  # freed slots waiting for that I/O to end
+        self._committing: dict[int, _Pending] = {}  # rows on their way into the index
         self._accessed: dict[bytes, float] = {}
         self._commit_queue: list[
             tuple[list[tuple[int, _Pending]], asyncio.Future[dict[int, bool]]]
@@ -384,10 +390,41 @@ class NvmeStore(StoreBackend):
         return slot
 
     def _free_slot(self, slot: int) -> None:
-        if self._reading[slot]:
-            self._free_after_read.add(slot)
+        if self._busy[slot]:
+            self._free_after_io.add(slot)
         else:
             heapq.heappush(self._free, slot)
+
+    async def _slot_io(
+        self, fn: Callable[[list[_T]], _R], groups: list[list[_T]], slots: Sequence[int]
+    ) -> list[_R]:
+        """Run ``fn`` on each group on the worker pool, with ``slots`` busy until every
+        thread is done.
+
+        A worker thread cannot be stopped: when the caller is cancelled its page I/O runs
+        on, so the slots stay busy (a slot freed meanwhile is handed out only after that
+        I/O ends) and :meth:`close` waits for it, not just for the caller.
+        """
+        for slot in slots:
+            self._busy[slot] += 1
+        self._active += 1
+        self._idle.clear()
+        io = asyncio.gather(*(self.run_blocking(fn, g) for g in groups))
+
+        def done(fut: asyncio.Future[list[_R]]) -> None:
+            if not fut.cancelled():
+                fut.exception()  # retrieved, for when the caller is gone
+            for slot in slots:
+                self._busy[slot] -= 1
+                if not self._busy[slot]:
+                    del self._busy[slot]
+                    if slot in self._free_after_io:
+                        self._free_after_io.discard(slot)
+                        heapq.heappush(self._free, slot)
+            self._exit()
+
+        io.add_done_callback(done)
+        return await asyncio.shield(io)
 
     def _release(self, slot: int) -> None:
         if self._reserved.pop(slot, None) is not None:
@@ -406,7 +443,15 @@ class NvmeStore(StoreBackend):
     # -- the keyed, two-phase interface ------------------------------------------------
 
     def used_pages(self) -> int:
-        return len(self._entries) + len(self._reserved) + len(self._quarantined)
+        """Slots taken: committed, reserved, being committed, quarantined, or freed but
+        still under running I/O."""
+        return (
+            len(self._entries)
+            + len(self._reserved)
+            + len(self._committing)
+            + len(self._quarantined)
+            + len(self._free_after_io)
+        )
 
     async def reserve(
         self, keys: Sequence[PageKey], namespace: str = ""
@@ -420,8 +465,10 @@ class NvmeStore(StoreBackend):
     async def put(
         self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
     ) -> list[bool]:
-        """Reserve, write and commit as one call (``close`` waits for all of it)."""
+        """Reserve, write and commit as one call (``close`` waits for all of it). A put
+        cancelled part-way gives back the space of the pages it had not committed."""
         self._enter()
+        reservations: list[Reservation | None] = []
         try:
             bufs = check_buffers(data, len(keys), self.page_bytes)
             reservations = await self._reserve(keys, namespace)
@@ -430,15 +477,16 @@ class NvmeStore(StoreBackend):
             if not taken:
                 return ok
             written = await self._write([r for _, r in taken], [bufs[i] for i, _ in taken])
-            failed = [r for (_, r), w in zip(taken, written, strict=True) if not w]
-            if failed:
-                await self.abort(failed)
+            self._abort_now([r for (_, r), w in zip(taken, written, strict=True) if not w])
             to_commit = [(i, r) for (i, r), w in zip(taken, written, strict=True) if w]
             if to_commit:
                 committed = await self._commit([r for _, r in to_commit])
                 for (i, _), c in zip(to_commit, committed, strict=True):
                     ok[i] = c
             return ok
+        except BaseException:
+            self._abort_now(reservations)
+            raise
         finally:
             self._exit()
 
@@ -471,9 +519,13 @@ class NvmeStore(StoreBackend):
                 needed.setdefault(slab, []).append(i)
             out.append(Reservation(PageKey(k), slot))
         if needed:
-            async with self._slab_lock:
-                todo = sorted(s for s in needed if s not in self._ready_slabs)
-                failed = await self.run_blocking(self._ensure_slabs, todo) if todo else {}
+            try:
+                async with self._slab_lock:
+                    todo = sorted(s for s in needed if s not in self._ready_slabs)
+                    failed = await self.run_blocking(self._ensure_slabs, todo) if todo else {}
+            except BaseException:
+                self._abort_now(out)  # cancelled: the caller never sees these slots
+                raise
             for slab, exc in failed.items():
                 self._log_once(
                     f"slab:{_cause(exc)}", "nvme.slab_allocation_failed", slab=slab, error=str(exc)
@@ -514,9 +566,7 @@ class NvmeStore(StoreBackend):
             return ok
         assert self._engine is not None
         groups = _split(jobs, self.io_threads) if self._engine.splits_batches else [jobs]
-        results = await asyncio.gather(
-            *(self.run_blocking(self._write_blocking, g) for g in groups)
-        )
+        results = await self._slot_io(self._write_blocking, groups, [j[1] for j in jobs])
         for group, res in zip(groups, results, strict=True):
             for (i, slot, job_pending, _), (checksum, err) in zip(group, res, strict=True):
                 if err is None:
@@ -612,6 +662,8 @@ class NvmeStore(StoreBackend):
                             results[slot] = True  # same key committed already: no-op
                             self._release(slot)
                         else:
+                            # From here abort cannot touch it: the row is in flight.
+                            self._committing[slot] = self._reserved.pop(slot)
                             seen.add(pending.key)
                             row_slots.add(slot)
                             slab, offset = self.layout.locate(slot)
@@ -640,11 +692,11 @@ class NvmeStore(StoreBackend):
                             error=str(exc),
                         )
                 for row in rows:
+                    del self._committing[row.slot]
                     if error is None:
-                        self._reserved.pop(row.slot, None)
                         self._entries[row.key] = row
                     else:
-                        self._release(row.slot)
+                        self._free_slot(row.slot)
                     results[row.slot] = error is None
                 if rows and error is None:
                     self._counters["group_commits"] += 1
@@ -671,8 +723,12 @@ class NvmeStore(StoreBackend):
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
         self._check_open()
+        self._abort_now(reservations)
+
+    def _abort_now(self, reservations: Sequence[Reservation | None]) -> None:
+        """Release the reservations still open (not committed, not being committed)."""
         for r in reservations:
-            if not r.present:
+            if r is not None and not r.present:
                 pending = self._reserved.get(r.handle)
                 if pending is not None and pending.key == bytes(r.key):
                     self._release(r.handle)
@@ -694,23 +750,11 @@ class NvmeStore(StoreBackend):
                 self._counters["misses"] += 1
                 continue
             jobs.append((i, row, bufs[i]))
-            self._reading[row.slot] += 1
         if not jobs:
             return ok
         assert self._engine is not None
         groups = _split(jobs, self.io_threads) if self._engine.splits_batches else [jobs]
-        try:
-            results = await asyncio.gather(
-                *(self.run_blocking(self._read_blocking, g) for g in groups)
-            )
-        finally:
-            for _, row, _ in jobs:
-                self._reading[row.slot] -= 1
-                if not self._reading[row.slot]:
-                    del self._reading[row.slot]
-                    if row.slot in self._free_after_read:
-                        self._free_after_read.discard(row.slot)
-                        heapq.heappush(self._free, row.slot)
+        results = await self._slot_io(self._read_blocking, groups, [row.slot for _, row, _ in jobs])
         bad: list[tuple[PageRow, BaseException]] = []
         now = time.time()
         for group, res in zip(groups, results, strict=True):
