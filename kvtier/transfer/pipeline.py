@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +53,8 @@ from kvtier.transfer.links import Link, Priority
 from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.pipeline")
+
+T = TypeVar("T")
 
 #: How long a room-making wait sleeps at most before re-checking (a safety net: every
 #: change that frees room also wakes the waiters).
@@ -352,10 +355,7 @@ class Pipeline:
         for k in victims:
             d.begin_evict(k, tier.name)
             self._begin_op(k, tier, fut)
-        task = asyncio.get_running_loop().create_task(self._evict(tier, victims, priority))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._spawn(self._evict(tier, victims, priority)))
 
     async def _evict(
         self, tier: Tier, victims: list[PageKey], priority: Priority = Priority.EVICT
@@ -428,9 +428,10 @@ class Pipeline:
     ) -> list[bool]:
         """Bring ``keys`` into ``dst`` from ``src`` (or from ``data`` when ``src`` is None).
 
-        ``True`` where the page is committed in ``dst`` afterwards. If ``dst`` ends above
-        its high watermark, it is trimmed, sparing ``protect`` (the pages a fetch is
-        bringing up for its caller).
+        ``True`` where the page is committed in ``dst`` afterwards, also when another
+        operation put it there at the same time (then its outcome is awaited). If ``dst``
+        ends above its high watermark, it is trimmed, sparing ``protect`` (the pages a
+        fetch is bringing up for its caller).
         """
         n = len(keys)
         if not await self.make_room(dst, n, priority):
@@ -443,13 +444,23 @@ class Pipeline:
             try:
                 if job is not None:
                     job.started = True
-                return await self._move_locked(
+                ok = await self._move_locked(
                     src, dst, keys, claim, data, parents, namespace, evicting, link
                 )
             finally:
                 claim = 0  # _move_locked converted or released the claim
                 if link is not None:
                     link.gate.release()
+            # A page another batch was reserving (or evicting) in dst was skipped: its
+            # outcome is this page's outcome. Waited for here, with no link slot held.
+            racing = [k for k, o in zip(keys, ok, strict=True) if not o]
+            if racing:
+                await self._settle(racing, [dst])
+                ok = [
+                    o or self.directory.is_committed(k, dst.name)
+                    for k, o in zip(keys, ok, strict=True)
+                ]
+            return ok
         finally:
             dst.claimed -= claim
             if claim:
@@ -462,7 +473,8 @@ class Pipeline:
     ) -> list[Reservation | None]:
         """Reserve ``keys`` in ``dst``, each under its own namespace label: ``namespace``
         when given (fresh pages), else the one the directory recorded when the page was
-        first stored (pages moving between tiers), so stores label every page."""
+        first stored (pages moving between tiers), so stores label every page. When a
+        later group's call raises, the earlier groups' reservations are aborted first."""
         if namespace:
             return await dst.backend.reserve(keys, namespace)
         groups: dict[str, list[int]] = {}
@@ -470,10 +482,16 @@ class Pipeline:
             entry = self.directory.get(k)
             groups.setdefault(entry.namespace if entry is not None else "", []).append(i)
         out: list[Reservation | None] = [None] * len(keys)
-        for label, idx in groups.items():
-            got = await dst.backend.reserve([keys[i] for i in idx], label)
-            for i, r in zip(idx, got, strict=True):
-                out[i] = r
+        try:
+            for label, idx in groups.items():
+                got = await dst.backend.reserve([keys[i] for i in idx], label)
+                for i, r in zip(idx, got, strict=True):
+                    out[i] = r
+        except BaseException:
+            taken = [r for r in out if r is not None]
+            if taken:
+                await self._abort_quietly(dst, taken)
+            raise
         return out
 
     async def _trim(
@@ -719,10 +737,12 @@ class Pipeline:
             self._spawn(self._write_through(top, stored))
         return out
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``coro`` as a background task that :meth:`drain` (and so close) awaits."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _write_through(self, src: Tier, keys: list[PageKey]) -> None:
         """Copy freshly committed pages down the hierarchy (background)."""
@@ -833,15 +853,19 @@ class Pipeline:
         return LoadResult(slots, missing)
 
     def release(self, keys: Sequence[PageKey]) -> None:
-        """Drop one pin per key. Raises :class:`KVTierUsageError` for a key not pinned.
+        """Drop one pin per key occurrence. Raises :class:`KVTierUsageError`, releasing
+        nothing, when a key occurs more often than it is pinned.
 
         Starts no work: when pins held the top tier above its high watermark, the next
         operation that needs room there evicts it back down to the low watermark.
         """
         d = self.directory
-        for k in keys:
-            if not d.is_pinned(k):
-                raise KVTierUsageError(f"page {bytes(k).hex()} is not pinned (released twice?)")
+        for k, n in Counter(keys).items():  # all checked first: an error changes nothing
+            entry = d.get(k)
+            held = entry.pins if entry is not None else 0
+            if held < n:
+                what = "is not pinned" if not held else f"holds {held} pin(s), released {n} times"
+                raise KVTierUsageError(f"page {bytes(k).hex()} {what} (released twice?)")
         for k in keys:
             d.unpin(k)
         self._changed(*self.tiers)
@@ -1026,24 +1050,31 @@ class Pipeline:
             for k in here:
                 d.begin_evict(k, tier.name)
                 self._begin_op(k, tier, fut)
-            try:
-                try:
-                    await tier.backend.delete(here)
-                except KVTierUsageError:
-                    raise
-                except Exception as exc:
-                    tier.record_failure("delete", len(here), exc)
-                for k in here:
-                    d.remove(k, tier.name)
-                    tier.policy.on_remove(k)
-                removed += len(here)
-            finally:
-                for k in here:
-                    if d.state(k, tier.name) is PageState.EVICTING:
-                        d.cancel_evict(k, tier.name)
-                    self._end_op(k, tier)
-                self._changed(tier)
+            # its own task: a cancelled caller cannot leave the index and the backend apart
+            await asyncio.shield(self._spawn(self._remove(tier, here)))
+            removed += len(here)
         return removed
+
+    async def _remove(self, tier: Tier, keys: list[PageKey]) -> None:
+        """Delete ``keys`` (marked ``evicting`` by the caller) from ``tier`` and forget
+        them there; a failing delete is logged and the index forgets them anyway."""
+        d = self.directory
+        try:
+            try:
+                await tier.backend.delete(keys)
+            except KVTierUsageError:
+                raise
+            except Exception as exc:
+                tier.record_failure("delete", len(keys), exc)
+            for k in keys:
+                d.remove(k, tier.name)
+                tier.policy.on_remove(k)
+        finally:
+            for k in keys:
+                if d.state(k, tier.name) is PageState.EVICTING:
+                    d.cancel_evict(k, tier.name)
+                self._end_op(k, tier)
+            self._changed(tier)
 
     async def drain(self) -> None:
         """Wait until every background task (write-through, late prefetches) is done."""

@@ -1,0 +1,132 @@
+"""Review findings on the pipeline and the facade, each pinned by a test on real tiers.
+
+Covers: concurrent stores and prefetches of the same pages (both callers see the page
+committed), releasing more pins than were taken (a usage error that changes nothing),
+a reservation failing for one namespace group of a batch (no space leaked in the
+backend), and a cancelled ``delete`` (the directory still matches the backend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from cache_kit import PAGE, config, sequence
+from kvtier.backends.filestore import FileStore
+
+from kvtier.cache import KVCache
+from kvtier.errors import KVTierUsageError, TierIOError
+
+
+class LabelFailingFileStore(FileStore):
+    """A file store whose ``reserve`` raises for pages of one namespace label (as a store
+    whose per-namespace area went away would)."""
+
+    bad_label: ClassVar[str] = "bad"
+
+    async def reserve(self, keys: Any, namespace: str = "") -> Any:
+        if namespace == type(self).bad_label:
+            raise TierIOError(f"injected: namespace {namespace!r} unavailable")
+        return await super().reserve(keys, namespace)
+
+
+def _open(cfg: dict[str, Any]) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+async def test_concurrent_stores_of_the_same_pages_both_report_them_stored(tmp_path: Path):
+    """Two requests sharing a prompt store the same pages at once: the page is committed
+    once, and both callers are told it is stored (keys are content addresses)."""
+    rng = np.random.default_rng(21)
+    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 4)
+        a, b = await asyncio.gather(cache.store(tokens, data), cache.store(tokens, data))
+        assert a.stored == [True] * 4
+        assert b.stored == [True] * 4
+        out = np.zeros_like(data)
+        assert all(await cache.read(a.keys, out))
+        assert np.array_equal(out, data)
+        cache.directory.check_invariants()
+
+
+async def test_concurrent_prefetches_of_the_same_pages_both_see_them_arrive(tmp_path: Path):
+    rng = np.random.default_rng(22)
+    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        assert [cache.directory.locate(k) for k in keys] == ["file"] * 4
+        a, b = await asyncio.gather(
+            cache.prefetch(keys, deadline_s=5), cache.prefetch(keys, deadline_s=5)
+        )
+        assert sorted(a.arrived) == sorted(keys) and a.missing == []
+        assert sorted(b.arrived) == sorted(keys) and b.missing == []
+
+
+async def test_releasing_more_pins_than_taken_is_a_usage_error_that_changes_nothing(
+    tmp_path: Path,
+):
+    rng = np.random.default_rng(23)
+    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 2)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys)  # one pin each
+        with pytest.raises(KVTierUsageError, match=r"holds 1 pin\(s\), released 2 times"):
+            cache.release([keys[0], keys[0]])
+        assert all(cache.directory.is_pinned(k) for k in keys)  # nothing was released
+        cache.release(keys)
+        assert not any(cache.directory.is_pinned(k) for k in keys)
+        cache.directory.check_invariants()
+
+
+async def test_reserve_failing_for_one_namespace_group_leaks_no_space(tmp_path: Path):
+    """A batch moving pages of two namespace labels reserves per label; when the second
+    reserve raises, the first group's reservations are given back to the backend."""
+    cfg = config(
+        tmp_path,
+        dram_pages=16,
+        file_pages=64,
+        file_backend="test_review_pipeline:LabelFailingFileStore",
+        write_policy="write-back",
+    )
+    rng = np.random.default_rng(24)
+    async with _open(cfg) as cache:
+        good_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
+        bad_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
+        pages = rng.integers(0, 256, size=(3, PAGE), dtype=np.uint8)
+        assert all(await cache.store_pages(good_keys, pages, namespace="good"))
+        assert all(await cache.store_pages(bad_keys, pages, namespace="bad"))
+        written = await cache.flush()  # one batch: "good" reserves, then "bad" raises
+        file_tier = cache.tiers[1]
+        assert written == 0
+        assert cache.directory.used("file") == 0
+        assert file_tier.backend.used_pages() == 0  # no reservation left behind
+        cache.directory.check_invariants()
+
+
+async def test_cancelled_delete_leaves_the_directory_matching_the_backend(tmp_path: Path):
+    """Cancelling ``delete`` while a store is removing files must not leave the directory
+    saying the pages are still there (lookup would report pages nobody can read)."""
+    rng = np.random.default_rng(25)
+    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        task = asyncio.create_task(cache.delete(keys))
+        await asyncio.sleep(0)  # delete runs up to the store's executor hop
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await cache.pipeline.drain()
+        d = cache.directory
+        d.check_invariants()
+        for t in cache.tiers:
+            assert d.used(t.name) == t.backend.used_pages(), t.name
+        hit = await cache.lookup(tokens)
+        held = await cache.tiers[1].backend.contains(hit.keys)
+        assert all(held)  # every page lookup reports is really there
