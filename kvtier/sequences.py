@@ -281,15 +281,26 @@ class SequenceManager:
         All-or-nothing on bad input or :class:`CapacityError` (working pool full)."""
         async with self._lock:
             ids = check_token_ids(tokens)
-            t = self._check_kv(kv, len(ids))
-            tables = self.tables
-            before = tables.cow_copies
-            for w in tables.append(seq_id, ids):
-                self.page(w.slot)[:, :, w.offset : w.offset + w.count] = t[
-                    :, :, w.src_start : w.src_start + w.count
-                ]
-            self.stats.cow_copies += tables.cow_copies - before
+            self._write_append(seq_id, ids, self._check_kv(kv, len(ids)))
             await self._publish(seq_id)
+
+    def _prepare_append(self, seq_id: int, tokens: Any, kv: Any) -> tuple[list[int], torch.Tensor]:
+        """Validate an append without changing anything: raises what :meth:`append`
+        would raise before writing (bad ids or KV, unknown sequence, too long, no room)."""
+        ids = check_token_ids(tokens)
+        t = self._check_kv(kv, len(ids))
+        self.tables.check_append(seq_id, len(ids))
+        return ids, t
+
+    def _write_append(self, seq_id: int, ids: list[int], t: torch.Tensor) -> None:
+        """Append checked ids and KV to the table and the working slots (no await)."""
+        tables = self.tables
+        before = tables.cow_copies
+        for w in tables.append(seq_id, ids):
+            self.page(w.slot)[:, :, w.offset : w.offset + w.count] = t[
+                :, :, w.src_start : w.src_start + w.count
+            ]
+        self.stats.cow_copies += tables.cow_copies - before
 
     async def adopt_prefix(self, seq_id: int, tokens: Any) -> int:
         """Start the empty sequence ``seq_id`` with the longest cached prefix of
@@ -523,11 +534,23 @@ class VersionedGroup:
         return self._members(seq_id)[name]
 
     async def append(self, seq_id: int, tokens: Any, kv: Mapping[str, Any]) -> None:
+        """Append ``tokens`` to every member, ``kv[name]`` being manager ``name``'s KV.
+
+        All-or-nothing across managers: bad input or a full working pool in any of them
+        raises before any changes (every manager's lock is held from check to write)."""
         members = self._members(seq_id)
         if set(kv) != set(members):
             raise KVTierUsageError(f"kv must be given for {sorted(members)}, got {sorted(kv)}")
-        for name, s in members.items():
-            await self.managers[name].append(s, tokens, kv[name])
+        work = [(self.managers[name], s, kv[name]) for name, s in members.items()]
+        locks = {id(m): m._lock for m, _, _ in work}
+        async with contextlib.AsyncExitStack() as stack:
+            for key in sorted(locks):  # one global order: no deadlock between groups
+                await stack.enter_async_context(locks[key])
+            ready = [(m, s, *m._prepare_append(s, tokens, k)) for m, s, k in work]
+            for m, s, ids, t in ready:
+                m._write_append(s, ids, t)
+            for m, s, _, _ in ready:
+                await m._publish(s)
 
     def fork(self, seq_id: int) -> int:
         members = self._members(seq_id)

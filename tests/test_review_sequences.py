@@ -3,13 +3,19 @@ input gets a clear error naming the problem."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
+from seq_harness import TwoTierCache
 from test_block_table import PT, Memory, make
+from test_sequences import DRAFT, SPEC, kv_for
 
 from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.index.block_table import BlockTables, UnknownSequenceError
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import Namespace, PageKey, page_keys
+from kvtier.sequences import SequenceManager, VersionedGroup
 
 NS = Namespace("review-model", page_tokens=4)
 
@@ -109,3 +115,41 @@ def test_truncate_table_only_ever_cuts_tokens_in_step_with_pages() -> None:
     assert mem.read(tables, b) == list(range(2 * PT + 3))
     mem.write(tables, a, [99])
     assert mem.read(tables, b) == list(range(2 * PT + 3))
+
+
+async def _group(tmp_path: Path, draft_working: int) -> tuple[VersionedGroup, list[Any]]:
+    target_cache = TwoTierCache(SPEC, 24, 100, tmp_path / "t")
+    draft_cache = TwoTierCache(DRAFT, 24, 100, tmp_path / "d")
+    await target_cache.open()
+    await draft_cache.open()
+    target = await SequenceManager.open(target_cache, 8)
+    draft = await SequenceManager.open(draft_cache, draft_working)
+    return VersionedGroup({"target": target, "draft": draft}), [
+        target,
+        draft,
+        target_cache,
+        draft_cache,
+    ]
+
+
+async def test_group_append_is_all_or_nothing_across_managers(tmp_path: Path) -> None:
+    group, (target, draft, *caches) = await _group(tmp_path, draft_working=1)
+    s = group.create()
+    toks = [1, 2, 3, 4, 5]  # two pages: the draft's pool holds one
+    kv = {"target": kv_for(SPEC, toks, 0), "draft": kv_for(DRAFT, toks, 0)}
+    with pytest.raises(CapacityError):
+        await group.append(s, toks, kv)
+    bad = {"target": kv_for(SPEC, toks[:2], 0), "draft": kv_for(SPEC, toks[:2], 0)}
+    with pytest.raises(KVTierUsageError, match="shape"):
+        await group.append(s, toks[:2], bad)  # the draft's KV has the target's geometry
+    for m, name in ((target, "target"), (draft, "draft")):
+        assert m.tables.table(group.member(s, name)).tokens == []
+        assert m.tables.pool.in_use == 0 and m.stats.pages_published == 0
+        m.check_invariants()
+    ok = {"target": kv_for(SPEC, toks[:3], 0), "draft": kv_for(DRAFT, toks[:3], 0)}
+    await group.append(s, toks[:3], ok)
+    for m, name in ((target, "target"), (draft, "draft")):
+        assert m.tables.table(group.member(s, name)).tokens == toks[:3]
+    await group.free(s)
+    for c in (target, draft, *caches):
+        await c.close()

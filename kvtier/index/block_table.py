@@ -322,22 +322,9 @@ class BlockTables:
         n = len(ids)
         if n == 0:
             return []
-        if self.max_tokens is not None and table.num_tokens + n > self.max_tokens:
-            raise SequenceLengthError(
-                f"sequence {seq_id}: appending {n} tokens to {table.num_tokens} exceeds the "
-                f"maximum length of {self.max_tokens}"
-            )
+        cow = self._check_append(table, n)
         pt = self.page_tokens
         start = table.num_tokens
-        offset = start % pt
-        cow = offset != 0 and table.pages[-1].refs > 1
-        new_pages = -(-(start + n) // pt) - len(table.pages)
-        needed = new_pages + (1 if cow else 0)
-        if needed > self.pool.capacity - self.pool.in_use:
-            raise CapacityError(
-                f"sequence {seq_id}: appending {n} tokens needs {needed} working slots, "
-                f"{self.pool.capacity - self.pool.in_use} of {self.pool.capacity} are free"
-            )
         if cow:
             old = table.pages[-1]
             copy = self._new_page()
@@ -362,6 +349,32 @@ class BlockTables:
             src += count
         table.tokens.extend(ids)
         return writes
+
+    def check_append(self, seq_id: int, n: int) -> None:
+        """Raise what :meth:`append` of ``n`` tokens to ``seq_id`` would raise
+        (:class:`SequenceLengthError`, :class:`CapacityError`, unknown or finished
+        sequence) without changing anything."""
+        table = self._live(seq_id)
+        if n:
+            self._check_append(table, n)
+
+    def _check_append(self, table: BlockTable, n: int) -> bool:
+        """Check an append of ``n`` tokens; returns whether it copies the last page."""
+        if self.max_tokens is not None and table.num_tokens + n > self.max_tokens:
+            raise SequenceLengthError(
+                f"sequence {table.seq_id}: appending {n} tokens to {table.num_tokens} "
+                f"exceeds the maximum length of {self.max_tokens}"
+            )
+        start = table.num_tokens
+        cow = start % self.page_tokens != 0 and table.pages[-1].refs > 1
+        new_pages = -(-(start + n) // self.page_tokens) - len(table.pages)
+        needed = new_pages + (1 if cow else 0)
+        if needed > self.pool.capacity - self.pool.in_use:
+            raise CapacityError(
+                f"sequence {table.seq_id}: appending {n} tokens needs {needed} working slots, "
+                f"{self.pool.capacity - self.pool.in_use} of {self.pool.capacity} are free"
+            )
+        return cow
 
     def adopt(self, seq_id: int, tokens: Any, keys: Sequence[PageKey]) -> None:
         """Start an empty sequence with pages already stored in the cache (a cached
