@@ -29,7 +29,8 @@ Guarantees:
 * **Faults.** A full disk or an I/O error fails the affected pages only (``None`` from
   ``reserve``, ``False`` from ``write``/``commit``/``get``), is logged once per cause, and
   leaves the store consistent; a read that meets an I/O error (rather than bad bytes)
-  keeps the page, since a later read may succeed.
+  keeps the page, since a later read may succeed (a missing slab file is not such an
+  error: its pages are quarantined like bad bytes).
 * **Closing.** ``close`` waits for the calls in flight and their page I/O (which outlives
   a cancelled caller: worker threads cannot be stopped) and refuses new calls, then waits
   for pending commits; uncommitted reservations are dropped.
@@ -778,6 +779,11 @@ class NvmeStore(StoreBackend):
         items = [PageRead(row.slab, row.offset, buf) for _, row, buf in jobs]
         out: list[BaseException | None] = []
         for (_, row, buf), res in zip(jobs, self._engine.read_batch(items), strict=True):
+            if isinstance(res, FileNotFoundError):
+                # Unlike an I/O error this never heals: the page is gone (quarantined),
+                # not kept as present forever, which would refuse every put of it again.
+                out.append(IntegrityError(f"slab file {row.slab} is missing"))
+                continue
             if isinstance(res, BaseException):
                 out.append(res)
                 continue

@@ -203,3 +203,23 @@ async def test_a_reserve_cancelled_while_its_slab_is_made_takes_no_space(
         assert s.used_pages() == 0, "a cancelled reserve kept its slots"
         s._ensure_slabs = real_ensure  # type: ignore[method-assign]
         assert await s.put([key(3), key(4)], [page(3), page(4)]) == [True, True]
+
+
+async def test_pages_of_a_missing_slab_file_are_dropped_and_can_be_stored_again(
+    tmp_path: Path,
+) -> None:
+    from kvtier.backends.nvme_slabs import slab_path
+
+    root = tmp_path / "s"
+    opts: dict[str, object] = {"slab_bytes": 2 * (PAGE + BLOCK), "engine": "posix"}
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=8, path=root, **opts) as s:  # type: ignore[arg-type]
+        assert all(await s.put([key(i) for i in range(4)], [page(i) for i in range(4)]))
+    slab_path(root, 1).unlink()  # slots 2 and 3 lived there
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=8, path=root, **opts) as s:  # type: ignore[arg-type]
+        outs = [np.empty(PAGE, np.uint8) for _ in range(4)]
+        assert await s.get([key(i) for i in range(4)], outs) == [True, True, False, False]
+        # Gone for good: not reported present, so the page can be stored again.
+        assert await s.contains([key(2), key(3)]) == [False, False]
+        assert await s.put([key(2)], [page(2)]) == [True]
+        assert await s.get([key(2)], outs[:1]) == [True]
+        np.testing.assert_array_equal(outs[0], page(2))
