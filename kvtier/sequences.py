@@ -163,6 +163,10 @@ class SequenceManager:
             raise KVTierUsageError(f"working_pages must be an int, got {working_pages!r}")
         if working_pages < 1:
             raise KVTierUsageError(f"working_pages must be >= 1, got {working_pages}")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise KVTierUsageError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
         top = cache.tiers[0]
         if not isinstance(top.backend, ArenaBackend):
             raise KVTierUsageError(
@@ -201,7 +205,12 @@ class SequenceManager:
         directory = self.cache.directory
         for k in keys:
             directory.reserve(k, self.top_tier, WORKING_NAMESPACE)
-        res = await self.arena.reserve(keys, WORKING_NAMESPACE)
+        try:
+            res = await self.arena.reserve(keys, WORKING_NAMESPACE)
+        except BaseException:  # a closed or failing arena: the directory gives its slots back
+            for k in keys:
+                directory.abort(k, self.top_tier)
+            raise
         got = [r for r in res if r is not None]
         if len(got) < len(keys):
             await self.arena.abort(got)

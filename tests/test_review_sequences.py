@@ -11,6 +11,7 @@ from seq_harness import TwoTierCache
 from test_block_table import PT, Memory, make
 from test_sequences import DRAFT, SPEC, kv_for
 
+from kvtier.backend import BackendClosedError
 from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.index.block_table import BlockTables, UnknownSequenceError
 from kvtier.index.prefix_tree import PrefixTree
@@ -153,3 +154,22 @@ async def test_group_append_is_all_or_nothing_across_managers(tmp_path: Path) ->
     await group.free(s)
     for c in (target, draft, *caches):
         await c.close()
+
+
+async def test_open_with_bad_max_tokens_reserves_nothing(tmp_path: Path) -> None:
+    cache = TwoTierCache(SPEC, 24, 100, tmp_path / "s")
+    await cache.open()
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(KVTierUsageError, match="max_tokens"):
+            await SequenceManager.open(cache, 4, max_tokens=bad)  # type: ignore[arg-type]
+    assert cache.directory.used("dram") == 0 and cache.dram.used_pages() == 0
+    mgr = await SequenceManager.open(cache, 24)  # the whole tier is still there
+    await mgr.close()
+    await cache.close()
+
+
+async def test_open_on_a_closed_top_tier_leaves_no_reservation(tmp_path: Path) -> None:
+    cache = TwoTierCache(SPEC, 24, 100, tmp_path / "s")  # never opened
+    with pytest.raises(BackendClosedError):
+        await SequenceManager.open(cache, 4)
+    assert cache.directory.used("dram") == 0
