@@ -246,7 +246,10 @@ class NvmeStore(StoreBackend):
         try:
             await self.run_blocking(self._open_blocking)
         except BaseException:
-            await super().close()
+            await super().close()  # waits for the open's thread, even when cancelled
+            # Release what that thread took all the same (a cancelled open's lock).
+            await asyncio.get_running_loop().run_in_executor(None, self._close_blocking, {})
+            self._reset_state()
             raise
 
     def _open_blocking(self) -> None:

@@ -223,3 +223,29 @@ async def test_pages_of_a_missing_slab_file_are_dropped_and_can_be_stored_again(
         assert await s.put([key(2)], [page(2)]) == [True]
         assert await s.get([key(2)], outs[:1]) == [True]
         np.testing.assert_array_equal(outs[0], page(2))
+
+
+async def test_a_cancelled_open_releases_the_store(tmp_path: Path) -> None:
+    s = NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s", engine="posix")
+    real_open = s._open_blocking
+    entered, go = threading.Event(), threading.Event()
+
+    def slow_open() -> None:
+        entered.set()
+        go.wait(30)
+        real_open()
+
+    s._open_blocking = slow_open  # type: ignore[method-assign]
+    opening = asyncio.ensure_future(s.open())
+    assert await asyncio.to_thread(entered.wait, 30)
+    opening.cancel()
+    go.set()
+    await asyncio.gather(opening, return_exceptions=True)
+    assert opening.cancelled()
+    # The lock and files the open had taken are released: the store opens again, here
+    # through another object and through the same one.
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s") as other:
+        assert await other.put([key(1)], [page(1)]) == [True]
+    s._open_blocking = real_open  # type: ignore[method-assign]
+    async with s:
+        assert await s.keys() == [key(1)]
