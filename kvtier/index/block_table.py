@@ -146,14 +146,13 @@ class BlockTable:
         seq_id: the sequence.
         pages: logical page number -> page.
         tokens: token ids, ``num_tokens`` of them.
-        finished: freed by the engine.
+        versions: live snapshots, oldest first.
     """
 
     seq_id: int
     pages: list[Page] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     versions: list[_Version] = field(default_factory=list)
-    finished: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -254,7 +253,8 @@ class BlockTables:
     # -- lookup --------------------------------------------------------------------------
 
     def table(self, seq_id: int) -> BlockTable:
-        """The table of ``seq_id``; :class:`UnknownSequenceError` if there is none."""
+        """The table of ``seq_id``; :class:`SequenceFinishedError` if it was freed,
+        :class:`UnknownSequenceError` if there never was one."""
         try:
             return self._tables[seq_id]
         except (KeyError, TypeError):
@@ -264,12 +264,6 @@ class BlockTables:
                     f"sequence {seq_id} is finished (freed): it cannot be used or forked"
                 ) from None
             raise UnknownSequenceError(f"unknown sequence id {seq_id!r}") from None
-
-    def _live(self, seq_id: int) -> BlockTable:
-        table = self.table(seq_id)
-        if table.finished:
-            raise SequenceFinishedError(f"sequence {seq_id} is finished")
-        return table
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tables
@@ -317,7 +311,7 @@ class BlockTables:
         :class:`CapacityError` (pool exhausted) or :class:`SequenceLengthError` the table
         is unchanged.
         """
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         ids = check_token_ids(tokens)
         n = len(ids)
         if n == 0:
@@ -354,7 +348,7 @@ class BlockTables:
         """Raise what :meth:`append` of ``n`` tokens to ``seq_id`` would raise
         (:class:`SequenceLengthError`, :class:`CapacityError`, unknown or finished
         sequence) without changing anything."""
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         if n:
             self._check_append(table, n)
 
@@ -383,7 +377,7 @@ class BlockTables:
         Raises :class:`KVTierUsageError` unless the sequence is empty, has no versions,
         and ``tokens`` fills exactly ``len(keys)`` pages.
         """
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         ids = check_token_ids(tokens)
         if table.tokens or table.versions:
             raise KVTierUsageError(
@@ -409,7 +403,7 @@ class BlockTables:
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every page (and the version stack) of ``seq_id``."""
-        src = self._live(seq_id)
+        src = self.table(seq_id)
         child = BlockTable(next(self._seq_ids), list(src.pages), list(src.tokens))
         self._ref(child.pages)
         for v in src.versions:
@@ -428,7 +422,6 @@ class BlockTables:
             freed += self._unref(v.pages)
         table.pages.clear()
         table.versions.clear()
-        table.finished = True
         del self._tables[seq_id]
         self._finished.add(seq_id)
         return freed
@@ -437,7 +430,7 @@ class BlockTables:
 
     def snapshot(self, seq_id: int) -> int:
         """Record the table before a speculative step; returns the version id."""
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         v = _Version(next(self._vids), table.num_tokens, list(table.pages))
         self._ref(v.pages)
         table.versions.append(v)
@@ -458,7 +451,7 @@ class BlockTables:
 
         Returns the number of working pages freed (pages written after the snapshot).
         """
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         i = self._version_index(table, vid, "roll back")
         v = table.versions[i]
         dropped = table.versions[i:]
@@ -475,7 +468,7 @@ class BlockTables:
         """Accept the tokens appended since version ``vid`` (only the first ``keep`` of
         them when given: the rest are dropped as by a rollback). Consumes ``vid`` and
         every newer version. Returns working pages freed."""
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         i = self._version_index(table, vid, "commit")
         v = table.versions[i]
         since = table.num_tokens - v.num_tokens
@@ -543,7 +536,7 @@ class BlockTables:
     def truncate(self, seq_id: int, num_tokens: int) -> int:
         """Cut a sequence without live versions to ``num_tokens`` tokens (e.g. to
         recompute pages a fault lost). Returns working pages freed."""
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         if table.versions:
             raise VersionError(
                 f"sequence {seq_id} has live versions {table.live_versions()}: commit or "
@@ -562,7 +555,7 @@ class BlockTables:
         """``(logical page, page)`` of each full, verified, unpublished page of
         ``seq_id`` whose predecessors are all published, in order: what may now be
         stored in the cache (its key chains from the previous page's key)."""
-        table = self._live(seq_id)
+        table = self.table(seq_id)
         limit = table.verified_tokens // self.page_tokens
         out: list[tuple[int, Page]] = []
         for lp in range(limit):
@@ -593,7 +586,7 @@ class BlockTables:
     ) -> np.ndarray:
         """The int32 ``[len(seq_ids), max_pages]`` table of slots, padded with
         :data:`PAD_SLOT`. ``slot_of`` maps a page to its top-tier slot."""
-        tables = [self._live(s) for s in seq_ids]
+        tables = [self.table(s) for s in seq_ids]
         width = max((len(t.pages) for t in tables), default=0)
         if max_pages is None:
             max_pages = width
