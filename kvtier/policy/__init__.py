@@ -9,12 +9,13 @@ them (``eviction = "session"``, ``admission = "reuse"``).
 from kvtier.config import register_admission
 from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
 from kvtier.policy.arc import ARCPolicy
+from kvtier.policy.density import HitDensityPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy, register_policy
 from kvtier.policy.prefix_aware import PrefixLRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 from kvtier.policy.session import SessionPolicy
 
-for _cls in (ARCPolicy, S3FIFOPolicy, PrefixLRUPolicy, SessionPolicy):
+for _cls in (ARCPolicy, S3FIFOPolicy, PrefixLRUPolicy, SessionPolicy, HitDensityPolicy):
     register_policy(_cls.name, _cls)
 for _adm in (FrequencyAdmission, ReusePredictor):
     register_admission(_adm.name, _adm)
@@ -23,6 +24,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "ARCPolicy",
     "FrequencyAdmission",
+    "HitDensityPolicy",
     "PrefixLRUPolicy",
     "ReusePredictor",
     "S3FIFOPolicy",

@@ -8,7 +8,9 @@ how likely a page is to be referenced again as a function of two things it can o
 
 * its *class*: how many times it was referenced so far (1, 2, ..., ``max_refs`` or more);
   on real KV traffic most pages are used once, and a page's chance of another use grows
-  with its use count;
+  with its use count; and whether a page was ever stored after it (the last page of a
+  prompt, often partial, is rarely reused, while a page inside a chain is reused whenever
+  its conversation continues);
 * its *age*: page insertions (the cache's clock) since its last reference; sessions come
   back after a gap, so that chance also falls with age.
 
@@ -17,10 +19,11 @@ referenced again at that age) and *censorings* (a page whose history was dropped
 age without a reuse). Evicted pages keep a ghost entry (key, class, last reference; no
 data) for ``ghost_factor`` times the capacity, so reuses after an eviction are still seen
 and the estimate is not biased by the policy's own evictions. From the histograms a
-Kaplan-Meier hazard per bucket gives, for each (class, age), the density over a horizon of
-one capacity of insertions: ``P(reuse within horizon) / E[space-time occupied]``. Tables
-are recomputed every ``capacity / 4`` insertions; histograms are halved every
-``16 x capacity`` insertions, so the policy follows drifting traffic.
+hazard per bucket (reuses over pages still observed at that age) gives, for each (class,
+age), the density ``E[hits before the page's history ends] / E[insertions it spans]``,
+where a history ends at a reuse or when its ghost is dropped (so ``ghost_factor`` sets how
+far ahead the policy looks). Tables are recomputed every ``capacity / 4`` insertions;
+histograms are halved every ``16 x capacity`` insertions, so the policy follows drifting traffic.
 
 Prefix structure: a page whose parent left the tier cannot produce a prefix hit until the
 parent is recomputed, so such *orphans* are evicted before anything else. A page whose
@@ -30,7 +33,7 @@ policy does on a cold start.
 Eviction compares, for each class, the least recently referenced evictable page (within a
 class density falls with age in practice) and takes the lowest. All hooks are O(1)
 amortised apart from ``victims`` (O(classes) per victim) and the periodic table rebuild
-(O(classes x buckets^2), independent of the number of pages).
+(O(classes x buckets), independent of the number of pages).
 
 ``capacity`` is the tier's size in pages; without it the policy uses the most pages it has
 held at once, which equals the capacity once the tier has filled.
@@ -38,7 +41,6 @@ held at once, which equals the capacity once the tier has filled.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import ClassVar
@@ -77,29 +79,24 @@ class HitDensityPolicy(EvictionPolicy):
         self,
         max_refs: int = 3,
         ghost_factor: float = 4.0,
-        horizon: float = 1.0,
         capacity: int | None = None,
     ) -> None:
         """``max_refs``: use counts at and above it share a class. ``ghost_factor``: ghost
-        entries kept, in capacities. ``horizon``: look-ahead of the density, in
-        capacities of insertions. ``capacity``: the tier's pages, if known.
+        entries kept, in capacities (how far past an eviction reuses are still seen).
+        ``capacity``: the tier's pages, if known.
         Raises :class:`~kvtier.errors.ConfigError` for a value out of range."""
         if isinstance(max_refs, bool) or not isinstance(max_refs, int) or max_refs < 1:
             raise ConfigError(f"density: max_refs must be an integer >= 1, got {max_refs!r}")
-        for pname, value in (("ghost_factor", ghost_factor), ("horizon", horizon)):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"density: {pname} must be a number, got {value!r}")
+        if isinstance(ghost_factor, bool) or not isinstance(ghost_factor, int | float):
+            raise ConfigError(f"density: ghost_factor must be a number, got {ghost_factor!r}")
         if not ghost_factor >= 1.0:
             raise ConfigError(f"density: ghost_factor must be >= 1, got {ghost_factor!r}")
-        if not 0.0 < horizon <= 64.0:
-            raise ConfigError(f"density: horizon must lie in (0, 64], got {horizon!r}")
         if capacity is not None and (
             isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
         ):
             raise ConfigError(f"density: capacity must be an integer >= 1 page, got {capacity!r}")
         self.max_refs = max_refs
         self.ghost_factor = float(ghost_factor)
-        self.horizon = float(horizon)
         self._fixed_c = capacity
         self._seen_c = 0
         #: Insertions so far: the clock ages are measured in.
@@ -144,30 +141,24 @@ class HitDensityPolicy(EvictionPolicy):
     def _record(self, hist: list[list[float]], cls: int, age: int) -> None:
         hist[cls][min(_bucket(age), self._n_buckets - 1)] += 1.0
 
-    def _rebuild(self) -> None:
-        horizon = max(int(self.horizon * self.c), 1)
+    def refresh(self) -> None:
+        """Recompute the density tables from the histograms now (the policy also does
+        this by itself every quarter capacity of insertions)."""
         starts = [_bucket_start(b) for b in range(self._n_buckets + 1)]
         for cls in range(self._n_cls):
             reuses, censored = self._reuses[cls], self._censored[cls]
-            at_risk = 0.0
-            hazard = [0.0] * self._n_buckets
-            for b in range(self._n_buckets - 1, -1, -1):
-                at_risk += reuses[b] + censored[b]
-                hazard[b] = reuses[b] / at_risk if at_risk > 0 else 0.0
             table = self._table[cls]
-            for b0 in range(self._n_buckets):
-                end = starts[b0] + horizon
-                alive, hits, occupied = 1.0, 0.0, 0.0
-                b = b0
-                while b < self._n_buckets and starts[b] < end:
-                    width = min(starts[b + 1], end) - starts[b]
-                    share = width / (starts[b + 1] - starts[b])
-                    p = hazard[b] * share
-                    hits += alive * p
-                    occupied += alive * (1.0 - p / 2) * width
-                    alive *= 1.0 - p
-                    b += 1
-                table[b0] = hits / occupied if occupied > 0 else 0.0
+            at_risk = hits = occupied = 0.0
+            for b in range(self._n_buckets - 1, -1, -1):
+                ended = reuses[b] + censored[b]
+                at_risk += ended
+                p_hit = reuses[b] / at_risk if at_risk > 0 else 0.0
+                p_end = ended / at_risk if at_risk > 0 else 0.0
+                hits = p_hit + (1.0 - p_end) * hits
+                occupied = (starts[b + 1] - starts[b]) * (1.0 - p_end / 2) + (
+                    1.0 - p_end
+                ) * occupied
+                table[b] = hits / occupied if occupied > 0 else 0.0
         self._next_rebuild = self.clock + max(self.c // 4, 1)
 
     def _tick(self) -> None:
@@ -180,7 +171,7 @@ class HitDensityPolicy(EvictionPolicy):
                             row[i] = v / 2
             self._next_decay = self.clock + 16 * self.c
         if self.clock >= self._next_rebuild:
-            self._rebuild()
+            self.refresh()
 
     def _trim_ghosts(self) -> None:
         limit = self.ghost_factor * self.c
@@ -303,10 +294,3 @@ class HitDensityPolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._cls
-
-
-def _check_buckets() -> None:  # pragma: no cover - a development aid
-    for age in range(1, 5000):
-        b = _bucket(age)
-        assert _bucket_start(b) <= age < _bucket_start(b + 1), age
-    assert math.isfinite(_bucket_start(_bucket(1 << 40)))
