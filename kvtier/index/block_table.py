@@ -246,9 +246,8 @@ class BlockTables:
         self._seq_ids = itertools.count(1)
         self._pids = itertools.count(1)
         self._vids = itertools.count(1)
-        #: Counters: pages copied on write, pages dropped by rollbacks.
+        #: Pages copied on write (a shared partial page written or cut).
         self.cow_copies = 0
-        self.rollback_discarded = 0
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -461,7 +460,6 @@ class BlockTables:
         for later in dropped[1:]:
             freed += self._unref(later.pages)
         del table.tokens[v.num_tokens :]
-        self.rollback_discarded += freed
         return freed
 
     def commit(self, seq_id: int, vid: int, keep: int | None = None) -> int:
@@ -530,7 +528,6 @@ class BlockTables:
             table.pages[-1] = copy
             freed += self._unref([last])
             self.cow_copies += 1
-        self.rollback_discarded += freed
         return freed
 
     def truncate(self, seq_id: int, num_tokens: int) -> int:
