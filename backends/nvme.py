@@ -333,13 +333,18 @@ class NvmeStore(StoreBackend):
     async def close(self) -> None:
         """Wait for calls in flight and pending commits, drop uncommitted reservations,
         release the store. Calls made once closing has begun raise
-        :class:`~kvtier.backend.BackendClosedError`."""
+        :class:`~kvtier.backend.BackendClosedError`. A close cancelled while it waits
+        leaves the store open (and closable again)."""
         if not self._opened or self._closing:
             return
         self._closing = True
-        await self._idle.wait()
-        if self._commit_task is not None:
-            await asyncio.shield(self._commit_task)
+        try:
+            await self._idle.wait()
+            if self._commit_task is not None:
+                await asyncio.shield(self._commit_task)
+        except BaseException:
+            self._closing = False  # cancelled before anything was released: still open
+            raise
         self._reserved.clear()
         accessed, self._accessed = self._accessed, {}
         try:

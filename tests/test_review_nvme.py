@@ -249,3 +249,21 @@ async def test_a_cancelled_open_releases_the_store(tmp_path: Path) -> None:
     s._open_blocking = real_open  # type: ignore[method-assign]
     async with s:
         assert await s.keys() == [key(1)]
+
+
+async def test_a_cancelled_close_leaves_the_store_open_and_closable(tmp_path: Path) -> None:
+    s = NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s", engine="posix")
+    await s.open()
+    gate = WriteGate(s)
+    writing = asyncio.ensure_future(s.put([key(1)], [page(1)]))
+    await gate.wait_entered()
+    closing = asyncio.ensure_future(s.close())
+    await asyncio.sleep(0.01)
+    closing.cancel()
+    await asyncio.gather(closing, return_exceptions=True)
+    gate.release()
+    assert await writing == [True]
+    assert await s.contains([key(1)]) == [True]  # still open and serving
+    await s.close()
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s") as again:
+        assert await again.keys() == [key(1)]
