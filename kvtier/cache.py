@@ -23,6 +23,7 @@ dtype, size, key); a tier that fails at run time degrades to misses (``False`` r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,7 +123,8 @@ class KVCache:
         self.prefix_tree.attach(self.directory)
         self.tiers: list[Tier] = []
         self._pipeline: Pipeline | None = None
-        self._state = "new"
+        self._state = "new"  # -> open -> closing -> closed
+        self._closed = asyncio.Event()
         self._configure_log = configure_log
 
     @classmethod
@@ -153,8 +155,8 @@ class KVCache:
         if self._pipeline is None or self._state != "open":
             raise KVTierUsageError(
                 "KVCache is not open: use 'async with KVCache(...)' or 'await KVCache.open(...)'"
-                if self._state != "closed"
-                else "KVCache is closed"
+                if self._state == "new"
+                else f"KVCache is {self._state}"
             )
         return self._pipeline
 
@@ -191,8 +193,8 @@ class KVCache:
         start the pipeline. Idempotent while open; a closed cache cannot restart."""
         if self._state == "open":
             return
-        if self._state == "closed":
-            raise KVTierUsageError("KVCache is closed; create a new one")
+        if self._state in ("closing", "closed"):
+            raise KVTierUsageError(f"KVCache is {self._state}; create a new one")
         if self._configure_log:
             configure_logging(self.config.log_format, self.config.log_level)
         backends = [self._make_backend(i) for i in range(len(self.config.tiers))]
@@ -256,20 +258,27 @@ class KVCache:
 
     async def close(self) -> None:
         """Finish or cancel pipeline work, write dirty pages down per the write policy,
-        close every backend. Idempotent."""
+        close every backend. Calls made once close has begun raise
+        :class:`KVTierUsageError`; calls already running finish. Idempotent: a second
+        call returns when the first one is done."""
+        if self._state == "closing":
+            await self._closed.wait()
+            return
         if self._state != "open":
             self._state = "closed"
             return
         assert self._pipeline is not None
+        self._state = "closing"
         try:
             await self._pipeline.close()
         finally:
-            self._state = "closed"
             for tier in reversed(self.tiers):
                 try:
                     await tier.backend.close()
                 except Exception as exc:
                     _log.warning("backend close failed", tier=tier.name, error=repr(exc))
+            self._state = "closed"
+            self._closed.set()
             _log.info("kvtier cache closed", metrics=self.metrics.snapshot()["tiers"])
 
     # -- input checking ------------------------------------------------------------------

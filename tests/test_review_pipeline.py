@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from cache_kit import PAGE, config, sequence
+from cache_kit import PAGE, SlowFileStore, config, sequence
 from kvtier.backends.filestore import FileStore
 
 from kvtier.cache import KVCache
@@ -130,3 +130,39 @@ async def test_cancelled_delete_leaves_the_directory_matching_the_backend(tmp_pa
         hit = await cache.lookup(tokens)
         held = await cache.tiers[1].backend.contains(hit.keys)
         assert all(held)  # every page lookup reports is really there
+
+
+async def test_close_lets_a_running_load_finish_and_refuses_new_calls(tmp_path: Path):
+    """close() cancels only prefetches not yet started: a demand load already waiting for
+    its batches is not handed a CancelledError it never asked for, and calls made once
+    close has begun are refused with a clear error instead of racing the shutdown."""
+    SlowFileStore.delay_s = 0.1
+    cfg = config(
+        tmp_path,
+        dram_pages=32,
+        file_pages=64,
+        file_backend="cache_kit:SlowFileStore",
+        batch_pages=1,
+        max_inflight_per_link=1,
+    )
+    rng = np.random.default_rng(26)
+    cache = _open(cfg)
+    await cache.start()
+    tokens, data = sequence(rng, 4)
+    keys = (await cache.store(tokens, data)).keys
+    await cache.flush()
+    await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+    load = asyncio.create_task(cache.load(keys, pin=False))
+    await asyncio.sleep(0.05)  # first batch reading, the others queued on the link
+    closing = asyncio.create_task(cache.close())
+    await asyncio.sleep(0)
+    more, more_data = sequence(rng, 1)
+    with pytest.raises(KVTierUsageError, match="closing"):
+        await cache.store(more, more_data)
+    result = await load
+    assert result.missing == []
+    await cache.close()  # a second close waits for the first one
+    assert closing.done()
+    await closing
+    current = asyncio.current_task()
+    assert [t for t in asyncio.all_tasks() if t is not current] == []

@@ -92,12 +92,14 @@ class PrefetchResult:
 
 
 class _Job:
-    """One batch running as its own task; ``started`` once it holds room and a link slot,
-    after which it is never cancelled (it finishes and commits or aborts cleanly)."""
+    """One batch running as its own task at ``priority``; ``started`` once it holds room
+    and a link slot, after which it is never cancelled (it finishes and commits or aborts
+    cleanly)."""
 
-    __slots__ = ("started", "task")
+    __slots__ = ("priority", "started", "task")
 
-    def __init__(self) -> None:
+    def __init__(self, priority: Priority) -> None:
+        self.priority = priority
         self.started = False
         self.task: asyncio.Task[Any] | None = None
 
@@ -141,7 +143,6 @@ class Pipeline:
         self._ops: dict[tuple[PageKey, str], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._jobs: set[_Job] = set()
-        self._closing = False
 
     # -- small helpers -------------------------------------------------------------------
 
@@ -204,8 +205,8 @@ class Pipeline:
         """Whether the write policy sends ``key`` to a lower tier."""
         return self.write_policy != "selective" or self.admission.admit(key)
 
-    def _launch(self, fn: Callable[[_Job], Coroutine[Any, Any, Any]]) -> _Job:
-        job = _Job()
+    def _launch(self, fn: Callable[[_Job], Coroutine[Any, Any, Any]], priority: Priority) -> _Job:
+        job = _Job(priority)
         task = asyncio.get_running_loop().create_task(fn(job))
         job.task = task
         self._tasks.add(task)
@@ -251,7 +252,7 @@ class Pipeline:
                 protect=protect,
             )
 
-        return self._launch(run)
+        return self._launch(run, priority)
 
     async def _await_jobs(self, jobs: Sequence[_Job]) -> list[Any]:
         """Results of ``jobs``; on cancellation, un-started jobs are cancelled and running
@@ -990,7 +991,7 @@ class Pipeline:
                 job = self._launch_move(src, top, batch, Priority.PREFETCH, protect=wanted)
                 batches.append((batch, job))
         if waiting:
-            job = _Job()
+            job = _Job(Priority.PREFETCH)
             job.started = True
             job.task = asyncio.get_running_loop().create_task(self._settle(waiting, [top]))
             self._tasks.add(job.task)
@@ -1116,10 +1117,13 @@ class Pipeline:
         return written
 
     async def close(self) -> None:
-        """Cancel batches not yet started (prefetches), finish the rest, then flush."""
-        self._closing = True
+        """Cancel prefetch batches not yet started, finish the rest, then flush.
+
+        Only prefetches are cut short: their caller counts a cancelled batch as missing,
+        whereas a cancelled load, store or write-down batch would hand a
+        ``CancelledError`` to a caller (or an eviction) that was never cancelled."""
         for job in list(self._jobs):
-            if not job.started and job.task is not None:
+            if job.priority is Priority.PREFETCH and not job.started and job.task is not None:
                 job.task.cancel()
         await self.drain()
         await self.flush()
