@@ -12,9 +12,9 @@ prefetch with a deadline, and close::
         ...                                              # attention reads the slots
         cache.release(hit.keys)
 
-``async with`` (or :meth:`KVCache.close`) leaves no task behind: batches not yet started
-are cancelled, running ones finish, background write-downs complete, and dirty pages of
-memory tiers are written down per the write policy before the backends close.
+``async with`` (or :meth:`KVCache.close`) leaves no task behind: prefetch batches not yet
+started are cancelled, other work finishes, background write-downs complete, and dirty
+pages of memory tiers are written down per the write policy before the backends close.
 
 Bad input raises :class:`~kvtier.errors.KVTierUsageError` naming what was wrong (shape,
 dtype, size, key); a tier that fails at run time degrades to misses (``False`` results,
