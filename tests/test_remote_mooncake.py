@@ -6,6 +6,7 @@ Skips, with the reason, where the plugin or the ``mooncake`` package is not inst
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
@@ -160,6 +161,33 @@ async def test_master_down_at_start_and_killed_mid_run() -> None:
             assert await s2.contains(ks) == [False] * 3
     finally:
         cluster.close()
+
+
+async def test_read_past_its_deadline_never_touches_the_callers_buffer_later() -> None:
+    """A worker thread cannot be stopped: a read that missed its deadline still completes
+    once the pool answers again. It must neither write into the caller's buffer (the
+    caller owns it again after the miss, and may have put another page there) nor into
+    read slots that a later read is using."""
+    timeout = 0.5
+    # the lease (Mooncake's default is 10 s) outlasts the freeze: the late transfer lands
+    with MooncakeCluster(pool_bytes=32 << 20, lease_ms=10_000) as cluster:
+        async with make(cluster, op_timeout_s=timeout) as s:
+            ks, data = keys(2), pages(2)
+            assert await s.put(ks, data) == [True, True]
+            first, second = np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.uint8)
+            cluster.pause_pool()
+            try:
+                assert await s.get(ks[:1], [first]) == [False]
+                start = time.monotonic()
+                assert await s.get(ks[1:], [second]) == [False]
+                assert time.monotonic() - start < timeout + 1.0  # a miss within its deadline
+            finally:
+                cluster.resume_pool()
+            await asyncio.sleep(1.0)  # the late transfers finish meanwhile
+            assert not first.any() and not second.any()
+            out = [np.zeros(PAGE, np.uint8) for _ in ks]
+            assert await s.get(ks, out) == [True, True]
+            assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
 
 
 def test_plugin_registers_its_bench_baseline() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +192,16 @@ class MooncakeCluster:
             if p.exists()
         )
 
+    def pause_pool(self) -> None:
+        """Freeze the pool process (SIGSTOP): transfers from its memory stall unanswered."""
+        if self._pool is not None:
+            os.kill(self._pool.pid, signal.SIGSTOP)
+
+    def resume_pool(self) -> None:
+        """Undo :meth:`pause_pool`."""
+        if self._pool is not None:
+            os.kill(self._pool.pid, signal.SIGCONT)
+
     def stop_master(self) -> None:
         """Stop ``mooncake_master`` only (the metadata server and pool stay)."""
         self._stop(self._master)
@@ -209,6 +220,8 @@ class MooncakeCluster:
     def _stop(proc: subprocess.Popen[bytes] | None) -> None:
         if proc is None or proc.poll() is not None:
             return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # a paused process cannot handle SIGTERM
         proc.terminate()
         try:
             proc.wait(10)

@@ -19,12 +19,16 @@ committed that still exist; pages do not survive a reopen in the index (they may
 in the pool and are found again by ``contains``/``get``).
 
 Blocking client calls run on the backend's executor, one hop per batch, each bounded by
-``op_timeout_s``; a failing master makes pages misses, logged once per outage.
+``op_timeout_s``; a failing master makes pages misses, logged once per outage. A worker
+thread cannot be stopped, so a hop past its deadline runs on: it keeps the registered
+slots it uses until it returns (later calls wait for them at most ``op_timeout_s``), and a
+read copies into the caller's buffers only after its fetch finished in time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -51,6 +55,9 @@ OBJECT_ALREADY_EXISTS = -705
 #: batch transfer (``read_pages`` pages), or large pages on a slow link are misses.
 LEASE_EXPIRED = -707
 
+#: Copies out of the read slots at least this large run on the executor (design invariant
+#: 7); smaller ones run inline, where an executor hop would cost more than the copy.
+_OFFLOAD_COPY_BYTES = 4 << 20
 #: Registered memory for staged writes and for reads when their page counts are 0 (auto).
 STAGING_BYTES = 64 << 20
 READ_BYTES = 32 << 20
@@ -273,7 +280,7 @@ class MooncakeStore(StoreBackend):
         self._pending.clear()
         if client is not None and self._executor is not None:
             try:
-                await self._call(client.close)
+                await self._bounded(self._hop(client.close))
             except Exception as exc:
                 log.debug("mooncake close failed: %r", exc)
         executor, self._executor = self._executor, None
@@ -283,12 +290,25 @@ class MooncakeStore(StoreBackend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """One executor hop, bounded by ``op_timeout_s`` (raises TimeoutError)."""
-        return await asyncio.wait_for(self.run_blocking(fn, *args), self.options["op_timeout_s"])
+    def _hop(self, fn: Callable[..., T], *args: Any) -> asyncio.Task[T]:
+        """Start ``fn(*args)`` on the executor (one hop) as a task that runs to its end.
 
-    async def _batch(self, method: str, *args: Any) -> list[int] | None:
-        """Call a ``batch_*`` client method; ``None`` (and an outage) when it fails."""
+        A worker thread cannot be stopped: a hop that outlives its caller's deadline (or
+        its caller) still runs, and writes into whatever memory it was given. The task is
+        done only when the thread is, so what a hop uses (registered slots) is given back
+        from its done callbacks, never when the caller stops waiting.
+        """
+        task = asyncio.ensure_future(self.run_blocking(fn, *args))
+        task.add_done_callback(_retrieve)
+        return task
+
+    async def _bounded(self, hop: asyncio.Task[T]) -> T:
+        """Wait at most ``op_timeout_s`` for ``hop`` (TimeoutError past it); the hop itself
+        is never cancelled."""
+        return await asyncio.wait_for(asyncio.shield(hop), self.options["op_timeout_s"])
+
+    async def _client_now(self) -> Any:
+        """The client, or ``None`` (an outage recorded) while the master is unreachable."""
         self._check_open()
         client = await self._ensure_client()
         if client is None:
@@ -296,31 +316,45 @@ class MooncakeStore(StoreBackend):
         if self.health.down and not await self._master_reachable():
             self.health.failed(f"master {self.options['master']} is not reachable")
             return None
-        try:
-            out = await self._call(getattr(client, method), *args)
-        except Exception as exc:
-            self.health.failed(f"{method}: {type(exc).__name__}: {exc}")
-            return None
-        self.health.succeeded()
-        return list(out)
+        return client
 
-    async def _with_client(self, what: str, fn: Callable[[Any], T]) -> T | None:
-        """Run ``fn(client)`` on the executor (one hop, bounded by ``op_timeout_s``);
-        ``None`` (and an outage) when the master cannot be reached or the call fails."""
-        self._check_open()
-        client = await self._ensure_client()
-        if client is None:
-            return None
-        if self.health.down and not await self._master_reachable():
-            self.health.failed(f"master {self.options['master']} is not reachable")
-            return None
+    async def _outcome(self, what: str, hop: asyncio.Task[T]) -> T | None:
+        """``hop``'s result within ``op_timeout_s``, or ``None`` (an outage recorded)."""
         try:
-            out = await self._call(fn, client)
+            out = await self._bounded(hop)
         except Exception as exc:
             self.health.failed(f"{what}: {type(exc).__name__}: {exc}")
             return None
         self.health.succeeded()
         return out
+
+    async def _with_client(
+        self, what: str, fn: Callable[[Any], T], on_done: Callable[[], None] | None = None
+    ) -> T | None:
+        """Run ``fn(client)`` in one hop bounded by ``op_timeout_s``; ``None`` (and an
+        outage) when the master cannot be reached or the call fails. ``on_done`` (which
+        gives back the memory ``fn`` uses) runs once no thread uses it any more: at once
+        when no hop started, when the hop ends otherwise (perhaps after this returns)."""
+        hop: asyncio.Task[T] | None = None
+        try:
+            client = await self._client_now()
+            if client is None:
+                return None
+            hop = self._hop(fn, client)
+            if on_done is not None:
+                hop.add_done_callback(lambda _: on_done())
+            return await self._outcome(what, hop)
+        finally:
+            if hop is None and on_done is not None:
+                on_done()
+
+    async def _batch(
+        self, method: str, *args: Any, on_done: Callable[[], None] | None = None
+    ) -> list[int] | None:
+        """Call a ``batch_*`` client method (see :meth:`_with_client`)."""
+        return await self._with_client(
+            method, lambda client: list(getattr(client, method)(*args)), on_done
+        )
 
     def name(self, key: PageKey) -> str:
         """The Mooncake object key of a page."""
@@ -401,13 +435,21 @@ class MooncakeStore(StoreBackend):
                 self._release(r.handle)
         if not todo:
             return ok
-        assert self._staging is not None
+        staging = self._staging
+        assert staging is not None
+        slots = [reservations[i].handle for i in todo]
         names = [self.name(reservations[i].key) for i in todo]
-        ptrs = [self._staging.ptr(reservations[i].handle) for i in todo]
-        codes = await self._batch("batch_upsert_from", names, ptrs, [self._slot_bytes] * len(todo))
+        ptrs = [staging.ptr(slot) for slot in slots]
+        try:
+            codes = await self._batch(
+                "batch_upsert_from", names, ptrs, [self._slot_bytes] * len(todo),
+                on_done=functools.partial(staging.free.extend, slots),  # once no thread sends them
+            )  # fmt: skip
+        finally:
+            for slot in slots:
+                self._pending.pop(slot, None)
         for j, i in enumerate(todo):
             r = reservations[i]
-            self._release(r.handle)
             if codes is not None and codes[j] == 0:
                 self._committed.add(r.key)
                 ok[i] = True
@@ -453,10 +495,13 @@ class MooncakeStore(StoreBackend):
                 return list(client.batch_put_from(names, ptrs, [self._slot_bytes] * len(batch)))
 
             try:
-                codes = await self._with_client("batch_put_from", send)
+                # the slots go back once no thread fills or sends them
+                codes = await self._with_client(
+                    "batch_put_from", send, on_done=functools.partial(staging.free.extend, slots)
+                )
             finally:
                 for slot in slots:
-                    self._release(slot)
+                    self._pending.pop(slot, None)
             for j, i in enumerate(batch):
                 if codes is not None and codes[j] in (0, OBJECT_ALREADY_EXISTS):
                     ok[i] = True
@@ -474,45 +519,46 @@ class MooncakeStore(StoreBackend):
                 self._release(r.handle)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        """Read and verify each page into ``out[i]``; ``False`` for absent, unverifiable
+        or unreachable pages.
+
+        Batches go through the registered read slots, one at a time: fetched and verified
+        in one hop bounded by ``op_timeout_s``, then copied out. A fetch past its deadline
+        is a miss and never writes into ``out`` later; it keeps the read slots (later reads
+        wait for it at most ``op_timeout_s``, then miss) until its thread is done.
+        """
         self._check_keys(keys)
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         self._check_open()
         reads = self._reads
         assert reads is not None
         ok = [False] * len(keys)
-        step = reads.count
-        async with self._read_lock:
-            for start in range(0, len(keys), step):
-                chunk = list(range(start, min(start + step, len(keys))))
-                names = [self.name(keys[i]) for i in chunk]
-                ptrs = [reads.ptr(j) for j in range(len(chunk))]
-
-                def fetch(
-                    client: Any, chunk: list[int] = chunk, names: list[str] = names,
-                    ptrs: list[int] = ptrs,
-                ) -> list[str | None]:  # fmt: skip
-                    got = client.batch_get_into(names, ptrs, [self._slot_bytes] * len(chunk))
-                    problems: list[str | None] = []
-                    for j, i in enumerate(chunk):
-                        if got[j] < 0:
-                            problems.append("absent")
-                            continue
-                        slot = reads.view(j)
-                        try:
-                            if got[j] != self._slot_bytes:
-                                raise IntegrityError(f"object is {got[j]} bytes")
-                            verify_page(slot[self.page_bytes :], keys[i], slot[: self.page_bytes])
-                        except IntegrityError as exc:
-                            problems.append(str(exc))
-                            continue
-                        np.copyto(bufs[i], slot[: self.page_bytes])
-                        problems.append(None)
-                    return problems
-
-                # one executor hop per batch: fetch into the registered slots, verify, copy
-                checked = await self._with_client("batch_get_into", fetch)
+        if not keys:
+            return ok
+        lock = self._read_lock
+        try:
+            async with asyncio.timeout(self.options["op_timeout_s"]):
+                await lock.acquire()
+        except TimeoutError:
+            self.health.failed("the read slots are still held by a read past its deadline")
+            return ok
+        hop: asyncio.Task[Any] | None = None  # the last hop that used the read slots
+        try:
+            for start in range(0, len(keys), reads.count):
+                chunk = list(range(start, min(start + reads.count, len(keys))))
+                client = await self._client_now()
+                if client is None:
+                    break
+                hop = self._hop(self._fetch, client, reads, [keys[i] for i in chunk])
+                checked = await self._outcome("batch_get_into", hop)
                 if checked is None:
                     break
+                targets = [(j, bufs[i]) for j, i in enumerate(chunk) if checked[j] is None]
+                if len(targets) * self.page_bytes >= _OFFLOAD_COPY_BYTES:
+                    hop = self._hop(self._copy_out, reads, targets)
+                    await asyncio.shield(hop)
+                else:  # an executor hop costs more than copying this little
+                    self._copy_out(reads, targets)
                 for i, problem in zip(chunk, checked, strict=True):
                     if problem is None:
                         ok[i] = True
@@ -522,7 +568,42 @@ class MooncakeStore(StoreBackend):
                         self.checksum_failures += 1
                         log.warning("mooncake page %s failed verification: %s",
                                     keys[i].hex(), problem)  # fmt: skip
+        finally:
+            if hop is None or hop.done():
+                lock.release()
+            else:  # the slots are in use until that thread returns
+                hop.add_done_callback(lambda _: lock.release())
         return ok
+
+    def _fetch(self, client: Any, reads: _Slots, keys: list[PageKey]) -> list[str | None]:
+        """Fetch ``keys`` into the first read slots and verify them (worker thread): per
+        key ``None`` when the slot holds the verified page, else ``"absent"`` or what
+        failed verification."""
+        got = client.batch_get_into(
+            [self.name(k) for k in keys],
+            [reads.ptr(j) for j in range(len(keys))],
+            [self._slot_bytes] * len(keys),
+        )
+        problems: list[str | None] = []
+        for j, key in enumerate(keys):
+            if got[j] < 0:
+                problems.append("absent")
+                continue
+            slot = reads.view(j)
+            try:
+                if got[j] != self._slot_bytes:
+                    raise IntegrityError(f"object is {got[j]} bytes")
+                verify_page(slot[self.page_bytes :], key, slot[: self.page_bytes])
+            except IntegrityError as exc:
+                problems.append(str(exc))
+                continue
+            problems.append(None)
+        return problems
+
+    def _copy_out(self, reads: _Slots, targets: list[tuple[int, np.ndarray]]) -> None:
+        """Copy verified pages from read slots to the caller's buffers (worker thread)."""
+        for j, buf in targets:
+            np.copyto(buf, reads.view(j)[: self.page_bytes])
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         self._check_keys(keys)
@@ -585,6 +666,12 @@ class MooncakeStore(StoreBackend):
             checksum_failures=self.checksum_failures,
         )
         return out
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a hop's exception as seen (a hop past its deadline has no one awaiting it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _settle(fut: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
