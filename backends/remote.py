@@ -24,7 +24,9 @@ notices they are gone.
 
 **Failures.** Each pipelined batch (``batch_pages`` pages, by default 16 MiB) has a deadline
 (``op_timeout_s``); a batch that times out or cannot reach the server fails as a whole and
-its pages count as misses (``False``/``None``), and the rest of that call is skipped. The
+its pages count as misses (``False``/``None``), and batches (of any call) still waiting for
+a pipeline slot then are skipped, so that during an outage calls miss within about one
+deadline instead of queueing for one deadline each. The
 client reconnects by itself on the next call. An outage is logged once when it starts and
 once when it ends (:class:`~kvtier.backends.remote_health.Health`); a server refusing
 writes (out of memory) is logged once per episode. A server that is down when the store
@@ -244,7 +246,10 @@ class RedisStore(StoreBackend):
         """Send ``build(pipe, item)`` for every item in pipelined batches.
 
         Returns, per item, its ``per_item`` replies (each a value or an exception object),
-        or ``None`` when its whole batch failed (timeout, connection, cluster down).
+        or ``None`` when its whole batch failed (timeout, connection, cluster down) or was
+        skipped: a batch waiting for a pipeline slot (``max_inflight``) while another batch
+        of any call failed is not sent, so that during an outage every call misses within
+        one deadline instead of queueing for one deadline per wave of batches.
         ``before(indices)`` prepares a batch (inside the concurrency bound, before its
         deadline starts); ``after(indices, results)`` runs as each batch's replies arrive,
         outside the bound. Both let CPU work on one batch overlap other batches' transfers.
@@ -256,14 +261,13 @@ class RedisStore(StoreBackend):
         step = self._step
         client, sem = self._client, self._sem
         assert client is not None and sem is not None
-        give_up = False
 
         async def one(start: int) -> None:
-            nonlocal give_up
             chunk = range(start, min(start + step, len(items)))
+            failures = self.health.failed_batches
             async with sem:
-                if give_up:
-                    return
+                if self.health.failed_batches != failures:
+                    return  # a batch failed while this one waited: miss now, not a deadline later
                 if before is not None:
                     await before(chunk)
                 try:
@@ -273,7 +277,6 @@ class RedisStore(StoreBackend):
                             build(pipe, items[i])
                         replies = await pipe.execute(raise_on_error=False)
                 except Exception as exc:  # any failure of the batch makes it a miss
-                    give_up = True
                     self.health.failed(_describe(exc))
                     return
             broken = next((r for r in replies if _is_connection_error(r)), None)

@@ -166,6 +166,27 @@ async def test_frozen_server_times_out_within_deadline(
     assert outage_lines(caplog) == (1, 1)
 
 
+async def test_frozen_server_concurrent_calls_each_miss_within_deadline(
+    server: RedisServer,
+) -> None:
+    """More calls than ``max_inflight`` while the server is frozen: calls queued behind the
+    failing ones must not each wait out a deadline of their own in turn."""
+    keys, data = keys_for(8), pages(8)
+    async with store(server.url, max_inflight=2) as s:
+        assert await s.put(keys, data) == [True] * 8
+        outs = [np.zeros(PAGE, np.uint8) for _ in keys]
+        server.pause()
+        try:
+            calls = [timed(s.get([k], [o])) for k, o in zip(keys, outs, strict=True)]
+            results = await asyncio.gather(*calls)
+        finally:
+            server.resume()
+        for hits, took in results:
+            assert hits == [False] and took < TIMEOUT + SLACK, results
+        hits = await s.get(keys, outs)
+        assert hits == [True] * 8 and same(outs, data, hits)
+
+
 async def test_slow_server_debug_sleep(server: RedisServer) -> None:
     keys, data = keys_for(8), pages(8)
     admin = redis.asyncio.Redis(port=server.port)
