@@ -4,6 +4,7 @@ Layout under ``path``::
 
     <path>/<hex[:2]>/<hex>     a committed page: 64-byte header + payload
     <path>/.tmp/<n>-<hex>      a page written but not yet committed
+    <path>/.lock               flock'ed by the one store object that has it open
 
 ``hex`` is the 32-digit hex form of the page key. A page is written to ``.tmp`` by
 :meth:`FileStore.write` and moved into place with ``os.replace`` by
@@ -16,7 +17,8 @@ store still has them; leftovers in ``.tmp`` are removed.
 
 Durability: with ``fsync=False`` (the default) a committed page survives a process crash
 but not necessarily a power loss; ``fsync=True`` syncs each page and its directory before
-commit returns. One process at a time may open a directory.
+commit returns. One store object (in one process) at a time may open a directory: a
+second opener gets :class:`~kvtier.backends.nvme_index.StoreLockedError`.
 
 The full NVMe tier (slab files, O_DIRECT, an SQLite index) is ``kvtier.backends.nvme``.
 """
@@ -24,6 +26,8 @@ The full NVMe tier (slab files, O_DIRECT, an SQLite index) is ``kvtier.backends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+from kvtier.backends.nvme_index import StoreLockedError
 
 from kvtier.backend import Reservation, StoreBackend, check_buffers
 from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
@@ -43,6 +48,7 @@ from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 _log = logging.getLogger(__name__)
 
 _TMP = ".tmp"
+_LOCK = ".lock"
 #: Batches of at least this many bytes are spread over the I/O threads.
 FAN_OUT_MIN_BYTES = 1 << 20
 
@@ -109,6 +115,7 @@ class FileStore(StoreBackend):
         self._index: set[PageKey] = set()
         self._pending: dict[int, _Pending] = {}
         self._next_handle = 0
+        self._lock_fd = -1
         self._counters = {
             "checksum_failures": 0,
             "read_errors": 0,
@@ -143,7 +150,9 @@ class FileStore(StoreBackend):
     async def open(self) -> None:
         """Create the directory if needed, clear ``.tmp`` and index committed pages.
 
-        Idempotent. Raises ``OSError`` when the directory cannot be created or read.
+        Idempotent. Raises ``OSError`` when the directory cannot be created or read,
+        :class:`~kvtier.backends.nvme_index.StoreLockedError` when another store object
+        (here or in another process) has it open.
         """
         if self._opened:
             return
@@ -152,13 +161,16 @@ class FileStore(StoreBackend):
             keys, skipped = await self.run_blocking(self._scan)
         except BaseException:
             await super().close()
+            self._unlock()
             raise
         self._index = keys
         self._counters["skipped_files"] = skipped
 
     def _scan(self) -> tuple[set[PageKey], int]:
-        """Index ``<path>/<xx>/<hex>`` files of the right size; count what is skipped."""
+        """Lock the directory, then index ``<path>/<xx>/<hex>`` files of the right size;
+        count what is skipped."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_dir()
         tmp = self.path / _TMP
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -194,12 +206,31 @@ class FileStore(StoreBackend):
         return keys, skipped
 
     async def close(self) -> None:
-        """Drop uncommitted writes and release threads; committed pages stay. Idempotent."""
+        """Drop uncommitted writes and release threads and the directory; committed pages
+        stay. Idempotent."""
         if self._opened and self._pending:
             tmps = [p.tmp for p in self._pending.values()]
             await self.run_blocking(_unlink_all, tmps)
         self._pending.clear()
         await super().close()
+        self._unlock()
+
+    def _lock_dir(self) -> None:
+        fd = os.open(self.path / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLockedError(
+                f"file store {self.path} is already open in another process or store object"
+            ) from None
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     # -- the keyed, two-phase interface ------------------------------------------------
 
