@@ -348,13 +348,16 @@ class SequenceManager:
         """Accept what was appended since the version (the first ``keep`` tokens only,
         when given); newly verified full pages are stored. Returns working pages freed."""
         async with self._lock:
-            tables = self.tables
-            before = tables.cow_copies
-            freed = tables.commit(seq_id, version, keep)
-            self.stats.cow_copies += tables.cow_copies - before
-            self.stats.pages_discarded += freed
-            await self._publish(seq_id)
-            return freed
+            return await self._commit_locked(seq_id, version, keep)
+
+    async def _commit_locked(self, seq_id: int, version: int, keep: int | None) -> int:
+        tables = self.tables
+        before = tables.cow_copies
+        freed = tables.commit(seq_id, version, keep)
+        self.stats.cow_copies += tables.cow_copies - before
+        self.stats.pages_discarded += freed
+        await self._publish(seq_id)
+        return freed
 
     async def truncate(self, seq_id: int, num_tokens: int) -> int:
         """Cut a sequence without live versions to ``num_tokens`` tokens, e.g. to
@@ -551,10 +554,7 @@ class VersionedGroup:
         if set(kv) != set(members):
             raise KVTierUsageError(f"kv must be given for {sorted(members)}, got {sorted(kv)}")
         work = [(self.managers[name], s, kv[name]) for name, s in members.items()]
-        locks = {id(m): m._lock for m, _, _ in work}
-        async with contextlib.AsyncExitStack() as stack:
-            for key in sorted(locks):  # one global order: no deadlock between groups
-                await stack.enter_async_context(locks[key])
+        async with self._all_locked():
             ready = [(m, s, *m._prepare_append(s, tokens, k)) for m, s, k in work]
             for m, s, ids, t in ready:
                 m._write_append(s, ids, t)
@@ -577,13 +577,27 @@ class VersionedGroup:
         self._versions[(seq_id, vid)] = per
         return vid
 
-    def _take(self, seq_id: int, version: int) -> dict[str, int]:
+    @contextlib.asynccontextmanager
+    async def _all_locked(self) -> AsyncIterator[None]:
+        """Hold every manager's lock, so that checks and changes across managers are not
+        interleaved with other operations (all-or-nothing group operations)."""
+        locks = {id(m): m._lock for m in self.managers.values()}
+        async with contextlib.AsyncExitStack() as stack:
+            for key in sorted(locks):  # one global order: no deadlock between groups
+                await stack.enter_async_context(locks[key])
+            yield
+
+    def _version(self, seq_id: int, version: int) -> dict[str, int]:
         per = self._versions.get((seq_id, version))
         if per is None:
             raise KVTierUsageError(
                 f"version {version!r} of sequence {seq_id} is not live (already committed "
                 "or rolled back, or never taken)"
             )
+        return per
+
+    def _take(self, seq_id: int, version: int) -> dict[str, int]:
+        per = self._version(seq_id, version)
         # consuming a version consumes every newer one of the same sequence
         for g, v in [k for k in self._versions if k[0] == seq_id and k[1] >= version]:
             del self._versions[(g, v)]
@@ -598,11 +612,17 @@ class VersionedGroup:
         return freed
 
     async def commit(self, seq_id: int, version: int, keep: int | None = None) -> int:
+        """Commit the version in every manager. All-or-nothing: what any manager would
+        raise (a bad ``keep``, no working slot for a copy) is raised before any commits."""
         members = self._members(seq_id)
-        per = self._take(seq_id, version)
-        freed = 0
-        for name, s in members.items():
-            freed += await self.managers[name].commit(s, per[name], keep)
+        async with self._all_locked():
+            per = self._version(seq_id, version)
+            for name, s in members.items():
+                self.managers[name].tables.check_commit(s, per[name], keep)
+            self._take(seq_id, version)
+            freed = 0
+            for name, s in members.items():
+                freed += await self.managers[name]._commit_locked(s, per[name], keep)
         return freed
 
     async def free(self, seq_id: int) -> int:

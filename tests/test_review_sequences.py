@@ -173,3 +173,29 @@ async def test_open_on_a_closed_top_tier_leaves_no_reservation(tmp_path: Path) -
     with pytest.raises(BackendClosedError):
         await SequenceManager.open(cache, 4)
     assert cache.directory.used("dram") == 0
+
+
+async def test_group_commit_is_all_or_nothing_across_managers(tmp_path: Path) -> None:
+    group, (target, draft, *caches) = await _group(tmp_path, draft_working=2)
+    s = group.create()
+    v = group.snapshot(s)
+    toks = [1, 2, 3, 4, 5, 6]  # two pages: the draft's pool is full
+    await group.append(s, toks, {"target": kv_for(SPEC, toks, 0), "draft": kv_for(DRAFT, toks, 0)})
+    f = group.fork(s)
+    # keeping 2 tokens cuts inside page 0, shared with the fork: the draft has no slot
+    # for its copy, the target has
+    with pytest.raises(CapacityError):
+        await group.commit(s, v, keep=2)
+    for m, name in ((target, "target"), (draft, "draft")):
+        table = m.tables.table(group.member(s, name))
+        assert table.tokens == toks and len(table.versions) == 1
+        assert m.stats.cow_copies == 0
+        m.check_invariants()
+    await group.free(f)
+    await group.commit(s, v, keep=2)  # the version is still live and now goes through
+    for m, name in ((target, "target"), (draft, "draft")):
+        assert m.tables.table(group.member(s, name)).tokens == toks[:2]
+        m.check_invariants()
+    await group.free(s)
+    for c in (target, draft, *caches):
+        await c.close()

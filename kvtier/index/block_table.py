@@ -465,63 +465,83 @@ class BlockTables:
     def commit(self, seq_id: int, vid: int, keep: int | None = None) -> int:
         """Accept the tokens appended since version ``vid`` (only the first ``keep`` of
         them when given: the rest are dropped as by a rollback). Consumes ``vid`` and
-        every newer version. Returns working pages freed."""
+        every newer version. Returns working pages freed. Raises (see
+        :meth:`check_commit`) before changing anything."""
         table = self.table(seq_id)
-        i = self._version_index(table, vid, "commit")
-        v = table.versions[i]
-        since = table.num_tokens - v.num_tokens
-        if keep is not None:
-            keep = _check_int(keep, "commit keep")
-        if keep is not None and not 0 <= keep <= since:
-            raise KVTierUsageError(
-                f"commit keep={keep} must lie in [0, {since}] (tokens appended since version {vid})"
-            )
-        freed = 0
-        if keep is not None and keep < since:
-            freed += self._truncate(table, v.num_tokens + keep)
+        i, cut = self._check_commit(table, vid, keep)
+        freed = 0 if cut is None else self._truncate(table, cut)
         dropped = table.versions[i:]
         del table.versions[i:]
         for d in dropped:
             freed += self._unref(d.pages)
         return freed
 
-    def _truncate(self, table: BlockTable, num_tokens: int) -> int:
-        """Cut the table to ``num_tokens``. The now-partial last page is shrunk in place
-        when this table is its only holder; otherwise (shared, or stored) this table gets
-        its own copy, since every holder must see the same fill.
+    def check_commit(self, seq_id: int, vid: int, keep: int | None = None) -> None:
+        """Raise what :meth:`commit` would raise without changing anything: unknown or
+        finished sequence, :class:`VersionError`, a bad ``keep``, :class:`CapacityError`
+        (cutting inside a shared page needs a working slot for the copy)."""
+        self._check_commit(self.table(seq_id), vid, keep)
 
-        Raises, before changing anything, :class:`KVTierUsageError` for a cut inside a
-        page whose only copy is stored, and :class:`CapacityError` when that copy needs
-        a working slot and the pool has none."""
-        pt = self.page_tokens
-        keep_pages = -(-num_tokens // pt)
+    def _check_commit(
+        self, table: BlockTable, vid: int, keep: int | None
+    ) -> tuple[int, int | None]:
+        """The version's index and the token count to cut to (``None``: no cut)."""
+        i = self._version_index(table, vid, "commit")
+        since = table.num_tokens - table.versions[i].num_tokens
+        if keep is None or _check_int(keep, "commit keep") == since:
+            return i, None
+        if not 0 <= keep <= since:
+            raise KVTierUsageError(
+                f"commit keep={keep} must lie in [0, {since}] (tokens appended since version {vid})"
+            )
+        cut = table.versions[i].num_tokens + int(keep)
+        self._check_cut(table, cut)
+        return i, cut
+
+    def _check_cut(self, table: BlockTable, num_tokens: int) -> str | None:
+        """How cutting ``table`` to ``num_tokens`` changes its last kept page: ``None``
+        (it stays), ``"shrink"`` (this table is its only holder: in place) or ``"copy"``
+        (shared or stored: this table gets its own copy, since every holder must see the
+        same fill). Raises :class:`KVTierUsageError` for a cut inside a page whose only
+        copy is stored and :class:`CapacityError` when the copy finds no working slot."""
+        keep_pages = -(-num_tokens // self.page_tokens)
+        if not keep_pages:
+            return None
+        last = table.pages[keep_pages - 1]
+        if last.filled == num_tokens - (keep_pages - 1) * self.page_tokens:
+            return None
+        if last.refs == 1 and last.key is None:
+            return "shrink"
+        if last.slot == PAD_SLOT:
+            raise KVTierUsageError(
+                f"cannot cut sequence {table.seq_id} to {num_tokens} tokens: that falls "
+                "inside a stored page; cut at a page boundary"
+            )
+        # the pages cut off give their slots back before the copy takes one
+        frees = sum(1 for p in table.pages[keep_pages:] if p.refs == 1 and p.slot != PAD_SLOT)
+        if self.pool.capacity - self.pool.in_use + frees < 1:
+            raise CapacityError(
+                f"sequence {table.seq_id}: cutting to {num_tokens} tokens inside a shared "
+                f"page needs a working slot for its copy; all {self.pool.capacity} are in use"
+            )
+        return "copy"
+
+    def _truncate(self, table: BlockTable, num_tokens: int) -> int:
+        """Cut the table to ``num_tokens`` (see :meth:`_check_cut`, which raises before
+        anything changes). Returns working pages freed."""
+        mode = self._check_cut(table, num_tokens)
+        keep_pages = -(-num_tokens // self.page_tokens)
         gone = table.pages[keep_pages:]
-        last = table.pages[keep_pages - 1] if keep_pages else None
-        fill = num_tokens - (keep_pages - 1) * pt
-        reshape = last is not None and last.filled != fill
-        in_place = reshape and last is not None and last.refs == 1 and last.key is None
-        if reshape and not in_place:
-            assert last is not None
-            if last.slot == PAD_SLOT:
-                raise KVTierUsageError(
-                    f"cannot cut sequence {table.seq_id} to {num_tokens} tokens: that falls "
-                    "inside a stored page; cut at a page boundary"
-                )
-            # the pages cut off give their slots back before the copy takes one
-            frees = sum(1 for p in gone if p.refs == 1 and p.slot != PAD_SLOT)
-            if self.pool.capacity - self.pool.in_use + frees < 1:
-                raise CapacityError(
-                    f"sequence {table.seq_id}: cutting to {num_tokens} tokens inside a shared "
-                    f"page needs a working slot for its copy; all {self.pool.capacity} are in use"
-                )
         del table.pages[keep_pages:]
         del table.tokens[num_tokens:]
         freed = self._unref(gone)
-        if in_place:
-            assert last is not None
+        if mode is None:
+            return freed
+        last = table.pages[-1]
+        fill = num_tokens - (keep_pages - 1) * self.page_tokens
+        if mode == "shrink":
             last.filled = fill
-        elif reshape:
-            assert last is not None
+        else:
             copy = self._new_page()
             self._copy_page(last.slot, copy.slot, fill)
             copy.filled = fill
