@@ -175,7 +175,9 @@ class RedisStore(StoreBackend):
 
     async def close(self) -> None:
         """Drop pending reservations (they never reached the server) and close the
-        connections. Idempotent."""
+        connections. Idempotent. Calls made from here on raise
+        :class:`~kvtier.backend.BackendClosedError`."""
+        self._opened = False  # before the first await: no call may find the client gone
         self._pending.clear()
         self._spare.clear()
         if self._client is not None:

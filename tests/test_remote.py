@@ -282,6 +282,18 @@ async def test_closed_store_raises(valkey: RedisServer) -> None:
         await s.get(keys_for(1), [np.zeros(PAGE, np.uint8)])
 
 
+async def test_a_call_racing_close_raises_backend_closed(valkey: RedisServer) -> None:
+    s = make(valkey.url)
+    await s.open()
+    keys = keys_for(1)
+    assert await s.put(keys, pages(1)) == [True]  # a pooled connection for close() to shut
+    closing = asyncio.create_task(s.close())
+    await asyncio.sleep(0)  # close() now awaits the connections' shutdown
+    with pytest.raises(BackendClosedError):
+        await s.contains(keys)
+    await closing
+
+
 async def test_close_drops_pending_pages(valkey: RedisServer, raw: redis.Redis) -> None:
     s = make(valkey.url)
     await s.open()
