@@ -156,6 +156,12 @@ class StoreLock:
         try:
             fcntl.flock(self._fd, op)
         except BlockingIOError:
+            if exclusive and _only_readers(self._fd):
+                os.close(self._fd)
+                raise StoreLockedError(
+                    f"NVMe store {root} is being verified (kvtier inspect store --verify); "
+                    "open it once that is done"
+                ) from None
             holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             raise StoreLockedError(
@@ -182,6 +188,17 @@ class StoreLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _only_readers(fd: int) -> bool:
+    """Whether the lock on ``fd``'s file is held shared (by inspections), not by a writer:
+    then a shared lock can still be taken (and is dropped again at once)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 def _connect_readonly(path: Path) -> sqlite3.Connection:

@@ -267,3 +267,20 @@ async def test_a_cancelled_close_leaves_the_store_open_and_closable(tmp_path: Pa
     await s.close()
     async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s") as again:
         assert await again.keys() == [key(1)]
+
+
+async def test_a_writer_shut_out_by_a_verify_is_told_so(tmp_path: Path) -> None:
+    from kvtier.backends.nvme_index import StoreLock
+
+    root = tmp_path / "s"
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
+        await s.put([key(1)], [page(1)])
+    verifying = StoreLock(root, exclusive=False)  # what inspect store --verify holds
+    try:
+        with pytest.raises(StoreLockedError, match=r"being verified.*--verify") as info:
+            await NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root).open()
+        assert "holder pid" not in str(info.value)  # that pid is the last writer, long gone
+    finally:
+        verifying.release()
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
+        assert await s.keys() == [key(1)]
