@@ -93,8 +93,9 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[seq_len, kv_heads, head_dim]`` of one layer, read through one table row.
 
-    Raises :class:`KVTierUsageError` when the row is too short for ``seq_len`` or points
-    at a padding slot where a page is needed.
+    Raises :class:`KVTierUsageError` when the row is too short for ``seq_len``, points
+    at a padding slot where a page is needed or past the pages of a tensor source, or a
+    page does not have the spec's page shape.
     """
     if not 0 <= layer < spec.num_layers:
         raise KVTierUsageError(f"layer {layer} out of range [0, {spec.num_layers})")
@@ -108,7 +109,20 @@ def gather_kv(
     chunks_v: list[torch.Tensor] = []
     pt = spec.page_tokens
     for i in range(need):
-        page = pages[slots[i]] if isinstance(pages, torch.Tensor) else pages(slots[i])
+        if isinstance(pages, torch.Tensor):
+            if slots[i] >= pages.shape[0]:
+                raise KVTierUsageError(
+                    f"block table row points at slot {slots[i]}, past the {pages.shape[0]} "
+                    "pages given"
+                )
+            page = pages[slots[i]]
+        else:
+            page = pages(slots[i])
+        if tuple(page.shape) != spec.page_shape:
+            raise KVTierUsageError(
+                f"the page at slot {slots[i]} has shape {list(page.shape)}; the spec's page "
+                f"shape is {list(spec.page_shape)}"
+            )
         count = min(pt, seq_len - i * pt)
         chunks_k.append(page[layer, 0, :count])
         chunks_v.append(page[layer, spec.kv_factor - 1, :count])

@@ -6,17 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from seq_harness import TwoTierCache
 from test_block_table import PT, Memory, make
 from test_sequences import DRAFT, SPEC, kv_for
 
+from kvtier.attention import paged_attention
 from kvtier.backend import BackendClosedError
 from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.index.block_table import BlockTables, UnknownSequenceError
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import Namespace, PageKey, page_keys
 from kvtier.sequences import SequenceManager, VersionedGroup
+from kvtier.spec import KVSpec
 
 NS = Namespace("review-model", page_tokens=4)
 
@@ -199,3 +203,18 @@ async def test_group_commit_is_all_or_nothing_across_managers(tmp_path: Path) ->
     await group.free(s)
     for c in (target, draft, *caches):
         await c.close()
+
+
+def test_gather_rejects_pages_of_another_geometry_and_slots_past_the_pool() -> None:
+    spec = KVSpec(2, 2, 8, "float32", 4, name="attn")
+    q = torch.zeros((1, 1, 4, 8))
+    row = np.array([[0, 1]], dtype=np.int32)
+    # pages of 8 tokens where the spec says 4: same heads and dims, so slicing "works"
+    wrong = torch.zeros((4, 2, 2, 8, 2, 8))
+    with pytest.raises(KVTierUsageError, match="page shape"):
+        paged_attention(q, wrong, row, [6], 0, spec)
+    with pytest.raises(KVTierUsageError, match="page shape"):
+        paged_attention(q, lambda slot: wrong[slot], row, [6], 0, spec)
+    pool = torch.zeros((2, *spec.page_shape))
+    with pytest.raises(KVTierUsageError, match="slot 5"):
+        paged_attention(q, pool, np.array([[0, 5]], dtype=np.int32), [6], 0, spec)
