@@ -68,6 +68,11 @@ def test_orphans_go_first() -> None:
     # A hit clears orphan status (the parent was recomputed meanwhile).
     p.on_access(k(2))
     assert p.victims(1, every) == [k(4)]
+    # A page stored while its parent is elsewhere (a lower tier) is no orphan.
+    q = HitDensityPolicy(capacity=10)
+    q.on_insert(k(5))
+    q.on_insert(k(6), k(99))
+    assert q.victims(1, every) == [k(5)]
 
 
 def test_density_from_a_resident_reuse_by_hand() -> None:

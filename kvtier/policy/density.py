@@ -25,8 +25,10 @@ where a history ends at a reuse or when its ghost is dropped (so ``ghost_factor`
 far ahead the policy looks). Tables are recomputed every ``capacity / 4`` insertions;
 histograms are halved every ``16 x capacity`` insertions, so the policy follows drifting traffic.
 
-Prefix structure: a page whose parent left the tier cannot produce a prefix hit until the
-parent is recomputed, so such *orphans* are evicted before anything else. A page whose
+Prefix structure: when a page is evicted, its children still in the tier cannot produce a
+prefix hit until it is recomputed, so these *orphans* are evicted before anything else. (A
+page stored while its parent is not in this tier is not an orphan: in a lower tier the
+parent is usually in a tier above.) A page whose
 class has no evidence yet scores zero; ties go to the oldest page (LRU), which is what the
 policy does on a cold start.
 
@@ -207,7 +209,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._parented[key] = parented
         self._move(key, self._class(refs, parented), self.clock)
         if parent is not None and parent not in self._cls:
-            self._orphans[key] = None
+            # Not an orphan: in a lower tier the parent usually sits in a tier above.
             parent = None
         self._parent[key] = parent
         self._kids[key] = set()
