@@ -79,7 +79,9 @@ class SlabFiles:
         self.dsync = direct and dsync
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        (root / SLAB_DIR).mkdir(exist_ok=True)
+        if not (root / SLAB_DIR).is_dir():
+            (root / SLAB_DIR).mkdir()
+            fsync_dir(root)
 
     def existing(self) -> list[int]:
         """Indices of the slab files present on disk."""
@@ -113,6 +115,9 @@ class SlabFiles:
         Without ``preallocate`` the file only gets its full length (sparse): disk space is
         then taken by page writes, which is where a full disk will show.
 
+        A slab this call creates has its directory entry synced too, so pages made
+        durable in it cannot vanish with its name on power loss.
+
         Raises :class:`OSError` (``ENOSPC`` when the disk is full); a slab that could not
         be allocated is removed again if this call created it.
         """
@@ -131,6 +136,8 @@ class SlabFiles:
                     _allocate(fd, size)
                 else:
                     os.ftruncate(fd, size)
+            if created:
+                fsync_dir(self.root / SLAB_DIR)
         except OSError:
             if created:
                 with self._lock:
@@ -150,6 +157,15 @@ class SlabFiles:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """``fsync`` a directory: the names created in it are durable when it returns."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _allocate(fd: int, size: int) -> None:

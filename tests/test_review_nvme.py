@@ -284,3 +284,25 @@ async def test_a_writer_shut_out_by_a_verify_is_told_so(tmp_path: Path) -> None:
         verifying.release()
     async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
         assert await s.keys() == [key(1)]
+
+
+async def test_a_new_slab_files_directory_entry_is_made_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data made durable in a file whose name is not is lost on power loss: creating a
+    slab syncs the directory that holds it before any page in it can be committed."""
+    import os
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    root = tmp_path / "s"
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
+        assert await s.put([key(1)], [page(1)]) == [True]
+    assert (root / "slabs").stat().st_ino in synced
+    assert root.stat().st_ino in synced  # where the slabs directory itself was made
