@@ -218,3 +218,11 @@ def test_gather_rejects_pages_of_another_geometry_and_slots_past_the_pool() -> N
     pool = torch.zeros((2, *spec.page_shape))
     with pytest.raises(KVTierUsageError, match="slot 5"):
         paged_attention(q, pool, np.array([[0, 5]], dtype=np.int32), [6], 0, spec)
+
+
+@pytest.mark.parametrize("rate", ["0.5", None, True])
+def test_speculative_accept_rate_of_the_wrong_type_is_named(rate: object) -> None:
+    from kvtier.bench.speculative import SpeculativeParams
+
+    with pytest.raises(KVTierUsageError, match="accept_rate must be a number"):
+        SpeculativeParams(accept_rate=rate)  # type: ignore[arg-type]

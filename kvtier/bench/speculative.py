@@ -80,6 +80,11 @@ class SpeculativeParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise KVTierUsageError(f"speculative workload: {name} must be >= 0, got {v!r}")
+        if isinstance(self.accept_rate, bool) or not isinstance(self.accept_rate, int | float):
+            raise KVTierUsageError(
+                f"speculative workload: accept_rate must be a number in [0, 1], "
+                f"got {self.accept_rate!r}"
+            )
         if not 0.0 <= self.accept_rate <= 1.0:
             raise KVTierUsageError(
                 f"speculative workload: accept_rate must lie in [0, 1], got {self.accept_rate}"
