@@ -166,3 +166,23 @@ async def test_close_lets_a_running_load_finish_and_refuses_new_calls(tmp_path: 
     await closing
     current = asyncio.current_task()
     assert [t for t in asyncio.all_tasks() if t is not current] == []
+
+
+async def test_prefetch_of_pages_being_evicted_fetches_them_back(tmp_path: Path):
+    """A page on its way out of the top tier when a prefetch asks for it is still in the
+    hierarchy: the prefetch waits for the move, then brings it back up (it is not
+    reported missing, which would make the engine recompute it)."""
+    rng = np.random.default_rng(27)
+    cfg = config(tmp_path, dram_pages=16, file_pages=64, write_policy="write-back")
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        evicting = asyncio.create_task(cache.pipeline._evict_shielded(cache.tiers[0], keys))
+        await asyncio.sleep(0)  # the pages are marked evicting, their write-down starts
+        result = await cache.prefetch(keys, deadline_s=5)
+        assert await evicting == set()
+        assert result.missing == []
+        assert sorted(result.arrived) == sorted(keys)
+        out = np.zeros_like(data)
+        assert all(await cache.read(keys, out))
+        assert np.array_equal(out, data)

@@ -991,11 +991,7 @@ class Pipeline:
                 job = self._launch_move(src, top, batch, Priority.PREFETCH, protect=wanted)
                 batches.append((batch, job))
         if waiting:
-            job = _Job(Priority.PREFETCH)
-            job.started = True
-            job.task = asyncio.get_running_loop().create_task(self._settle(waiting, [top]))
-            self._tasks.add(job.task)
-            job.task.add_done_callback(self._tasks.discard)
+            job = self._launch(lambda _: self._prefetch_moving(waiting, wanted), Priority.PREFETCH)
             batches.append((waiting, job))
         tasks = {j.task: (b, j) for b, j in batches if j.task is not None}
         late: list[PageKey] = []
@@ -1023,6 +1019,24 @@ class Pipeline:
         self.metrics.prefetch_pages.inc("late", by=len(late))
         self.metrics.prefetch_pages.inc("missing", by=len(missing))
         return PrefetchResult(arrived, late, missing)
+
+    async def _prefetch_moving(self, keys: list[PageKey], wanted: Collection[PageKey]) -> None:
+        """Wait for the operations already under way on ``keys`` in the top tier (a fetch
+        or an eviction), then bring up those that did not end there."""
+        top = self.top
+        await self._settle(keys, [top])
+        groups: dict[int, list[PageKey]] = {}
+        for k in keys:
+            if not self.directory.is_committed(k, top.name):
+                src = self._source(k, set())
+                if src is not None:
+                    groups.setdefault(src.index, []).append(k)
+        jobs = [
+            self._launch_move(self.tiers[idx], top, batch, Priority.PREFETCH, protect=wanted)
+            for idx, group in groups.items()
+            for batch in _chunks(group, self._batch_size(top))
+        ]
+        await self._await_jobs(jobs)
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
         """Remove ``keys`` from every tier; returns how many pages were removed.
