@@ -24,8 +24,9 @@ Guarantees:
   fails is a miss: counted, logged once with its key, slab and offset, dropped from the
   index and its slot quarantined (never reused, never served).
 * **Capacity.** At most ``capacity_pages`` slots are in use (committed + reserved +
-  quarantined + freed but still under running I/O); ``reserve`` answers ``None`` beyond
-  that. Deleted slots are reused, never while a read or write on them still runs.
+  quarantined + freed but still under running I/O + deleted while the index could not
+  record it); ``reserve`` answers ``None`` beyond that. Deleted slots are reused, never
+  while a read or write on them still runs.
 * **Faults.** A full disk or an I/O error fails the affected pages only (``None`` from
   ``reserve``, ``False`` from ``write``/``commit``/``get``), is logged once per cause, and
   leaves the store consistent; a read that meets an I/O error (rather than bad bytes)
@@ -214,6 +215,7 @@ class NvmeStore(StoreBackend):
         self._busy: Counter[int] = Counter()  # slot -> page I/O batches running on it
         self._free_after_io: set[int] = set()  # freed slots waiting for that I/O to end
         self._committing: dict[int, _Pending] = {}  # rows on their way into the index
+        self._undeleted: set[int] = set()  # slots whose delete never reached the index
         self._accessed: dict[bytes, float] = {}
         self._commit_queue: list[
             tuple[list[tuple[int, _Pending]], asyncio.Future[dict[int, bool]]]
@@ -452,14 +454,15 @@ class NvmeStore(StoreBackend):
     # -- the keyed, two-phase interface ------------------------------------------------
 
     def used_pages(self) -> int:
-        """Slots taken: committed, reserved, being committed, quarantined, or freed but
-        still under running I/O."""
+        """Slots taken: committed, reserved, being committed, quarantined, freed but
+        still under running I/O, or deleted here but not in the index (until reopen)."""
         return (
             len(self._entries)
             + len(self._reserved)
             + len(self._committing)
             + len(self._quarantined)
             + len(self._free_after_io)
+            + len(self._undeleted)
         )
 
     async def reserve(
@@ -876,6 +879,7 @@ class NvmeStore(StoreBackend):
                 # The rows stay on disk (and come back on reopen); their slots stay taken.
                 self._log_once(f"delete:{_cause(exc)}", "nvme.delete_failed", error=str(exc))
                 self._counters["slots_leaked_until_reopen"] += len(gone)
+                self._undeleted.update(r.slot for r in gone)
                 return ok
             for row in gone:
                 self._free_slot(row.slot)

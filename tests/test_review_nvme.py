@@ -306,3 +306,26 @@ async def test_a_new_slab_files_directory_entry_is_made_durable(
         assert await s.put([key(1)], [page(1)]) == [True]
     assert (root / "slabs").stat().st_ino in synced
     assert root.stat().st_ino in synced  # where the slabs directory itself was made
+
+
+async def test_slots_of_a_failed_delete_still_count_against_capacity(tmp_path: Path) -> None:
+    import sqlite3
+
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=2, path=tmp_path / "s") as s:
+        assert await s.put([key(1), key(2)], [page(1), page(2)]) == [True, True]
+        assert s._index is not None
+        real_delete = s._index.delete
+
+        def failing_delete(keys: object) -> None:
+            raise sqlite3.OperationalError("disk I/O error")
+
+        s._index.delete = failing_delete  # type: ignore[method-assign]
+        assert await s.delete([key(1)]) == [True]
+        s._index.delete = real_delete  # type: ignore[method-assign]
+        # The row is still on disk and its slot still taken (until reopen): full.
+        assert s.used_pages() == 2
+        assert await s.put([key(3)], [page(3)]) == [False]
+        assert s.layout is not None
+        assert len(list((tmp_path / "s" / "slabs").iterdir())) * s.layout.slots_per_slab <= 2
+    async with NvmeStore(page_bytes=PAGE, capacity_pages=2, path=tmp_path / "s") as s:
+        assert sorted(await s.keys()) == [key(1), key(2)]  # the delete never reached disk
