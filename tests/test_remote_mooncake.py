@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier.backend import BackendClosedError
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.registry import describe, resolve
@@ -188,6 +189,19 @@ async def test_read_past_its_deadline_never_touches_the_callers_buffer_later() -
             out = [np.zeros(PAGE, np.uint8) for _ in ks]
             assert await s.get(ks, out) == [True, True]
             assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+async def test_a_call_racing_close_raises_backend_closed(mooncake: MooncakeCluster) -> None:
+    s = make(mooncake)
+    await s.open()
+    ks = keys(1)
+    assert await s.put(ks, pages(1)) == [True]
+    closing = asyncio.create_task(s.close())
+    await asyncio.sleep(0)  # close() now awaits the client's shutdown
+    with pytest.raises(BackendClosedError):  # not a miss, nor a fresh connection
+        await s.contains(ks)
+    await closing
+    assert s.stats()["outages"] == 0  # closing is not an outage
 
 
 def test_plugin_registers_its_bench_baseline() -> None:

@@ -258,15 +258,21 @@ class MooncakeStore(StoreBackend):
         self._setup = fut
         threading.Thread(target=run, name="kvtier-mooncake-setup", daemon=True).start()
         try:
-            self._client = await asyncio.wait_for(asyncio.shield(fut), self.options["op_timeout_s"])
+            await asyncio.wait_for(asyncio.shield(fut), self.options["op_timeout_s"])
         except Exception as exc:
             self.health.failed(f"cannot connect: {exc or type(exc).__name__}")
-            fut.add_done_callback(self._adopt_late_client)
             return None
+        finally:  # adopted now, or when it connects late; closed if the store closed
+            if fut.done():
+                self._adopt_client(fut)
+            else:
+                fut.add_done_callback(self._adopt_client)
+        if self._client is None:
+            return None  # the store closed meanwhile
         self.health.succeeded()
         return self._client
 
-    def _adopt_late_client(self, fut: asyncio.Future[Any]) -> None:
+    def _adopt_client(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             return
         if self._opened and self._client is None:
@@ -275,15 +281,19 @@ class MooncakeStore(StoreBackend):
             threading.Thread(target=fut.result().close, daemon=True).start()
 
     async def close(self) -> None:
-        """Disconnect (bounded by ``op_timeout_s``) and release buffers. Idempotent."""
+        """Disconnect (bounded by ``op_timeout_s``) and release buffers. Idempotent.
+        Calls made from here on raise :class:`~kvtier.backend.BackendClosedError`."""
+        self._opened = False  # before the first await: no call reconnects meanwhile
         client, self._client = self._client, None
         self._pending.clear()
-        if client is not None and self._executor is not None:
+        executor, self._executor = self._executor, None
+        if client is not None and executor is not None:
+            loop = asyncio.get_running_loop()
             try:
-                await self._bounded(self._hop(client.close))
+                closing = loop.run_in_executor(executor, client.close)
+                await asyncio.wait_for(closing, self.options["op_timeout_s"])
             except Exception as exc:
                 log.debug("mooncake close failed: %r", exc)
-        executor, self._executor = self._executor, None
         if executor is not None:  # a call stuck in a dead master must not block close()
             executor.shutdown(wait=False, cancel_futures=True)
         await super().close()
