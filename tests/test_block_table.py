@@ -290,6 +290,17 @@ class TablesModel(RuleBasedStateMachine):
         used = {p.slot for p in live.values() if p.slot != PAD_SLOT}
         assert used == set(self.tables.pool.used())
 
+    @invariant()
+    def stored_pages_hold_slots_only_while_a_holder_may_cut_them(self) -> None:
+        may_cut: set[int] = set()
+        for s in self.model:
+            t = self.tables.table(s)
+            for pages in (t.pages, *(v.pages for v in t.versions)):
+                may_cut.update(p.pid for p in pages[t.verified_tokens // PT :])
+        for pid, page in self.tables.live_pages().items():
+            if page.key is not None and page.slot != PAD_SLOT:
+                assert pid in may_cut, page
+
 
 TestTablesModel = TablesModel.TestCase
 TestTablesModel.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

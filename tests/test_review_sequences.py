@@ -226,3 +226,30 @@ def test_speculative_accept_rate_of_the_wrong_type_is_named(rate: object) -> Non
 
     with pytest.raises(KVTierUsageError, match="accept_rate must be a number"):
         SpeculativeParams(accept_rate=rate)  # type: ignore[arg-type]
+
+
+def test_stored_pages_give_their_working_slots_back_once_no_holder_can_cut_them() -> None:
+    """A page stored while a fork still holds it unverified keeps its working slot (that
+    fork may cut inside it on commit); once no holder can, the slot goes back."""
+    tables, mem = make(slots=16)
+    a = tables.create()
+    v = tables.snapshot(a)
+    mem.write(tables, a, list(range(3 * PT)))  # three full pages, unverified
+    b = tables.fork(a)
+    tables.commit(a, v)
+    assert mem.publish(tables, a) == 3
+    assert tables.pool.in_use == 3  # b may still cut inside them
+    tables.commit(b, v, keep=PT + 1)  # b cuts inside page 1: its own copy
+    assert mem.read(tables, b) == list(range(PT + 1))
+    assert mem.read(tables, a) == list(range(3 * PT))
+    assert tables.pool.in_use == 1  # only b's copy: a's stored pages need no slot now
+
+    c = tables.create()
+    w = tables.snapshot(c)
+    mem.write(tables, c, list(range(100, 100 + 2 * PT)))
+    d = tables.fork(c)
+    tables.commit(c, w)
+    mem.publish(tables, c)
+    tables.commit(d, w)
+    assert tables.pool.in_use == 1  # both verified: c's stored pages hold no slot
+    assert mem.read(tables, c) == mem.read(tables, d) == list(range(100, 100 + 2 * PT))

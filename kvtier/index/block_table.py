@@ -8,7 +8,8 @@ the bytes.
 Pages
     A :class:`Page` is either *working* (it holds a slot of the working pool: the top
     tier's memory that running sequences write into) or *published* (full, verified,
-    stored in the cache under its content key; its working slot is given back). Working
+    stored in the cache under its content key; its working slot is given back, once no
+    sequence holding it unverified could still cut inside it and need its bytes). Working
     pages are private: they are never in the directory, never written down the
     hierarchy.
 
@@ -248,6 +249,8 @@ class BlockTables:
         self._vids = itertools.count(1)
         #: Pages copied on write (a shared partial page written or cut).
         self.cow_copies = 0
+        #: Stored pages still holding a working slot: a holder may yet cut inside them.
+        self._stored_with_slot: dict[int, Page] = {}
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -286,6 +289,7 @@ class BlockTables:
             if p.refs == 0 and p.slot != PAD_SLOT:
                 self.pool.free(p.slot)
                 p.slot = PAD_SLOT
+                self._stored_with_slot.pop(p.pid, None)
                 freed += 1
         return freed
 
@@ -423,6 +427,7 @@ class BlockTables:
         table.versions.clear()
         del self._tables[seq_id]
         self._finished.add(seq_id)
+        self._release_stored_slots()
         return freed
 
     # -- versions ------------------------------------------------------------------------
@@ -460,6 +465,7 @@ class BlockTables:
         for later in dropped[1:]:
             freed += self._unref(later.pages)
         del table.tokens[v.num_tokens :]
+        self._release_stored_slots()
         return freed
 
     def commit(self, seq_id: int, vid: int, keep: int | None = None) -> int:
@@ -474,6 +480,7 @@ class BlockTables:
         del table.versions[i:]
         for d in dropped:
             freed += self._unref(d.pages)
+        self._release_stored_slots()
         return freed
 
     def check_commit(self, seq_id: int, vid: int, keep: int | None = None) -> None:
@@ -583,13 +590,37 @@ class BlockTables:
 
     def mark_published(self, page: Page, key: PageKey) -> None:
         """``page`` is now stored in the cache as ``key``: its working slot is freed
-        (once no other holder remains)."""
+        as soon as no holder may still cut inside it (see :meth:`_release_stored_slots`)."""
         if page.filled != self.page_tokens:
             raise KVTierUsageError(f"{page!r} is not full; only full pages are published")
         page.key = key
-        # Another holder may still cut this page short (a fork truncating in a commit):
-        # it keeps its working copy until that holder lets go.
-        if page.slot != PAD_SLOT and page.refs == 1:
+        if page.slot == PAD_SLOT:
+            return
+        if page.refs == 1:  # only the publishing table, where it is verified
+            self.pool.free(page.slot)
+            page.slot = PAD_SLOT
+            return
+        self._stored_with_slot[page.pid] = page
+        self._release_stored_slots()
+
+    def _release_stored_slots(self) -> None:
+        """Give back the working slot of each stored page that no holder may cut inside.
+
+        A cut (a commit keeping fewer tokens) only falls past a sequence's verified
+        tokens, and needs the page's bytes for the copy it makes: so a stored page keeps
+        its slot while some sequence holds it (in its table or a snapshot) past that
+        sequence's verified tokens. Scans the tables only while such pages exist."""
+        if not self._stored_with_slot:
+            return
+        pt = self.page_tokens
+        needed: set[int] = set()
+        for t in self._tables.values():
+            first_unverified = t.verified_tokens // pt
+            for pages in (t.pages, *(v.pages for v in t.versions)):
+                for p in pages[first_unverified:]:
+                    needed.add(p.pid)
+        for pid in [pid for pid in self._stored_with_slot if pid not in needed]:
+            page = self._stored_with_slot.pop(pid)
             self.pool.free(page.slot)
             page.slot = PAD_SLOT
 
