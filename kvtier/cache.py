@@ -271,6 +271,11 @@ class KVCache:
         self._state = "closing"
         try:
             await self._pipeline.close()
+        except BaseException:
+            # close itself was cancelled (or failed): stop what is left before the
+            # backends go, so nothing runs against a closed backend
+            await self._pipeline.cancel_all()
+            raise
         finally:
             for tier in reversed(self.tiers):
                 try:

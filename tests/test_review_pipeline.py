@@ -9,6 +9,7 @@ backend), and a cancelled ``delete`` (the directory still matches the backend).
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +32,24 @@ class LabelFailingFileStore(FileStore):
         if namespace == type(self).bad_label:
             raise TierIOError(f"injected: namespace {namespace!r} unavailable")
         return await super().reserve(keys, namespace)
+
+
+class SlowWriteFileStore(FileStore):
+    """A file store whose page writes sleep ``delay_s`` per batch in the executor thread,
+    and which records, when closed, how many tasks ``pipeline`` was still running."""
+
+    delay_s: ClassVar[float] = 0.2
+    pipeline: ClassVar[Any] = None
+    busy_at_close: ClassVar[list[int]] = []
+
+    def _write_files(self, jobs: Any) -> Any:
+        time.sleep(type(self).delay_s)
+        return super()._write_files(jobs)
+
+    async def close(self) -> None:
+        if type(self).pipeline is not None:
+            type(self).busy_at_close.append(len(type(self).pipeline._tasks))
+        await super().close()
 
 
 def _open(cfg: dict[str, Any]) -> KVCache:
@@ -186,3 +205,55 @@ async def test_prefetch_of_pages_being_evicted_fetches_them_back(tmp_path: Path)
         out = np.zeros_like(data)
         assert all(await cache.read(keys, out))
         assert np.array_equal(out, data)
+
+
+async def test_cancelling_flush_does_not_cancel_background_write_through(tmp_path: Path):
+    """flush() waits for the background write-through; cancelling the flush caller must
+    not cancel that work (it belongs to the pipeline, and its started batches are
+    promised to finish), so every stored page still lands in the lower tier."""
+    rng = np.random.default_rng(28)
+    cfg = config(tmp_path, dram_pages=64, file_pages=256, batch_pages=2)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 12)
+        keys = (await cache.store(tokens, data)).keys  # write-through starts
+        flushing = asyncio.create_task(cache.flush())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        flushing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+        await cache.pipeline.drain()
+        assert all(cache.directory.is_committed(k, "file") for k in keys)
+        cache.directory.check_invariants()
+
+
+async def test_cancelled_close_stops_pipeline_work_before_backends_close(tmp_path: Path):
+    """A close() that is itself cancelled (a server shutting down) stops the pipeline's
+    remaining work before the backends close: nothing keeps running against a closed
+    backend, and no task is left behind."""
+    SlowWriteFileStore.delay_s = 0.2
+    SlowWriteFileStore.pipeline = None
+    SlowWriteFileStore.busy_at_close = []
+    cfg = config(
+        tmp_path,
+        dram_pages=64,
+        file_pages=256,
+        batch_pages=2,
+        file_backend="test_review_pipeline:SlowWriteFileStore",
+    )
+    rng = np.random.default_rng(29)
+    cache = _open(cfg)
+    await cache.start()
+    SlowWriteFileStore.pipeline = cache.pipeline
+    tokens, data = sequence(rng, 12)
+    await cache.store(tokens, data)  # write-through starts in the background
+    closing = asyncio.create_task(cache.close())
+    await asyncio.sleep(0.05)  # write-down batches are writing
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert SlowWriteFileStore.busy_at_close == [0]
+    current = asyncio.current_task()
+    assert [t for t in asyncio.all_tasks() if t is not current] == []
+    with pytest.raises(KVTierUsageError, match="closed"):
+        await cache.store(tokens, data)

@@ -1092,9 +1092,22 @@ class Pipeline:
             self._changed(tier)
 
     async def drain(self) -> None:
-        """Wait until every background task (write-through, late prefetches) is done."""
+        """Wait until every background task (write-through, late prefetches) is done.
+
+        Cancelling the caller stops the wait only: the tasks belong to the pipeline and
+        keep running (a started batch always finishes)."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.shield(asyncio.gather(*list(self._tasks), return_exceptions=True))
+
+    async def cancel_all(self) -> None:
+        """Cancel every task the pipeline runs, started batches included, and wait for
+        their clean-up (reservations aborted, pages left where they were). For a close
+        that was itself cancelled: nothing may keep running against closed backends."""
+        while self._tasks:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def flush(self) -> int:
         """Finish background work, then write every dirty page of a memory tier (held
