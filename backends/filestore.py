@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import fcntl
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -112,7 +113,10 @@ class FileStore(StoreBackend):
             raise ConfigError(f"FileStore: option 'fsync' must be a bool, got {fsync!r}")
         self.path = Path(path)
         self.fsync = fsync
-        self._index: set[PageKey] = set()
+        # committed key -> stamp of its commit (0 for pages found at open), so a read that
+        # fails can tell whether the page it read is still the one committed
+        self._index: dict[PageKey, int] = {}
+        self._stamps = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._next_handle = 0
         self._lock_fd = -1
@@ -163,7 +167,7 @@ class FileStore(StoreBackend):
             await super().close()
             self._unlock()
             raise
-        self._index = keys
+        self._index = dict.fromkeys(keys, 0)
         self._counters["skipped_files"] = skipped
 
     def _scan(self) -> tuple[set[PageKey], int]:
@@ -333,7 +337,7 @@ class FileStore(StoreBackend):
             results = await self.run_blocking(self._commit_files, jobs)
             for (i, p), res in zip(jobs, results, strict=True):
                 if i >= 0 and res:
-                    self._index.add(p.key)
+                    self._index[p.key] = next(self._stamps)
                     ok[i] = True
                 elif i >= 0:
                     self._counters["write_errors"] += 1
@@ -375,29 +379,36 @@ class FileStore(StoreBackend):
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Read and verify committed pages into ``out`` (one hop). A page that fails
-        verification is a miss: counted, logged and its file removed."""
+        verification is a miss: counted, logged and its file removed (a second hop),
+        unless the key was committed again while the read was out."""
         self._check_open()
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         ok = [False] * len(keys)
-        jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in self._index]
+        stamps = {k: self._index[k] for k in keys if k in self._index}
+        jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in stamps]
         if not jobs:
             return ok
         results = await self._fan_out(self._read_files, jobs)
+        damaged: list[Path] = []
         for (i, key, _), res in zip(jobs, results, strict=True):
             if res == "ok":
                 ok[i] = True
-            elif res == "bad":
+                continue
+            if res == "bad":
                 self._counters["checksum_failures"] += 1
-                self._index.discard(key)
             else:
                 self._counters["read_errors"] += 1
-                if res == "gone":
-                    self._index.discard(key)
+            if res in ("bad", "gone") and self._index.get(key) == stamps[key]:
+                del self._index[key]  # still the page that failed: drop it
+                if res == "bad":
+                    damaged.append(self.page_path(key))
+        if damaged:
+            await self.run_blocking(_unlink_all, damaged)
         return ok
 
     def _read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[str]:
-        """Per job: ``ok``, ``bad`` (failed verification, removed), ``gone`` (file
-        missing) or ``error`` (I/O error, left in place)."""
+        """Per job: ``ok``, ``bad`` (failed verification), ``gone`` (file missing) or
+        ``error`` (I/O error). Removes nothing: :meth:`get` decides that on the loop."""
         out: list[str] = []
         header = bytearray(HEADER_SIZE)
         for _, key, buf in jobs:
@@ -429,12 +440,11 @@ class FileStore(StoreBackend):
                 verify_page(memoryview(header), key, buf)
             except IntegrityError as exc:
                 _log.warning(
-                    "file store: page %s at %s failed verification (%s); removed",
+                    "file store: page %s at %s failed verification (%s): a miss",
                     key.hex(),
                     path,
                     exc,
                 )
-                _unlink_all([path])
                 out.append("bad")
                 continue
             out.append("ok")
@@ -450,8 +460,7 @@ class FileStore(StoreBackend):
         ok = [False] * len(keys)
         present: list[tuple[int, PageKey]] = []
         for i, k in enumerate(keys):
-            if k in self._index:
-                self._index.discard(k)
+            if self._index.pop(k, None) is not None:
                 present.append((i, k))
                 ok[i] = True
         if present:

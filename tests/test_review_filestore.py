@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,3 +56,49 @@ async def test_a_second_opener_is_refused_not_let_in_to_wipe_pending_writes(
         assert await first.commit([r]) == [True]
     async with _store(tmp_path) as again:  # released on close
         assert await again.keys() == [key]
+
+
+@pytest.mark.parametrize("damage", ["vanished", "corrupt"])
+async def test_a_page_committed_again_during_a_failing_read_is_kept(
+    tmp_path: Path, damage: str
+) -> None:
+    """A read that finds the old file gone or damaged must not drop the page that a
+    delete + put of the same key committed while that read was on its way back."""
+    key = PageKey(bytes(range(16)))
+    page = np.arange(PAGE, dtype=np.uint64).astype(np.uint8)
+    store = _store(tmp_path)
+    await store.open()
+    try:
+        assert await store.put([key], [page]) == [True]
+        path = store.page_path(key)
+        if damage == "vanished":
+            path.unlink()
+        else:
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        real_read = store._read_files
+        done_reading, go = threading.Event(), threading.Event()
+
+        def held_read(jobs: Any) -> Any:
+            out = real_read(jobs)
+            done_reading.set()
+            go.wait(30)
+            return out
+
+        store._read_files = held_read  # type: ignore[method-assign]
+        reading = asyncio.ensure_future(store.get([key], [np.empty(PAGE, np.uint8)]))
+        assert await asyncio.to_thread(done_reading.wait, 30)
+        # Meanwhile the page is deleted and stored again, whole.
+        assert await store.delete([key]) == [True]
+        assert await store.put([key], [page]) == [True]
+        go.set()
+        assert await reading == [False]  # what that read found was not servable
+        store._read_files = real_read  # type: ignore[method-assign]
+        out = np.empty(PAGE, np.uint8)
+        assert await store.contains([key]) == [True], "the fresh commit was dropped"
+        assert await store.get([key], [out]) == [True]
+        np.testing.assert_array_equal(out, page)
+    finally:
+        go.set()
+        await store.close()
