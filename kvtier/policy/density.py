@@ -109,6 +109,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._n_cls = n_cls
         self._n_buckets = _bucket(1 << 40) + 1
         nb = self._n_buckets
+        self._widths = [_bucket_start(b + 1) - _bucket_start(b) for b in range(nb)]
         #: Per class: pages by last reference, oldest first (value: last reference time).
         self._lists: list[OrderedDict[PageKey, int]] = [OrderedDict() for _ in range(n_cls)]
         self._cls: dict[PageKey, int] = {}
@@ -148,20 +149,22 @@ class HitDensityPolicy(EvictionPolicy):
     def refresh(self) -> None:
         """Recompute the density tables from the histograms now (the policy also does
         this by itself every quarter capacity of insertions)."""
-        starts = [_bucket_start(b) for b in range(self._n_buckets + 1)]
+        widths = self._widths
+        top = min(_bucket(self.clock) + 1, self._n_buckets)  # no age exceeds the clock
         for cls in range(self._n_cls):
             reuses, censored = self._reuses[cls], self._censored[cls]
             table = self._table[cls]
             at_risk = hits = occupied = 0.0
-            for b in range(self._n_buckets - 1, -1, -1):
+            for b in range(top - 1, -1, -1):
                 ended = reuses[b] + censored[b]
-                at_risk += ended
-                p_hit = reuses[b] / at_risk if at_risk > 0 else 0.0
-                p_end = ended / at_risk if at_risk > 0 else 0.0
-                hits = p_hit + (1.0 - p_end) * hits
-                occupied = (starts[b + 1] - starts[b]) * (1.0 - p_end / 2) + (
-                    1.0 - p_end
-                ) * occupied
+                if ended:
+                    at_risk += ended
+                    p_hit = reuses[b] / at_risk
+                    p_end = ended / at_risk
+                    hits = p_hit + (1.0 - p_end) * hits
+                    occupied = widths[b] * (1.0 - p_end / 2) + (1.0 - p_end) * occupied
+                else:
+                    occupied += widths[b]
                 table[b] = hits / occupied if occupied > 0 else 0.0
         self._next_rebuild = self.clock + max(self.c // 4, 1)
 
