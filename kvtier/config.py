@@ -539,10 +539,13 @@ def _build_spec(model: Mapping[str, Any], sources: Mapping[str, str]) -> KVSpec:
 def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfig:
     spec = _build_spec(raw.get("model", {}), sources)
     ns_raw = raw.get("namespace", {})
+    model_id = ns_raw.get("model_id")
+    if model_id is not None and model_id != "":  # absent or empty: the model's name
+        model_id = _str(model_id, "namespace.model_id", sources)
     try:
         namespace = Namespace.for_spec(
             spec,
-            model_id=ns_raw.get("model_id") or None,
+            model_id=model_id or None,
             revision=_str(ns_raw.get("revision", "main"), "namespace.revision", sources),
             rank=_int(ns_raw.get("rank", 0), "namespace.rank", sources, minimum=0),
         )

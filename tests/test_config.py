@@ -212,6 +212,12 @@ def _tiers(**first) -> dict:
             {},
             r"model\.dtype: unknown KV dtype 'int4'",
         ),
+        ({"namespace": {"model_id": 15}}, {}, r"namespace\.model_id: must be a non-empty string"),
+        (
+            {},
+            {"KVTIER_NAMESPACE__MODEL_ID": "1.5"},
+            r"namespace\.model_id: .*got 1\.5 \(from env:KVTIER_NAMESPACE__MODEL_ID\)",
+        ),
         ({"tiers": []}, {}, r"tiers: at least one tier"),
         ({"tiers": [{"name": "x", "capacity": "1GiB"}]}, {}, r"tiers\[0\]\.backend: missing"),
         (
