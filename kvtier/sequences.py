@@ -420,7 +420,7 @@ class SequenceManager:
     async def ensure_resident(self, seq_ids: Sequence[int]) -> ResidentBatch:
         """Bring every page of ``seq_ids`` to the top tier, pinned; returns the table.
 
-        One batched load for all stored pages not in the working pool. Raises
+        One batched load (pinning) for all stored pages. Raises
         :class:`PageFaultError` (naming the lost pages) or :class:`CapacityError`; in
         both cases nothing stays pinned.
         """
@@ -432,9 +432,11 @@ class SequenceManager:
             rows = [tables.table(s) for s in ids]
             wanted: list[PageKey] = []
             seen: set[PageKey] = set()
+            # Stored pages come from the cache, pinned, even while a working copy lingers
+            # (another sequence's commit may give that slot back while the table is out).
             for t in rows:
                 for p in t.pages:
-                    if p.slot == PAD_SLOT and p.key is not None and p.key not in seen:
+                    if p.key is not None and p.key not in seen:
                         seen.add(p.key)
                         wanted.append(p.key)
             slot_of_key: dict[PageKey, int] = {}
@@ -463,7 +465,7 @@ class SequenceManager:
                 pinned = []
 
             def slot_of(p: Page) -> int:
-                return p.slot if p.slot != PAD_SLOT else slot_of_key[p.key]  # type: ignore[index]
+                return p.slot if p.key is None else slot_of_key[p.key]
 
             table = tables.pack(ids, slot_of)
             self.stats.resident_calls += 1

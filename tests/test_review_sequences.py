@@ -11,7 +11,7 @@ import pytest
 import torch
 from seq_harness import TwoTierCache
 from test_block_table import PT, Memory, make
-from test_sequences import DRAFT, SPEC, kv_for
+from test_sequences import DRAFT, SPEC, Ref, kv_for
 
 from kvtier.attention import paged_attention
 from kvtier.backend import BackendClosedError
@@ -253,3 +253,31 @@ def test_stored_pages_give_their_working_slots_back_once_no_holder_can_cut_them(
     tables.commit(d, w)
     assert tables.pool.in_use == 1  # both verified: c's stored pages hold no slot
     assert mem.read(tables, c) == mem.read(tables, d) == list(range(100, 100 + 2 * PT))
+
+
+async def test_a_resident_table_stays_valid_while_other_sequences_commit(
+    tmp_path: Path,
+) -> None:
+    """A stored page's working slot may go back to the pool when a fork commits; a table
+    handed out for another sequence must not point at it."""
+    cache = TwoTierCache(SPEC, 40, 100, tmp_path / "s")
+    await cache.open()
+    mgr = await SequenceManager.open(cache, 10)
+    ref = Ref()
+    a = mgr.create()
+    v = mgr.snapshot(a)
+    await ref.append(mgr, a, list(range(3 * SPEC.page_tokens)))  # 3 pages, unverified
+    b = mgr.fork(a)
+    await mgr.commit(a, v)  # a's pages are stored; b still holds them unverified
+    async with mgr.resident([a]) as batch:
+        await mgr.commit(b, v)  # nobody can cut them now: their working slots go back
+        c = mgr.create()
+        await ref.append(mgr, c, list(range(500, 500 + 3 * SPEC.page_tokens)))  # reuses slots
+        for layer in range(SPEC.num_layers):
+            for lp in range(3):
+                page = mgr.page(int(batch.block_table[0, lp]))
+                pt = SPEC.page_tokens
+                assert torch.equal(page[layer], ref.kv[a][layer][:, lp * pt : (lp + 1) * pt])
+    mgr.check_invariants()
+    await mgr.close()
+    await cache.close()
