@@ -36,14 +36,15 @@ opens is not an error: the store opens and misses until the server is up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
 from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
@@ -114,6 +115,8 @@ class RedisStore(StoreBackend):
         self._ttl_ms = 0 if self.options.ttl_s is None else max(1, round(self.options.ttl_s * 1e3))
         self.health = Health(self.options.public()["url"], log)
         self.checksum_failures = 0
+        self._busy = 0  # calls using the client now (close waits for them)
+        self._idle = asyncio.Event()
 
     # -- discovery and lifecycle -----------------------------------------------------------
 
@@ -176,10 +179,17 @@ class RedisStore(StoreBackend):
     async def close(self) -> None:
         """Drop pending reservations (they never reached the server) and close the
         connections. Idempotent. Calls made from here on raise
-        :class:`~kvtier.backend.BackendClosedError`."""
+        :class:`~kvtier.backend.BackendClosedError`; calls in flight send no further batch
+        (those pages are misses) and are waited for, at most ``op_timeout_s``, so that none
+        reopens a connection after the client is closed."""
         self._opened = False  # before the first await: no call may find the client gone
         self._pending.clear()
         self._spare.clear()
+        if self._busy:  # calls in flight send nothing more; let them end (one deadline)
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.options.op_timeout_s):
+                    await self._idle.wait()
         if self._client is not None:
             client, self._client = self._client, None
             try:
@@ -203,10 +213,22 @@ class RedisStore(StoreBackend):
 
     async def _cpu(self, fn: Callable[[], T], nbytes: int) -> T:
         """Run copy/checksum work over ``nbytes`` inline when small, on the executor when
-        large (one hop per batch)."""
+        large (one hop per batch). Also for a call that :meth:`close` is waiting for."""
         if nbytes < _OFFLOAD_BYTES:
             return fn()
-        return await self.run_blocking(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    @contextlib.contextmanager
+    def _using_client(self) -> Iterator[Any]:
+        """The client, for one call; :meth:`close` waits for such calls to end."""
+        self._check_open()
+        self._busy += 1
+        try:
+            yield self._client
+        finally:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.set()
 
     def _take_buffers(self, n: int) -> list[np.ndarray]:
         """``n`` value buffers (payload + header) from the spares, or new ones."""
@@ -261,15 +283,17 @@ class RedisStore(StoreBackend):
         if not items:
             return results
         step = self._step
-        client, sem = self._client, self._sem
-        assert client is not None and sem is not None
+        sem = self._sem
+        assert sem is not None
 
-        async def one(start: int) -> None:
+        async def one(client: Any, start: int) -> None:
             chunk = range(start, min(start + step, len(items)))
             failures = self.health.failed_batches
             async with sem:
                 if self.health.failed_batches != failures:
                     return  # a batch failed while this one waited: miss now, not a deadline later
+                if not self._opened:
+                    return  # closing: send nothing more
                 if before is not None:
                     await before(chunk)
                 try:
@@ -291,7 +315,8 @@ class RedisStore(StoreBackend):
             if after is not None:
                 await after(chunk, results)
 
-        await asyncio.gather(*(one(s) for s in range(0, len(items), step)))
+        with self._using_client() as client:
+            await asyncio.gather(*(one(client, s) for s in range(0, len(items), step)))
         return results
 
     # -- the keyed, two-phase interface ----------------------------------------------------
@@ -548,23 +573,25 @@ class RedisStore(StoreBackend):
         This is the recovery call: the pages listed are adopted into the client-side
         count (:meth:`used_pages`), as the tier above now tracks them.
         """
-        self._check_open()
-        client = self._client
-        assert client is not None
         prefix = f"{self.options.key_prefix}:{{".encode()
         found: list[PageKey] = []
 
-        async def scan() -> None:
+        async def scan(client: Any) -> None:
             async for name in client.scan_iter(match=prefix + b"*", count=1000):
+                if not self._opened:
+                    raise BackendClosedError(f"{type(self).__name__} closed during keys()")
                 k = _parse_page_name(name, prefix)
                 if k is not None:
                     found.append(k)
 
-        try:
-            await _with_deadline(scan(), 30 * self.options.op_timeout_s)
-        except Exception as exc:
-            self.health.failed(_describe(exc))
-            return []
+        with self._using_client() as client:
+            try:
+                await _with_deadline(scan(client), 30 * self.options.op_timeout_s)
+            except BackendClosedError:
+                raise
+            except Exception as exc:
+                self.health.failed(_describe(exc))
+                return []
         self.health.succeeded()
         self._committed.update(found)
         return sorted(set(found))

@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -292,6 +293,34 @@ async def test_a_call_racing_close_raises_backend_closed(valkey: RedisServer) ->
     with pytest.raises(BackendClosedError):
         await s.contains(keys)
     await closing
+
+
+def _connected_clients(raw: redis.Redis, expected: int) -> int:
+    """The server's client count, once it settles at ``expected`` (or after 2 s)."""
+    for _ in range(40):
+        count = int(raw.info("clients")["connected_clients"])
+        if count == expected:
+            break
+        time.sleep(0.05)
+    return count
+
+
+async def test_close_waits_for_calls_in_flight_and_leaves_no_connection(
+    valkey: RedisServer, raw: redis.Redis
+) -> None:
+    size = 1 << 20
+    before = _connected_clients(raw, 1)
+    s = make(valkey.url, page_bytes=size, batch_pages=2, max_inflight=4)
+    await s.open()
+    keys, data = keys_for(16), pages(16, size)
+    assert await s.put(keys, data) == [True] * 16
+    out = [np.zeros(size, np.uint8) for _ in keys]
+    reading = asyncio.create_task(s.get(keys, out))
+    await asyncio.sleep(0.005)  # batches on the wire when close() starts
+    await s.close()
+    hits = await reading  # what arrived is exact; batches not sent yet are misses
+    assert all(np.array_equal(o, d) for o, d, h in zip(out, data, hits, strict=True) if h)
+    assert _connected_clients(raw, before) == before  # no connection reopened and left behind
 
 
 async def test_close_drops_pending_pages(valkey: RedisServer, raw: redis.Redis) -> None:
