@@ -96,6 +96,13 @@ async def test_bad_keys(cache, keys, match):
         await cache.prefetch(keys, 1.0)
 
 
+@pytest.mark.parametrize("deadline", [float("nan"), "1", None, True, -0.5])
+async def test_prefetch_rejects_a_deadline_that_is_not_seconds(cache, deadline):
+    res = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
+    with pytest.raises(KVTierUsageError, match=r"deadline_s must be >= 0 .*got"):
+        await cache.prefetch(res.keys, deadline)
+
+
 async def test_misuse(cache, tmp_path):
     res = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
     with pytest.raises(KVTierUsageError, match="deadline_s must be >= 0"):

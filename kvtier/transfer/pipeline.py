@@ -965,8 +965,14 @@ class Pipeline:
         Pages still moving at the deadline keep moving in the background and are
         reported ``late``. Cancelling the caller cancels the batches not yet started.
         """
-        if deadline_s < 0:
-            raise KVTierUsageError(f"deadline_s must be >= 0, got {deadline_s}")
+        if (
+            isinstance(deadline_s, bool)
+            or not isinstance(deadline_s, int | float)
+            or not deadline_s >= 0  # also NaN
+        ):
+            raise KVTierUsageError(
+                f"deadline_s must be >= 0 (seconds, a real number), got {deadline_s!r}"
+            )
         top = self.top
         d = self.directory
         uniq = list(dict.fromkeys(keys))
