@@ -116,7 +116,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._refs: dict[PageKey, int] = {}  # use count - 1, capped at max_refs - 1
         self._parented: dict[PageKey, bool] = {}  # a page was ever inserted after it
         self._parent: dict[PageKey, PageKey | None] = {}  # resident parent, else None
-        self._kids: dict[PageKey, set[PageKey]] = {}  # resident children
+        self._kids: dict[PageKey, dict[PageKey, None]] = {}  # resident children, in order
         self._orphans: OrderedDict[PageKey, None] = OrderedDict()
         #: Evicted pages: key -> (class, last reference time), oldest eviction first.
         self._ghosts: OrderedDict[PageKey, tuple[int, int]] = OrderedDict()
@@ -217,9 +217,9 @@ class HitDensityPolicy(EvictionPolicy):
             # Not an orphan: in a lower tier the parent usually sits in a tier above.
             parent = None
         self._parent[key] = parent
-        self._kids[key] = set()
+        self._kids[key] = {}
         if parent is not None:
-            self._kids[parent].add(key)
+            self._kids[parent][key] = None
             if not self._parented[parent]:
                 self._parented[parent] = True
                 pcls = self._cls[parent]
@@ -249,7 +249,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._parented.pop(key)
         parent = self._parent.pop(key)
         if parent is not None:
-            self._kids[parent].discard(key)
+            self._kids[parent].pop(key, None)
         for kid in self._kids.pop(key):
             self._parent[kid] = None
             self._orphans[kid] = None
