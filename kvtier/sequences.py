@@ -339,24 +339,29 @@ class SequenceManager:
     async def rollback(self, seq_id: int, version: int) -> int:
         """Restore the version exactly; returns working pages freed."""
         async with self._lock:
-            freed = self.tables.rollback(seq_id, version)
-            self.stats.rollbacks += 1
-            self.stats.pages_discarded += freed
-            return freed
+            return self._rollback_tables(seq_id, version)
+
+    def _rollback_tables(self, seq_id: int, version: int) -> int:
+        freed = self.tables.rollback(seq_id, version)
+        self.stats.rollbacks += 1
+        self.stats.pages_discarded += freed
+        return freed
 
     async def commit(self, seq_id: int, version: int, keep: int | None = None) -> int:
         """Accept what was appended since the version (the first ``keep`` tokens only,
         when given); newly verified full pages are stored. Returns working pages freed."""
         async with self._lock:
-            return await self._commit_locked(seq_id, version, keep)
+            freed = self._commit_tables(seq_id, version, keep)
+            await self._publish(seq_id)
+            return freed
 
-    async def _commit_locked(self, seq_id: int, version: int, keep: int | None) -> int:
+    def _commit_tables(self, seq_id: int, version: int, keep: int | None) -> int:
+        """The table part of :meth:`commit` (no await); the caller then publishes."""
         tables = self.tables
         before = tables.cow_copies
         freed = tables.commit(seq_id, version, keep)
         self.stats.cow_copies += tables.cow_copies - before
         self.stats.pages_discarded += freed
-        await self._publish(seq_id)
         return freed
 
     async def truncate(self, seq_id: int, num_tokens: int) -> int:
@@ -606,25 +611,32 @@ class VersionedGroup:
         return per
 
     async def rollback(self, seq_id: int, version: int) -> int:
+        """Roll every manager back to the version, with no await in between (a group
+        snapshot never sees some managers rolled back and others not)."""
         members = self._members(seq_id)
-        per = self._take(seq_id, version)
-        freed = 0
-        for name, s in members.items():
-            freed += await self.managers[name].rollback(s, per[name])
-        return freed
+        async with self._all_locked():
+            per = self._take(seq_id, version)
+            return sum(
+                self.managers[name]._rollback_tables(s, per[name]) for name, s in members.items()
+            )
 
     async def commit(self, seq_id: int, version: int, keep: int | None = None) -> int:
         """Commit the version in every manager. All-or-nothing: what any manager would
-        raise (a bad ``keep``, no working slot for a copy) is raised before any commits."""
+        raise (a bad ``keep``, no working slot for a copy) is raised before any commits,
+        and every table is committed before the first store is awaited (a group snapshot
+        never sees some managers committed and others not)."""
         members = self._members(seq_id)
         async with self._all_locked():
             per = self._version(seq_id, version)
             for name, s in members.items():
                 self.managers[name].tables.check_commit(s, per[name], keep)
             self._take(seq_id, version)
-            freed = 0
+            freed = sum(
+                self.managers[name]._commit_tables(s, per[name], keep)
+                for name, s in members.items()
+            )
             for name, s in members.items():
-                freed += await self.managers[name]._commit_locked(s, per[name], keep)
+                await self.managers[name]._publish(s)
         return freed
 
     async def free(self, seq_id: int) -> int:

@@ -3,6 +3,7 @@ input gets a clear error naming the problem."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,39 @@ async def test_a_resident_table_stays_valid_while_other_sequences_commit(
     mgr.check_invariants()
     await mgr.close()
     await cache.close()
+
+
+async def test_group_snapshot_during_a_group_commit_covers_every_manager(
+    tmp_path: Path,
+) -> None:
+    """A snapshot taken while a group commit waits on a store must see every manager
+    committed (not the target committed and the draft still holding the old version)."""
+    group, (target, draft, target_cache, *rest) = await _group(tmp_path, draft_working=8)
+    s = group.create()
+    v = group.snapshot(s)
+    toks = list(range(SPEC.page_tokens + 1))  # one full page to store on commit
+    await group.append(s, toks, {"target": kv_for(SPEC, toks, 0), "draft": kv_for(DRAFT, toks, 0)})
+    gate, entered = asyncio.Event(), asyncio.Event()
+    store = target_cache.store_pages
+
+    async def gated_store(*args: Any, **kwargs: Any) -> list[bool]:
+        entered.set()
+        await gate.wait()
+        return await store(*args, **kwargs)
+
+    target_cache.store_pages = gated_store  # type: ignore[method-assign]
+    commit = asyncio.create_task(group.commit(s, v))
+    await entered.wait()
+    w = group.snapshot(s)  # while the commit waits on the target's store
+    gate.set()
+    await commit
+    more = [90, 91]
+    await group.append(s, more, {"target": kv_for(SPEC, more, 5), "draft": kv_for(DRAFT, more, 5)})
+    await group.rollback(s, w)
+    for m, name in ((target, "target"), (draft, "draft")):
+        table = m.tables.table(group.member(s, name))
+        assert table.tokens == toks and table.versions == []
+        m.check_invariants()
+    await group.free(s)
+    for c in (target, draft, target_cache, *rest):
+        await c.close()
