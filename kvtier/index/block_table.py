@@ -577,8 +577,8 @@ class BlockTables:
 
     def publishable(self, seq_id: int) -> list[tuple[int, Page]]:
         """``(logical page, page)`` of each full, verified, unpublished page of
-        ``seq_id`` whose predecessors are all published, in order: what may now be
-        stored in the cache (its key chains from the previous page's key)."""
+        ``seq_id``, in order: what may now be stored in the cache. Every page before the
+        first of them is published, so their keys chain from that page's key."""
         table = self.table(seq_id)
         limit = table.verified_tokens // self.page_tokens
         out: list[tuple[int, Page]] = []
