@@ -22,11 +22,11 @@ a large batch is split across the I/O threads so the copy runs on several cores.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -267,26 +267,46 @@ class DramArena(ArenaBackend):
 
     # -- copies -------------------------------------------------------------------------
 
-    async def _copy(self, pairs: list[CopyPair]) -> None:
-        """Run a batch of copies off the loop: one hop, split across the I/O threads when
-        the batch is large."""
-        pairs = [(d, s) for d, s in pairs if not _same_memory(d, s)]
-        if not pairs:
-            return
-        self._copies += len(pairs)
-        total = sum(int(d.nbytes) for d, _ in pairs)
-        parts = min(self.io_threads, os.cpu_count() or 1)
-        if parts <= 1 or total < PARALLEL_COPY_MIN_BYTES:
-            await self.run_blocking(_copy_pairs, pairs)
-            return
+    async def _copy(self, pairs: list[tuple[int, CopyPair]]) -> None:
+        """Run a batch of ``(slot, (dst, src))`` copies off the loop: one hop, split
+        across the I/O threads when the batch is large.
+
+        The slots stay busy in the slot book until the worker threads have returned, even
+        when the awaiting task is cancelled first, so an abort or delete meanwhile cannot
+        hand a slot to a new page that a late copy would then overwrite or read."""
         self._check_open()
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            *(
-                loop.run_in_executor(self._executor, functools.partial(_copy_pairs, group))
-                for group in _split_pairs(pairs, parts)
-            )
+        assert self._executor is not None
+        work = [(slot, (d, s)) for slot, (d, s) in pairs if not _same_memory(d, s)]
+        if not work:
+            return
+        self._copies += len(work)
+        copies = [pair for _, pair in work]
+        total = sum(int(d.nbytes) for d, _ in copies)
+        parts = min(self.io_threads, os.cpu_count() or 1)
+        groups = (
+            [copies]
+            if parts <= 1 or total < PARALLEL_COPY_MIN_BYTES
+            else _split_pairs(copies, parts)
         )
+        book, slots = self._slots, [slot for slot, _ in work]
+        book.begin_io(slots)
+        loop = asyncio.get_running_loop()
+        futures = [self._executor.submit(_copy_pairs, group) for group in groups]
+        left = len(futures)
+
+        def finished() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                book.end_io(slots)
+
+        def on_done(_: concurrent.futures.Future[None]) -> None:  # a worker thread
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nothing to free
+                loop.call_soon_threadsafe(finished)
+
+        for fut in futures:
+            fut.add_done_callback(on_done)
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
 
     # -- the keyed, two-phase interface ------------------------------------------------
 
@@ -313,7 +333,7 @@ class DramArena(ArenaBackend):
         self._arena()
         bufs = check_buffers(data, len(reservations), self.page_bytes)
         ok: list[bool] = []
-        pairs: list[CopyPair] = []
+        pairs: list[tuple[int, CopyPair]] = []
         for r, buf in zip(reservations, bufs, strict=True):
             if r.present:
                 ok.append(True)
@@ -322,7 +342,7 @@ class DramArena(ArenaBackend):
                 if _same_memory(dst, buf):
                     self._skipped_copies += 1
                 else:
-                    pairs.append((dst, buf))
+                    pairs.append((r.handle, (dst, buf)))
                 ok.append(True)
             else:
                 ok.append(False)
@@ -345,22 +365,15 @@ class DramArena(ArenaBackend):
         self._arena()
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         ok: list[bool] = []
-        pairs: list[CopyPair] = []
-        slots: list[int] = []
-        book = self._slots
+        pairs: list[tuple[int, CopyPair]] = []
         for key, buf in zip(keys, bufs, strict=True):
-            slot = book.slot_of(key)
+            slot = self._slots.slot_of(key)
             if slot is None:
                 ok.append(False)
                 continue
-            pairs.append((buf, self.view(slot)))
-            slots.append(slot)
+            pairs.append((slot, (buf, self.view(slot))))
             ok.append(True)
-        book.begin_reads(slots)
-        try:
-            await self._copy(pairs)
-        finally:
-            book.end_reads(slots)
+        await self._copy(pairs)
         return ok
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:

@@ -2,9 +2,11 @@
 
 An arena holds ``capacity`` page slots. :class:`SlotBook` tracks which key is committed
 in which slot, which slots are reserved (taken, written, not yet visible) and which are
-free, and keeps a slot that a read is still copying out of from being reused until the
-read ends. It moves no bytes and never blocks: arenas call it on the event-loop thread
-around their copies. The contract it serves is :mod:`kvtier.backend`'s two-phase put.
+free, and keeps a slot that a copy is still reading or writing from being reused until
+that copy has really ended (its worker thread returned, not merely its awaiting task
+cancelled): otherwise a late copy could overwrite a new page or read a reused slot. It
+moves no bytes and never blocks: arenas call it on the event-loop thread around their
+copies. The contract it serves is :mod:`kvtier.backend`'s two-phase put.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ class SlotBook:
         self.reserved: dict[int, PageKey] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._readers: dict[int, int] = {}
-        self._draining: set[int] = set()
+        self._busy: dict[int, int] = {}  # slot -> copies in flight
+        self._draining: set[int] = set()  # freed while busy: free once idle
 
     def slot_of(self, key: PageKey) -> int | None:
         """The slot of a committed key, or ``None``."""
@@ -62,42 +64,47 @@ class SlotBook:
         return True
 
     def abort(self, slot: int, key: PageKey, present: bool) -> None:
-        """Give a live reservation's slot back (no-op otherwise)."""
+        """Give a live reservation's slot back (no-op otherwise); reused once no copy
+        into it is still running."""
         if not present and self.is_live(slot, key):
             del self.reserved[slot]
-            self._free.append(slot)
+            self._release(slot)
 
     def delete(self, key: PageKey) -> bool:
-        """Uncommit ``key``; its slot is reused once no read is copying out of it."""
+        """Uncommit ``key``; its slot is reused once no copy out of it is still running."""
         slot = self.committed.pop(key, None)
         if slot is None:
             return False
-        if self._readers.get(slot):
+        self._release(slot)
+        return True
+
+    def _release(self, slot: int) -> None:
+        if self._busy.get(slot):
             self._draining.add(slot)
         else:
             self._free.append(slot)
-        return True
 
-    def begin_reads(self, slots: Sequence[int]) -> None:
-        """Mark ``slots`` as being copied out of (pair with :meth:`end_reads`)."""
+    def begin_io(self, slots: Sequence[int]) -> None:
+        """Mark ``slots`` as being copied into or out of (pair with :meth:`end_io`, called
+        when the copy has really finished)."""
         for slot in slots:
-            self._readers[slot] = self._readers.get(slot, 0) + 1
+            self._busy[slot] = self._busy.get(slot, 0) + 1
 
-    def end_reads(self, slots: Iterable[int]) -> None:
-        """Reads of ``slots`` ended; slots deleted meanwhile become free."""
+    def end_io(self, slots: Iterable[int]) -> None:
+        """Copies of ``slots`` ended; slots released meanwhile become free."""
         for slot in slots:
-            left = self._readers.pop(slot, 1) - 1
+            left = self._busy.pop(slot, 1) - 1
             if left > 0:
-                self._readers[slot] = left
+                self._busy[slot] = left
             elif slot in self._draining:
                 self._draining.discard(slot)
                 self._free.append(slot)
 
     def used(self) -> int:
-        """Slots committed, reserved, or deleted but still being read."""
+        """Slots committed, reserved, or released but still under a copy."""
         return len(self.committed) + len(self.reserved) + len(self._draining)
 
     @property
     def draining(self) -> int:
-        """Deleted slots still being read."""
+        """Released slots still under a copy."""
         return len(self._draining)

@@ -101,14 +101,14 @@ async def test_write_of_the_reserved_view_skips_the_copy() -> None:
 
 async def test_one_executor_hop_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     async with DramArena(page_bytes=PAGE, capacity_pages=8) as arena:
-        hops: list[str] = []
-        real = arena.run_blocking
+        hops: list[int] = []  # one executor job per _copy_pairs call
+        real = dram._copy_pairs
 
-        async def counting(fn: Any, *args: Any) -> Any:
-            hops.append(getattr(fn, "__name__", "?"))
-            return await real(fn, *args)
+        def counting(pairs: Any) -> None:
+            hops.append(len(pairs))
+            real(pairs)
 
-        monkeypatch.setattr(arena, "run_blocking", counting)
+        monkeypatch.setattr(dram, "_copy_pairs", counting)
         keys, data = _keys(6), _pages(6)
         assert await arena.put(keys, data) == [True] * 6
         assert len(hops) == 1
@@ -210,3 +210,45 @@ async def test_bad_slots_and_options() -> None:
 TestDramStateMachine = backend_state_machine(
     lambda: DramArena(page_bytes=64, capacity_pages=4, io_threads=2)
 ).TestCase
+
+
+async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monkeypatch) -> None:
+    """Worker threads cannot be stopped: after a write is cancelled and its reservation
+    aborted, the slot stays taken until the copy thread really returned, so the late copy
+    cannot overwrite the next page put there."""
+    import threading
+
+    from kvtier.backends import dram as dram_module
+
+    gate = threading.Event()
+    real = dram_module._copy_pairs
+
+    def held_copy(pairs):  # the first copy blocks until the test lets it go
+        gate.wait(10)
+        real(pairs)
+
+    async with DramArena(page_bytes=PAGE, capacity_pages=1) as arena:
+        a, b = _keys(2)
+        data = _pages(2)
+        (res,) = await arena.reserve([a])
+        assert res is not None
+        monkeypatch.setattr(dram_module, "_copy_pairs", held_copy)
+        writing = asyncio.create_task(arena.write([res], [data[0]]))
+        await asyncio.sleep(0.05)  # the copy thread is now inside held_copy
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        await arena.abort([res])
+        assert arena.used_pages() == 1 and arena.stats()["draining_pages"] == 1
+        assert await arena.reserve([b]) == [None]  # the slot is still under the old copy
+        monkeypatch.setattr(dram_module, "_copy_pairs", real)
+        gate.set()
+        for _ in range(200):  # the slot frees once the thread returned
+            if arena.used_pages() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert arena.used_pages() == 0
+        assert await arena.put([b], data[1:]) == [True]
+        out = np.zeros(PAGE, np.uint8)
+        assert await arena.get([b], [out]) == [True]
+        assert np.array_equal(out, data[1])
