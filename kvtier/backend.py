@@ -295,7 +295,11 @@ class Backend(ABC):
         taken = [(i, r) for i, r in enumerate(reservations) if r is not None]
         if not taken:
             return ok
-        written = await self.write([r for _, r in taken], [bufs[i] for i, _ in taken])
+        try:
+            written = await self.write([r for _, r in taken], [bufs[i] for i, _ in taken])
+        except BaseException:  # cancelled or failed before any commit: give the space back
+            await asyncio.shield(self.abort([r for _, r in taken]))
+            raise
         to_commit = [(i, r) for (i, r), w in zip(taken, written, strict=True) if w]
         failed = [r for (_, r), w in zip(taken, written, strict=True) if not w]
         if failed:

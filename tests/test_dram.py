@@ -252,3 +252,31 @@ async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monke
         out = np.zeros(PAGE, np.uint8)
         assert await arena.get([b], [out]) == [True]
         assert np.array_equal(out, data[1])
+
+
+async def test_a_cancelled_put_gives_its_slots_back_once_the_copy_ends(monkeypatch) -> None:
+    import threading
+
+    from kvtier.backends import dram as dram_module
+
+    gate = threading.Event()
+    real = dram_module._copy_pairs
+
+    def held_copy(pairs):
+        gate.wait(10)
+        real(pairs)
+
+    async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+        monkeypatch.setattr(dram_module, "_copy_pairs", held_copy)
+        putting = asyncio.create_task(arena.put(_keys(2), _pages(2)))
+        await asyncio.sleep(0.05)
+        putting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await putting
+        gate.set()
+        for _ in range(200):
+            if arena.used_pages() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert arena.used_pages() == 0  # no reservation leaked
+        assert await arena.keys() == []
