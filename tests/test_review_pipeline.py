@@ -345,3 +345,26 @@ async def test_random_cancellations_and_outages_leak_nothing(tmp_path: Path, see
         out = np.zeros((len(kept), PAGE), dtype=np.uint8)
         assert all(await cache.read(kept, out))
         assert all(np.array_equal(row, truth[k]) for k, row in zip(kept, out, strict=True))
+
+
+async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evicted(
+    tmp_path: Path,
+):
+    """With leaf-first eviction, pinning only the last page of a cached chain leaves its
+    unpinned ancestors un-evictable in that tier. The error must say so, not claim that
+    everything is pinned."""
+    rng = np.random.default_rng(30)
+    async with _open(config(tmp_path, dram_pages=10, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 8)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys[-1:])  # the chain's leaf only
+        more, more_data = sequence(rng, 4)
+        with pytest.raises(
+            CapacityError,
+            match=r"1 of its 10 pages are pinned or reserved; "
+            r"its eviction policy \(leaf-first\(lru\)\) offers none of the "
+            r"other 7",
+        ):
+            await cache.store(more, more_data)
+        cache.release(keys[-1:])
+        assert all((await cache.store(more, more_data)).stored)

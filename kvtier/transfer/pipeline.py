@@ -325,10 +325,16 @@ class Pipeline:
                 return True
             if stuck:
                 return False
+            held = self._held(tier)
+            why = (
+                f"; its eviction policy ({tier.policy.name}) offers none of the other {used - held}"
+                if used > held
+                else " and nothing else can be evicted"
+            )
             raise CapacityError(
-                f"tier {name!r} cannot make room for {n} page(s): {self._held(tier)} of its "
-                f"{tier.capacity_pages} pages are pinned or reserved and nothing else can be "
-                f"evicted (release loaded pages with cache.release(keys))"
+                f"tier {name!r} cannot make room for {n} page(s): {held} of its "
+                f"{tier.capacity_pages} pages are pinned or reserved{why} "
+                f"(release loaded pages with cache.release(keys))"
             )
 
     def _drains_to_watermark(self, tier: Tier, n: int) -> bool:
