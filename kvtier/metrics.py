@@ -262,7 +262,7 @@ class CacheMetrics(Metrics):
                                 "gb_per_s"}},
          "queues": {"fetch", "prefetch", "evict"},          # current depth
          "fetch_latency_s": {"count", "mean", "p50", "p99", "max"},
-         "prefetch": {"arrived", "late", "cancelled"},
+         "prefetch": {"arrived", "late", "cancelled", "missing"},
          "raw": {...every series...}}
     """
 
