@@ -3,7 +3,7 @@
 Replays the Mooncake conversation trace and/or the synthetic workloads through
 :func:`kvtier.sim.replay.replay` (one tier) at capacities given as shares of the distinct
 blocks, and prints ``hit rate (share of MIN)`` per policy and capacity. A policy is a
-config name, optionally with parameters: ``density`` or ``density:horizon=0.5``.
+config name, optionally with parameters: ``density`` or ``density:ghost_factor=2.0``.
 
     .venv/bin/python benchmarks/policy_sweep.py --trace ../shared/traces/\
 mooncake_fast25_conversation_trace.jsonl --workload chat --policy lru --policy density
