@@ -226,7 +226,11 @@ class KVCache:
         for tier in self.tiers:
             self.metrics.used.set(0, tier.name)
             self.metrics.capacity.set(tier.capacity_pages, tier.name)
-        recovered = await self._recover()
+        try:
+            recovered = await self._recover()
+        except BaseException:
+            await self.close()  # cancelled while indexing: do not leave backends open
+            raise
         _log.info(
             "kvtier cache open",
             model=self.spec.name,

@@ -19,6 +19,7 @@ import pytest
 from cache_kit import PAGE, FailingFileStore, SlowFileStore, config, sequence, tier
 from kvtier.backends.filestore import FileStore
 
+from kvtier.backend import BackendClosedError
 from kvtier.cache import KVCache
 from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
 
@@ -368,3 +369,38 @@ async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evi
             await cache.store(more, more_data)
         cache.release(keys[-1:])
         assert all((await cache.store(more, more_data)).stored)
+
+
+class SlowKeysFileStore(FileStore):
+    """A file store whose ``keys()`` (the recovery scan at start-up) takes ``delay_s``."""
+
+    delay_s: ClassVar[float] = 5.0
+
+    async def keys(self) -> Any:
+        await asyncio.sleep(type(self).delay_s)
+        return await super().keys()
+
+
+async def test_start_cancelled_during_recovery_closes_the_backends(tmp_path: Path):
+    """A start-up cancelled while persistent tiers are being indexed (a server start-up
+    timeout) must not leave opened backends (threads, files, memory) behind."""
+    cfg = config(
+        tmp_path,
+        dram_pages=8,
+        file_pages=64,
+        file_backend="test_review_pipeline:SlowKeysFileStore",
+    )
+    cache = _open(cfg)
+    starting = asyncio.create_task(cache.start())
+    for _ in range(500):  # until the backends are open and recovery is scanning
+        if cache.tiers or starting.done():
+            break
+        await asyncio.sleep(0.01)
+    assert cache.tiers and not starting.done()
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert not cache.is_open
+    for t in cache.tiers:
+        with pytest.raises(BackendClosedError):
+            await t.backend.contains([bytes(16)])
