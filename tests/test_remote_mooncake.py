@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -202,6 +205,54 @@ async def test_a_call_racing_close_raises_backend_closed(mooncake: MooncakeClust
         await s.contains(ks)
     await closing
     assert s.stats()["outages"] == 0  # closing is not an outage
+
+
+#: Run in a child process: a crash there fails the test instead of killing the test run.
+_CLOSE_WHILE_STUCK = """
+import asyncio, os, signal, sys, time
+import numpy as np
+from kvtier.keys import PageKey
+from kvtier_mooncake.store import MooncakeStore
+
+async def main() -> None:
+    master, metadata, pool_pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    s = MooncakeStore(page_bytes=4096, capacity_pages=4, op_timeout_s=0.5, master=master,
+                      metadata_server=metadata, key_prefix=f"t{os.getpid()}")
+    await s.open()
+    ks = [PageKey(os.urandom(16))]
+    assert await s.put(ks, [np.ones(4096, np.uint8)]) == [True]
+    os.kill(pool_pid, signal.SIGSTOP)
+    try:
+        assert await s.get(ks, [np.zeros(4096, np.uint8)]) == [False]  # stuck in the client
+        start = time.monotonic()
+        await s.close()
+        print(f"closed in {time.monotonic() - start:.2f} s", flush=True)
+    finally:
+        os.kill(pool_pid, signal.SIGCONT)
+    await asyncio.sleep(2.0)  # the stuck read returns meanwhile
+    print("ok", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_close_while_a_read_is_stuck_in_the_client_neither_crashes_nor_hangs(
+    tmp_path: Path,
+) -> None:
+    """Closing the Mooncake client under a call still inside it crashes the process
+    (SIGSEGV): close() waits for such calls (at most ``op_timeout_s``) and closes the
+    client only after the last of them returns."""
+    with MooncakeCluster(pool_bytes=32 << 20, lease_ms=10_000) as cluster:
+        args = [cluster.master_address, cluster.metadata_server, str(cluster.pool_pid)]
+        proc = subprocess.run(
+            [sys.executable, "-c", _CLOSE_WHILE_STUCK, *args],
+            capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+            env=dict(os.environ, GLOG_minloglevel="2"),
+        )  # fmt: skip
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    lines = proc.stdout.split()
+    assert lines[-1] == "ok"
+    assert float(lines[lines.index("in") + 1]) < 0.5 + 1.0  # close is bounded
 
 
 def test_plugin_registers_its_bench_baseline() -> None:

@@ -192,6 +192,11 @@ class MooncakeCluster:
             if p.exists()
         )
 
+    @property
+    def pool_pid(self) -> int | None:
+        """Process id of the pool process, ``None`` when it is not running."""
+        return self._pool.pid if self._pool is not None and self._pool.poll() is None else None
+
     def pause_pool(self) -> None:
         """Freeze the pool process (SIGSTOP): transfers from its memory stall unanswered."""
         if self._pool is not None:

@@ -164,6 +164,7 @@ class MooncakeStore(StoreBackend):
         self._committed: set[PageKey] = set()
         self._last_setup_try = 0.0
         self._setup: asyncio.Future[Any] | None = None
+        self._hops: set[asyncio.Task[Any]] = set()  # executor calls not finished yet
         self.health = Health(f"mooncake://{self.options['master']}", log)
         self.checksum_failures = 0
 
@@ -281,13 +282,24 @@ class MooncakeStore(StoreBackend):
             threading.Thread(target=fut.result().close, daemon=True).start()
 
     async def close(self) -> None:
-        """Disconnect (bounded by ``op_timeout_s``) and release buffers. Idempotent.
-        Calls made from here on raise :class:`~kvtier.backend.BackendClosedError`."""
+        """Disconnect and release buffers, in at most about ``op_timeout_s``. Idempotent.
+        Calls made from here on raise :class:`~kvtier.backend.BackendClosedError`.
+
+        Closing the client under a call still inside it crashes the process, so calls in
+        flight are waited for (at most ``op_timeout_s``); one stuck longer (a frozen pool)
+        leaves the client to be closed, on a thread of its own, when the last returns.
+        """
         self._opened = False  # before the first await: no call reconnects meanwhile
         client, self._client = self._client, None
         self._pending.clear()
         executor, self._executor = self._executor, None
-        if client is not None and executor is not None:
+        hops = list(self._hops)
+        if hops:
+            await asyncio.wait(hops, timeout=self.options["op_timeout_s"])
+        stuck = [h for h in hops if not h.done()]
+        if client is not None and stuck:
+            _close_after(client, stuck)
+        elif client is not None and executor is not None:
             loop = asyncio.get_running_loop()
             try:
                 closing = loop.run_in_executor(executor, client.close)
@@ -310,6 +322,8 @@ class MooncakeStore(StoreBackend):
         """
         task = asyncio.ensure_future(self.run_blocking(fn, *args))
         task.add_done_callback(_retrieve)
+        self._hops.add(task)
+        task.add_done_callback(self._hops.discard)
         return task
 
     async def _bounded(self, hop: asyncio.Task[T]) -> T:
@@ -676,6 +690,19 @@ class MooncakeStore(StoreBackend):
             checksum_failures=self.checksum_failures,
         )
         return out
+
+
+def _close_after(client: Any, hops: list[asyncio.Task[Any]]) -> None:
+    """Close ``client`` on a daemon thread once every one of ``hops`` has returned."""
+    left = set(hops)
+
+    def one_done(hop: asyncio.Task[Any]) -> None:
+        left.discard(hop)
+        if not left:
+            threading.Thread(target=client.close, name="kvtier-mooncake-close", daemon=True).start()
+
+    for hop in hops:
+        hop.add_done_callback(one_done)
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:
