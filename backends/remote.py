@@ -174,6 +174,7 @@ class RedisStore(StoreBackend):
 
                 self._client = Redis.from_url(self._url(), **self._client_kwargs())
             self._sem = asyncio.Semaphore(self.options.max_inflight)
+            self._idle = asyncio.Event()  # like the semaphore: bound to this loop
         await super().open()
 
     async def close(self) -> None:
