@@ -256,7 +256,8 @@ class Pipeline:
 
     async def _await_jobs(self, jobs: Sequence[_Job]) -> list[Any]:
         """Results of ``jobs``; on cancellation, un-started jobs are cancelled and running
-        ones finish in the background. The first KVTierError of a job is re-raised."""
+        ones finish in the background. Once every job has ended, the first exception one
+        of them raised (a CapacityError, typically) is re-raised."""
         tasks = [j.task for j in jobs if j.task is not None]
         try:
             results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
@@ -713,12 +714,13 @@ class Pipeline:
             if k in first:
                 continue
             first[k] = i
-            self.admission.on_access(k)
-            self.admission.note_parent(k, parents[i])
             if d.state(k, top.name) is PageState.COMMITTED:
-                top.policy.on_access(k)
+                # Already here: the engine's lookup/load of it was the reference, so
+                # storing it again is not counted twice (frequency policies would skew).
                 out[i] = True
             else:
+                self.admission.on_access(k)
+                self.admission.note_parent(k, parents[i])
                 todo.append(i)
         jobs: list[tuple[list[int], _Job]] = []
         size = self._batch_size(top)
