@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 
 from kvtier.cache import KVCache
+from kvtier.keys import ROOT_KEY
 from kvtier.policy.eviction import make_policy
 from kvtier.sim.replay import SimTier, replay
 from kvtier.sim.trace import key_block
 from kvtier.sim.workloads import workload
 
 
-@pytest.mark.parametrize("policy", ["lru", "prefix-lru"])
+@pytest.mark.parametrize("policy", ["lru", "prefix-lru", "density"])
 async def test_replay_matches_live_cache_hits(tmp_path, policy: str) -> None:
     import kvtier.policy  # noqa: F401 - registers policies for config
 
@@ -45,7 +46,12 @@ async def test_replay_matches_live_cache_hits(tmp_path, policy: str) -> None:
             hits = len(found.keys)
             live_hits.append(hits)
             await cache.load(keys[:hits], pin=True)
-            await cache.store(tokens, np.zeros((len(keys), page_bytes), dtype=np.uint8))
+            # as an engine does: store only what it computed, past the cached prefix
+            parent = keys[hits - 1] if hits else ROOT_KEY
+            rest = tokens[hits * spec_page_tokens :]
+            await cache.store(
+                rest, np.zeros((len(keys) - hits, page_bytes), dtype=np.uint8), parent=parent
+            )
             cache.release(keys[:hits])
     sim = replay(trace, [SimTier("dram", capacity, make_policy(policy))])
     assert sim.req_hits[:, 0].tolist() == live_hits

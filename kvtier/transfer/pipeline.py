@@ -714,13 +714,12 @@ class Pipeline:
             if k in first:
                 continue
             first[k] = i
+            self.admission.on_access(k)
+            self.admission.note_parent(k, parents[i])
             if d.state(k, top.name) is PageState.COMMITTED:
-                # Already here: the engine's lookup/load of it was the reference, so
-                # storing it again is not counted twice (frequency policies would skew).
+                top.policy.on_access(k)
                 out[i] = True
             else:
-                self.admission.on_access(k)
-                self.admission.note_parent(k, parents[i])
                 todo.append(i)
         jobs: list[tuple[list[int], _Job]] = []
         size = self._batch_size(top)
