@@ -48,6 +48,13 @@ def mooncake() -> Iterator[MooncakeCluster]:
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def long_lease() -> Iterator[MooncakeCluster]:
+    """Mooncake's default lease (10 s) outlasts a frozen pool: a late transfer lands."""
+    with MooncakeCluster(pool_bytes=32 << 20, lease_ms=10_000) as cluster:
+        yield cluster
+
+
 def make(cluster: MooncakeCluster, **options: Any) -> MooncakeStore:
     opts: dict[str, Any] = {"key_prefix": f"t{uuid.uuid4().hex[:8]}", "op_timeout_s": 5.0}
     opts.update(cluster.options())
@@ -167,31 +174,31 @@ async def test_master_down_at_start_and_killed_mid_run() -> None:
         cluster.close()
 
 
-async def test_read_past_its_deadline_never_touches_the_callers_buffer_later() -> None:
+async def test_read_past_its_deadline_never_touches_the_callers_buffer_later(
+    long_lease: MooncakeCluster,
+) -> None:
     """A worker thread cannot be stopped: a read that missed its deadline still completes
     once the pool answers again. It must neither write into the caller's buffer (the
     caller owns it again after the miss, and may have put another page there) nor into
     read slots that a later read is using."""
     timeout = 0.5
-    # the lease (Mooncake's default is 10 s) outlasts the freeze: the late transfer lands
-    with MooncakeCluster(pool_bytes=32 << 20, lease_ms=10_000) as cluster:
-        async with make(cluster, op_timeout_s=timeout) as s:
-            ks, data = keys(2), pages(2)
-            assert await s.put(ks, data) == [True, True]
-            first, second = np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.uint8)
-            cluster.pause_pool()
-            try:
-                assert await s.get(ks[:1], [first]) == [False]
-                start = time.monotonic()
-                assert await s.get(ks[1:], [second]) == [False]
-                assert time.monotonic() - start < timeout + 1.0  # a miss within its deadline
-            finally:
-                cluster.resume_pool()
-            await asyncio.sleep(1.0)  # the late transfers finish meanwhile
-            assert not first.any() and not second.any()
-            out = [np.zeros(PAGE, np.uint8) for _ in ks]
-            assert await s.get(ks, out) == [True, True]
-            assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+    async with make(long_lease, op_timeout_s=timeout) as s:
+        ks, data = keys(2), pages(2)
+        assert await s.put(ks, data) == [True, True]
+        first, second = np.zeros(PAGE, np.uint8), np.zeros(PAGE, np.uint8)
+        long_lease.pause_pool()
+        try:
+            assert await s.get(ks[:1], [first]) == [False]
+            start = time.monotonic()
+            assert await s.get(ks[1:], [second]) == [False]
+            assert time.monotonic() - start < timeout + 1.0  # a miss within its deadline
+        finally:
+            long_lease.resume_pool()
+        await asyncio.sleep(1.0)  # the late transfers finish meanwhile
+        assert not first.any() and not second.any()
+        out = [np.zeros(PAGE, np.uint8) for _ in ks]
+        assert await s.get(ks, out) == [True, True]
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
 
 
 async def test_a_call_racing_close_raises_backend_closed(mooncake: MooncakeCluster) -> None:
@@ -237,18 +244,20 @@ asyncio.run(main())
 
 
 def test_close_while_a_read_is_stuck_in_the_client_neither_crashes_nor_hangs(
-    tmp_path: Path,
+    long_lease: MooncakeCluster, tmp_path: Path
 ) -> None:
     """Closing the Mooncake client under a call still inside it crashes the process
     (SIGSEGV): close() waits for such calls (at most ``op_timeout_s``) and closes the
     client only after the last of them returns."""
-    with MooncakeCluster(pool_bytes=32 << 20, lease_ms=10_000) as cluster:
-        args = [cluster.master_address, cluster.metadata_server, str(cluster.pool_pid)]
+    args = [long_lease.master_address, long_lease.metadata_server, str(long_lease.pool_pid)]
+    try:
         proc = subprocess.run(
             [sys.executable, "-c", _CLOSE_WHILE_STUCK, *args],
             capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
             env=dict(os.environ, GLOG_minloglevel="2"),
         )  # fmt: skip
+    finally:
+        long_lease.resume_pool()  # whatever became of the child
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     lines = proc.stdout.split()
     assert lines[-1] == "ok"
