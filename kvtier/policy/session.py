@@ -21,7 +21,8 @@ Every hook is O(1) amortised.
 
 Why not leaf-only eviction: on real traces it changes nothing measurable (ARC's ``T1``
 already drops a cold request from its first page to its last), and protecting interior
-pages lets dead sessions' prefixes linger; see docs/benchmarks.md (section "Trace replay, policies and the cost model").
+pages lets dead sessions' prefixes linger; see docs/benchmarks.md (section "Trace
+replay, policies and the cost model").
 """
 
 from __future__ import annotations
