@@ -364,6 +364,11 @@ class KVCache:
                 f"{what}: expected a numpy array, a CPU torch tensor or a list of page "
                 f"buffers, got {type(obj).__name__}"
             )
+        if not obj.dtype.isnative:  # its bytes are not the spec dtype's bytes
+            raise KVTierUsageError(
+                f"{what}: dtype {obj.dtype.str} is not in native byte order; convert it "
+                f"first (.astype({obj.dtype.name!r}))"
+            )
         if obj.dtype != np.uint8:
             self._check_dtype(obj.dtype.name, what)
         if not obj.flags.c_contiguous:

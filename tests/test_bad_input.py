@@ -49,6 +49,7 @@ TOKENS_2 = np.arange(2 * PT)
         (np.zeros((2, *SPEC.page_shape), np.float32), r"dtype float32 does not match .*float16"),
         (torch.zeros((2, *SPEC.page_shape), dtype=torch.bfloat16), r"dtype torch.bfloat16"),
         (np.zeros((2, 2, *SPEC.page_shape), np.float16), r"shape \(2, 2, 2, 2, 4, 2, 8\)"),
+        (np.zeros((2, *SPEC.page_shape), ">f2"), r"pages: dtype >f2 is not in native byte order"),
         ("not pages", r"expected a numpy array, a CPU torch tensor or a list"),
         ([b"x" * PAGE], r"got 1 pages for 2 keys"),
         ([b"x" * PAGE, b"x" * 10], r"pages\[1\] must hold 512 bytes"),
