@@ -75,20 +75,23 @@ class LookupResult:
     cached_tokens: int
 
 
+def _check_key(key: Any, what: str, optional: bool = False) -> PageKey:
+    """``key`` as a page key, or :class:`KVTierUsageError` naming ``what``."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise KVTierUsageError(
+            f"{what} must be a {KEY_BYTES}-byte page key{' or None' if optional else ''}, "
+            f"got {type(key).__name__}"
+            f"{' of ' + str(len(key)) + ' bytes' if isinstance(key, bytes) else ''}"
+        )
+    return PageKey(key)
+
+
 def _check_keys(keys: Sequence[Any], what: str = "keys") -> list[PageKey]:
     if isinstance(keys, bytes | bytearray | str):
         raise KVTierUsageError(
             f"{what} must be a sequence of page keys, not a single {type(keys).__name__}"
         )
-    out: list[PageKey] = []
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
-            raise KVTierUsageError(
-                f"{what}[{i}] must be a {KEY_BYTES}-byte page key, got {type(k).__name__}"
-                f"{' of ' + str(len(k)) + ' bytes' if isinstance(k, bytes) else ''}"
-            )
-        out.append(PageKey(k))
-    return out
+    return [_check_key(k, f"{what}[{i}]") for i, k in enumerate(keys)]
 
 
 class KVCache:
@@ -396,7 +399,7 @@ class KVCache:
         self, tokens: Sequence[int] | np.ndarray, parent: PageKey = ROOT_KEY
     ) -> list[PageKey]:
         """Keys of every full page of ``tokens`` in this cache's namespace."""
-        return page_keys(tokens, self.namespace, parent)
+        return page_keys(tokens, self.namespace, _check_key(parent, "parent"))
 
     async def store(
         self, tokens: Sequence[int] | np.ndarray, pages: Any, parent: PageKey = ROOT_KEY
@@ -423,14 +426,30 @@ class KVCache:
         """Store pages under explicit keys (``True`` where committed in the top tier)."""
         ks = _check_keys(keys)
         rows = self._rows(pages, len(ks), "pages")
-        if parents is not None and len(parents) != len(ks):
-            raise KVTierUsageError(f"parents: got {len(parents)} for {len(ks)} keys")
-        pars: list[PageKey | None] = list(parents) if parents is not None else [None] * len(ks)
-        label = (
-            namespace.label
-            if isinstance(namespace, Namespace)
-            else (namespace if namespace is not None else self.namespace.label)
-        )
+        pars: list[PageKey | None] = [None] * len(ks)
+        if parents is not None:
+            if isinstance(parents, bytes | bytearray | str):
+                raise KVTierUsageError(
+                    f"parents must be a sequence of page keys, not a single "
+                    f"{type(parents).__name__}"
+                )
+            if len(parents) != len(ks):
+                raise KVTierUsageError(f"parents: got {len(parents)} for {len(ks)} keys")
+            pars = [
+                None if p is None else _check_key(p, f"parents[{i}]", optional=True)
+                for i, p in enumerate(parents)
+            ]
+        if isinstance(namespace, Namespace):
+            label = namespace.label
+        elif namespace is None:
+            label = self.namespace.label
+        elif isinstance(namespace, str):
+            label = namespace
+        else:
+            raise KVTierUsageError(
+                f"namespace must be a Namespace, a label string or None, got "
+                f"{type(namespace).__name__}"
+            )
         return await self.pipeline.store(ks, rows, pars, label)
 
     async def lookup(

@@ -104,6 +104,31 @@ async def test_prefetch_rejects_a_deadline_that_is_not_seconds(cache, deadline):
         await cache.prefetch(res.keys, deadline)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"parents": ["x", None]}, r"parents\[0\] must be a 16-byte page key or None, got str"),
+        ({"parents": [b"short", None]}, r"parents\[0\] must be a 16-byte page key .*5 bytes"),
+        ({"parents": "ab"}, r"parents must be a sequence of page keys, not a single str"),
+        ({"namespace": 5}, r"namespace must be a Namespace, a label string or None, got int"),
+    ],
+)
+async def test_store_pages_rejects_bad_parents_and_namespace(cache, kwargs, match):
+    keys = [bytes([i]) * 16 for i in range(2)]
+    with pytest.raises(KVTierUsageError, match=match):
+        await cache.store_pages(keys, np.zeros((2, PAGE), np.uint8), **kwargs)
+    assert len(cache.directory) == 0  # nothing was stored
+
+
+@pytest.mark.parametrize("parent", ["zz", 16, bytes(15)])
+async def test_bad_parent_key_is_named(cache, parent):
+    with pytest.raises(KVTierUsageError, match=r"parent must be a 16-byte page key"):
+        await cache.store(TOKENS_2, np.zeros((2, PAGE), np.uint8), parent=parent)
+    with pytest.raises(KVTierUsageError, match=r"parent must be a 16-byte page key"):
+        await cache.lookup(TOKENS_2, parent=parent)
+    assert len(cache.directory) == 0
+
+
 async def test_misuse(cache, tmp_path):
     res = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
     with pytest.raises(KVTierUsageError, match="deadline_s must be >= 0"):
