@@ -404,3 +404,18 @@ async def test_start_cancelled_during_recovery_closes_the_backends(tmp_path: Pat
     for t in cache.tiers:
         with pytest.raises(BackendClosedError):
             await t.backend.contains([bytes(16)])
+
+
+@pytest.mark.parametrize("deadline", [float("inf"), 10**400])
+async def test_prefetch_with_an_unbounded_deadline_waits_for_everything(tmp_path: Path, deadline):
+    """A deadline too large for a float (an int past 1e308) means 'no deadline', like inf;
+    it must not raise OverflowError after the batches were launched."""
+    rng = np.random.default_rng(31)
+    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 3)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        result = await cache.prefetch(keys, deadline)
+        assert sorted(result.arrived) == sorted(keys)
+        assert result.late == [] and result.missing == []

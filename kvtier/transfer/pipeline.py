@@ -34,6 +34,7 @@ backends do blocking work on their executors.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Sequence
@@ -980,6 +981,10 @@ class Pipeline:
             raise KVTierUsageError(
                 f"deadline_s must be >= 0 (seconds, a real number), got {deadline_s!r}"
             )
+        try:
+            timeout = float(deadline_s)
+        except OverflowError:  # an int past the float range: no deadline
+            timeout = math.inf
         top = self.top
         d = self.directory
         uniq = list(dict.fromkeys(keys))
@@ -1010,7 +1015,7 @@ class Pipeline:
         late: list[PageKey] = []
         if tasks:
             try:
-                done, pending = await asyncio.wait(list(tasks), timeout=deadline_s)
+                done, pending = await asyncio.wait(list(tasks), timeout=timeout)
             except asyncio.CancelledError:
                 for _, j in tasks.values():
                     if not j.started and j.task is not None:
