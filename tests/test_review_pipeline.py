@@ -362,9 +362,8 @@ async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evi
         more, more_data = sequence(rng, 4)
         with pytest.raises(
             CapacityError,
-            match=r"1 of its 10 pages are pinned or reserved; "
-            r"its eviction policy \(leaf-first\(lru\)\) offers none of the "
-            r"other 7",
+            match=r"1 of its 10 pages are pinned or reserved; none of the other 7 can go "
+            r"\(its eviction policy \(leaf-first\(lru\)\) offers none",
         ):
             await cache.store(more, more_data)
         cache.release(keys[-1:])
@@ -419,3 +418,72 @@ async def test_prefetch_with_an_unbounded_deadline_waits_for_everything(tmp_path
         result = await cache.prefetch(keys, deadline)
         assert sorted(result.arrived) == sorted(keys)
         assert result.late == [] and result.missing == []
+
+
+class DeleteFailingFileStore(FileStore):
+    """A file store whose ``delete`` reports per-page failure (``False``, as the backend
+    contract asks) while ``failing`` is set, leaving its pages in place, as a remote
+    store that cannot reach its server does."""
+
+    failing: ClassVar[bool] = False
+
+    async def delete(self, keys: Any) -> list[bool]:
+        if type(self).failing:
+            return [False] * len(keys)
+        return await super().delete(keys)
+
+
+async def test_pages_whose_delete_fails_stay_indexed(tmp_path: Path):
+    """An eviction (or a delete) whose backend delete fails must not forget pages the
+    backend still holds: they stay readable, and the directory keeps agreeing with the
+    backend's occupancy (forgotten pages would count against its capacity forever)."""
+    DeleteFailingFileStore.failing = False
+    cfg = config(
+        tmp_path,
+        dram_pages=16,
+        file_pages=64,
+        file_backend="test_review_pipeline:DeleteFailingFileStore",
+    )
+    rng = np.random.default_rng(32)
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        top, file_tier = cache.tiers
+        await cache.pipeline._evict_shielded(top, keys)
+        d = cache.directory
+        DeleteFailingFileStore.failing = True
+        stuck = await cache.pipeline._evict_shielded(file_tier, keys)  # the last tier: drop
+        assert stuck == set(keys)
+        assert await cache.delete(keys[:2]) == 0
+        assert d.used("file") == file_tier.backend.used_pages() == 4
+        out = np.zeros_like(data)
+        assert all(await cache.read(keys, out))
+        assert np.array_equal(out, data)
+        DeleteFailingFileStore.failing = False
+        assert await cache.delete(keys) == 4
+        assert d.used("file") == file_tier.backend.used_pages() == 0
+        d.check_invariants()
+
+
+async def test_a_prefetch_never_evicts_what_its_own_earlier_batch_brought_up(tmp_path: Path):
+    """Pins hold the top tier near its watermark; a prefetch split into two batches must
+    not have the second batch make room by evicting the first batch's pages (they would
+    be reported missing while they sit one tier down)."""
+    rng = np.random.default_rng(33)
+    cfg = config(tmp_path, dram_pages=6, file_pages=64, batch_pages=2)
+    async with _open(cfg) as cache:
+        held_tokens, held_data = sequence(rng, 3)
+        held = (await cache.store(held_tokens, held_data)).keys
+        tokens, data = sequence(rng, 3)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        up = [k for k in keys if cache.directory.is_committed(k, "dram")]
+        await cache.pipeline._evict_shielded(cache.tiers[0], up)
+        assert (await cache.load(held)).missing == []  # 3 of 6 pinned; high watermark 4
+        assert not any(cache.directory.is_committed(k, "dram") for k in keys)
+        result = await cache.prefetch(keys, deadline_s=5)
+        assert result.missing == []
+        assert sorted(result.arrived) == sorted(keys)
+        assert all(cache.directory.is_committed(k, "dram") for k in keys)
+        cache.release(held)

@@ -20,7 +20,8 @@ Guarantees (design invariants 1, 2, 7, 8):
   when it crosses it). Only pinned pages can hold a tier above its high watermark.
 * **Eviction goes down.** A page evicted from tier *i* is first copied to tier *i + 1*,
   unless a lower tier already holds it or the write policy says to drop it; the last tier
-  drops. A page whose write-down fails stays where it is (nothing committed is lost).
+  drops. A page whose write-down fails stays where it is (nothing committed is lost), and
+  so does one the backend fails to delete (the index never forgets a page still held).
 * **Failing tiers degrade to misses.** A backend that raises or reports failure makes
   those pages misses (or ``False`` results); the outage is logged once, not per page.
 * **Cancellation.** Cancelling a caller (``load``, ``prefetch``, ``store``) cancels the
@@ -274,8 +275,15 @@ class Pipeline:
 
     # -- room ----------------------------------------------------------------------------
 
-    async def make_room(self, tier: Tier, n: int, priority: Priority = Priority.EVICT) -> bool:
-        """Claim room for ``n`` pages in ``tier``, evicting per the watermarks first.
+    async def make_room(
+        self,
+        tier: Tier,
+        n: int,
+        priority: Priority = Priority.EVICT,
+        protect: Collection[PageKey] = (),
+    ) -> bool:
+        """Claim room for ``n`` pages in ``tier``, evicting per the watermarks first, but
+        never one of ``protect`` (what the calling fetch brings up in other batches).
 
         On ``True`` the caller holds a claim of ``n`` pages (``tier.claimed``) that it must
         give back (by reserving, or by subtracting it). ``False`` means room could not be
@@ -309,7 +317,7 @@ class Pipeline:
             if want > 0:
 
                 def ok_victim(k: PageKey, skip: set[PageKey] = stuck) -> bool:
-                    return k not in skip and d.evictable(k, name)
+                    return k not in skip and k not in protect and d.evictable(k, name)
 
                 victims = tier.policy.victims(want, ok_victim)
             if victims:
@@ -329,7 +337,8 @@ class Pipeline:
                 return False
             held = self._held(tier)
             why = (
-                f"; its eviction policy ({tier.policy.name}) offers none of the other {used - held}"
+                f"; none of the other {used - held} can go (its eviction policy "
+                f"({tier.policy.name}) offers none, or this call is bringing them up)"
                 if used > held
                 else " and nothing else can be evicted"
             )
@@ -372,7 +381,8 @@ class Pipeline:
         """Evict ``victims`` from ``tier`` (writing them down first where needed).
 
         The victims must already be marked ``evicting`` (see :meth:`_evict_shielded`).
-        Returns the victims that stay because their write-down failed.
+        Returns the victims that stay because their write-down failed, or because the
+        backend failed to delete them.
         """
         d = self.directory
         stuck: set[PageKey] = set()
@@ -399,15 +409,10 @@ class Pipeline:
             for k in keep:
                 d.cancel_evict(k, tier.name)
             if go:
-                try:
-                    await tier.backend.delete(go)
-                except KVTierUsageError:
-                    raise
-                except Exception as exc:  # the bytes may linger; the index forgets them
-                    tier.record_failure("delete", len(go), exc)
-                for k in go:
-                    d.remove(k, tier.name)
-                    tier.policy.on_remove(k)
+                lingering = await self._forget(tier, go)
+                stuck |= lingering
+                go = [k for k in go if k not in lingering]
+            if go:
                 self.metrics.evicted.inc(tier.name, by=len(go))
                 dropped = sum(1 for k in go if k in dropping)
                 if dropped:
@@ -443,7 +448,7 @@ class Pipeline:
         fetch is bringing up for its caller).
         """
         n = len(keys)
-        if not await self.make_room(dst, n, priority):
+        if not await self.make_room(dst, n, priority, protect):
             return [False] * n
         claim = n
         link = self.link(src, dst) if src is not None else None
@@ -1084,24 +1089,51 @@ class Pipeline:
                 d.begin_evict(k, tier.name)
                 self._begin_op(k, tier, fut)
             # its own task: a cancelled caller cannot leave the index and the backend apart
-            await asyncio.shield(self._spawn(self._remove(tier, here)))
-            removed += len(here)
+            lingering = await asyncio.shield(self._spawn(self._remove(tier, here)))
+            removed += len(here) - len(lingering)
         return removed
 
-    async def _remove(self, tier: Tier, keys: list[PageKey]) -> None:
-        """Delete ``keys`` (marked ``evicting`` by the caller) from ``tier`` and forget
-        them there; a failing delete is logged and the index forgets them anyway."""
+    async def _forget(self, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
+        """Delete ``keys`` (marked ``evicting``) from ``tier``'s backend and drop them from
+        the index. Pages the backend still holds after a failed delete (it answered
+        ``False`` or raised, and ``contains`` still finds them) go back to ``committed``
+        and are returned: forgetting them would leave them counted by the backend and
+        unreachable. When the backend cannot say, they are forgotten (misses)."""
         d = self.directory
         try:
+            gone = await tier.backend.delete(keys)
+        except KVTierUsageError:
+            raise
+        except Exception as exc:
+            tier.record_failure("delete", len(keys), exc)
+            gone = [False] * len(keys)
+        lingering: set[PageKey] = set()
+        failed = [k for k, g in zip(keys, gone, strict=True) if not g]
+        if failed:
             try:
-                await tier.backend.delete(keys)
+                held = await tier.backend.contains(failed)
             except KVTierUsageError:
                 raise
             except Exception as exc:
-                tier.record_failure("delete", len(keys), exc)
-            for k in keys:
+                tier.record_failure("contains", len(failed), exc)
+                held = [False] * len(failed)
+            lingering = {k for k, h in zip(failed, held, strict=True) if h}
+            if lingering:
+                tier.record_failure("delete", len(lingering))
+        for k in keys:
+            if k in lingering:
+                d.cancel_evict(k, tier.name)
+            else:
                 d.remove(k, tier.name)
                 tier.policy.on_remove(k)
+        return lingering
+
+    async def _remove(self, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
+        """Delete ``keys`` (marked ``evicting`` by the caller) from ``tier`` (see
+        :meth:`_forget`); returns those the backend still holds."""
+        d = self.directory
+        try:
+            return await self._forget(tier, keys)
         finally:
             for k in keys:
                 if d.state(k, tier.name) is PageState.EVICTING:
