@@ -255,3 +255,37 @@ async def test_leaf_first_policy_never_evicts_a_parent_before_its_child(tmp_path
     # control: plain LRU does evict parents first, so the check above can fail
     bad_lru, removed_lru = await _evictions_with_children(tmp_path / "b", leaf_first=False)
     assert removed_lru > 0 and bad_lru > 0
+
+
+async def test_leaf_first_moves_ancestors_down_when_only_a_pinned_leaf_is_left(tmp_path) -> None:
+    """A DRAM tier full of the ancestors of one pinned page still makes room (they move
+    down: the prefix stays cached) instead of refusing with CapacityError."""
+    import numpy as np
+
+    from kvtier.cache import KVCache
+    from kvtier.config import KVTierConfig, TierConfig
+    from kvtier.spec import KVSpec
+
+    spec = KVSpec(1, 1, 8, "float16", 4, name="leaf")
+    pb = spec.page_bytes
+    config = KVTierConfig(
+        spec=spec,
+        namespace=Namespace.for_spec(spec),
+        tiers=[
+            TierConfig("dram", "dram", 10 * pb, 1.0, 0.9),
+            TierConfig("disk", "file", 100 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
+        ],
+        write_policy="write-back",
+    )
+    rng = np.random.default_rng(5)
+    async with KVCache(config, configure_log=False) as cache:
+        first = rng.integers(0, 1000, 8 * 4)
+        stored = await cache.store(first, np.zeros((8, pb), np.uint8))
+        await cache.load(stored.keys[-1:])  # pin the leaf: only its ancestors are free
+        more = rng.integers(0, 1000, 4 * 4)
+        again = await cache.store(more, np.zeros((4, pb), np.uint8))
+        assert all(again.stored)
+        found = await cache.lookup(first)
+        assert found.keys == stored.keys  # every ancestor still cached (some on disk)
+        assert "disk" in found.tiers
+        cache.release(stored.keys[-1:])

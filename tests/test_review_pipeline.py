@@ -351,11 +351,15 @@ async def test_random_cancellations_and_outages_leak_nothing(tmp_path: Path, see
 async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evicted(
     tmp_path: Path,
 ):
-    """With leaf-first eviction, pinning only the last page of a cached chain leaves its
-    unpinned ancestors un-evictable in that tier. The error must say so, not claim that
-    everything is pinned."""
+    """With leaf-first eviction in the last tier (where eviction drops pages), pinning
+    only the last page of a cached chain leaves its unpinned ancestors un-evictable. The
+    error must say so, not claim that everything is pinned. (Above the last tier those
+    ancestors move down instead: test_prefix_tree's
+    test_leaf_first_moves_ancestors_down_when_only_a_pinned_leaf_is_left.)"""
     rng = np.random.default_rng(30)
-    async with _open(config(tmp_path, dram_pages=10, file_pages=64)) as cache:
+    cfg = config(tmp_path, dram_pages=10, file_pages=64)
+    cfg["tiers"] = cfg["tiers"][:1]  # DRAM alone: the last tier
+    async with _open(cfg) as cache:
         tokens, data = sequence(rng, 8)
         keys = (await cache.store(tokens, data)).keys
         await cache.load(keys[-1:])  # the chain's leaf only

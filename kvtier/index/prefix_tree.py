@@ -382,6 +382,13 @@ class LeafFirstPolicy(EvictionPolicy):
         is_leaf = self.tree.is_leaf
         return self.inner.victims(n, lambda k: is_leaf(k, tier) and evictable(k))
 
+    def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        """Victims for when :meth:`victims` offers none and the tier would otherwise
+        refuse room: in a tier above the last, ancestors too (eviction moves them down,
+        so their prefix stays cached); none in the last tier (dropping an ancestor would
+        orphan its descendants)."""
+        return [] if self.last else self.inner.victims(n, evictable)
+
     def __len__(self) -> int:
         return len(self.inner)
 

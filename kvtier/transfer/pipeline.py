@@ -313,13 +313,11 @@ class Pipeline:
                 return True
             evicting = d.count(name, PageState.EVICTING)
             want = used + n - target - evicting
-            victims: list[PageKey] = []
-            if want > 0:
 
-                def ok_victim(k: PageKey, skip: set[PageKey] = stuck) -> bool:
-                    return k not in skip and k not in protect and d.evictable(k, name)
+            def ok_victim(k: PageKey, skip: set[PageKey] = stuck) -> bool:
+                return k not in skip and k not in protect and d.evictable(k, name)
 
-                victims = tier.policy.victims(want, ok_victim)
+            victims = tier.policy.victims(want, ok_victim) if want > 0 else []
             if victims:
                 stuck.update(await self._evict_shielded(tier, victims, priority))
                 continue
@@ -333,6 +331,13 @@ class Pipeline:
             if used + n <= tier.capacity_pages:
                 tier.claimed += n  # above the high watermark: only pins/failures hold it
                 return True
+            # The policy's preferred victims ran out (e.g. leaf-first: only ancestors of
+            # pinned pages are left); a policy may still name pages it would rather keep.
+            fallback = getattr(tier.policy, "fallback_victims", None)
+            victims = fallback(want, ok_victim) if fallback is not None and want > 0 else []
+            if victims:
+                stuck.update(await self._evict_shielded(tier, victims, priority))
+                continue
             if stuck:
                 return False
             held = self._held(tier)
