@@ -90,6 +90,15 @@ class PageCache(Protocol):
     async def load(self, keys: Sequence[PageKey], pin: bool = True) -> Any:
         """Bring keys to the top tier (``.slots``, ``.missing``), pinned."""
 
+    async def reserve_private(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation]:
+        """Top-tier slots never committed (making room per policy); ``CapacityError``
+        when there is none."""
+
+    async def release_private(self, reservations: Sequence[Reservation]) -> None:
+        """Give slots taken by :meth:`reserve_private` back."""
+
 
 class PageFaultError(TierIOError):
     """Pages a sequence needs could not be brought back to the top tier.
@@ -202,24 +211,13 @@ class SequenceManager:
             PageKey(_WORKING_TAG + next(self._key_counter).to_bytes(KEY_BYTES - 10, "big"))
             for _ in range(self.working_pages)
         ]
-        directory = self.cache.directory
-        for k in keys:
-            directory.reserve(k, self.top_tier, WORKING_NAMESPACE)
         try:
-            res = await self.arena.reserve(keys, WORKING_NAMESPACE)
-        except BaseException:  # a closed or failing arena: the directory gives its slots back
-            for k in keys:
-                directory.abort(k, self.top_tier)
-            raise
-        got = [r for r in res if r is not None]
-        if len(got) < len(keys):
-            await self.arena.abort(got)
-            for k in keys:
-                directory.abort(k, self.top_tier)
+            got = await self.cache.reserve_private(keys, WORKING_NAMESPACE)
+        except CapacityError as exc:
             raise CapacityError(
-                f"top tier {self.top_tier!r} could give only {len(got)} of the "
-                f"{self.working_pages} working pages asked for"
-            )
+                f"top tier {self.top_tier!r} cannot give the {self.working_pages} working "
+                f"pages asked for: {exc}"
+            ) from None
         self._reservations = got
         self._tables = BlockTables(
             self.spec.page_tokens,
@@ -236,9 +234,7 @@ class SequenceManager:
             for seq in self._tables.seq_ids():
                 self._tables.free(seq)
             self._tables = None
-            await self.arena.abort(self._reservations)
-            for r in self._reservations:
-                self.cache.directory.abort(r.key, self.top_tier)
+            await self.cache.release_private(self._reservations)
             self._reservations = []
 
     async def __aenter__(self) -> SequenceManager:

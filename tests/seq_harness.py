@@ -151,6 +151,29 @@ class TwoTierCache:
                 ok[i] = g
         return ok
 
+    async def reserve_private(self, keys: list[PageKey], namespace: str = "") -> list[Any]:
+        await self._room(len(keys))
+        for k in keys:
+            self.directory.reserve(k, "dram", namespace)
+        try:
+            res = await self.dram.reserve(keys, namespace)
+        except BaseException:  # a closed or failing arena: the directory gives them back
+            for k in keys:
+                self.directory.abort(k, "dram")
+            raise
+        got = [r for r in res if r is not None]
+        if len(got) < len(keys):
+            await self.dram.abort(got)
+            for k in keys:
+                self.directory.abort(k, "dram")
+            raise CapacityError(f"dram could give only {len(got)} of {len(keys)} slots")
+        return got
+
+    async def release_private(self, reservations: list[Any]) -> None:
+        await self.dram.abort(reservations)
+        for r in reservations:
+            self.directory.abort(r.key, "dram")
+
     async def lookup(self, tokens: Any) -> _Lookup:
         keys = self.tree.match(page_keys(tokens, self.namespace)).keys
         return _Lookup(keys)

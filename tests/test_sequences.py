@@ -17,7 +17,8 @@ from kvtier.index.block_table import (
     UnknownSequenceError,
     VersionError,
 )
-from kvtier.keys import page_keys
+from kvtier.index.directory import PageState
+from kvtier.keys import Namespace, page_keys
 from kvtier.sequences import PageFaultError, SequenceManager, VersionedGroup
 from kvtier.spec import KVSpec
 
@@ -487,3 +488,33 @@ async def check_attention_spec(mgr: SequenceManager, ref: Ref, seqs: list[int]) 
                 assert torch.equal(out[i], attention(q[i], kv[0], kv[1]))
     finally:
         await mgr.release(batch)
+
+
+async def test_manager_opens_on_a_warm_cache_by_evicting_clean_pages(tmp_path) -> None:
+    """The working pool is taken through KVCache.reserve_private, which makes room per
+    policy: a top tier full of clean cached pages does not refuse a new manager."""
+    from kvtier.cache import KVCache
+    from kvtier.config import KVTierConfig, TierConfig
+
+    spec = KVSpec(1, 1, 8, "float16", 4, name="warm")
+    pb = spec.page_bytes
+    config = KVTierConfig(
+        spec=spec,
+        namespace=Namespace.for_spec(spec),
+        tiers=[
+            TierConfig("dram", "dram", 20 * pb, 1.0, 0.9),
+            TierConfig("disk", "file", 100 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
+        ],
+    )
+    rng = np.random.default_rng(8)
+    async with KVCache(config, configure_log=False) as cache:
+        tokens = rng.integers(0, 1000, 15 * spec.page_tokens)
+        stored = await cache.store(tokens, np.zeros((15, pb), np.uint8))
+        await cache.flush()  # clean: copies on disk
+        mgr = await SequenceManager.open(cache, 8)
+        assert cache.directory.used("dram") <= 20
+        found = await cache.lookup(tokens)
+        assert found.keys == stored.keys  # evicted pages went down, not away
+        assert cache.directory.count("dram", PageState.RESERVED) == 8  # the pool
+        await mgr.close()
+        assert cache.directory.count("dram", PageState.RESERVED) == 0  # given back

@@ -364,8 +364,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
             cache.release(self._pinned)
         self._pinned = []
         if self._reservation is not None and cache.is_open:
-            await self.bridge.arena.abort([self._reservation])
-            cache.directory.abort(self._reservation.key, self.bridge.top_tier)
+            await cache.release_private([self._reservation])
         self._reservation = None
         self._slot = None
 
@@ -514,15 +513,8 @@ class KVTierCache(Cache):  # type: ignore[misc]
         cache = self.bridge.cache
         if self._reservation is None:
             key = PageKey(_WORKING_TAG + next(_working_ids).to_bytes(KEY_BYTES - 10, "big"))
-            cache.directory.reserve(key, self.bridge.top_tier, WORKING_NAMESPACE)
-            (res,) = await self.bridge.arena.reserve([key], WORKING_NAMESPACE)
-            if res is None:
-                cache.directory.abort(key, self.bridge.top_tier)
-                from kvtier.errors import CapacityError
-
-                raise CapacityError(
-                    f"top tier {self.bridge.top_tier!r} has no free slot for a working page"
-                )
+            # makes room per policy; CapacityError when the top tier is pinned full
+            (res,) = await cache.reserve_private([key], WORKING_NAMESPACE)
             self._reservation = res
             self._slot = int(res.handle)
         slots: list[int] = []
