@@ -113,7 +113,9 @@ class RedisStore(StoreBackend):
         self._spare: list[np.ndarray] = []  # value buffers kept for reuse
         self._step = pipeline_pages(self.options.batch_pages, page_bytes)
         self._ttl_ms = 0 if self.options.ttl_s is None else max(1, round(self.options.ttl_s * 1e3))
-        self.health = Health(self.options.public()["url"], log)
+        self.health = Health(
+            self.options.public()["url"], log, retry_interval_s=self.options.retry_interval_s
+        )
         self.checksum_failures = 0
         self._busy = 0  # calls using the client now (close waits for them)
         self._idle = asyncio.Event()
@@ -295,17 +297,24 @@ class RedisStore(StoreBackend):
                     return  # a batch failed while this one waited: miss now, not a deadline later
                 if not self._opened:
                     return  # closing: send nothing more
-                if before is not None:
-                    await before(chunk)
+                if not self.health.may_send():
+                    return  # fail-fast during an outage: a miss now, no deadline
+                sent = False
                 try:
+                    if before is not None:
+                        await before(chunk)
                     async with asyncio.timeout(self.options.op_timeout_s):
                         pipe = client.pipeline(transaction=False)
                         for i in chunk:
                             build(pipe, items[i])
                         replies = await pipe.execute(raise_on_error=False)
+                    sent = True
                 except Exception as exc:  # any failure of the batch makes it a miss
                     self.health.failed(_describe(exc))
                     return
+                finally:
+                    if not sent:  # failed (already reported) or cancelled before an outcome
+                        self.health.probe_abandoned()
             broken = next((r for r in replies if _is_connection_error(r)), None)
             if broken is not None:
                 self.health.failed(_describe(broken))
@@ -608,6 +617,7 @@ class RedisStore(StoreBackend):
             options=self.options.public(),
             reserved_pages=len(self._pending),
             outages=self.health.outages,
+            skipped_batches=self.health.skipped_batches,
             failed_batches=self.health.failed_batches,
             refused_writes=self.health.refused_writes,
             down=self.health.down,

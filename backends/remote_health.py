@@ -8,7 +8,12 @@ one line saying the server is back and how long it was gone.
 A server that answers but refuses writes (out of memory with ``maxmemory-policy
 noeviction``) is not an outage: reads still work, and refusals come and go with every
 page written or deleted. :meth:`Health.refused` logs the first refusal and then stays
-quiet until :data:`REFUSAL_QUIET_S` pass without one. Owned by the event-loop thread.
+quiet until :data:`REFUSAL_QUIET_S` pass without one.
+
+With a ``retry_interval_s`` above 0, an outage also fails fast: :meth:`Health.may_send`
+lets one probe batch through per interval (doubling after each failed probe, up to
+:data:`MAX_BACKOFF` times the interval) and answers ``False`` for everything else, so calls
+miss at once instead of each waiting for a deadline. Owned by the event-loop thread.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 
 #: Seconds without a refused write after which the next refusal is logged again.
 REFUSAL_QUIET_S = 60.0
+#: Largest multiple of ``retry_interval_s`` between two probes of a server that is down.
+MAX_BACKOFF = 32
 
 
 @dataclass
@@ -36,20 +43,52 @@ class Health:
 
     name: str
     logger: logging.Logger
+    retry_interval_s: float = 0.0
     outages: int = 0
     failed_batches: int = 0
     refused_writes: int = 0
     down_since: float | None = None
+    skipped_batches: int = 0
     _reason: str = field(default="", repr=False)
     _last_refusal: float | None = field(default=None, repr=False)
+    _backoff: float = field(default=0.0, repr=False)
+    _next_probe: float = field(default=0.0, repr=False)
+    _probing: bool = field(default=False, repr=False)
 
     @property
     def down(self) -> bool:
         return self.down_since is not None
 
+    def may_send(self) -> bool:
+        """Whether a batch may go to the server now. Always while healthy or when fail-fast
+        is off; during an outage only the one probe of each interval (the caller then
+        reports :meth:`failed`, :meth:`succeeded` or :meth:`probe_abandoned`)."""
+        if self.down_since is None or self.retry_interval_s <= 0:
+            return True
+        if self._probing or time.monotonic() < self._next_probe:
+            self.skipped_batches += 1
+            return False
+        self._probing = True
+        return True
+
+    def probe_abandoned(self) -> None:
+        """The probe let through by :meth:`may_send` was not sent after all."""
+        self._probing = False
+
+    def _schedule_probe(self, backoff: float) -> None:
+        self._backoff = backoff
+        self._next_probe = time.monotonic() + backoff
+        self._probing = False
+
     def failed(self, reason: str) -> None:
-        """Record a failed batch; log only when this opens an outage."""
+        """Record a failed batch; log only when this opens an outage. The first failure
+        schedules the first probe; a failed probe doubles the wait for the next one
+        (other batches of the same wave failing change nothing)."""
         self.failed_batches += 1
+        if self.down_since is None:
+            self._schedule_probe(self.retry_interval_s)
+        elif self._probing:
+            self._schedule_probe(min(self._backoff * 2, self.retry_interval_s * MAX_BACKOFF))
         if self.down_since is None:
             self.down_since = time.monotonic()
             self.outages += 1
@@ -62,6 +101,7 @@ class Health:
 
     def succeeded(self) -> None:
         """Record a batch that reached the server; log when this ends an outage."""
+        self._probing = False
         if self.down_since is not None:
             gone = time.monotonic() - self.down_since
             self.down_since = None

@@ -53,6 +53,10 @@ class RemoteOptions:
         max_inflight: pipelines in flight at once per store (bounded concurrency).
         op_timeout_s: deadline of one pipelined batch; past it the batch is a miss.
         connect_timeout_s: deadline of establishing one connection.
+        retry_interval_s: fail fast during an outage: after a failed batch, calls miss at
+            once without reaching for the server, except one probe batch per interval
+            (the interval doubles after each failed probe, up to 32x). 0 (the default)
+            sends every batch, so each call waits up to ``op_timeout_s``.
         username / password: AUTH credentials (ACL user, or ``requirepass`` alone).
         tls: force TLS (also implied by a ``rediss://`` URL).
         tls_ca_certs / tls_certfile / tls_keyfile: CA bundle, client certificate and key.
@@ -67,6 +71,7 @@ class RemoteOptions:
     max_inflight: int = 4
     op_timeout_s: float = 5.0
     connect_timeout_s: float = 1.0
+    retry_interval_s: float = 0.0
     username: str | None = None
     password: str | None = None
     tls: bool = False
@@ -177,6 +182,12 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
             raw.get("connect_timeout_s", d.connect_timeout_s),
             integer=False,
             minimum=0.001,
+        ),
+        retry_interval_s=_as_number(
+            "retry_interval_s",
+            raw.get("retry_interval_s", d.retry_interval_s),
+            integer=False,
+            minimum=0.0,
         ),
         username=_as_opt_str("username", raw.get("username")),
         password=_as_opt_str("password", raw.get("password")),

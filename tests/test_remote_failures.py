@@ -256,3 +256,60 @@ async def test_server_evicting_keys_on_its_own() -> None:
             assert same(out, data, hits)  # survivors are byte-exact
             assert s.used_pages() == sum(hits)  # misses left the client-side count
             assert s.stats()["checksum_failures"] == 0
+
+
+async def test_fail_fast_during_an_outage_with_a_retry_interval(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``retry_interval_s``, only the first call of a frozen server's outage waits for
+    its deadline; the next calls miss at once; after the interval one probe finds the
+    server back and pages are served again, byte-exact."""
+    caplog.set_level(logging.INFO, "kvtier.backends.remote")
+    keys, data = keys_for(8), pages(8)
+    async with store(server.url, batch_pages=4, retry_interval_s=0.3) as s:
+        assert await s.put(keys, data) == [True] * 8
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        server.pause()
+        try:
+            ok, first = await timed(s.get(keys, out))
+            assert ok == [False] * 8 and TIMEOUT * 0.8 <= first < TIMEOUT + SLACK
+            for _ in range(3):  # inside the retry interval: no deadline paid
+                ok, took = await timed(s.get(keys, out))
+                assert ok == [False] * 8 and took < 0.2
+            assert s.stats()["skipped_batches"] >= 6
+        finally:
+            server.resume()
+        await asyncio.sleep(0.4)  # past the interval: the next batch is a probe
+        hits = await s.get(keys, out)
+        assert hits[:4] == [True] * 4  # the probe batch (the rest may miss with it)
+        assert await s.get(keys, out) == [True] * 8 and same(out, data, [True] * 8)
+    assert outage_lines(caplog) == (1, 1)
+
+
+def test_retry_interval_option_is_checked() -> None:
+    with pytest.raises(Exception, match="retry_interval_s"):
+        store("redis://127.0.0.1:1/0", retry_interval_s=-1)
+    assert store("redis://127.0.0.1:1/0").options.retry_interval_s == 0.0  # off by default
+
+
+def test_health_lets_one_probe_through_per_interval_and_backs_off(monkeypatch) -> None:
+    from kvtier.backends import remote_health
+
+    now = [100.0]
+    monkeypatch.setattr(remote_health.time, "monotonic", lambda: now[0])
+    h = remote_health.Health("test", logging.getLogger("test"), retry_interval_s=1.0)
+    assert h.may_send()  # healthy
+    h.failed("boom")
+    h.failed("boom")  # the same wave failing: the schedule does not change
+    assert not h.may_send()
+    now[0] += 1.0
+    assert h.may_send()  # the probe
+    assert not h.may_send()  # one probe at a time
+    h.failed("still down")  # a failed probe doubles the wait
+    now[0] += 1.5
+    assert not h.may_send()
+    now[0] += 0.5
+    assert h.may_send()
+    h.succeeded()
+    assert h.may_send() and h.may_send()  # healthy again: everything goes
+    assert h.skipped_batches == 3
