@@ -30,7 +30,7 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -42,6 +42,8 @@ from kvtier.slots import SlotBook
 
 if TYPE_CHECKING:
     import torch
+
+    from kvtier.placement import HostPlacement
 
 _log = logging.getLogger(__name__)
 
@@ -112,6 +114,14 @@ class DramArena(ArenaBackend):
     Options:
         numa_node: NUMA node the arena should live on (``None``: wherever the kernel puts
             it). Bound with ``mbind`` at :meth:`open` (see :meth:`_bind_memory`).
+        placement: let :func:`kvtier.placement.plan_placement` decide from the machine's
+            topology at :meth:`open`: ``auto`` (the node nearest ``gpu``, nothing on a
+            one-node or GPU-less machine), ``local``, ``interleave`` or ``none``; with
+            ``numa_node`` it binds there. The memory policy is applied before the pages
+            are faulted in, the copy threads are pinned to the chosen node's CPUs, and the
+            decision with its reason is logged and shown in ``stats()["placement"]``.
+            ``None`` (default): only ``numa_node`` applies.
+        gpu: the GPU index this arena serves (for ``placement``; default 0).
         io_threads: copy threads (default 4; a large batch is split across them).
 
     Not persistent: a closed arena loses its pages.
@@ -126,6 +136,8 @@ class DramArena(ArenaBackend):
         capacity_pages: int,
         io_threads: int | None = None,
         numa_node: int | None = None,
+        placement: str | None = None,
+        gpu: int = 0,
         **options: Any,
     ) -> None:
         super().__init__(
@@ -140,7 +152,16 @@ class DramArena(ArenaBackend):
             raise KVTierUsageError(
                 f"numa_node must be a non-negative int or None, got {numa_node!r}"
             )
+        if placement is not None and placement not in ("auto", "local", "interleave", "none"):
+            raise KVTierUsageError(
+                f"placement must be auto, local, interleave, none or None, got {placement!r}"
+            )
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+            raise KVTierUsageError(f"gpu must be a GPU index >= 0, got {gpu!r}")
         self.numa_node = numa_node
+        self.placement_mode = placement
+        self.gpu = gpu
+        self._placement: HostPlacement | None = None
         self._buf: np.ndarray | None = None
         self._torch_buf: torch.Tensor | None = None
         self._mmap: mmap.mmap | None = None
@@ -165,6 +186,7 @@ class DramArena(ArenaBackend):
         the memory cannot be had at all."""
         if self._opened:
             return
+        self._placement = self._plan()  # before the executor: its threads get pinned
         await super().open()
         try:
             await self.run_blocking(self._allocate)
@@ -182,6 +204,44 @@ class DramArena(ArenaBackend):
         self._torch_buf = None
         self._mmap = None  # not mm.close(): outstanding views would make it raise
 
+    def _plan(self) -> HostPlacement | None:
+        """The placement decision for ``placement`` (``None`` when that option is unset)."""
+        if self.placement_mode is None:
+            return None
+        from kvtier.placement import plan_placement
+        from kvtier.topology import read_topology
+
+        topology = read_topology()
+        plan = plan_placement(
+            topology,
+            self.placement_mode,  # type: ignore[arg-type]
+            gpus=[self.gpu] if topology.gpus else None,
+            node=self.numa_node,
+        )
+        return plan.for_gpu(self.gpu)
+
+    def _thread_initializer(self) -> Callable[[], None] | None:
+        """Copy threads run on the CPUs of the arena's node (when ``placement`` chose one)."""
+        if self._placement is None or not self._placement.cpus:
+            return None
+        from kvtier.placement import thread_initializer
+
+        return thread_initializer(self._placement)
+
+    def _memory_policy(self) -> tuple[Any, list[int]] | None:
+        """``(MemPolicy, nodes)`` to allocate under, or ``None`` for the kernel default."""
+        from kvtier import numa
+
+        p = self._placement
+        if p is not None:
+            if p.memory == "none":
+                return None
+            mode = numa.MemPolicy.BIND if p.memory == "bind" else numa.MemPolicy.INTERLEAVE
+            return mode, list(p.nodes)
+        if self.numa_node is not None:
+            return numa.MemPolicy.BIND, [self.numa_node]
+        return None
+
     def _allocate(self) -> None:
         if _cuda_available():
             import torch
@@ -189,10 +249,11 @@ class DramArena(ArenaBackend):
             # Pinned pages are locked as they are allocated and cannot migrate later:
             # allocate them under the node's policy instead of binding afterwards.
             with contextlib.ExitStack() as stack:
-                if self.numa_node is not None:
+                policy = self._memory_policy()
+                if policy is not None:
                     from kvtier import numa
 
-                    stack.enter_context(numa.thread_policy(numa.MemPolicy.BIND, [self.numa_node]))
+                    stack.enter_context(numa.thread_policy(*policy))
                 self._torch_buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             self._buf = self._torch_buf.numpy()
             self._memory = "pinned"
@@ -218,7 +279,8 @@ class DramArena(ArenaBackend):
         self._buf = buf
 
     def _bind_memory(self, buf: np.ndarray) -> None:
-        """Bind ``buf`` to :attr:`numa_node` with ``mbind`` (no-op when it is ``None``).
+        """Bind ``buf`` per ``placement`` (logged with its reason), else to
+        :attr:`numa_node` with ``mbind`` (no-op when neither is set).
 
         Called once per :meth:`open` on the freshly allocated buffer. Pages already
         faulted in are migrated (``MPOL_MF_MOVE``); page-locked pages cannot move, so a
@@ -226,6 +288,11 @@ class DramArena(ArenaBackend):
         :class:`kvtier.numa.NumaNodeError` for a node that does not exist here and
         :class:`kvtier.numa.NumaError` when the kernel refuses.
         """
+        if self._placement is not None:
+            from kvtier.placement import apply_memory
+
+            apply_memory(self._placement, buf)
+            return
         if self.numa_node is None:
             return
         from kvtier import numa
@@ -402,6 +469,7 @@ class DramArena(ArenaBackend):
             memory=self._memory,
             memory_note=self._memory_note,
             numa_node=self.numa_node,
+            placement=None if self._placement is None else self._placement.to_dict(),
             arena_bytes=self.nbytes,
             committed_pages=len(self._slots.committed),
             reserved_pages=len(self._slots.reserved),

@@ -191,3 +191,46 @@ async def test_dram_arena_numa_node_binds_its_buffer() -> None:
     missing = max(numa.online_nodes()) + 1
     with pytest.raises(numa.NumaNodeError, match=f"NUMA node {missing} does not exist"):
         await DramArena(page_bytes=4096, capacity_pages=1, numa_node=missing).open()
+
+
+async def test_dram_arena_placement_binds_memory_and_pins_copy_threads() -> None:
+    """A placed arena (here: ``placement="local"`` with an explicit node, since this
+    machine has no GPU to be near) is bound to the node the plan chose and runs its copy
+    threads on that node's CPUs; the decision and reason are in stats."""
+    import os
+
+    from kvtier.backends.dram import DramArena
+
+    node0 = numa.memory_nodes()[0]
+    arena = DramArena(
+        page_bytes=64 * 1024, capacity_pages=4, placement="local", numa_node=node0, io_threads=2
+    )
+    async with arena:
+        placement = arena.stats()["placement"]
+        assert placement["memory"] == "bind" and placement["reason"]
+        (node,) = placement["nodes"]
+        start, _ = numa.page_range(arena.view(0).ctypes.data, arena.nbytes)
+        assert numa.get_mempolicy(start) == numa.PolicyInfo(numa.MemPolicy.BIND, (node,))
+        assert set(numa.buffer_page_nodes(arena.view(3))) == {node}
+        assert placement["cpus"]  # node 0 has CPUs on every machine we run on
+        affinity = await arena.run_blocking(os.sched_getaffinity, 0)
+        assert affinity == set(placement["cpus"])
+
+
+async def test_dram_arena_placement_interleave_auto_and_bad_values() -> None:
+    from kvtier.backends.dram import DramArena
+
+    from kvtier.errors import KVTierUsageError
+
+    nodes = tuple(numa.memory_nodes())
+    async with DramArena(page_bytes=64 * 1024, capacity_pages=4, placement="interleave") as a:
+        assert a.stats()["placement"]["memory"] == "interleave"
+        start, _ = numa.page_range(a.view(0).ctypes.data, a.nbytes)
+        assert numa.get_mempolicy(start) == numa.PolicyInfo(numa.MemPolicy.INTERLEAVE, nodes)
+    async with DramArena(page_bytes=64 * 1024, capacity_pages=4, placement="auto") as a:
+        assert a.stats()["placement"]["reason"]  # the decision says why, whatever it is
+        assert await a.put([bytes(16)], [bytes(64 * 1024)]) == [True]  # type: ignore[list-item]
+    with pytest.raises(KVTierUsageError, match="placement"):
+        DramArena(page_bytes=4096, capacity_pages=1, placement="nearby")
+    with pytest.raises(KVTierUsageError, match="gpu"):
+        DramArena(page_bytes=4096, capacity_pages=1, gpu=-1)
