@@ -50,9 +50,16 @@ class ARCPolicy(EvictionPolicy):
         if key in self.t1 or key in self.t2:
             self.on_access(key)
             return
-        c = self.c
+        self._enter(key)
+        self._seen_c = max(self._seen_c, len(self.t1) + len(self.t2))
+        self._trim_ghosts()
+
+    def _enter(self, key: PageKey) -> None:
+        """A page not resident enters: a ghost hit adapts ``p`` (a ``B1`` hit grows the
+        share of recency, a ``B2`` hit shrinks it) and goes to ``T2``; else ``T1``."""
+        c = float(self.c)
         if key in self.b1:
-            self.p = min(float(c), self.p + max(len(self.b2) / len(self.b1), 1.0))
+            self.p = min(c, self.p + max(len(self.b2) / len(self.b1), 1.0))
             del self.b1[key]
             self.t2[key] = None
         elif key in self.b2:
@@ -61,8 +68,6 @@ class ARCPolicy(EvictionPolicy):
             self.t2[key] = None
         else:
             self.t1[key] = None
-        self._seen_c = max(self._seen_c, len(self.t1) + len(self.t2))
-        self._trim_ghosts()
 
     def _trim_ghosts(self) -> None:
         c = self.c

@@ -33,11 +33,15 @@ from typing import ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.arc import ARCPolicy
 
 
-class SessionPolicy(EvictionPolicy):
-    """ARC with long ghost memory, prefix-aware victims and superseded-tail demotion."""
+class SessionPolicy(ARCPolicy):
+    """ARC with long ghost memory, prefix-aware victims and superseded-tail demotion.
+
+    The lists, the adaptation of ``p`` on ghost hits, ghost trimming and the move to the
+    ghost lists on removal are ARC's (:class:`~kvtier.policy.arc.ARCPolicy`); this class
+    adds the page tree and its own victim order."""
 
     name: ClassVar[str] = "session"
 
@@ -46,22 +50,10 @@ class SessionPolicy(EvictionPolicy):
             raise ConfigError(f"session: ghost_factor must be >= 1, got {ghost_factor!r}")
         if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
             raise ConfigError(f"session: capacity must be >= 1 page, got {capacity!r}")
-        self.ghost_factor = float(ghost_factor)
-        self._fixed_c = capacity
-        self._seen_c = 0
-        self.p = 0.0
-        self.t1: OrderedDict[PageKey, None] = OrderedDict()
-        self.t2: OrderedDict[PageKey, None] = OrderedDict()
-        self.b1: OrderedDict[PageKey, None] = OrderedDict()
-        self.b2: OrderedDict[PageKey, None] = OrderedDict()
+        super().__init__(capacity, float(ghost_factor))
         self._parent: dict[PageKey, PageKey | None] = {}
         self._kids: dict[PageKey, set[PageKey]] = {}
         self._reused: set[PageKey] = set()  # accessed since a child was last added
-
-    @property
-    def c(self) -> int:
-        """The capacity the policy adapts within (given, or the most pages seen)."""
-        return self._fixed_c or max(self._seen_c, 1)
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
         if key in self._parent:
@@ -69,17 +61,7 @@ class SessionPolicy(EvictionPolicy):
             return
         if parent is not None and parent not in self._parent:
             parent = None
-        c = float(self.c)
-        if key in self.b1:
-            self.p = min(c, self.p + max(len(self.b2) / len(self.b1), 1.0))
-            del self.b1[key]
-            self.t2[key] = None
-        elif key in self.b2:
-            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
-            del self.b2[key]
-            self.t2[key] = None
-        else:
-            self.t1[key] = None
+        self._enter(key)
         self._parent[key] = parent
         self._kids[key] = set()
         if parent is not None:
@@ -94,22 +76,10 @@ class SessionPolicy(EvictionPolicy):
         self._seen_c = max(self._seen_c, len(self._parent))
         self._trim_ghosts()
 
-    def _trim_ghosts(self) -> None:
-        g = self.ghost_factor * self.c
-        while self.b1 and len(self.t1) + len(self.b1) > g:
-            self.b1.popitem(last=False)
-        while self.b2 and len(self._parent) + len(self.b1) + len(self.b2) > 2 * g:
-            self.b2.popitem(last=False)
-
     def on_access(self, key: PageKey) -> None:
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = None
-        elif key in self.t2:
-            self.t2.move_to_end(key)
-        else:
-            return
-        self._reused.add(key)
+        if key in self.t1 or key in self.t2:
+            super().on_access(key)
+            self._reused.add(key)
 
     def on_remove(self, key: PageKey) -> None:
         if key not in self._parent:
@@ -121,13 +91,7 @@ class SessionPolicy(EvictionPolicy):
         if parent is not None and parent in self._kids:
             self._kids[parent].discard(key)
         self._reused.discard(key)
-        if key in self.t1:
-            del self.t1[key]
-            self.b1[key] = None
-        else:
-            self.t2.pop(key, None)
-            self.b2[key] = None
-        self._trim_ghosts()
+        super().on_remove(key)  # to the ghost list it came from
 
     @staticmethod
     def _take(
@@ -159,9 +123,3 @@ class SessionPolicy(EvictionPolicy):
             if key in self.t1:
                 n1 -= 1
         return out
-
-    def __len__(self) -> int:
-        return len(self._parent)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._parent
