@@ -6,12 +6,12 @@ CUDA tensors (:meth:`HbmArena.tensor`, through DLPack). Pages enter and leave th
 (page-locked memory, e.g. the pinned DRAM arena's slot views, gives full PCIe speed) or a
 CuPy array on the same GPU (a device-to-device copy).
 
-Copies run on dedicated non-blocking streams (:class:`~kvtier.transfer.cuda_streams.
+Copies run on dedicated non-blocking streams (:class:`~kvtier.cuda_streams.
 CopyStreams`), never the default stream, so they overlap with the engine's compute. Each
 call submits its whole batch from one executor hop (a copy from pageable host memory
 blocks the submitting thread), records one event, and awaits it through the event poller:
 the loop never blocks and no core spins. Stream ordering is explicit per slot
-(:class:`~kvtier.transfer.cuda_streams.SlotOrdering`, kept under the submission lock): a
+(:class:`~kvtier.cuda_streams.SlotOrdering`, kept under the submission lock): a
 read of a slot waits on the GPU for the event of its last write, a write waits for the
 last write and the reads since.
 :meth:`write` returns only after its copies completed, so a committed page is complete.
@@ -34,10 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Reservation, check_buffer
-from kvtier.errors import CapacityError, KVTierUsageError
-from kvtier.keys import PageKey
-from kvtier.slots import SlotBook
-from kvtier.transfer.cuda_streams import (
+from kvtier.cuda_streams import (
     CopyStreams,
     EventPoller,
     SlotOrdering,
@@ -45,6 +42,9 @@ from kvtier.transfer.cuda_streams import (
     default_poller,
     require_cupy,
 )
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.slots import SlotBook
 
 if TYPE_CHECKING:
     import torch
