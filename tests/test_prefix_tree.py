@@ -199,7 +199,7 @@ async def _evictions_with_children(tmp_path, leaf_first: bool) -> tuple[int, int
 
     from kvtier.cache import KVCache
     from kvtier.config import KVTierConfig, TierConfig
-    from kvtier.index.prefix_tree import LeafFirstPolicy
+    from kvtier.policy.leaf_first import LeafFirstPolicy
     from kvtier.spec import KVSpec
 
     spec = KVSpec(1, 1, 8, "float16", 4, name="leaf")

@@ -47,6 +47,12 @@ class EvictionPolicy(ABC):
         """Up to ``n`` distinct resident keys to evict, best victim first, each accepted
         by ``evictable``. Fewer when not enough pages are evictable."""
 
+    def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        """Victims for when :meth:`victims` offers none and the tier would otherwise refuse
+        room: pages the policy would rather keep but may give up (leaf-first eviction
+        offers ancestors here). None by default."""
+        return []
+
     @abstractmethod
     def __len__(self) -> int:
         """Pages tracked."""

@@ -333,8 +333,7 @@ class Pipeline:
                 return True
             # The policy's preferred victims ran out (e.g. leaf-first: only ancestors of
             # pinned pages are left); a policy may still name pages it would rather keep.
-            fallback = getattr(tier.policy, "fallback_victims", None)
-            victims = fallback(want, ok_victim) if fallback is not None and want > 0 else []
+            victims = tier.policy.fallback_victims(want, ok_victim) if want > 0 else []
             if victims:
                 stuck.update(await self._evict_shielded(tier, victims, priority))
                 continue
