@@ -37,6 +37,7 @@ import numpy as np
 
 from kvtier.backend import ArenaBackend, Reservation, check_buffers
 from kvtier.errors import KVTierUsageError
+from kvtier.health import LogOnce
 from kvtier.keys import PageKey
 from kvtier.slots import SlotBook
 
@@ -52,7 +53,8 @@ PARALLEL_COPY_MIN_BYTES = 8 << 20
 #: Smallest piece of a split copy.
 _MIN_PIECE_BYTES = 1 << 20
 
-_mlock_refusal_logged = False
+#: Causes already logged by DRAM arenas of this process (an mlock refusal is logged once).
+LOGGED = LogOnce()
 
 CopyPair = tuple[np.ndarray, np.ndarray]
 
@@ -66,7 +68,7 @@ def _cuda_available() -> bool:
         return False
 
 
-def _try_mlock(addr: int, length: int) -> str | None:
+def try_mlock(addr: int, length: int) -> str | None:
     """``mlock`` the range; ``None`` on success, else why it was refused."""
     libc_name = ctypes.util.find_library("c") or "libc.so.6"
     try:
@@ -264,16 +266,14 @@ class DramArena(ArenaBackend):
         mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)
-        refusal = _try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
+        refusal = try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
         if refusal is None:
             self._memory = "mlocked"
         else:
             buf[:: mmap.PAGESIZE] = 0  # pre-fault: touch every page so no copy pays for it
             self._memory = "plain"
             self._memory_note = refusal
-            global _mlock_refusal_logged
-            if not _mlock_refusal_logged:
-                _mlock_refusal_logged = True
+            if LOGGED.first("mlock"):
                 _log.warning("dram arena not locked in memory (continuing): %s", refusal)
         self._mmap = mm
         self._buf = buf

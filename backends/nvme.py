@@ -88,6 +88,7 @@ from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io, slab_path
 
 from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
 from kvtier.errors import BackendUnavailableError, ConfigError, IntegrityError, KVTierUsageError
+from kvtier.health import LogOnce
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.log import get_logger
 from kvtier.pageformat import encode_header, namespace_digest, verify_page
@@ -221,7 +222,7 @@ class NvmeStore(StoreBackend):
             tuple[list[tuple[int, _Pending]], asyncio.Future[dict[int, bool]]]
         ] = []
         self._commit_task: asyncio.Task[None] | None = None
-        self._logged: set[str] = set()
+        self._logged = LogOnce()
         self._counters: Counter[str] = Counter()
         self._active = 0
         self._idle = asyncio.Event()
@@ -388,10 +389,8 @@ class NvmeStore(StoreBackend):
     def _log_once(self, cause: str, event: str, **fields: Any) -> None:
         """Log an error the first time its cause is seen (counted every time)."""
         self._counters[f"errors.{event}"] += 1
-        if cause in self._logged:
-            return
-        self._logged.add(cause)
-        _log().error(event, path=str(self.path), cause=cause, **fields)
+        if self._logged.first(cause):
+            _log().error(event, path=str(self.path), cause=cause, **fields)
 
     def _alloc_slot(self) -> int:
         if self._free:

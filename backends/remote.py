@@ -28,7 +28,7 @@ its pages count as misses (``False``/``None``), and batches (of any call) still 
 a pipeline slot then are skipped, so that during an outage calls miss within about one
 deadline instead of queueing for one deadline each. The
 client reconnects by itself on the next call. An outage is logged once when it starts and
-once when it ends (:class:`~kvtier.backends.remote_health.Health`); a server refusing
+once when it ends (:class:`~kvtier.health.Health`); a server refusing
 writes (out of memory) is logged once per episode. A server that is down when the store
 opens is not an error: the store opens and misses until the server is up.
 """
@@ -46,10 +46,10 @@ import numpy as np
 
 from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
 from kvtier.errors import IntegrityError, KVTierUsageError
+from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
-from .remote_health import Health
 from .remote_options import RemoteOptions, parse_options, pipeline_pages
 
 log = logging.getLogger("kvtier.backends.remote")

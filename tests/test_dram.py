@@ -18,6 +18,7 @@ from kvtier.backends.dram import DramArena, _split_pairs
 
 from kvtier.backend import BackendClosedError
 from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.health import LogOnce
 from kvtier.keys import PageKey
 from kvtier.testing.model import backend_state_machine
 
@@ -51,8 +52,8 @@ async def test_refused_mlock_is_logged_once_and_the_arena_still_works(
 ) -> None:
     if torch.cuda.is_available():
         pytest.skip("pinned through CUDA here; mlock is not used")
-    monkeypatch.setattr(dram, "_try_mlock", lambda addr, n: "mlock refused: EPERM (test)")
-    monkeypatch.setattr(dram, "_mlock_refusal_logged", False)
+    monkeypatch.setattr(dram, "try_mlock", lambda addr, n: "mlock refused: EPERM (test)")
+    monkeypatch.setattr(dram, "LOGGED", LogOnce())
     caplog.set_level(logging.WARNING, logger="kvtier.backends.dram")
     for _ in range(2):
         async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
@@ -66,7 +67,7 @@ async def test_refused_mlock_is_logged_once_and_the_arena_still_works(
 
 async def test_real_mlock_refusal_is_reported() -> None:
     """mlock of an unmapped range fails (ENOMEM): the helper reports it, never raises."""
-    reason = dram._try_mlock(0, mmap.PAGESIZE)
+    reason = dram.try_mlock(0, mmap.PAGESIZE)
     assert reason is not None and "refused" in reason
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
 from kvtier.config import TierConfig
+from kvtier.health import Outage
 from kvtier.log import get_logger
 from kvtier.policy.base import EvictionPolicy
 
@@ -58,9 +58,7 @@ class Tier:
         )
         self.claimed = 0
         self.reserving = 0
-        self.healthy = True
-        self.outage_started: float | None = None
-        self.outage_failures = 0
+        self.outage = Outage()
         self._waiters: list[asyncio.Future[None]] = []
 
     @property
@@ -98,12 +96,14 @@ class Tier:
 
     # -- health --------------------------------------------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """Whether no outage is open (the last call that reached the backend worked)."""
+        return self.outage.healthy
+
     def record_failure(self, op: str, pages: int, cause: Any = None) -> None:
         """A call failed for ``pages`` pages; logs a warning only when an outage starts."""
-        self.outage_failures += pages
-        if self.healthy:
-            self.healthy = False
-            self.outage_started = time.monotonic()
+        if self.outage.failed(pages):
             _log.warning(
                 "tier failing: its pages are treated as misses",
                 tier=self.name,
@@ -114,17 +114,12 @@ class Tier:
 
     def record_success(self) -> None:
         """A call moved pages again; logs once when an outage ends."""
-        if not self.healthy:
-            took = time.monotonic() - (self.outage_started or time.monotonic())
+        ended = self.outage.succeeded()
+        if ended is not None:
+            took, failed = ended
             _log.info(
-                "tier recovered",
-                tier=self.name,
-                outage_s=round(took, 3),
-                failed_pages=self.outage_failures,
+                "tier recovered", tier=self.name, outage_s=round(took, 3), failed_pages=failed
             )
-            self.healthy = True
-            self.outage_started = None
-            self.outage_failures = 0
 
     def describe(self) -> dict[str, Any]:
         """Plain-data summary (for inspection)."""

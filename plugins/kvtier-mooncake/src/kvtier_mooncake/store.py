@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-from kvtier.backends.remote_health import Health
 
 from kvtier.backend import Reservation, StoreBackend, check_buffers
 from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
+from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
