@@ -18,8 +18,7 @@ from kvtier.cli.app import bench_app
 from kvtier.cli.output import console, emit, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
-from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
-from kvtier.policy.base import AdmissionPolicy
+from kvtier.policy.admission import make_admission
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy
 from kvtier.policy.prefetch import LookaheadPredictor
 from kvtier.sim.belady import belady_min
@@ -49,15 +48,6 @@ def parse_capacity(text: str, distinct: int) -> int:
     if v != int(v):
         raise KVTierUsageError(f"absolute capacity must be a whole number of pages: {text!r}")
     return int(v)
-
-
-def make_admission(name: str) -> AdmissionPolicy:
-    """The admission policy ``name`` (``reuse`` or ``frequency``) for selective writes."""
-    if name == "reuse":
-        return ReusePredictor()
-    if name == "frequency":
-        return FrequencyAdmission()
-    raise KVTierUsageError(f"unknown admission policy {name!r}; known: frequency, reuse")
 
 
 def _load(trace: Path | None, name: str | None, requests: int | None, block_tokens: int) -> Trace:

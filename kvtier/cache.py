@@ -36,12 +36,13 @@ from kvtier.backend import ArenaBackend, Backend, Reservation, check_buffer
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import CapacityError, ConfigError, KVTierError, KVTierUsageError
 from kvtier.index.directory import Directory
-from kvtier.index.prefix_tree import LeafFirstPolicy, PrefixTree
+from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.log import configure_logging, get_logger
 from kvtier.metrics import CacheMetrics
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
+from kvtier.policy.leaf_first import LeafFirstPolicy
 from kvtier.spec import KVSpec, canonical_dtype
 from kvtier.transfer.links import Priority
 from kvtier.transfer.pipeline import LoadResult, Pipeline, PrefetchResult

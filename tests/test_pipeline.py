@@ -26,10 +26,10 @@ from kvtier.cache import KVCache
 from kvtier.config import register_admission
 from kvtier.errors import CapacityError
 from kvtier.index.directory import PageState
-from kvtier.index.prefix_tree import LeafFirstPolicy
 from kvtier.keys import ROOT_KEY
 from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.eviction import LRUKPolicy
+from kvtier.policy.leaf_first import LeafFirstPolicy
 from kvtier.transfer.links import Priority, PriorityGate
 
 
