@@ -41,7 +41,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 from kvtier.backends.nvme_index import StoreLockedError
 
-from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.backend import Medium, Reservation, StoreBackend, check_buffers
 from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
@@ -86,6 +86,8 @@ class FileStore(StoreBackend):
 
     Persistent: committed pages are there again after close and reopen.
     """
+
+    medium: ClassVar[Medium] = Medium.FILE
 
     default_io_threads: ClassVar[int] = 4
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kvtier.backend import ArenaBackend, Reservation, check_buffer
+from kvtier.backend import ArenaBackend, Medium, Reservation, check_buffer
 from kvtier.cuda_streams import (
     CopyStreams,
     EventPoller,
@@ -65,6 +65,8 @@ class HbmArena(ArenaBackend):
     Not persistent. Raises :class:`~kvtier.errors.CapacityError` at :meth:`open` when the
     GPU lacks the memory, naming what was asked and what is free.
     """
+
+    medium: ClassVar[Medium] = Medium.DEVICE
 
     default_io_threads: ClassVar[int] = 2
     #: Slots are device memory: no numpy views, no host reservation views. (A marker for

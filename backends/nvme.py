@@ -86,7 +86,7 @@ from kvtier.backends.nvme_index import (
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io, slab_path
 
-from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
+from kvtier.backend import BackendClosedError, Medium, Reservation, StoreBackend, check_buffers
 from kvtier.errors import BackendUnavailableError, ConfigError, IntegrityError, KVTierUsageError
 from kvtier.health import LogOnce
 from kvtier.keys import KEY_BYTES, PageKey
@@ -150,6 +150,8 @@ def _cause(exc: BaseException) -> str:
 
 class NvmeStore(StoreBackend):
     """Slab files + SQLite index; see the module docstring for the guarantees."""
+
+    medium: ClassVar[Medium] = Medium.FILE
 
     default_io_threads: ClassVar[int] = 8
 

@@ -44,7 +44,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
+from kvtier.backend import BackendClosedError, Medium, Reservation, StoreBackend, check_buffers
 from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
@@ -88,6 +88,8 @@ class RedisStore(StoreBackend):
     ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``. Unknown or invalid
     options raise :class:`~kvtier.errors.ConfigError` naming the option.
     """
+
+    medium: ClassVar[Medium] = Medium.NETWORK
 
     default_io_threads: ClassVar[int] = 2
     shared: ClassVar[bool] = True  # one pool, many servers

@@ -94,19 +94,11 @@ def run_sim(
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
-                adm = (
-                    {i: make_admission(admission) for i in range(1, len(caps))}
-                    if write_policy == "selective"
-                    else None
-                )
-                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names, adm)
+                adm = make_admission(admission) if write_policy == "selective" else None
+                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names)
                 predictor = LookaheadPredictor() if prefetch == "lookahead" else None
                 res = replay(
-                    tr,
-                    tiers,
-                    write_policy,  # type: ignore[arg-type]
-                    predictor=predictor,
-                    progress=adv,
+                    tr, tiers, write_policy, predictor=predictor, progress=adv, admission=adm
                 )
                 secs = time.perf_counter() - t0
                 cost = evaluate(res, spec, hw)

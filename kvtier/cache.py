@@ -32,9 +32,9 @@ from typing import Any, Self
 import numpy as np
 
 from kvtier import registry
-from kvtier.backend import ArenaBackend, Backend, Reservation, check_buffer
+from kvtier.backend import Backend, Reservation, check_buffer
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
-from kvtier.errors import CapacityError, ConfigError, KVTierError, KVTierUsageError
+from kvtier.errors import ConfigError, KVTierError, KVTierUsageError
 from kvtier.index.directory import Directory
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
@@ -44,7 +44,6 @@ from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
 from kvtier.policy.leaf_first import LeafFirstPolicy
 from kvtier.spec import KVSpec, canonical_dtype
-from kvtier.transfer.links import Priority
 from kvtier.transfer.pipeline import LoadResult, Pipeline, PrefetchResult
 from kvtier.transfer.tier import Tier
 
@@ -226,6 +225,7 @@ class KVCache:
             admission=make_admission(self.config.admission, **self.config.admission_params),
             batch_pages=self.config.batch_pages,
             max_inflight_per_link=self.config.max_inflight_per_link,
+            background_eviction=self.config.background_eviction,
         )
         self._state = "open"
         for tier in self.tiers:
@@ -525,46 +525,25 @@ class KVCache:
         Raises :class:`KVTierUsageError` when the top tier is not an arena or a key is
         already known, and :class:`~kvtier.errors.CapacityError` when room cannot be made
         (what fills the tier is pinned or reserved)."""
-        pipe = self.pipeline
-        top = pipe.top
-        ks = _check_keys(keys)
-        if not isinstance(top.backend, ArenaBackend):
-            raise KVTierUsageError(
-                f"private slots need an arena top tier; {top.name!r} is a {top.backend.kind}"
-            )
-        if len(set(ks)) != len(ks) or any(self.directory.get(k) is not None for k in ks):
-            raise KVTierUsageError("private slot keys must be distinct and not yet known")
-        if not ks:
-            return []
-        if not await pipe.make_room(top, len(ks), Priority.FETCH):
-            raise CapacityError(f"tier {top.name!r}: no room for {len(ks)} private slots")
-        for k in ks:
-            self.directory.reserve(k, top.name, namespace)
-        top.claimed -= len(ks)  # the claim became directory reservations
-        try:
-            res = await top.backend.reserve(ks, namespace)
-        except BaseException:
-            for k in ks:
-                self.directory.abort(k, top.name)
-            raise
-        got = [r for r in res if r is not None]
-        if len(got) < len(ks):
-            await top.backend.abort(got)
-            for k in ks:
-                self.directory.abort(k, top.name)
-            raise CapacityError(
-                f"tier {top.name!r} could give only {len(got)} of {len(ks)} private slots"
-            )
-        return got
+        return await self.pipeline.reserve_private(_check_keys(keys), namespace)
 
     async def release_private(self, reservations: Sequence[Reservation]) -> None:
         """Give back slots taken by :meth:`reserve_private` (their bytes are dropped)."""
-        top = self.pipeline.top
-        await top.backend.abort(list(reservations))
-        for r in reservations:
-            if self.directory.get(r.key) is not None:
-                self.directory.abort(r.key, top.name)
-        top.notify()
+        await self.pipeline.release_private(reservations)
+
+    async def demote(self, tier: str, keys: Sequence[PageKey]) -> list[PageKey]:
+        """Move ``keys`` out of the tier named ``tier`` now, as eviction would: each page is
+        written to the tier below unless a lower tier holds it already or the write policy
+        drops it (the last tier drops pages). Pages the tier does not hold are ignored.
+
+        Returns the pages that stay in ``tier`` (their write-down failed, or the backend
+        failed to delete them). Raises :class:`KVTierUsageError` for an unknown tier name
+        or a pinned key (before moving anything).
+        """
+        pipe = self.pipeline
+        if not isinstance(tier, str):
+            raise KVTierUsageError(f"tier must be a tier name, got {type(tier).__name__}")
+        return await pipe.demote(pipe.tier(tier), _check_keys(keys))
 
     async def load(self, keys: Sequence[PageKey], pin: bool = True) -> LoadResult:
         """Bring ``keys`` to the top tier in one batched pass.

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
 
+from kvtier.backend import Medium
 from kvtier.errors import TierIOError
 from kvtier.spec import preset
 
@@ -113,3 +115,43 @@ class FailingFileStore(FileStore):
         if type(self).failing:
             raise TierIOError("injected: device gone")
         return await super().write(reservations, data)
+
+
+class GatedFileStore(FileStore):
+    """A file store whose writes wait, once ``gate`` is set to an event, until it is set:
+    a write-down the test holds back (and counts: ``held`` writes are waiting)."""
+
+    gate: ClassVar[Any] = None  # an asyncio.Event, or None: writes go through
+    held: ClassVar[int] = 0
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        cls = type(self)
+        if cls.gate is not None:
+            cls.held += 1
+            try:
+                await cls.gate.wait()
+            finally:
+                cls.held -= 1
+        return await super().write(reservations, data)
+
+
+class DeviceLikeArena(DramArena):
+    """A DRAM arena that calls its memory ``device`` (host memory standing in for a GPU
+    arena): it has a ``device_view`` of each slot, as the HBM arena does."""
+
+    medium: ClassVar[Medium] = Medium.DEVICE
+
+    def device_view(self, slot: int) -> Any:
+        return self.view(slot)
+
+
+class DeviceReadingStore(FileStore):
+    """A file store that says it reads straight into device memory (as a GPUDirect
+    Storage store would) and records the buffers each ``get`` filled."""
+
+    reads_to_device: ClassVar[bool] = True
+    targets: ClassVar[list[Any]] = []
+
+    async def get(self, keys: Any, out: Any) -> list[bool]:
+        type(self).targets.extend(out)
+        return await super().get(keys, out)

@@ -84,10 +84,14 @@ async def test_round_trip_through_every_tier(tmp_path):
             assert links[name]["bytes"] == links[name]["pages"] * PAGE
 
 
-async def test_spill_under_pressure_returns_identical_bytes(tmp_path):
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+async def test_spill_under_pressure_returns_identical_bytes(tmp_path, background):
     rng = np.random.default_rng(2)
-    async with _open(config(tmp_path, dram_pages=8, file_pages=512)) as cache:
+    cfg = config(tmp_path, dram_pages=8, file_pages=512, background_eviction=background)
+    async with _open(cfg) as cache:
         seqs = await _store_many(cache, rng, 12, 4)  # 48 pages over an 8-page DRAM
+        if background:
+            await cache.pipeline.drain()  # the evict queue catches up
         assert cache.directory.used("dram") <= cache.tiers[0].high_pages
         for _, data, keys in seqs:
             out = np.zeros_like(data)
@@ -99,15 +103,29 @@ async def test_spill_under_pressure_returns_identical_bytes(tmp_path):
         assert snap["tiers"]["dram"]["evicted_pages"] > 0
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
 @pytest.mark.parametrize("policy", ["write-through", "write-back", "selective"])
-async def test_watermarks_hold_after_every_store(tmp_path, policy):
+async def test_watermarks_hold_after_every_store(tmp_path, policy, background):
+    """Without the background evictor a store returns with the top tier at or below its
+    high watermark; with it, the tier never exceeds its capacity and is back at or below
+    the watermark once the evict queue has run."""
     rng = np.random.default_rng(3)
-    cfg = config(tmp_path, dram_pages=10, file_pages=40, write_policy=policy, batch_pages=3)
+    cfg = config(
+        tmp_path,
+        dram_pages=10,
+        file_pages=40,
+        write_policy=policy,
+        batch_pages=3,
+        background_eviction=background,
+    )
     async with _open(cfg) as cache:
         top, low = cache.tiers
         for _ in range(30):
             tokens, data = sequence(rng, int(rng.integers(1, 6)))
             await cache.store(tokens, data)
+            assert cache.directory.used("dram") <= top.capacity_pages
+            if background:
+                await cache.pipeline.drain()
             assert cache.directory.used("dram") <= top.high_pages
             cache.directory.check_invariants()
         await cache.flush()
@@ -170,7 +188,7 @@ async def test_prefetch_deadline_returns_what_arrived(tmp_path):
         # evict the cold ones from DRAM only (they are in the file tier after the flush),
         # so they must come up from the slow store
         top = cache.tiers[0]
-        await cache.pipeline._evict_shielded(top, cold)
+        await cache.demote(top.name, cold)
         assert all(_tier_of(cache, k) == "file" for k in cold)
 
         loop = asyncio.get_running_loop()
@@ -204,7 +222,7 @@ async def test_cancelled_prefetch_keeps_partial_progress_and_nothing_half_visibl
         tokens, data = sequence(rng, 6)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         assert all(_tier_of(cache, k) == "file" for k in keys)
 
         task = asyncio.create_task(cache.prefetch(keys, deadline_s=10))
@@ -242,7 +260,7 @@ async def test_one_backend_call_per_batch(tmp_path):
         await cache.flush()  # write-through of 48 pages in batches of 16
         assert CountingFileStore.calls["write"] == 3
         keys = cache.page_keys(tokens)
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys[:32])
+        await cache.demote("dram", keys[:32])
         loaded = await cache.load(keys[:32])
         assert loaded.missing == []
         assert CountingFileStore.calls["get"] == 2
@@ -264,7 +282,7 @@ async def test_inflight_bounded_per_link(tmp_path):
         tokens, data = sequence(rng, 16)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         loaded = await cache.load(keys)
         assert loaded.missing == []
         assert SlowFileStore.max_concurrent == 2
@@ -408,7 +426,7 @@ async def test_close_cancels_unstarted_prefetches_and_leaves_no_task(tmp_path):
     tokens, data = sequence(rng, 8)
     keys = (await cache.store(tokens, data)).keys
     await cache.flush()
-    await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+    await cache.demote("dram", keys)
     result = await cache.prefetch(keys, deadline_s=0.0)
     assert len(result.late) == len(keys)
     loop = asyncio.get_running_loop()

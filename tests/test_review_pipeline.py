@@ -50,7 +50,7 @@ class SlowWriteFileStore(FileStore):
 
     async def close(self) -> None:
         if type(self).pipeline is not None:
-            type(self).busy_at_close.append(len(type(self).pipeline._tasks))
+            type(self).busy_at_close.append(type(self).pipeline.pending_tasks)
         await super().close()
 
 
@@ -79,7 +79,7 @@ async def test_concurrent_prefetches_of_the_same_pages_both_see_them_arrive(tmp_
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         assert [cache.directory.locate(k) for k in keys] == ["file"] * 4
         a, b = await asyncio.gather(
             cache.prefetch(keys, deadline_s=5), cache.prefetch(keys, deadline_s=5)
@@ -137,7 +137,7 @@ async def test_cancelled_delete_leaves_the_directory_matching_the_backend(tmp_pa
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         task = asyncio.create_task(cache.delete(keys))
         await asyncio.sleep(0)  # delete runs up to the store's executor hop
         task.cancel()
@@ -172,7 +172,7 @@ async def test_close_lets_a_running_load_finish_and_refuses_new_calls(tmp_path: 
     tokens, data = sequence(rng, 4)
     keys = (await cache.store(tokens, data)).keys
     await cache.flush()
-    await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+    await cache.demote("dram", keys)
     load = asyncio.create_task(cache.load(keys, pin=False))
     await asyncio.sleep(0.05)  # first batch reading, the others queued on the link
     closing = asyncio.create_task(cache.close())
@@ -198,10 +198,10 @@ async def test_prefetch_of_pages_being_evicted_fetches_them_back(tmp_path: Path)
     async with _open(cfg) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
-        evicting = asyncio.create_task(cache.pipeline._evict_shielded(cache.tiers[0], keys))
+        evicting = asyncio.create_task(cache.demote("dram", keys))
         await asyncio.sleep(0)  # the pages are marked evicting, their write-down starts
         result = await cache.prefetch(keys, deadline_s=5)
-        assert await evicting == set()
+        assert await evicting == []
         assert result.missing == []
         assert sorted(result.arrived) == sorted(keys)
         out = np.zeros_like(data)
@@ -418,7 +418,7 @@ async def test_prefetch_with_an_unbounded_deadline_waits_for_everything(tmp_path
         tokens, data = sequence(rng, 3)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         result = await cache.prefetch(keys, deadline)
         assert sorted(result.arrived) == sorted(keys)
         assert result.late == [] and result.missing == []
@@ -454,11 +454,11 @@ async def test_pages_whose_delete_fails_stay_indexed(tmp_path: Path):
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
         top, file_tier = cache.tiers
-        await cache.pipeline._evict_shielded(top, keys)
+        await cache.demote(top.name, keys)
         d = cache.directory
         DeleteFailingFileStore.failing = True
-        stuck = await cache.pipeline._evict_shielded(file_tier, keys)  # the last tier: drop
-        assert stuck == set(keys)
+        stuck = await cache.demote(file_tier.name, keys)  # the last tier: drop
+        assert set(stuck) == set(keys)
         assert await cache.delete(keys[:2]) == 0
         assert d.used("file") == file_tier.backend.used_pages() == 4
         out = np.zeros_like(data)
@@ -483,7 +483,7 @@ async def test_a_prefetch_never_evicts_what_its_own_earlier_batch_brought_up(tmp
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
         up = [k for k in keys if cache.directory.is_committed(k, "dram")]
-        await cache.pipeline._evict_shielded(cache.tiers[0], up)
+        await cache.demote("dram", up)
         assert (await cache.load(held)).missing == []  # 3 of 6 pinned; high watermark 4
         assert not any(cache.directory.is_committed(k, "dram") for k in keys)
         result = await cache.prefetch(keys, deadline_s=5)

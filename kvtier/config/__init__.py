@@ -19,6 +19,8 @@ The file format::
     admission = "all"                # admission policy for "selective"
     batch_pages = 32                 # pages per transfer batch
     max_inflight_per_link = 4        # batches in flight per link
+    leaf_first = true                # evict prefix-tree leaves before their parents
+    background_eviction = true       # victims written down by the evict queue, not the caller
     [log]
     format = "console"               # console | json
     level = "info"

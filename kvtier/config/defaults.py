@@ -44,6 +44,7 @@ def default_raw() -> dict[str, Any]:
             "batch_pages": 32,
             "max_inflight_per_link": 4,
             "leaf_first": True,
+            "background_eviction": True,
         },
         "log": {"format": "console", "level": "info"},
         "tiers": [

@@ -81,6 +81,10 @@ class KVTierConfig:
         max_inflight_per_link: batches in flight at once per (source, destination) link.
         leaf_first: evict leaves of the prefix tree before their ancestors (a page is
             useless without its prefix); the tier's eviction policy orders the leaves.
+        background_eviction: the evict queue writes victims down in the background: a
+            batch that still fits in a tier's capacity does not wait for the write-down of
+            its victims (the tier goes above its high watermark meanwhile). Off: every batch
+            waits until its victims are gone.
         log_format: ``console`` or ``json`` (structlog, on stderr).
         log_level: minimum log level.
     """
@@ -94,6 +98,7 @@ class KVTierConfig:
     batch_pages: int = 32
     max_inflight_per_link: int = 4
     leaf_first: bool = True
+    background_eviction: bool = True
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
 
@@ -229,6 +234,13 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
             f"{_src(sources, 'pipeline.leaf_first')}"
         )
 
+    background = pipe.get("background_eviction", True)
+    if not isinstance(background, bool):
+        raise ConfigError(
+            f"pipeline.background_eviction: must be true or false, got {background!r}"
+            f"{_src(sources, 'pipeline.background_eviction')}"
+        )
+
     log = raw.get("log", {})
     log_format = log.get("format", "console")
     if log_format not in ("console", "json"):
@@ -256,6 +268,7 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
         batch_pages=batch,
         max_inflight_per_link=inflight,
         leaf_first=leaf_first,
+        background_eviction=background,
         log_format=log_format,
         log_level=log_level,
     )
@@ -333,6 +346,7 @@ def to_raw(cfg: KVTierConfig) -> dict[str, Any]:
             "batch_pages": cfg.batch_pages,
             "max_inflight_per_link": cfg.max_inflight_per_link,
             "leaf_first": cfg.leaf_first,
+            "background_eviction": cfg.background_eviction,
         },
         "log": {"format": cfg.log_format, "level": cfg.log_level},
         "tiers": [t.to_dict() for t in cfg.tiers],

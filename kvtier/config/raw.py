@@ -21,7 +21,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "namespace": ("model_id", "revision", "rank"),
     "pipeline": (
         "write_policy", "admission", "admission_params", "batch_pages", "max_inflight_per_link",
-        "leaf_first",
+        "leaf_first", "background_eviction",
     ),
     "log": ("format", "level"),
 }  # fmt: skip

@@ -154,6 +154,14 @@ class Directory:
         counts = self._counts[self._check_tier(tier)]
         return sum(counts[s] for s in (states or tuple(PageState)))
 
+    def evicting(self, tier: str) -> int:
+        """Pages of ``tier`` whose eviction is under way."""
+        return self.count(tier, PageState.EVICTING)
+
+    def reserved(self, tier: str) -> int:
+        """Pages reserved in ``tier`` (being written, not yet visible)."""
+        return self.count(tier, PageState.RESERVED)
+
     def used(self, tier: str) -> int:
         """Pages occupying space in ``tier`` (reserved, committed or evicting)."""
         return self.count(tier)

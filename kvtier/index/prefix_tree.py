@@ -262,6 +262,18 @@ class PrefixTree:
         node = self._nodes.get(key)
         return None if node is None else node.parent
 
+    def parent(self, key: PageKey) -> PageKey | None:
+        """The parent page of ``key`` (``None``: a first page, unknown, or not cached)."""
+        node = self._nodes.get(key)
+        return None if node is None else node.parent
+
+    def children_in(self, key: PageKey, tier: str) -> int:
+        """How many child pages of ``key`` ``tier`` holds."""
+        node = self._nodes.get(key)
+        if node is None:
+            return 0
+        return (node.child_tiers >> (_FIELD * self._tier_index(tier))) & _FIELD_MASK
+
     def is_leaf(self, key: PageKey, tier: str | None = None) -> bool:
         """Whether ``key`` has no child page cached in ``tier`` (any tier when ``None``).
 

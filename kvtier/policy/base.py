@@ -28,6 +28,10 @@ class EvictionPolicy(ABC):
 
     #: Name used in config (``eviction = "lru"``).
     name: ClassVar[str]
+    #: Whether the policy keeps a page's parent in the tier while the page is there
+    #: (leaf-first eviction): room made for a batch then never evicts a parent of a page
+    #: in the batch.
+    keeps_parents: ClassVar[bool] = False
 
     @abstractmethod
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
@@ -46,6 +50,12 @@ class EvictionPolicy(ABC):
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Up to ``n`` distinct resident keys to evict, best victim first, each accepted
         by ``evictable``. Fewer when not enough pages are evictable."""
+
+    def should_keep(self, key: PageKey) -> bool:
+        """Whether a victim should stay after all, asked just before it leaves the tier
+        (its eviction ran in the background meanwhile). Leaf-first: it gained a child in
+        the tier. ``False`` by default."""
+        return False
 
     def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Victims for when :meth:`victims` offers none and the tier would otherwise refuse

@@ -11,7 +11,7 @@ through unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
@@ -27,6 +27,12 @@ class LeafOracle(Protocol):
 
     def is_leaf(self, key: PageKey, tier: str | None = None) -> bool:
         """Whether ``key`` has no child page cached in ``tier`` (any tier when ``None``)."""
+
+    def parent(self, key: PageKey) -> PageKey | None:
+        """The parent page of ``key`` (``None`` when first or unknown)."""
+
+    def children_in(self, key: PageKey, tier: str) -> int:
+        """How many child pages of ``key`` ``tier`` holds."""
 
 
 class LeafFirstPolicy(EvictionPolicy):
@@ -47,6 +53,8 @@ class LeafFirstPolicy(EvictionPolicy):
     Raises:
         KVTierUsageError: ``tier`` is not one of the tree's tiers.
     """
+
+    keeps_parents: ClassVar[bool] = True
 
     def __init__(self, inner: EvictionPolicy, tree: LeafOracle, tier: str, last: bool) -> None:
         if tier not in tree.tier_names:
@@ -69,9 +77,39 @@ class LeafFirstPolicy(EvictionPolicy):
         self.inner.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        tier = None if self.last else self.tier
-        is_leaf = self.tree.is_leaf
-        return self.inner.victims(n, lambda k: is_leaf(k, tier) and evictable(k))
+        """Up to ``n`` leaves in the inner policy's order. Above the last tier, a parent
+        whose every child in the tier is chosen becomes a leaf too, so one call can walk
+        a cold chain up from its tail (as evicting round after round would)."""
+        tree = self.tree
+        if self.last:
+            return self.inner.victims(n, lambda k: tree.is_leaf(k, None) and evictable(k))
+        tier = self.tier
+        chosen: list[PageKey] = []
+        taken: set[PageKey] = set()
+        freed: dict[PageKey, int] = {}  # children of a page chosen so far
+
+        def leaf_now(k: PageKey) -> bool:
+            gone = freed.get(k, 0)
+            return tree.is_leaf(k, tier) if not gone else tree.children_in(k, tier) <= gone
+
+        while len(chosen) < n:
+            got = self.inner.victims(
+                n - len(chosen), lambda k: k not in taken and leaf_now(k) and evictable(k)
+            )
+            if not got:
+                break
+            for k in got:
+                chosen.append(k)
+                taken.add(k)
+                parent = tree.parent(k)
+                if parent is not None:
+                    freed[parent] = freed.get(parent, 0) + 1
+        return chosen
+
+    def should_keep(self, key: PageKey) -> bool:
+        """A victim that is no longer a leaf (a child landed in the tier while it was
+        being evicted) stays: a parent never leaves before its child."""
+        return not self.tree.is_leaf(key, None if self.last else self.tier)
 
     def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Victims for when :meth:`victims` offers none and the tier would otherwise
