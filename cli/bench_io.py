@@ -137,4 +137,4 @@ def bench_io_command(
             names_failed = ", ".join(f["tier"] for f in failed)
             raise fail(f"bench io failed on {names_failed}", EXIT_FAILURE)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

@@ -191,4 +191,4 @@ def bench_run_command(
         if data["mismatches"]:
             raise fail(f"{data['mismatches']} pages read back with wrong bytes", EXIT_FAILURE)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

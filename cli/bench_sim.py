@@ -296,4 +296,4 @@ def sim(
             report["plot"] = str(plot_file)
         emit(report, as_json, _render)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

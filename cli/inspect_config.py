@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import inspect_app
-from kvtier.cli.output import console, emit, run_guarded, table
+from kvtier.cli.output import console, emit, run_guarded, size, table
 
 from kvtier.config import load_config
 
@@ -36,8 +36,15 @@ def config_report(path: Path | None) -> dict[str, Any]:
     }
 
 
+def _cell(key: str, value: Any) -> Any:
+    """Sizes in binary units, other values as they are."""
+    if key.endswith((".capacity", "_bytes")) and isinstance(value, int):
+        return size(value)
+    return value
+
+
 def _render(data: dict[str, Any]) -> None:
-    rows = [(v["key"], v["value"], v["source"]) for v in data["values"]]
+    rows = [(v["key"], _cell(v["key"], v["value"]), v["source"]) for v in data["values"]]
     console.print(table("kvtier config", ["key", "value", "source"], rows))
 
 
@@ -55,4 +62,4 @@ def inspect_config(
 ) -> None:
     """Show the resolved configuration (default < file < KVTIER_* environment) and the
     source of every value."""
-    run_guarded(lambda: emit(config_report(config), as_json, _render))
+    run_guarded(lambda: emit(config_report(config), as_json, _render), as_json)

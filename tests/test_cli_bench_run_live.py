@@ -100,7 +100,7 @@ def test_bench_run_locked_disk_dir_exits_1(runner: CliRunner, tmp_path: Path) ->
     finally:
         loop.close()
     assert result.exit_code == 1, result.stderr
-    assert result.stdout == ""
+    assert json.loads(result.stdout)["error"]["exit_code"] == 1  # the error, as JSON
     assert str(tmp_path) in result.stderr
 
 
