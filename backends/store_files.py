@@ -43,8 +43,9 @@ class UnsafeStoreError(KVTierError, OSError):
     symlink's target is never touched."""
 
 
-class StorePathError(KVTierUsageError):
-    """A store path cannot be used (does not exist, not a directory, not writable...)."""
+class StorePathError(KVTierUsageError, OSError):
+    """A store path cannot be used (does not exist, not a directory, not writable...).
+    Also an ``OSError``, as the failure it reports."""
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,8 @@ class Namespace:
             raise KVTierUsageError(f"Namespace.revision must be a string, got {self.revision!r}")
         for name, low in (("page_tokens", 1), ("rank", 0), ("layout_version", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < _INT_LIMIT:
+            bad_type = isinstance(value, bool) or not isinstance(value, int)
+            if bad_type or not low <= value < _INT_LIMIT:
                 raise KVTierUsageError(
                     f"Namespace.{name} must be an integer in [{low}, 2**31), got {value!r}"
                 )

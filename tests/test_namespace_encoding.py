@@ -154,7 +154,9 @@ def _options(name: str, tmp: Path, valkey: RedisServer | None) -> dict[str, Any]
 
 
 @pytest.fixture
-async def tier(request: pytest.FixtureRequest, tmp_path: Path, valkey: Any) -> AsyncIterator[Backend]:
+async def tier(
+    request: pytest.FixtureRequest, tmp_path: Path, valkey: Any
+) -> AsyncIterator[Backend]:
     name = request.param
     info = registry.describe(name)
     if not info.available:
