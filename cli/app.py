@@ -12,6 +12,7 @@ every other failure (:mod:`kvtier.cli.output`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -35,10 +36,8 @@ def _option_errors() -> tuple[type[Exception], ...]:
 
 def _aborts() -> tuple[type[BaseException], ...]:
     found: list[type[BaseException]] = [typer.Abort]
-    try:
+    with contextlib.suppress(ImportError, AttributeError):
         found.append(importlib.import_module("click.exceptions").Abort)
-    except (ImportError, AttributeError):
-        pass
     return tuple(found)
 
 

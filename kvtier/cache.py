@@ -32,12 +32,10 @@ from typing import Any, Self
 
 import numpy as np
 
-from kvtier import registry
 from kvtier.backend import ArenaBackend, Backend, Reservation, check_buffer
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import (
     CapacityError,
-    ConfigError,
     KVTierError,
     KVTierUsageError,
     TierOpenError,
@@ -181,20 +179,9 @@ class KVCache:
     # -- lifecycle -----------------------------------------------------------------------
 
     def _make_backend(self, i: int) -> Backend:
-        tc = self.config.tiers[i]
-        try:
-            return registry.create(
-                tc.backend,
-                page_bytes=self.spec.page_bytes,
-                capacity_pages=tc.capacity_pages(self.spec.page_bytes),
-                **tc.options,
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-        except TypeError as exc:
-            raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-        except KVTierUsageError as exc:
-            raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
+        from kvtier.tier_check import create_backend
+
+        return create_backend(self.config, i)
 
     def _eviction_policy(self, i: int) -> EvictionPolicy:
         """Tier ``i``'s configured policy, offering only prefix-tree leaves when

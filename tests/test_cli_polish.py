@@ -121,7 +121,7 @@ def metrics_endpoint(tmp_path: Path) -> Iterator[tuple[str, dict[str, object]]]:
     text, snap = asyncio.run(play())
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body = text.encode() if self.path == "/metrics" else b"hello"
             self.send_response(200)
             self.end_headers()
@@ -144,7 +144,8 @@ def test_inspect_stats_reads_a_running_caches_endpoint(
     metrics_endpoint: tuple[str, dict[str, object]],
 ) -> None:
     base, snap = metrics_endpoint
-    result = CliRunner().invoke(get_app(), ["inspect", "stats", "--url", f"{base}/metrics", "--json"])
+    args = ["inspect", "stats", "--url", f"{base}/metrics", "--json"]
+    result = CliRunner().invoke(get_app(), args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     tiers = snap["tiers"]

@@ -215,7 +215,11 @@ def _tiers(**first) -> dict:
         (_tiers(options="x"), {}, r"tiers\[0\]\.options: must be a table"),
         ({"pipeline": {"write_policy": "sometimes"}}, {}, r"pipeline\.write_policy: must be one"),
         ({"pipeline": {"admission": "oracle"}}, {}, r"pipeline\.admission: unknown admission"),
-        ({"pipeline": {"batch_pages": 0}}, {}, r"pipeline\.batch_pages: must be an integer in \[1, 1048576\]"),
+        (
+            {"pipeline": {"batch_pages": 0}},
+            {},
+            r"pipeline\.batch_pages: must be an integer in \[1, 1048576\]",
+        ),
         ({"pipeline": {"max_inflight_per_link": "4"}}, {}, r"max_inflight_per_link: must be"),
         ({"log": {"format": "xml"}}, {}, r"log\.format: must be 'console' or 'json'"),
         ({"log": {"level": "loud"}}, {}, r"log\.level: unknown level 'loud'"),

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier.attention import torch_dtype
-from kvtier.bench.live import RunResult, run_config
+from kvtier.bench.live import RunResult, check_tiers_reached, run_config, tier_health
 from kvtier.config import ResolvedConfig
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey, page_keys
@@ -344,7 +344,9 @@ async def bench_speculative(
         async with KVCache(config) as cache:
             report = await run_speculative(cache, params, on_step)
         metrics = cache.metrics.snapshot()
+        health = tier_health(cache)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    check_tiers_reached(metrics, [t.name for t in config.tiers], health)
     return RunResult(report, metrics, config.to_dict(), str(directory), kept)
