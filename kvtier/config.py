@@ -520,7 +520,7 @@ def _int(
     if bad or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ConfigError(f"{key}: must be an integer {bounds}, got {value!r}{_src(sources, key)}")
-    return value
+    return int(value)
 
 
 def _fraction(value: Any, key: str, sources: Mapping[str, str]) -> float:

@@ -210,7 +210,10 @@ DRAM = '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "64KiB"\n'
 @pytest.mark.parametrize(
     ("tier", "needle"),
     [
-        ('[[tiers]]\nname = "x"\nbackend = "nosuch"\ncapacity = "1MiB"\n', "unknown backend 'nosuch'"),
+        (
+            '[[tiers]]\nname = "x"\nbackend = "nosuch"\ncapacity = "1MiB"\n',
+            "unknown backend 'nosuch'",
+        ),
         ('[[tiers]]\nname = "n"\nbackend = "nvme"\ncapacity = "1MiB"\n', "option 'path'"),
         ('[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
          'options = {path = "/tmp/x", colour = "blue"}\n', "unknown option(s) colour"),
@@ -235,7 +238,8 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
         DRAM + '[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
         f'options = {{path = "{tmp_path / "fs"}"}}\n',
     )
-    result = CliRunner().invoke(get_app(), ["inspect", "config", "-c", str(good), "--check", "--json"])
+    args = ["inspect", "config", "-c", str(good), "--check", "--json"]
+    result = CliRunner().invoke(get_app(), args)
     assert result.exit_code == 0, result.output
     checks = json.loads(result.stdout)["checks"]
     assert [(c["tier"], c["ok"]) for c in checks] == [("dram", True), ("f", True)]
