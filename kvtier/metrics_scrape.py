@@ -69,7 +69,15 @@ def parse_prometheus(text: str) -> Series:
 
 def scrape(url: str, timeout_s: float = 5.0) -> str:
     """The text at ``url`` (an ``http://`` or ``https://`` metrics endpoint)."""
-    parsed = urllib.parse.urlparse(url)
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 3600):
+        raise KVTierUsageError(
+            f"--timeout must be a number of seconds in (0, 3600], got {timeout_s}"
+        )
+    try:
+        parsed = urllib.parse.urlparse(url)
+        parsed.port  # noqa: B018 - raises for a bad port
+    except ValueError as exc:
+        raise KVTierUsageError(f"--url {url!r} is not a valid URL: {exc}") from None
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise KVTierUsageError(
             f"--url must be an http(s) URL of a metrics endpoint, e.g. "

@@ -260,3 +260,35 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     assert "remote (redis) failed at write" in err and "onnect" in err
     assert "locked (nvme) failed at open" in err and "not a kvtier store index" in err
     shutil.rmtree(tmp_path / "fs")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["bench", "run", "--model", "tiny", "--turn-tokens", "999999999"], "at most 33,554,432"),
+        (["bench", "run", "--workload", "speculative", "--model", "tiny", "--draft-tokens",
+          "999999999"], "draft_tokens must be at most"),
+        (["bench", "io", "--tier", "dram", "--page-size", "64TiB", "--pages", "2"],
+         "GiB is available: lower --pages or --page-size"),
+        (["inspect", "stats", "--url", "http://127.0.0.1:1/x", "--timeout", "-1"],
+         "--timeout must be a number of seconds"),
+        (["inspect", "stats", "--url", "http://[::1"], "is not a valid URL"),
+        (["bench", "run", "-c", str(DATA / "README.md")], "is not valid TOML"),
+    ],
+)  # fmt: skip
+def test_values_that_would_exhaust_memory_or_make_no_sense_are_refused(
+    args: list[str], needle: str
+) -> None:
+    """Before: a huge --turn-tokens generated the token streams until the OOM killer came."""
+    assert needle in invoke(*args, code=2)["message"]
+
+
+def test_binary_config_files_are_named_by_every_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    binary = tmp_path / "kv.toml"
+    binary.write_bytes(b"\xff\xfe[\x00m\x00")
+    for args in (["inspect", "config", "-c", str(binary)], ["bench", "run", "-c", str(binary)]):
+        assert "is not UTF-8 text" in invoke(*args, code=2)["message"]
+    monkeypatch.setenv("KVTIER_CONFIG", str(binary))
+    assert "is not UTF-8 text" in invoke("inspect", "config", code=2)["message"]

@@ -68,6 +68,19 @@ class IOBenchParams:
                 raise KVTierUsageError(
                     f"bench io: {name} must be a positive integer, got {value!r}"
                 )
+        from kvtier.backends.dram import available_memory
+
+        # The pages, the read buffers and an arena tier's own buffer are all in memory.
+        need = 3 * self.pages * self.page_bytes
+        have = available_memory()
+        if have is not None and need > have:
+            from kvtier.config import format_size
+
+            raise KVTierUsageError(
+                f"bench io: {self.pages} pages of {format_size(self.page_bytes)} need about "
+                f"{format_size(need)} of memory (pages, read buffers, an arena); "
+                f"{format_size(have)} is available: lower --pages or --page-size"
+            )
 
 
 @dataclass(frozen=True)

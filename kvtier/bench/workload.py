@@ -46,6 +46,10 @@ def page_content(key: bytes, page_bytes: int) -> np.ndarray:
     return base.view(np.uint8)[:page_bytes]
 
 
+#: Most tokens a chat workload may generate (its streams are built up front, 8 bytes each).
+MAX_WORKLOAD_TOKENS = 1 << 25
+
+
 @dataclass(frozen=True)
 class ChatParams:
     """Shape of the chat workload.
@@ -84,6 +88,14 @@ class ChatParams:
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
                 raise KVTierUsageError(f"bench run: {name} must be 0 <= min <= max, got {(lo, hi)}")
+        # The token streams are generated up front: refuse what would not fit in memory.
+        per_session = self.turns * (self.user_tokens[1] + self.reply_tokens[1])
+        total = self.sessions * per_session + self.system_prompts * self.system_tokens
+        if total > MAX_WORKLOAD_TOKENS:
+            raise KVTierUsageError(
+                f"bench run: the workload would hold up to {total:,} tokens "
+                f"(sessions x turns x tokens per turn); at most {MAX_WORKLOAD_TOKENS:,}"
+            )
 
 
 def conversation_tokens(params: ChatParams) -> list[list[tuple[np.ndarray, np.ndarray]]]:
