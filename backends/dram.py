@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Reservation, check_buffers
-from kvtier.errors import KVTierUsageError
+from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.slots import SlotBook
 
@@ -55,6 +55,29 @@ _MIN_PIECE_BYTES = 1 << 20
 _mlock_refusal_logged = False
 
 CopyPair = tuple[np.ndarray, np.ndarray]
+
+
+class ArenaAllocationError(KVTierError):
+    """The arena's memory cannot be had (more than the machine has available)."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new allocations (``MemAvailable`` in
+    ``/proc/meminfo``), or ``None`` where that cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _size(nbytes: int) -> str:
+    from kvtier.config import format_size
+
+    return format_size(nbytes)
 
 
 def _cuda_available() -> bool:
@@ -182,10 +205,17 @@ class DramArena(ArenaBackend):
         return self.page_bytes * self.capacity_pages
 
     async def open(self) -> None:
-        """Allocate (and pin or lock) the arena. Idempotent; raises ``MemoryError`` when
-        the memory cannot be had at all."""
+        """Allocate (and pin or lock) the arena. Idempotent; raises
+        :class:`ArenaAllocationError` saying how much memory is available when the arena
+        is larger than that, or the allocation fails."""
         if self._opened:
             return
+        available = available_memory()
+        if available is not None and self.nbytes > available:
+            raise ArenaAllocationError(
+                f"a DRAM arena of {_size(self.nbytes)} does not fit: {_size(available)} of "
+                "memory is available (MemAvailable); lower the tier's capacity"
+            )
         self._placement = self._plan()  # before the executor: its threads get pinned
         await super().open()
         try:
@@ -261,7 +291,15 @@ class DramArena(ArenaBackend):
         # Not MAP_POPULATE: the NUMA policy is set first, so pages are faulted in on the
         # right node (by mlock, or by touching each one) instead of being migrated there.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, OverflowError, MemoryError) as exc:
+            available = available_memory()
+            have = "unknown" if available is None else _size(available)
+            raise ArenaAllocationError(
+                f"cannot allocate a DRAM arena of {_size(self.nbytes)} ({exc}); memory "
+                f"available: {have}"
+            ) from exc
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)
         refusal = _try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in

@@ -621,6 +621,7 @@ class RedisStore(StoreBackend):
             failed_batches=self.health.failed_batches,
             refused_writes=self.health.refused_writes,
             down=self.health.down,
+            down_reason=self.health.reason,
             checksum_failures=self.checksum_failures,
         )
         return out

@@ -103,18 +103,31 @@ def _as_bool(name: str, value: Any) -> bool:
     raise ConfigError(f"redis option {name!r} must be a boolean, got {value!r}")
 
 
-def _as_number(name: str, value: Any, *, integer: bool, minimum: float) -> float:
+#: Upper bounds: a deadline or interval past a day, or a batch/concurrency past these,
+#: is a mistake (``inf`` would switch a deadline off), not a setting.
+MAX_SECONDS = 86400.0
+MAX_TTL_SECONDS = 10 * 365 * 86400.0
+MAX_BATCH_PAGES = 1 << 16
+MAX_INFLIGHT = 1024
+
+
+def _as_number(
+    name: str, value: Any, *, integer: bool, minimum: float, maximum: float = MAX_SECONDS
+) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"redis option {name!r} must be a number, got {value!r}")
     try:
         num = int(value) if integer else float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         kind = "an integer" if integer else "a number"
         raise ConfigError(f"redis option {name!r} must be {kind}, got {value!r}") from None
     if integer and isinstance(value, float) and value != int(value):
         raise ConfigError(f"redis option {name!r} must be an integer, got {value!r}")
-    if not num >= minimum:
-        raise ConfigError(f"redis option {name!r} must be >= {minimum}, got {value!r}")
+    if not minimum <= num <= maximum:  # also refuses nan and inf
+        raise ConfigError(
+            f"redis option {name!r} must be a finite number in [{minimum:g}, {maximum:g}], "
+            f"got {value!r}"
+        )
     return num
 
 
@@ -157,7 +170,9 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
     ttl = (
         None
         if ttl_raw in (None, "", "none", 0, "0")
-        else _as_number("ttl_s", ttl_raw, integer=False, minimum=0.001)
+        else _as_number(
+            "ttl_s", ttl_raw, integer=False, minimum=0.001, maximum=MAX_TTL_SECONDS
+        )
     )
     return RemoteOptions(
         url=url,
@@ -166,12 +181,20 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         ttl_s=ttl,
         batch_pages=int(
             _as_number(
-                "batch_pages", raw.get("batch_pages", d.batch_pages), integer=True, minimum=0
+                "batch_pages",
+                raw.get("batch_pages", d.batch_pages),
+                integer=True,
+                minimum=0,
+                maximum=MAX_BATCH_PAGES,
             )
         ),
         max_inflight=int(
             _as_number(
-                "max_inflight", raw.get("max_inflight", d.max_inflight), integer=True, minimum=1
+                "max_inflight",
+                raw.get("max_inflight", d.max_inflight),
+                integer=True,
+                minimum=1,
+                maximum=MAX_INFLIGHT,
             )
         ),
         op_timeout_s=_as_number(

@@ -12,7 +12,7 @@ from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_g
 from rich.markup import escape
 
 from kvtier import registry
-from kvtier.bench.io import IOBenchParams, bench_io, default_tiers
+from kvtier.bench.io import IOBenchParams, bench_io, check_workdir, default_tiers
 from kvtier.config import format_size, parse_size
 from kvtier.errors import KVTierError, KVTierUsageError
 
@@ -99,6 +99,8 @@ def bench_io_command(
     baseline on the same memory, directory or server, in the same run."""
 
     def body() -> None:
+        if directory is not None:
+            check_workdir(directory)  # before measuring anything
         params = IOBenchParams(
             page_bytes=parse_size(page_size, "--page-size"),
             pages=pages,
@@ -137,4 +139,4 @@ def bench_io_command(
             names_failed = ", ".join(f["tier"] for f in failed)
             raise fail(f"bench io failed on {names_failed}", EXIT_FAILURE)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

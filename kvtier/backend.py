@@ -166,8 +166,11 @@ class Backend(ABC):
                 f"({page_bytes} bytes), got {capacity_pages!r} pages"
             )
         threads = self.default_io_threads if io_threads is None else io_threads
-        if threads < 1:
-            raise KVTierUsageError(f"io_threads must be >= 1, got {threads}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+            raise ConfigError(
+                f"{type(self).__name__}: io_threads must be an integer >= 1 (at most 1024), "
+                f"got {threads!r}"
+            )
         self.page_bytes = page_bytes
         self.capacity_pages = capacity_pages
         self.io_threads = threads

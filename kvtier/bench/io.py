@@ -68,6 +68,19 @@ class IOBenchParams:
                 raise KVTierUsageError(
                     f"bench io: {name} must be a positive integer, got {value!r}"
                 )
+        from kvtier.backends.dram import available_memory
+
+        # The pages, the read buffers and an arena tier's own buffer are all in memory.
+        need = 3 * self.pages * self.page_bytes
+        have = available_memory()
+        if have is not None and need > have:
+            from kvtier.config import format_size
+
+            raise KVTierUsageError(
+                f"bench io: {self.pages} pages of {format_size(self.page_bytes)} need about "
+                f"{format_size(need)} of memory (pages, read buffers, an arena); "
+                f"{format_size(have)} is available: lower --pages or --page-size"
+            )
 
 
 @dataclass(frozen=True)
@@ -267,6 +280,20 @@ def default_tiers() -> tuple[list[str], list[dict[str, str]]]:
     return names, skipped
 
 
+def check_workdir(path: Path) -> None:
+    """``--dir`` must be an existing, writable directory: the bench creates only its own
+    scratch directories inside it (and removes them), never the directory itself.
+    Raises :class:`KVTierUsageError` naming what is wrong."""
+    if "\x00" in str(path):
+        raise KVTierUsageError(f"--dir {str(path)!r} contains a NUL byte")
+    if not path.exists():
+        raise KVTierUsageError(f"--dir {path} does not exist: create it first")
+    if not path.is_dir():
+        raise KVTierUsageError(f"--dir {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise KVTierUsageError(f"--dir {path} is not writable")
+
+
 async def bench_io(
     tiers: Sequence[str],
     params: IOBenchParams,
@@ -281,7 +308,7 @@ async def bench_io(
         raise KVTierUsageError("bench io: no tier to measure")
     parent = str(params.workdir) if params.workdir is not None else None
     if params.workdir is not None:
-        params.workdir.mkdir(parents=True, exist_ok=True)
+        check_workdir(params.workdir)
     results = []
     for name in tiers:
         with tempfile.TemporaryDirectory(prefix="kvtier-bench-io-", dir=parent) as tmp:
