@@ -153,7 +153,9 @@ def test_damaged_pages_and_a_full_disk_recompute_the_same_tokens(  # type: ignor
     try:
         store = mnt / "nvme"
         # keep the slabs sparse (the store does not preallocate them here)
-        subprocess.run(["cp", "-a", "--sparse=always", str(stored["store"]), str(store)], check=True)
+        subprocess.run(
+            ["cp", "-a", "--sparse=always", str(stored["store"]), str(store)], check=True
+        )
         assert _flip_every_slot(store) > 0
         port = free_port()
         port_cfg = {"kvtier_metrics_port": port}

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import xxhash
 from vllm_engines import Engine, base_env, connector, llm_kwargs
@@ -29,15 +30,16 @@ def _redis(url: str) -> Any:
     return redis.Redis.from_url(url)
 
 
-def _wait_for_keys(client: Any, at_least: int, timeout: float = 60.0) -> set[bytes]:
+def _new_keys(client: Any, seen: set[bytes], count: int, timeout: float = 60.0) -> list[bytes]:
+    """Wait until ``count`` keys not in ``seen`` are in the server; returns them sorted."""
     deadline = time.monotonic() + timeout
-    keys: set[bytes] = set()
+    new: set[bytes] = set()
     while time.monotonic() < deadline:
-        keys = set(client.keys("*"))
-        if len(keys) >= at_least:
-            return keys
+        new = set(client.keys("*")) - seen
+        if len(new) >= count:
+            return sorted(new)
         time.sleep(0.2)
-    raise AssertionError(f"the producer stored {len(keys)} pages, expected {at_least}")
+    raise AssertionError(f"the producer stored {len(new)} new pages, expected {count}")
 
 
 def _reheader(payload: bytes, old_header: bytes) -> bytes:
@@ -55,6 +57,13 @@ def _reheader(payload: bytes, old_header: bytes) -> bytes:
         ns,
     )
     return body + struct.pack("<I", xxhash.xxh32_intdigest(body)) + bytes(4)
+
+
+def _scale_bf16(payload: bytes, factor: float) -> bytes:
+    """bfloat16 values times ``factor`` (bf16 is the top half of a float32)."""
+    raw = np.frombuffer(payload, dtype="<u2").astype(np.uint32) << 16
+    scaled = (raw.view(np.float32) * np.float32(factor)).view(np.uint32) >> 16
+    return scaled.astype("<u2").tobytes()
 
 
 def _pages(prompt: list[int], generated: int = 1) -> int:
@@ -96,7 +105,7 @@ def test_prefill_and_decode_engines_share_through_redis_and_survive_its_faults( 
         ):
             # 1. hand-off: the producer prefills (one token, as a prefill node does)
             producer.generate([a], max_tokens=1)
-            seen = _wait_for_keys(client, _pages(a))
+            seen = set(_new_keys(client, set(), _pages(a)))
             out = consumer.generate([a], 8, logprobs=1)
             m1 = consumer.metrics()
             assert out["tokens"] == [ref[0]]
@@ -104,13 +113,13 @@ def test_prefill_and_decode_engines_share_through_redis_and_survive_its_faults( 
             assert m1["loaded_pages"] == (len(a) - 1) // BLOCK
             assert m1.get("hit_tokens.remote", 0) > 0
 
-            # 2. negative control: b's pages rotated behind kvtier's back, checksums valid
+            # 2. negative control: b's KV tripled behind kvtier's back, checksums valid
             producer.generate([b], max_tokens=1)
-            keys_b = sorted(_wait_for_keys(client, len(seen) + _pages(b)) - seen)
+            keys_b = _new_keys(client, seen, _pages(b))
             seen |= set(keys_b)
-            values = [client.get(k) for k in keys_b]
-            payloads = [v[:-HEADER] for v in values]
-            for k, v, p in zip(keys_b, values, payloads[1:] + payloads[:1], strict=True):
+            for k in keys_b:
+                v = client.get(k)
+                p = _scale_bf16(v[:-HEADER], 3.0)
                 client.set(k, p + _reheader(p, v[-HEADER:]))
             out = consumer.generate([b], 8, logprobs=1)
             m2 = consumer.metrics()
@@ -122,7 +131,7 @@ def test_prefill_and_decode_engines_share_through_redis_and_survive_its_faults( 
 
             # 3. damaged pages: c's pages each get a flipped byte (checksums now fail)
             producer.generate([c], max_tokens=1)
-            keys_c = sorted(_wait_for_keys(client, len(seen) + _pages(c)) - seen)
+            keys_c = _new_keys(client, seen, _pages(c))
             seen |= set(keys_c)
             for k in keys_c:
                 v = bytearray(client.get(k))
@@ -138,7 +147,7 @@ def test_prefill_and_decode_engines_share_through_redis_and_survive_its_faults( 
 
             # 4. the remote server dies: the consumer recomputes, same tokens, no hang
             producer.generate([d], max_tokens=1)
-            _wait_for_keys(client, len(seen) + _pages(d))
+            _new_keys(client, seen, _pages(d))
             server.kill()
             started = time.monotonic()
             out = consumer.generate([d], 8)

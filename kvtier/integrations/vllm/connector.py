@@ -168,18 +168,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> dict[CacheHitSource, int]:
         if num_external_tokens <= 0:
             return {}
-        st = self.scheduler
-        kinds = {}
-        ans = st._reqs.get(request.request_id)
-        if ans is not None and ans.answer is not None:
-            kinds = ans.answer.kinds
         out: dict[CacheHitSource, int] = {}
-        total = 0
-        for tier, pages in st.hit_sources(request).items():
-            src = _hit_source(kinds.get(tier, ""), tier)
-            out[src] = out.get(src, 0) + pages * st.block_size
-            total += pages * st.block_size
-        if total != num_external_tokens:
+        for (tier, kind), tokens in self.scheduler.hit_sources(request).items():
+            src = _hit_source(kind, tier)
+            out[src] = out.get(src, 0) + tokens
+        if sum(out.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return out
 

@@ -145,9 +145,14 @@ class SchedulerSide:
             self._stats.add_hits({t: n * self.block_size for t, n in tiers.items()})
             self._hit_tiers[request.request_id] = tiers
 
-    def hit_sources(self, request: Any) -> dict[str, int]:
-        """Pages of the planned load of ``request`` by tier name."""
-        return dict(self._hit_tiers.get(request.request_id, {}))
+    def hit_sources(self, request: Any) -> dict[tuple[str, str], int]:
+        """Tokens of the planned load of ``request`` by (tier name, backend kind)."""
+        st = self._reqs.get(request.request_id)
+        kinds = st.answer.kinds if st is not None and st.answer is not None else {}
+        return {
+            (tier, kinds.get(tier, "")): pages * self.block_size
+            for tier, pages in self._hit_tiers.get(request.request_id, {}).items()
+        }
 
     # -- per step ----------------------------------------------------------------------
 

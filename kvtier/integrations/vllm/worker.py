@@ -414,18 +414,28 @@ class WorkerSide:
         gather_event = None
         if keys:
             nbytes = len(keys) * self.paged.page_bytes
-            if self._backlog + nbytes > self.settings.save_backlog_bytes:
-                with self._stats_lock:
+            with self._stats_lock:
+                full = self._backlog + nbytes > self.settings.save_backlog_bytes
+                if full:
                     self._stats.add("saves_dropped", len(keys))
-            else:
-                buffer = self.paged.host_buffer(len(keys))
-                gather_event = self.paged.gather(blocks, buffer)
-                if gather_event is not None:
-                    self._pending_gathers.append(gather_event)
-                self._backlog += nbytes
-                fut = self.loop.submit(self._store(keys, parents, buffer, nbytes, gather_event))
-                self._stores.add(fut)
-                fut.add_done_callback(self._stores.discard)
+                else:
+                    self._backlog += nbytes
+            if not full:
+                try:
+                    buffer = self.paged.host_buffer(len(keys))
+                    gather_event = self.paged.gather(blocks, buffer)
+                    store = self._store(keys, parents, buffer, nbytes, gather_event)
+                    fut = self.loop.submit(store)
+                except Exception as exc:  # a save that cannot start is a future miss
+                    _log.warning("kvtier save could not start", pages=len(keys), error=repr(exc))
+                    with self._stats_lock:
+                        self._backlog -= nbytes
+                        self._stats.add("save_failures", len(keys))
+                else:
+                    if gather_event is not None:
+                        self._pending_gathers.append(gather_event)
+                    self._stores.add(fut)
+                    fut.add_done_callback(self._stores.discard)
         for req_id in meta.holds:
             self._acks.append((req_id, gather_event))
 
@@ -449,8 +459,8 @@ class WorkerSide:
         except Exception as exc:
             _log.warning("kvtier save failed", pages=len(keys), error=repr(exc))
         finally:
-            self._backlog -= nbytes
             with self._stats_lock:
+                self._backlog -= nbytes
                 self._stats.add("saved_pages", stored)
                 self._stats.add("save_bytes", stored * (nbytes // max(1, len(keys))))
                 self._stats.add("save_seconds", time.perf_counter() - started)
