@@ -2,10 +2,11 @@
 
 A baseline measures the same bytes moved the plainest fast way on the *same* medium
 kvtier just used: the arena's own slots (numpy memcpy), the store's directory (fio, or
-threaded ``O_DIRECT`` ``pwrite``/``pread``), the same server (a bare ``redis.asyncio``
-pipeline). Each backend name maps to an :class:`IOProfile`: the backend options a bench
-run uses (a scratch directory, a server it starts) and the baseline function. Backends
-without a registered profile get a default by kind (arena -> memcpy, store -> disk).
+threaded ``O_DIRECT`` ``pwrite``/``pread``), the same server (the C client
+``redis-benchmark`` when installed, and a bare ``redis.asyncio`` pipeline). Each backend
+name maps to an :class:`IOProfile`: the backend options a bench run uses (a scratch
+directory, a server it starts) and the baseline function. Backends without a registered
+profile get a default by kind (arena -> memcpy, store -> disk).
 
 Other modules refine these with :func:`register_profile`, for example a store with its
 own engine registering a baseline that matches its queue depth::
@@ -77,12 +78,18 @@ class IOTarget:
 
 @dataclass(frozen=True)
 class BaselineSample:
-    """One timed pass of a baseline: seconds to write and to read ``nbytes``."""
+    """One timed pass of a baseline: seconds to write and to read ``nbytes``.
+
+    ``others`` holds further baselines measured in the same pass on the same medium,
+    as ``name -> (write seconds, read seconds)`` for the same ``nbytes`` (reported beside
+    the main one, e.g. a Python client next to the C client).
+    """
 
     method: str
     write_seconds: float
     read_seconds: float
     nbytes: int
+    others: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 BaselineFn = Callable[[IOTarget], Awaitable[BaselineSample]]
@@ -329,14 +336,40 @@ async def disk_baseline(target: IOTarget) -> BaselineSample:
 
 
 async def redis_baseline(target: IOTarget) -> BaselineSample:
+    """The C client on the same server when ``redis-benchmark`` is installed
+    (:func:`kvtier.bench.redis_c.c_client_sample`: as many values of the page size, best
+    of two shapes), with the bare ``redis.asyncio`` loop of :func:`redis_py_baseline`
+    beside it under ``others["redis.asyncio"]``; the ``redis.asyncio`` loop alone
+    otherwise."""
+    from kvtier.bench.redis_c import c_client_sample, redis_benchmark_path
+
+    py = await redis_py_baseline(target)
+    if redis_benchmark_path() is None:
+        return py
+    url = _redis_url(target)
+    c = await c_client_sample(url, target.page_bytes, len(target.keys), target.batch_pages)
+    return BaselineSample(
+        c.method,
+        c.write_seconds,
+        c.read_seconds,
+        len(target.keys) * target.page_bytes,
+        {"redis.asyncio": (py.write_seconds, py.read_seconds)},
+    )
+
+
+def _redis_url(target: IOTarget) -> str:
+    url = target.options.get("url")
+    if not isinstance(url, str):
+        raise KVTierUsageError(f"{target.backend_name}: the redis baseline needs a 'url' option")
+    return url
+
+
+async def redis_py_baseline(target: IOTarget) -> BaselineSample:
     """A bare ``redis.asyncio`` loop on the same server: SET then GET of the same values,
     pipelined ``batch_pages`` deep (no header, no checksum, no copy out)."""
     import redis.asyncio as aioredis
 
-    url = target.options.get("url")
-    if not isinstance(url, str):
-        raise KVTierUsageError(f"{target.backend_name}: the redis baseline needs a 'url' option")
-    client = aioredis.Redis.from_url(url)
+    client = aioredis.Redis.from_url(_redis_url(target))
     names = [b"kvtier-bench-raw:" + bytes(k) for k in target.keys]
     depth = max(1, target.batch_pages)
     try:
@@ -367,7 +400,9 @@ async def redis_baseline(target: IOTarget) -> BaselineSample:
 
 MEMCPY_PROFILE = IOProfile(no_options, memcpy_baseline, "memcpy into the arena's slots")
 DISK_PROFILE = IOProfile(directory_options, disk_baseline, "fio / O_DIRECT on the store's dir")
-REDIS_PROFILE = IOProfile(valkey_options, redis_baseline, "bare redis.asyncio on the same server")
+REDIS_PROFILE = IOProfile(
+    valkey_options, redis_baseline, "redis-benchmark (C client) and bare redis.asyncio"
+)
 
 #: Entry-point group where plugin distributions register the bench profile of their
 #: backends (name = the backend's name, value = ``module:PROFILE``).
