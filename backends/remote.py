@@ -452,13 +452,17 @@ class RedisStore(StoreBackend):
                                 strict=True):  # fmt: skip
                 out[i] = reply
 
-        # Every group runs to its end (or its aborted end) before this returns: no thread
-        # is left writing into the caller's buffers.
-        done = await asyncio.gather(*(node(a, idx) for a, idx in groups.items()),
-                                    return_exceptions=True)  # fmt: skip
-        failure = next((d for d in done if isinstance(d, BaseException)), None)
-        if failure is not None:
-            raise failure
+        if len(groups) == 1:  # one node (always, outside a cluster): no task to create
+            [(address, idx)] = groups.items()
+            await node(address, idx)
+        else:
+            # Every group runs to its end (or its aborted end) before this returns: no
+            # thread is left writing into the caller's buffers.
+            done = await asyncio.gather(*(node(a, idx) for a, idx in groups.items()),
+                                        return_exceptions=True)  # fmt: skip
+            failure = next((d for d in done if isinstance(d, BaseException)), None)
+            if failure is not None:
+                raise failure
         again = [i for i, r in enumerate(out) if isinstance(r, ReplyError) and r.redirected]
         if again and self.options.cluster:
             self.redirects += len(again)

@@ -42,6 +42,8 @@ from typing import Any
 _LINE_READ = 4096
 #: Longest reply line accepted (an error message, a bulk length); longer is a protocol error.
 _MAX_LINE = 1 << 16
+#: How far past its deadline one system call may wait (see ``WireConnection._arm``).
+_DEADLINE_SLACK_S = 0.005
 #: Most buffers per ``sendmsg`` call (Linux ``IOV_MAX`` is 1024).
 _IOV_MAX = 1024
 _CRLF = b"\r\n"
@@ -210,7 +212,10 @@ class WireConnection:
         if self._tls:
             self._sock.settimeout(left)
             return
-        if self._timeout_set is not None and abs(self._timeout_set - left) < 0.0005:
+        # The socket timeouts bound each system call; re-set them only when they would let
+        # a call overrun the deadline by more than _DEADLINE_SLACK_S (two setsockopt calls
+        # per system call would cost more than the calls themselves for small pages).
+        if self._timeout_set is not None and left <= self._timeout_set <= left + _DEADLINE_SLACK_S:
             return
         sec = int(left)
         tv = struct.pack("ll", sec, int((left - sec) * 1e6))

@@ -38,15 +38,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
-from kvtier.bench.redis_c import c_client_sample, redis_benchmark_path
+from kvtier.bench.redis_c import (
+    PARALLEL_SHAPE,
+    SET_KEYSPACE,
+    drop_keys,
+    populate,
+    redis_benchmark_path,
+    run_redis_benchmark,
+)
 from kvtier.keys import PageKey
 from kvtier.testing.servers import RedisServer
 
@@ -329,9 +338,43 @@ async def _usable(client: Client, url: str, port: int, size: int) -> str | None:
     return None
 
 
+def server_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 when unknown)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Tally:
+    """Seconds, client CPU and server CPU of every pass of one client and direction."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.client_cpu: list[float] = []
+        self.server_cpu: list[float] = []
+
+    def add(self, wall: float, client_cpu: float, server_cpu: float) -> None:
+        self.wall.append(wall)
+        self.client_cpu.append(client_cpu)
+        self.server_cpu.append(server_cpu)
+
+    def row(self, nbytes: int) -> dict[str, Any]:
+        gb = nbytes / 1e9
+        return {
+            "gbps": gb / min(self.wall),
+            "median_gbps": gb / statistics.median(self.wall),
+            "client_cpu_s_per_gb": statistics.median(self.client_cpu) / gb,
+            "server_cpu_s_per_gb": statistics.median(self.server_cpu) / gb,
+            "seconds": self.wall,
+        }
+
+
 async def bench_size(
-    url: str, port: int, size: int, total: int, depth: int, repeats: int, wanted: set[str] | None
-) -> dict[str, Any]:
+    url: str, pid: int | None, port: int, size: int, total: int, depth: int, repeats: int,
+    wanted: set[str] | None,
+) -> dict[str, Any]:  # fmt: skip
     n = max(depth, total // size)
     rng = np.random.default_rng(size)
     values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
@@ -345,63 +388,73 @@ async def bench_size(
             live.append(c)
         else:
             skipped[c.name] = why
-    times: dict[str, dict[str, list[float]]] = {c.name: {"set": [], "get": []} for c in live}
-    c_runs: list[dict[str, Any]] = []
-    base: dict[str, list[float]] = {"set": [], "get": []}
+    tallies: dict[str, dict[str, Tally]] = {}
+
+    def tally(name: str, op: str) -> Tally:
+        return tallies.setdefault(name, {"set": Tally(), "get": Tally()})[op]
+
+    shapes = [(1, depth), PARALLEL_SHAPE]
+    c_names = [f"redis-benchmark -c {c} -P {p}" for c, p in shapes]
+    have_c = redis_benchmark_path() is not None
     for rep in range(repeats):
         order = live[rep % len(live) :] + live[: rep % len(live)] if live else []
         for c in order:
             names = [f"rc:{c.name}:{uuid.uuid4().hex[:8]}:{i}".encode() for i in range(n)]
             for o in outs:
                 o[:] = 0
-            times[c.name]["set"].append(await c.write(names, values))
-            times[c.name]["get"].append(await c.read(names, outs))
+            for op in ("set", "get"):
+                s0, c0 = server_cpu(pid), time.process_time()
+                wall = await (c.write(names, values) if op == "set" else c.read(names, outs))
+                tally(c.name, op).add(wall, time.process_time() - c0, server_cpu(pid) - s0)
             if isinstance(c, Kvtier | Wire):
                 bad = sum(not np.array_equal(a, b) for a, b in zip(outs, values, strict=True))
                 assert bad == 0, f"{c.name}: {bad} pages read back wrong"
             await c.drop(names)
-        if redis_benchmark_path() is not None:
-            s = await c_client_sample(url, size, n, depth)
-            base["set"].append(s.write_seconds)
-            base["get"].append(s.read_seconds)
-            c_runs += [{"op": r.op, "shape": r.shape, "seconds": r.seconds} for r in s.runs]
+        if have_c:
+            for name, (clients_, pipe) in zip(c_names, shapes, strict=True):
+                s0 = server_cpu(pid)
+                run = await run_redis_benchmark(url, "set", size, n, pipe, clients_, SET_KEYSPACE)
+                tally(name, "set").add(run.seconds, run.cpu_seconds, server_cpu(pid) - s0)
+                await drop_keys(url)
+            await populate(url, size, n)
+            for name, (clients_, pipe) in zip(c_names, shapes, strict=True):
+                s0 = server_cpu(pid)
+                run = await run_redis_benchmark(url, "get", size, n, pipe, clients_, n)
+                tally(name, "get").add(run.seconds, run.cpu_seconds, server_cpu(pid) - s0)
+            await drop_keys(url)
         print(f"  {fmt_size(size)} repeat {rep + 1}/{repeats} done", file=sys.stderr)
     for c in live:
         await c.close()
     nbytes = n * size
-
-    def rate(seconds: Sequence[float]) -> float:
-        return nbytes / min(seconds) / 1e9
-
-    rows = {}
-    for name, t in times.items():
-        row: dict[str, Any] = {"set_gbps": rate(t["set"]), "get_gbps": rate(t["get"]),
-                               "set_s": t["set"], "get_s": t["get"]}  # fmt: skip
-        if base["set"]:
-            row["set_ratio"] = row["set_gbps"] / rate(base["set"])
-            row["get_ratio"] = row["get_gbps"] / rate(base["get"])
-        rows[name] = row
-    out: dict[str, Any] = {"page_bytes": size, "values": n, "depth": depth, "clients": rows,
-                           "skipped": skipped}  # fmt: skip
-    if base["set"]:
-        out["c_client"] = {"set_gbps": rate(base["set"]), "get_gbps": rate(base["get"]),
-                           "set_s": base["set"], "get_s": base["get"], "runs": c_runs}  # fmt: skip
-    return out
+    rows = {name: {op: t.row(nbytes) for op, t in ops.items()} for name, ops in tallies.items()}
+    baseline = {}
+    if have_c:
+        for op in ("set", "get"):
+            baseline[op] = max(rows[name][op]["gbps"] for name in c_names)
+        for row in rows.values():
+            for op in ("set", "get"):
+                row[op]["ratio"] = row[op]["gbps"] / baseline[op]
+    return {"page_bytes": size, "values": n, "depth": depth, "clients": rows,
+            "c_client_gbps": baseline, "c_client_rows": c_names if have_c else [],
+            "skipped": skipped}  # fmt: skip
 
 
 def render(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
-        lines.append(f"\n{fmt_size(r['page_bytes'])} values x {r['values']}, depth {r['depth']}, "
-                     "best of repeats (GB/s; ratio to the C client)")  # fmt: skip
-        c = r.get("c_client")
-        if c:
-            lines.append(f"  {'redis-benchmark (C)':22s} set {c['set_gbps']:6.2f}        "
-                         f"get {c['get_gbps']:6.2f}")  # fmt: skip
+        lines.append(
+            f"\n{fmt_size(r['page_bytes'])} values x {r['values']}, depth {r['depth']}: "
+            "best-of-repeats GB/s (ratio to the best C-client shape); median CPU s per GB "
+            "of the client and of the server"
+        )
         for name, row in r["clients"].items():
-            ratio = (f"({row['set_ratio']:.2f})", f"({row['get_ratio']:.2f})") if c else ("", "")
-            lines.append(f"  {name:22s} set {row['set_gbps']:6.2f} {ratio[0]:7s} "
-                         f"get {row['get_gbps']:6.2f} {ratio[1]}")  # fmt: skip
+            cells = []
+            for op in ("set", "get"):
+                x = row[op]
+                ratio = f"({x['ratio']:.2f})" if "ratio" in x else ""
+                cells.append(f"{op} {x['gbps']:5.2f} {ratio:6s} cpu {x['client_cpu_s_per_gb']:.2f}"
+                             f"/{x['server_cpu_s_per_gb']:.2f}")  # fmt: skip
+            lines.append(f"  {name:26s} " + "   ".join(cells))
         for name, why in r["skipped"].items():
             lines.append(f"  skipped {name}: {why}")
     return "\n".join(lines)
@@ -412,8 +465,10 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     with RedisServer(args.server) as server:
         for size in [parse_size(s) for s in args.sizes.split(",")]:
-            results.append(await bench_size(server.url, server.port, size, parse_size(args.total),
-                                            args.depth, args.repeats, wanted))  # fmt: skip
+            results.append(await bench_size(
+                server.url, server.pid, server.port, size, parse_size(args.total), args.depth,
+                args.repeats, wanted,
+            ))  # fmt: skip
     return results
 
 

@@ -19,6 +19,7 @@ Keys live under ``key:`` (redis-benchmark's names) and are deleted afterwards.
 from __future__ import annotations
 
 import asyncio
+import resource
 import shutil
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
@@ -46,6 +47,7 @@ class CClientRun:
     requests: int
     value_bytes: int
     seconds: float
+    cpu_seconds: float = 0.0  # the redis-benchmark process's user + system CPU time
 
     @property
     def shape(self) -> str:
@@ -81,10 +83,13 @@ async def run_redis_benchmark(
         raise TierIOError("redis-benchmark is not installed (apt-get install redis-tools)")
     args = [*_server_args(url), "-t", op, "-d", str(value_bytes), "-n", str(requests),
             "-P", str(pipeline), "-c", str(clients), "-r", str(keyspace), "--csv"]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = await asyncio.create_subprocess_exec(
         exe, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await proc.communicate()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     text = out.decode(errors="replace")
     for line in text.splitlines():
         cells = [c.strip('"') for c in line.split(",")]
@@ -94,14 +99,16 @@ async def run_redis_benchmark(
             except ValueError:
                 break
             if rps > 0:
-                return CClientRun(op, clients, pipeline, requests, value_bytes, requests / rps)
+                return CClientRun(
+                    op, clients, pipeline, requests, value_bytes, requests / rps, cpu
+                )
     raise TierIOError(
         f"redis-benchmark {op} gave no rate (exit {proc.returncode}): "
         f"{(text + err.decode(errors='replace'))[-300:]}"
     )
 
 
-async def _populate(url: str, value_bytes: int, keys: int) -> None:
+async def populate(url: str, value_bytes: int, keys: int) -> None:
     """Write ``key:<12 digits>`` for every key of the space (what ``-r`` draws from)."""
     import redis.asyncio as aioredis
 
@@ -118,7 +125,7 @@ async def _populate(url: str, value_bytes: int, keys: int) -> None:
         await client.aclose()
 
 
-async def _drop(url: str) -> None:
+async def drop_keys(url: str) -> None:
     """Delete every ``key:<12 digits>`` (what the runs wrote)."""
     import redis.asyncio as aioredis
 
@@ -164,14 +171,14 @@ async def c_client_sample(url: str, value_bytes: int, requests: int, depth: int)
             runs.append(await run_redis_benchmark(
                 url, "set", value_bytes, requests, pipeline, clients, SET_KEYSPACE
             ))  # fmt: skip
-            await _drop(url)
-        await _populate(url, value_bytes, requests)
+            await drop_keys(url)
+        await populate(url, value_bytes, requests)
         for clients, pipeline in shapes:
             runs.append(await run_redis_benchmark(
                 url, "get", value_bytes, requests, pipeline, clients, requests
             ))  # fmt: skip
     finally:
-        await _drop(url)
+        await drop_keys(url)
     best_w = min((r for r in runs if r.op == "set"), key=lambda r: r.seconds)
     best_r = min((r for r in runs if r.op == "get"), key=lambda r: r.seconds)
     return CClientSample(best_w.seconds, best_r.seconds, best_w.shape, best_r.shape, tuple(runs))
