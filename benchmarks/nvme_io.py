@@ -2,8 +2,8 @@
 
 Each repeat interleaves, on the same directory: kvtier's NVMe store (``put`` in batches,
 checksums, ``fdatasync`` + index commit per batch, then verified ``get``) and fio
-(libaio, O_DIRECT, iodepth 8, ``end_fsync``; the ``kvtier bench io`` disk baseline) on
-the same number of bytes. Medians over repeats are reported, plus the median of the
+(libaio, O_DIRECT, 2 jobs x iodepth 8, ``end_fsync``; the ``kvtier bench io`` disk
+baseline) on the same number of bytes. Medians over repeats are reported, plus the median of the
 per-repeat ratios (robust to the noise of a shared machine).
 
 Usage::
@@ -83,7 +83,13 @@ async def run_kvtier(
 
 
 async def bench_size(
-    root: Path, size: int, total: int, repeats: int, batch_bytes: int, aligned: bool
+    root: Path,
+    size: int,
+    total: int,
+    repeats: int,
+    batch_bytes: int,
+    aligned: bool,
+    io_threads: int | None = None,
 ) -> dict[str, Any]:
     n = max(8, total // size)
     batch = min(n, max(8, batch_bytes // size))  # at least 8 pages: the bench io default
@@ -95,7 +101,8 @@ async def bench_size(
     kr: list[float] = []
     fw: list[float] = []
     fr: list[float] = []
-    async with NvmeStore(page_bytes=size, capacity_pages=n, path=store_dir) as store:
+    threads = {} if io_threads is None else {"io_threads": io_threads}
+    async with NvmeStore(page_bytes=size, capacity_pages=n, path=store_dir, **threads) as store:
         for rep in range(-1, repeats):  # -1: warm-up (slab allocation, first touch)
             w, r = await run_kvtier(store, pages, outs, batch, rep + 1)
             base = await fio_io(root / "fio-baseline.dat", size, n)
@@ -105,14 +112,14 @@ async def bench_size(
                 fw.append(base.nbytes / base.write_seconds / 1e9)
                 fr.append(base.nbytes / base.read_seconds / 1e9)
         direct = store.direct
-        threads = store.io_threads
+        used_threads = store.io_threads
     shutil.rmtree(store_dir, ignore_errors=True)
     med = statistics.median
     return {
         "page_bytes": size,
         "pages": n,
         "batch_pages": batch,
-        "io_threads": threads,
+        "io_threads": used_threads,
         "direct_io": direct,
         "aligned_buffers": aligned,
         "kvtier_write_gbps": med(kw),
@@ -137,6 +144,9 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unaligned", action="store_true")
+    ap.add_argument(
+        "--io-threads", type=int, default=None, help="the store's io_threads (pages in flight)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if shutil.which("fio") is None:
@@ -151,6 +161,7 @@ def main() -> None:
                 args.repeats,
                 parse_size(args.batch_bytes),
                 not args.unaligned,
+                args.io_threads,
             )
         )
         for s in args.sizes.split(",")

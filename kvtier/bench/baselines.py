@@ -46,8 +46,10 @@ from kvtier.backend import ArenaBackend, Backend, BackendKind
 from kvtier.errors import KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
 
-#: Queue depth of the disk baselines (fio ``iodepth``, threads of the fallback).
+#: Queue depth of the disk baselines (fio ``iodepth`` per job, threads of the fallback).
 DISK_IODEPTH = 8
+#: fio jobs of the disk baseline (each with :data:`DISK_IODEPTH` requests in flight).
+DISK_JOBS = 2
 
 
 @dataclass
@@ -318,17 +320,26 @@ def _fio_seconds(report: dict[str, Any], rw: str) -> float:
     return float(job["io_bytes"]) / bw
 
 
-async def fio_io(path: Path, page_bytes: int, pages: int) -> BaselineSample:
+async def fio_io(
+    path: Path, page_bytes: int, pages: int, jobs: int = DISK_JOBS
+) -> BaselineSample:
     """fio sequential write then read of ``pages`` blocks of ``page_bytes`` on ``path``:
-    libaio, O_DIRECT, iodepth :data:`DISK_IODEPTH`, fsync at the end of the write."""
+    libaio, O_DIRECT, ``jobs`` jobs (default :data:`DISK_JOBS`) of iodepth
+    :data:`DISK_IODEPTH` each, every job on its own contiguous share of the bytes,
+    fsync at the end of the write, bandwidth of the group. The bytes moved are
+    ``pages`` blocks rounded down to a multiple of ``jobs`` (all of them with one job)."""
+    jobs = max(1, min(jobs, pages))
+    share = pages // jobs
     common = [
         f"--filename={path}",
         f"--bs={page_bytes}",
-        f"--size={page_bytes * pages}",
+        f"--size={page_bytes * share}",
+        f"--offset_increment={page_bytes * share}",
         "--direct=1",
         f"--iodepth={DISK_IODEPTH}",
         "--ioengine=libaio",
-        "--numjobs=1",
+        f"--numjobs={jobs}",
+        "--group_reporting",
     ]
     try:
         wrote = await _fio(["--name=kvtier-raw-write", "--rw=write", "--end_fsync=1", *common])
@@ -336,10 +347,10 @@ async def fio_io(path: Path, page_bytes: int, pages: int) -> BaselineSample:
     finally:
         path.unlink(missing_ok=True)
     return BaselineSample(
-        f"fio libaio O_DIRECT iodepth {DISK_IODEPTH}",
+        f"fio libaio O_DIRECT {jobs} job{'s' if jobs > 1 else ''} x iodepth {DISK_IODEPTH}",
         _fio_seconds(wrote, "write"),
         _fio_seconds(read, "read"),
-        page_bytes * pages,
+        page_bytes * share * jobs,
     )
 
 
