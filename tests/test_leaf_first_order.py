@@ -88,7 +88,7 @@ def test_one_pass_equals_one_victim_at_a_time(
     n: int, tier: str, lru_k: bool,
 ) -> None:  # fmt: skip
     inner: Callable[[], LRUPolicy] = (lambda: LRUKPolicy(2)) if lru_k else LRUPolicy  # type: ignore[assignment,return-value]
-    tree, policy, keys = _build(forest, inner, tier, touches, in_disk)
+    _tree, policy, keys = _build(forest, inner, tier, touches, in_disk)
     pins = {keys[i % len(keys)] for i in pinned}
 
     def evictable(k: PageKey) -> bool:
@@ -122,7 +122,7 @@ def test_a_chain_leaves_tail_first_in_one_walk() -> None:
     chain, leaf first, found by walking that chain once (rescanning, a call would walk
     every chain to find one leaf in each)."""
     _CountingLRU.walked = 0
-    tree, policy, keys = _build([(0, 64)] * 64, _CountingLRU, "dram", [], [])
+    _tree, policy, keys = _build([(0, 64)] * 64, _CountingLRU, "dram", [], [])
     asked: list[PageKey] = []
 
     def evictable(k: PageKey) -> bool:
@@ -138,9 +138,9 @@ def test_a_chain_leaves_tail_first_in_one_walk() -> None:
 def test_a_shared_prefix_stays_while_another_chain_needs_it() -> None:
     """Two chains share a 4-page prefix; evicting the older chain's own pages must stop
     at the fork: the shared pages still have a child here."""
-    tree, policy, keys = _build([(0, 8), (4, 6)], LRUPolicy, "dram", [], [])
+    _tree, policy, keys = _build([(0, 8), (4, 6)], LRUPolicy, "dram", [], [])
     first_own = keys[4:8]  # chain 0's pages after the shared prefix
     got = policy.victims(20, lambda k: True)
     assert got[:4] == first_own[::-1]
-    assert set(keys[:4]).isdisjoint(got[:4 + 6 - 1])  # the prefix goes only after chain 1
+    assert set(keys[:4]).isdisjoint(got[: 4 + 6 - 1])  # the prefix goes only after chain 1
     assert got[-4:] == keys[:4][::-1]
