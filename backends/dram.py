@@ -369,7 +369,7 @@ class DramArena(ArenaBackend):
             return
         self._copies += len(work)
         copies = [pair for _, pair in work]
-        total = sum(int(d.nbytes) for d, _ in copies)
+        total = len(copies) * self.page_bytes  # every pair is one page (or less)
         if total < INLINE_COPY_MAX_BYTES:
             self._inline_copies += len(work)
             _copy_pairs(copies)  # no await in between: nothing can reuse the slots meanwhile

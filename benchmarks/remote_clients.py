@@ -19,7 +19,9 @@ Clients (each skipped with a reason when it cannot be imported here):
   (header, xxh3 checksum, verification, capacity accounting, deadlines), default
   options; ``kvtier-1conn`` (``max_inflight=1``, one connection), ``kvtier-2conn`` and
   ``kvtier-4conn`` (each call split over 2 / 4 connections, ``batch_pages`` =
-  depth/2, depth/4) and ``kvtier-call32`` (calls of 32 pages) show the techniques.
+  depth/2, depth/4) and ``kvtier-call32`` (calls of 32 pages) show the techniques;
+* ``--compare-store LABEL=FILE``: another ``RedisStore`` (e.g. the previous commit's, from
+  ``git show``) measured the same way, under ``LABEL``.
 
 Third-party clients get their values as ready-made ``bytes`` (built outside the timed
 region) and their ``GET`` replies are not copied anywhere: their best case. kvtier's
@@ -271,6 +273,8 @@ class Wire(Client):
 class Kvtier(Client):
     """The ``redis`` tier: ``RedisStore.put``/``get`` in calls of ``call`` pages."""
 
+    store_class: Any = None  # another implementation (--compare-store), else RedisStore
+
     def __init__(self, name: str, call: int, **options: Any) -> None:
         self.name = name
         self.call = call
@@ -279,7 +283,8 @@ class Kvtier(Client):
     async def open(self, url: str, port: int, size: int) -> None:
         from kvtier.backends.remote import RedisStore
 
-        self.store = RedisStore(page_bytes=size, capacity_pages=1 << 20, url=url,
+        cls = self.store_class or RedisStore
+        self.store = cls(page_bytes=size, capacity_pages=1 << 20, url=url,
                                 op_timeout_s=60.0, key_prefix="bench", **self.options)  # fmt: skip
         await self.store.open()
 
@@ -316,8 +321,32 @@ class Kvtier(Client):
         await self.store.close()
 
 
+#: Another RedisStore implementation to measure beside (``--compare-store FILE``).
+COMPARE: list[tuple[str, Any]] = []
+
+
+def load_store_class(path: str) -> Any:
+    """``RedisStore`` from a file (e.g. ``git show <commit>:backends/remote.py``), loaded
+    inside ``kvtier.backends`` so that its relative imports resolve."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvtier.backends._compared_remote", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.RedisStore
+
+
 def make_clients(depth: int) -> list[Client]:
+    extra: list[Client] = []
+    for label, cls in COMPARE:
+        client = Kvtier(label, depth)
+        client.store_class = cls
+        extra.append(client)
     return [
+        *extra,
         Kvtier("kvtier", depth),
         Kvtier("kvtier-1conn", depth, max_inflight=1, batch_pages=depth),
         Kvtier("kvtier-2conn", depth, batch_pages=max(1, depth // 2)),
@@ -481,7 +510,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server", choices=["valkey", "redis"], default="valkey")
     p.add_argument("--clients", default="", help="comma-separated subset of the clients")
     p.add_argument("--json", default="", help="also write the figures to this file")
+    p.add_argument(
+        "--compare-store",
+        default="",
+        help="LABEL=FILE: also measure the RedisStore of FILE (e.g. an earlier commit's "
+        "backends/remote.py, from git show) under LABEL",
+    )
     args = p.parse_args(argv)
+    if args.compare_store:
+        label, _, path = args.compare_store.partition("=")
+        COMPARE.append((label, load_store_class(path)))
     runner: Callable[[], Awaitable[list[dict[str, Any]]]] = lambda: main_async(args)  # noqa: E731
     results = asyncio.run(runner())
     print(render(results))
