@@ -21,6 +21,7 @@ chain), so every operation below runs against a directory of that size:
 
 ``--profile`` adds a cProfile of the ``store`` and ``load (fault)`` phases summed by
 module (self time), in microseconds per page. ``--json OUT`` writes the figures.
+``--rescan`` measures leaf-first eviction as it was before its one-pass walk.
 
 Usage::
 
@@ -238,7 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-bytes", type=int, default=256)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default="")
+    p.add_argument(
+        "--rescan",
+        action="store_true",
+        help="leaf-first eviction without the one-pass walk of the LRU order (every call "
+        "rescans it, as before commit c7f8ba9), for comparison",
+    )
     args = p.parse_args(argv)
+    if args.rescan:
+        from kvtier.policy.eviction import LRUPolicy
+
+        LRUPolicy.ordered_keys = None  # type: ignore[assignment,method-assign]
     results = asyncio.run(main_async(args))
     print(render(results))
     if args.json:

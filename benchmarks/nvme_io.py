@@ -59,6 +59,24 @@ def make_pages(n: int, size: int, aligned: bool, seed: int) -> list[np.ndarray]:
     return out
 
 
+def time_phases(store: NvmeStore) -> dict[str, list[float]]:
+    """Wrap the store's write and commit steps to time them (``--phases``): seconds per
+    call of each, appended as the benchmark runs."""
+    spent: dict[str, list[float]] = {"write": [], "commit": []}
+    for phase, attr in (("write", "_write"), ("commit", "_commit")):
+        inner = getattr(store, attr)
+
+        async def timed(*args: Any, _inner: Any = inner, _phase: str = phase) -> Any:
+            start = time.perf_counter()
+            try:
+                return await _inner(*args)
+            finally:
+                spent[_phase].append(time.perf_counter() - start)
+
+        setattr(store, attr, timed)
+    return spent
+
+
 async def run_kvtier(
     store: NvmeStore, pages: list[np.ndarray], outs: list[np.ndarray], batch: int, tag: int
 ) -> tuple[float, float]:
@@ -90,6 +108,7 @@ async def bench_size(
     batch_bytes: int,
     aligned: bool,
     io_threads: int | None = None,
+    phases: bool = False,
 ) -> dict[str, Any]:
     n = max(8, total // size)
     batch = min(n, max(8, batch_bytes // size))  # at least 8 pages: the bench io default
@@ -103,6 +122,7 @@ async def bench_size(
     fr: list[float] = []
     threads = {} if io_threads is None else {"io_threads": io_threads}
     async with NvmeStore(page_bytes=size, capacity_pages=n, path=store_dir, **threads) as store:
+        spent = time_phases(store) if phases else None
         for rep in range(-1, repeats):  # -1: warm-up (slab allocation, first touch)
             w, r = await run_kvtier(store, pages, outs, batch, rep + 1)
             base = await fio_io(root / "fio-baseline.dat", size, n)
@@ -113,6 +133,10 @@ async def bench_size(
                 fr.append(base.nbytes / base.read_seconds / 1e9)
         direct = store.direct
         used_threads = store.io_threads
+        if spent is not None:  # the warm-up's calls are in too: shares, not totals
+            total_s = sum(spent["write"]) + sum(spent["commit"])
+            share = {k: sum(v) / total_s for k, v in spent.items()}
+            per_commit_ms = 1e3 * statistics.median(spent["commit"])
     shutil.rmtree(store_dir, ignore_errors=True)
     med = statistics.median
     return {
@@ -131,6 +155,7 @@ async def bench_size(
         "write_ratio_paired_median": med(a / b for a, b in zip(kw, fw, strict=True)),
         "read_ratio_paired_median": med(a / b for a, b in zip(kr, fr, strict=True)),
         "samples": {"kvtier_write": kw, "kvtier_read": kr, "fio_write": fw, "fio_read": fr},
+        **({"phase_share": share, "commit_ms_median": per_commit_ms} if spent is not None else {}),
     }
 
 
@@ -147,6 +172,7 @@ def main() -> None:
     ap.add_argument(
         "--io-threads", type=int, default=None, help="the store's io_threads (pages in flight)"
     )
+    ap.add_argument("--phases", action="store_true", help="time the store's write and commit steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if shutil.which("fio") is None:
@@ -162,6 +188,7 @@ def main() -> None:
                 parse_size(args.batch_bytes),
                 not args.unaligned,
                 args.io_threads,
+                args.phases,
             )
         )
         for s in args.sizes.split(",")
@@ -180,6 +207,12 @@ def main() -> None:
             f"{r['fio_read_gbps']:>6.2f} {r['read_ratio']:>7.2f}  "
             f"({r['write_ratio_paired_median']:.2f}/{r['read_ratio_paired_median']:.2f})"
         )
+        if "phase_share" in r:
+            print(
+                f"{'':>8} write steps {r['phase_share']['write'] * 100:.0f} %, commits "
+                f"{r['phase_share']['commit'] * 100:.0f} % of put time; median commit "
+                f"{r['commit_ms_median']:.1f} ms"
+            )
 
 
 if __name__ == "__main__":
