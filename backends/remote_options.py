@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError
 
@@ -30,6 +30,34 @@ def pipeline_pages(batch_pages: int, page_bytes: int) -> int:
     if batch_pages > 0:
         return batch_pages
     return max(1, min(AUTO_BATCH_MAX_PAGES, AUTO_BATCH_BYTES // page_bytes))
+
+
+@dataclass(frozen=True)
+class UrlParts:
+    """What the data path needs from a ``redis://`` URL (see :func:`url_parts`)."""
+
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+
+
+def url_parts(url: str) -> UrlParts:
+    """Host, port, database number (the path, ``/0`` by default) and credentials of a
+    URL already accepted by :func:`parse_options`. Raises :class:`ConfigError` for a
+    database that is not a non-negative integer."""
+    parts = urlsplit(url)
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise ConfigError(f"redis option 'url' must end in a database number, got {url!r}")
+    return UrlParts(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 6379,
+        db=int(path or 0),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -160,6 +188,7 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         raise ConfigError(f"redis option 'url' has a bad port: {url!r}") from None
     if not urlsplit(url).hostname or port is None:
         raise ConfigError(f"redis option 'url' must name a host and a port, got {url!r}")
+    url_parts(url)  # the database number
     prefix = raw.get("key_prefix", d.key_prefix)
     if not isinstance(prefix, str) or not prefix or _BAD_PREFIX.search(prefix):
         raise ConfigError(

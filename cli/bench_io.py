@@ -49,6 +49,11 @@ def _render(data: dict[str, Any]) -> None:
     for r in data["tiers"]:
         line = f"baseline of {r['tier']}: {r['baseline_method']}"
         console.print(line, highlight=False, markup=False)
+        for name, o in r.get("other_baselines", {}).items():
+            line = (f"  also {name}: write {o['write_gbps']:.2f} GB/s (ratio "
+                    f"{o['write_ratio']:.2f}), read {o['read_gbps']:.2f} GB/s (ratio "
+                    f"{o['read_ratio']:.2f})")  # fmt: skip
+            console.print(line, highlight=False, markup=False)
     for skip in data["skipped"]:
         console.print(f"skipped {skip['tier']}: {skip['reason']}", highlight=False, markup=False)
     for bad in data["failed"]:

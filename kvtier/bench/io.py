@@ -86,7 +86,10 @@ class IOBenchParams:
 @dataclass(frozen=True)
 class TierIOResult:
     """The figures of one backend. Rates in GB/s (1e9 bytes per second), medians over
-    repeats; ratios are medians of the per-repeat ratios kvtier / baseline."""
+    repeats; ratios are medians of the per-repeat ratios kvtier / baseline.
+    ``other_baselines`` has, per further baseline measured beside the main one (e.g.
+    ``redis.asyncio`` beside the C client), its ``write_gbps``, ``read_gbps``,
+    ``write_ratio`` and ``read_ratio`` computed the same way."""
 
     tier: str
     kind: str
@@ -104,6 +107,7 @@ class TierIOResult:
     verified_pages: int
     mismatches: int
     samples: dict[str, list[float]] = field(default_factory=dict)
+    other_baselines: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -230,6 +234,18 @@ async def bench_backend(
     kr = _gbps(nbytes, statistics.median(kv_r))
     bw = statistics.median(_gbps(s.nbytes, s.write_seconds) for s in base)
     br = statistics.median(_gbps(s.nbytes, s.read_seconds) for s in base)
+    others: dict[str, dict[str, float]] = {}
+    for other in base[-1].others:
+        pairs = [s.others[other] for s in base if other in s.others]
+        if len(pairs) != len(base):
+            continue  # not measured in every repeat: no paired ratio
+        alt = [BaselineSample(other, w, r, base[0].nbytes) for w, r in pairs]
+        others[other] = {
+            "write_gbps": statistics.median(_gbps(s.nbytes, s.write_seconds) for s in alt),
+            "read_gbps": statistics.median(_gbps(s.nbytes, s.read_seconds) for s in alt),
+            "write_ratio": _paired_ratio(nbytes, kv_w, alt, write=True),
+            "read_ratio": _paired_ratio(nbytes, kv_r, alt, write=False),
+        }
     return TierIOResult(
         tier=name,
         kind=str(cls.kind),
@@ -252,6 +268,7 @@ async def bench_backend(
             "baseline_write_s": [s.write_seconds for s in base],
             "baseline_read_s": [s.read_seconds for s in base],
         },
+        other_baselines=others,
     )
 
 
