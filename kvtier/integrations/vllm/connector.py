@@ -105,6 +105,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._worker is not None and isinstance(connector_metadata, KVTierMetadata):
             self._worker.bind(connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Saves copy blocks out synchronously on the CPU; on a GPU the copy may still be in
+        # flight when a preempted request's blocks are handed to another: fence it.
+        self.worker.fence_saves()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self.worker.start_load()
 

@@ -262,15 +262,23 @@ class WorkerSide:
 
     # -- a step ------------------------------------------------------------------------
 
+    def fence_saves(self) -> None:
+        """Order every later write to vLLM's blocks after the copies out of them still in
+        flight (GPU: the compute stream waits on their events; CPU: copies are already
+        done). Called before a step can overwrite blocks: preempted requests' blocks are
+        reused at once."""
+        if self.paged is None or not self.paged.cuda or not self._pending_gathers:
+            return
+        stream = torch.cuda.current_stream(self.paged.device)
+        for ev in self._pending_gathers:
+            stream.wait_event(ev)
+        self._pending_gathers = [ev for ev in self._pending_gathers if not ev.query()]
+
     def bind(self, meta: KVTierMetadata) -> None:
         """Start of a step: learn token ids; plan this step's loads."""
         if self.cache is None or self.paged is None:
             return
-        if self.paged.cuda and self._pending_gathers:
-            stream = torch.cuda.current_stream(self.paged.device)
-            for ev in self._pending_gathers:
-                stream.wait_event(ev)  # blocks being copied out are not overwritten
-            self._pending_gathers = [ev for ev in self._pending_gathers if not ev.query()]
+        self.fence_saves()
         self._apply_tokens(meta)
         self._load = None
         if not (meta.loads and self.loads_enabled):
