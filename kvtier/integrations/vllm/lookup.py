@@ -1,8 +1,8 @@
 """How vLLM's scheduler learns what kvtier holds: a lookup service on a Unix socket.
 
 vLLM runs the scheduler-side connector in the engine-core process and the worker-side
-connector in each worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` puts them in one
-process; the CPU and multi-GPU executors still start separate workers). Only the worker
+connector in each worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` puts both in one
+process; the socket then serves them there all the same). Only the worker
 owns a :class:`~kvtier.cache.KVCache` — its DRAM tier, its view of the NVMe tier and of
 the shared remote tier — so the scheduler asks the workers: each worker serves
 :class:`LookupServer` on a private Unix socket, and the scheduler's :class:`LookupClient`
