@@ -313,12 +313,12 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     result = run(args)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(result, indent=2, default=str)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     summary = {k: v for k, v in result.items() if k not in ("samples",)}
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2, default=str))
 
 
 if __name__ == "__main__":

@@ -409,16 +409,20 @@ class WorkerSide:
         keys: list[PageKey] = []
         parents: list[PageKey | None] = []
         blocks: list[int] = []
+        seen: set[PageKey] = set()
         for run in runs:
             run_keys = self._run_keys(run)
             if run_keys is None:
                 continue
             all_keys = self._keys[run.req_id]
-            for j, k in enumerate(run_keys):
+            for j, (k, block) in enumerate(zip(run_keys, run.block_ids, strict=True)):
+                if k in seen:  # two requests sharing a prefix block save it once
+                    continue
+                seen.add(k)
                 p = run.first_page + j
                 keys.append(k)
                 parents.append(all_keys[p - 1] if p else ROOT_KEY)
-            blocks.extend(run.block_ids)
+                blocks.append(block)
         gather_event = None
         if keys:
             nbytes = len(keys) * self.paged.page_bytes
