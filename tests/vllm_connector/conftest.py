@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from vllm_engines import Engine, base_env, llm_kwargs
 from vllm_models import smollm2, smollm2_available, tiny_llama
-from vllm_prompts import LENGTHS, extra_prompts, prompts_for
+from vllm_prompts import LENGTHS, extra_prompts, prompts_for, shared_prefix_prompts
 
 _HERE = Path(__file__).resolve().parent
 NO_VLLM = (
@@ -61,11 +61,13 @@ def tiny_reference(
     runtime_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, list[list[float]] | list[list[int]]]:
-    """Greedy tokens and logprobs of vLLM alone (no connector) for ``tiny_prompts`` and
-    for the extra prompts the tests use later."""
+    """Greedy tokens and logprobs of vLLM alone (no connector) for ``tiny_prompts``, then
+    the extra prompts the tests use later, then the two shared-prefix prompts."""
     log = tmp_path_factory.mktemp("ref") / "engine.log"
     with Engine(tiny_model, llm_kwargs(), base_env(runtime_dir), log) as eng:
-        out = eng.generate(tiny_prompts + extra_prompts(), max_tokens=8, logprobs=1)
+        out = eng.generate(
+            tiny_prompts + extra_prompts() + shared_prefix_prompts(), max_tokens=8, logprobs=1
+        )
     return {"tokens": out["tokens"], "logprobs": out["logprobs"]}
 
 

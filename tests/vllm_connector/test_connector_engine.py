@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from vllm_engines import Engine, base_env, connector, llm_kwargs
-from vllm_prompts import extra_prompts
+from vllm_prompts import extra_prompts, shared_prefix_prompts
 
 from kvtier.testing.servers import free_port
 
@@ -72,7 +72,17 @@ def stored(tiny_model, tiny_prompts, runtime_dir, tmp_path_factory):  # type: ig
         eng.generate(filler(), 8)
         warm = eng.generate(tiny_prompts, 8, logprobs=1)
         m_warm = eng.metrics()
-    return {"store": store, "cold": cold, "warm": warm, "m_cold": m_cold, "m_warm": m_warm}
+        shared = eng.generate(shared_prefix_prompts(), 8)  # one batch, one shared prefix
+        m_shared = eng.metrics()
+    return {
+        "store": store,
+        "cold": cold,
+        "warm": warm,
+        "shared": shared,
+        "m_cold": m_cold,
+        "m_warm": m_warm,
+        "m_shared": m_shared,
+    }
 
 
 def test_cold_round_equals_vllm_alone_and_saves_every_full_page(
@@ -94,6 +104,15 @@ def test_reuse_after_vllm_evicted_its_own_blocks(stored, tiny_prompts, tiny_refe
     assert stored["warm"]["cached"] == [hit_pages(p) * BLOCK for p in tiny_prompts]
     assert stored["m_warm"].get("loaded_pages", 0) > 0  # the filler evicted vLLM's copies
     assert stored["m_warm"].get("load_errors", 0) == 0
+
+
+def test_requests_sharing_a_prefix_in_one_batch(stored, tiny_reference):  # type: ignore[no-untyped-def]
+    assert stored["shared"]["tokens"] == tiny_reference["tokens"][-2:]
+    saved = stored["m_shared"]["saved_pages"] - stored["m_warm"]["saved_pages"]
+    # 6 distinct pages: the 3 shared blocks, then 1 and 2 of each request's own; a shared
+    # block saved by both requests in one step is saved once, in two steps twice at most
+    assert 6 <= saved <= 9
+    assert stored["m_shared"].get("save_failures", 0) == 0
 
 
 def test_fresh_engine_loads_from_nvme_single_process_no_prefix_cache(  # type: ignore[no-untyped-def]

@@ -18,3 +18,10 @@ LENGTHS = [1, 31, 32, 33, 64, 100, 257]
 def extra_prompts() -> list[list[int]]:
     """Prompts used after the first round (remote-tier phases, the HTTP test)."""
     return prompts_for(512, [96, 130, 200, 75], seed=2)
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Two prompts sharing their first 96 tokens (three whole blocks), then different."""
+    head = prompts_for(512, [96], seed=3)[0]
+    tails = prompts_for(512, [40, 70], seed=4)
+    return [head + tails[0], head + tails[1]]
