@@ -12,6 +12,9 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 
+#: Largest size accepted anywhere (a signed 64-bit byte count).
+MAX_SIZE_BYTES = (1 << 63) - 1
+
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
@@ -25,10 +28,10 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a size in bytes or a string like '4GiB', got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        if not 0 <= value <= MAX_SIZE_BYTES:
+            raise ConfigError(f"{key}: size must be in [0, 2**63 - 1] bytes, got {value}")
         return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= MAX_SIZE_BYTES:
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
@@ -36,6 +39,8 @@ def parse_size(value: Any, key: str = "size") -> int:
             number, unit, binary, _b = m.groups()
             base = 1000 if (unit and not binary and _b) else 1024
             result = float(number) * base ** _SIZE_POWERS[unit.lower()]
+            if result > MAX_SIZE_BYTES:
+                raise ConfigError(f"{key}: {value!r} is too large (at most 2**63 - 1 bytes)")
             if result.is_integer() or unit:
                 return int(result)
     raise ConfigError(f"{key}: cannot parse {value!r} as a size (e.g. 4096, '512MiB', '4GiB')")

@@ -46,8 +46,26 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("kvtier.config.*",)),
     ("plan", ("kvtier.plan.*",)),
     ("transfer", ("kvtier.transfer.*",)),
-    ("facade", ("kvtier.cache", "kvtier.cache_input", "kvtier.sequences*", "kvtier.attention")),
-    ("tools", ("kvtier.sim.*", "kvtier.bench.*", "kvtier.testing.*", "kvtier.integrations.*")),
+    (
+        "facade",
+        (
+            "kvtier.cache",
+            "kvtier.cache_input",
+            "kvtier.tier_check",
+            "kvtier.sequences*",
+            "kvtier.attention",
+        ),
+    ),
+    (
+        "tools",
+        (
+            "kvtier.sim.*",
+            "kvtier.bench.*",
+            "kvtier.testing.*",
+            "kvtier.integrations.*",
+            "kvtier.metrics_scrape",
+        ),
+    ),
     ("cli", ("kvtier.cli.*",)),
 ]
 

@@ -28,8 +28,9 @@ The file format::
     name = "dram"
     backend = "dram"                 # entry-point name or "module:Class"
     capacity = "4GiB"                # bytes, or a size string
-    high_watermark = 0.80            # default 0.80 / 0.70 / 0.90 by position
+    high_watermark = 0.80            # default by role: top 0.80, middle 0.70, last 0.90
     low_watermark = 0.70             # default high - 0.10
+    on_open_error = "skip"           # a tier below the top that cannot open: skip | fail
     eviction = "lru"                 # lru | lru-k | anything registered
     [tiers.eviction_params]          # e.g. k = 2 for lru-k
     [tiers.options]                  # passed to the backend, e.g. path = "/mnt/nvme/kv"
@@ -58,6 +59,12 @@ from kvtier.config.defaults import (
     DEFAULT_STORE_DIR,
     ENV_CONFIG_FILE,
     ENV_PREFIX,
+    LAST_HIGH_WATERMARK,
+    MAX_BATCH_PAGES,
+    MAX_INFLIGHT_PER_LINK,
+    MIDDLE_HIGH_WATERMARK,
+    ON_OPEN_ERROR,
+    TOP_HIGH_WATERMARK,
     default_raw,
     default_watermarks,
 )
@@ -65,7 +72,7 @@ from kvtier.config.load import default_config, load_config
 from kvtier.config.model import KVTierConfig, ResolvedConfig, TierConfig
 from kvtier.policy.admission import admission_names, make_admission, register_admission
 from kvtier.policy.write import WRITE_POLICIES, WritePolicy
-from kvtier.units import format_size, parse_size
+from kvtier.units import MAX_SIZE_BYTES, format_size, parse_size
 
 __all__ = [
     "DEFAULT_HIGH_WATERMARKS",
@@ -74,6 +81,13 @@ __all__ = [
     "DEFAULT_STORE_DIR",
     "ENV_CONFIG_FILE",
     "ENV_PREFIX",
+    "LAST_HIGH_WATERMARK",
+    "MAX_BATCH_PAGES",
+    "MAX_INFLIGHT_PER_LINK",
+    "MAX_SIZE_BYTES",
+    "MIDDLE_HIGH_WATERMARK",
+    "ON_OPEN_ERROR",
+    "TOP_HIGH_WATERMARK",
     "WRITE_POLICIES",
     "KVTierConfig",
     "ResolvedConfig",

@@ -9,11 +9,21 @@ from typing import Any
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
-#: Default high watermark of a tier by position: the top 0.80, the next 0.70 (the source
-#: article's L1/L2 figures), lower ones 0.90 (stores have no hot working set to protect,
-#: and their eviction only drops or hands down pages).
-DEFAULT_HIGH_WATERMARKS: tuple[float, ...] = (0.80, 0.70)
-DEFAULT_LOWER_HIGH_WATERMARK = 0.90
+#: Default high watermarks by role (design guide, "watermarks by role"): the top tier evicts
+#: early (0.80, the source article's L1 figure), middle tiers at 0.70 (its L2 figure), the
+#: last tier fills to 0.90 (nothing below it to spill to: its eviction only drops pages).
+#: A single tier is the top tier.
+TOP_HIGH_WATERMARK = 0.80
+MIDDLE_HIGH_WATERMARK = 0.70
+LAST_HIGH_WATERMARK = 0.90
+DEFAULT_HIGH_WATERMARKS: tuple[float, ...] = (TOP_HIGH_WATERMARK, MIDDLE_HIGH_WATERMARK)
+DEFAULT_LOWER_HIGH_WATERMARK = LAST_HIGH_WATERMARK
+#: Upper bounds of pipeline settings (beyond them a value is a mistake).
+MAX_BATCH_PAGES = 1 << 20
+MAX_INFLIGHT_PER_LINK = 1 << 10
+#: What a tier that cannot open does: ``fail`` raises from ``KVCache.start``; ``skip``
+#: logs an error and the cache runs without it (only below the top tier).
+ON_OPEN_ERROR = ("skip", "fail")
 #: Default low watermark = high - this: evicting 10 % of a tier at a time makes batches
 #: large enough to amortise transfers without emptying the tier.
 DEFAULT_HYSTERESIS = 0.10
@@ -22,13 +32,16 @@ DEFAULT_HYSTERESIS = 0.10
 DEFAULT_STORE_DIR = ".kvtier-cache/file"
 
 
-def default_watermarks(position: int) -> tuple[float, float]:
-    """(high, low) default watermarks of the tier at ``position`` (0 = top)."""
-    high = (
-        DEFAULT_HIGH_WATERMARKS[position]
-        if position < len(DEFAULT_HIGH_WATERMARKS)
-        else DEFAULT_LOWER_HIGH_WATERMARK
-    )
+def default_watermarks(position: int, count: int | None = None) -> tuple[float, float]:
+    """(high, low) default watermarks of the tier at ``position`` (0 = top) of ``count``
+    tiers, by role: top, middle or last (see :data:`TOP_HIGH_WATERMARK`). Without
+    ``count`` every tier below the second counts as last (the former rule by position)."""
+    if position == 0:
+        high = TOP_HIGH_WATERMARK
+    elif (count is not None and position == count - 1) or (count is None and position >= 2):
+        high = LAST_HIGH_WATERMARK
+    else:
+        high = MIDDLE_HIGH_WATERMARK
     return high, round(high - DEFAULT_HYSTERESIS, 6)
 
 

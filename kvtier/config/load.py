@@ -14,18 +14,32 @@ from kvtier.config.model import KVTierConfig, ResolvedConfig, to_raw, validate_r
 from kvtier.config.raw import apply_env, check_shape, merge, record
 from kvtier.errors import ConfigError
 
+_MAX_CONFIG_BYTES = 16 << 20
+
 
 def read_file(path: Path) -> dict[str, Any]:
-    """The TOML table in ``path``; :class:`ConfigError` naming the file otherwise."""
+    """The TOML table in ``path``; :class:`ConfigError` for a file that is missing,
+    unreadable, not UTF-8 text (binary, UTF-16) or not TOML."""
+    if "\x00" in str(path):
+        raise ConfigError(f"config file path {str(path)!r} contains a NUL byte")
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {str(path)!r} is larger than 16 MiB")
+            data = f.read()
+        return tomllib.loads(data.decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (binary, or UTF-16?): cannot decode "
+            f"byte {exc.start}; save it as UTF-8 TOML"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {reason}") from None
 
 
 def load_config(

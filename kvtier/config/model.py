@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtier.config.defaults import DEFAULT_HYSTERESIS, default_watermarks
+from kvtier.config.defaults import (
+    DEFAULT_HYSTERESIS,
+    MAX_BATCH_PAGES,
+    MAX_INFLIGHT_PER_LINK,
+    ON_OPEN_ERROR,
+    default_watermarks,
+)
 from kvtier.config.raw import flatten
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import Namespace
@@ -35,6 +41,10 @@ class TierConfig:
         eviction: eviction policy name (see :mod:`kvtier.policy.eviction`).
         eviction_params: keyword parameters of the policy (``k`` for ``lru-k``).
         options: keyword options of the backend (``path`` for stores).
+        on_open_error: ``fail`` (raise from ``KVCache.start``) or ``skip`` (log an error and
+            run without this tier) when the backend cannot open (a damaged or locked store,
+            an unreachable directory). Default ``skip`` below the top tier, ``fail`` for
+            the top tier (which cannot be skipped).
     """
 
     name: str
@@ -45,6 +55,7 @@ class TierConfig:
     eviction: str = "lru"
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    on_open_error: str = "fail"
 
     def capacity_pages(self, page_bytes: int) -> int:
         """Whole pages that fit in ``capacity_bytes``."""
@@ -60,6 +71,7 @@ class TierConfig:
             "eviction": self.eviction,
             "eviction_params": dict(self.eviction_params),
             "options": dict(self.options),
+            "on_open_error": self.on_open_error,
         }
 
 
@@ -144,12 +156,14 @@ def _src(sources: Mapping[str, str], key: str) -> str:
     return f" (from {origin})" if origin and origin != "default" else ""
 
 
-def _int(value: Any, key: str, sources: Mapping[str, str], minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(
-            f"{key}: must be an integer >= {minimum}, got {value!r}{_src(sources, key)}"
-        )
-    return value
+def _int(
+    value: Any, key: str, sources: Mapping[str, str], minimum: int = 1, maximum: int | None = None
+) -> int:
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{key}: must be an integer {bounds}, got {value!r}{_src(sources, key)}")
+    return int(value)
 
 
 def _fraction(value: Any, key: str, sources: Mapping[str, str]) -> float:
@@ -225,8 +239,15 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
         pipe.get("admission_params", {}), "pipeline.admission_params", sources
     )
     make_admission(admission, **admission_params)  # fails early on a bad name/params
-    batch = _int(pipe.get("batch_pages", 32), "pipeline.batch_pages", sources)
-    inflight = _int(pipe.get("max_inflight_per_link", 4), "pipeline.max_inflight_per_link", sources)
+    batch = _int(
+        pipe.get("batch_pages", 32), "pipeline.batch_pages", sources, maximum=MAX_BATCH_PAGES
+    )
+    inflight = _int(
+        pipe.get("max_inflight_per_link", 4),
+        "pipeline.max_inflight_per_link",
+        sources,
+        maximum=MAX_INFLIGHT_PER_LINK,
+    )
     leaf_first = pipe.get("leaf_first", True)
     if not isinstance(leaf_first, bool):
         raise ConfigError(
@@ -257,7 +278,7 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
     tiers: list[TierConfig] = []
     seen: set[str] = set()
     for i, t in enumerate(tiers_raw):
-        tiers.append(_build_tier(i, t, spec, sources, seen))
+        tiers.append(_build_tier(i, t, spec, sources, seen, len(tiers_raw)))
     return KVTierConfig(
         spec=spec,
         namespace=namespace,
@@ -275,7 +296,12 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
 
 
 def _build_tier(
-    i: int, t: Mapping[str, Any], spec: KVSpec, sources: Mapping[str, str], seen: set[str]
+    i: int,
+    t: Mapping[str, Any],
+    spec: KVSpec,
+    sources: Mapping[str, str],
+    seen: set[str],
+    count: int | None = None,
 ) -> TierConfig:
     p = f"tiers[{i}]"
     for required in ("backend", "capacity"):
@@ -295,7 +321,7 @@ def _build_tier(
             f"of {spec.name} ({spec.page_bytes} bytes, {format_size(spec.page_bytes)})"
             f"{_src(sources, p + '.capacity')}"
         )
-    d_high, d_low = default_watermarks(i)
+    d_high, d_low = default_watermarks(i, count)
     high = _fraction(t.get("high_watermark", d_high), f"{p}.high_watermark", sources)
     low_default = d_low if "high_watermark" not in t else round(high - DEFAULT_HYSTERESIS, 6)
     low_value = t.get("low_watermark", low_default)
@@ -314,7 +340,14 @@ def _build_tier(
     except ConfigError as exc:
         raise ConfigError(f"{p}.eviction: {exc}{_src(sources, p + '.eviction')}") from None
     options = _table(t.get("options", {}), f"{p}.options", sources)
-    return TierConfig(name, backend, capacity, high, low, eviction, params, options)
+    on_error = t.get("on_open_error", "fail" if i == 0 else "skip")
+    if on_error not in ON_OPEN_ERROR or (i == 0 and on_error != "fail"):
+        allowed = "fail (the top tier cannot be skipped)" if i == 0 else "skip or fail"
+        raise ConfigError(
+            f"{p}.on_open_error: must be {allowed}, got {on_error!r}"
+            f"{_src(sources, p + '.on_open_error')}"
+        )
+    return TierConfig(name, backend, capacity, high, low, eviction, params, options, on_error)
 
 
 def to_raw(cfg: KVTierConfig) -> dict[str, Any]:

@@ -34,6 +34,7 @@ TIER_KEYS: tuple[str, ...] = (
     "eviction",
     "eviction_params",
     "options",
+    "on_open_error",
 )
 #: Keys whose values are free-form tables passed through (their inner keys are not checked here).
 OPEN_TABLES = ("admission_params", "eviction_params", "options")

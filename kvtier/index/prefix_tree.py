@@ -267,6 +267,17 @@ class PrefixTree:
         node = self._nodes.get(key)
         return None if node is None else node.parent
 
+    def links(self, key: PageKey, tier: str) -> tuple[int, int, PageKey | None, bool] | None:
+        """What leaf-first eviction needs of ``key`` in one call: (children ``tier`` holds,
+        children cached anywhere, its parent, whether ``tier`` is the only tier holding
+        it); ``None`` for a page the tree does not know."""
+        node = self._nodes.get(key)
+        if node is None:
+            return None
+        t = self._tier_index(tier)
+        here = (node.child_tiers >> (_FIELD * t)) & _FIELD_MASK
+        return here, node.children, node.parent, node.mask == 1 << t
+
     def children_in(self, key: PageKey, tier: str) -> int:
         """How many child pages of ``key`` ``tier`` holds."""
         node = self._nodes.get(key)

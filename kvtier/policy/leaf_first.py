@@ -10,7 +10,7 @@ through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, Protocol
 
 from kvtier.errors import KVTierUsageError
@@ -33,6 +33,10 @@ class LeafOracle(Protocol):
 
     def children_in(self, key: PageKey, tier: str) -> int:
         """How many child pages of ``key`` ``tier`` holds."""
+
+    def links(self, key: PageKey, tier: str) -> tuple[int, int, PageKey | None, bool] | None:
+        """(children ``tier`` holds, children anywhere, parent, held by ``tier`` only),
+        ``None`` for an unknown page."""
 
 
 class LeafFirstPolicy(EvictionPolicy):
@@ -77,9 +81,13 @@ class LeafFirstPolicy(EvictionPolicy):
         self.inner.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        """Up to ``n`` leaves in the inner policy's order. Above the last tier, a parent
-        whose every child in the tier is chosen becomes a leaf too, so one call can walk
-        a cold chain up from its tail (as evicting round after round would)."""
+        """Up to ``n`` leaves in the inner policy's order, children before their parents: a
+        parent whose every child here is taken becomes a leaf too, so one call walks a
+        cold chain up from its tail (as evicting round after round would). A policy that
+        exposes ``ordered_keys()`` (see :mod:`kvtier.policy.base`) is walked once."""
+        order = getattr(self.inner, "ordered_keys", None)
+        if callable(order):
+            return self._in_one_pass(order(), n, evictable)
         tree = self.tree
         if self.last:
             return self.inner.victims(n, lambda k: tree.is_leaf(k, None) and evictable(k))
@@ -105,6 +113,56 @@ class LeafFirstPolicy(EvictionPolicy):
                 if parent is not None:
                     freed[parent] = freed.get(parent, 0) + 1
         return chosen
+
+    def _in_one_pass(
+        self, order: Iterable[PageKey], n: int, evictable: Callable[[PageKey], bool]
+    ) -> list[PageKey]:
+        """Leaf-first victims from the inner policy's preference order, walked once.
+
+        The answer is what ``n`` successive one-victim calls would give, each after the
+        previous victim left: the first evictable leaf of the order, and whenever a
+        victim was the last child (here) of a page met *earlier* in the order, that page
+        next (it is now a leaf, and it precedes every key not yet taken). Victims come
+        out children first, so a chain leaves the tier tail-first, as one batch. Cost:
+        one step per key walked, instead of a rescan of every chain's ancestors per call.
+        """
+        out: list[PageKey] = []
+        if n <= 0:
+            return out
+        links = self.tree.links
+        tier = self.tier
+        last = self.last
+        pending: dict[PageKey, int] = {}  # walked non-leaves -> children still here
+        taken_below: dict[PageKey, int] = {}  # children taken before their parent's turn
+        for key in order:
+            node = links(key, tier)
+            if node is not None:
+                here = node[1] if last else node[0]
+                left = here - taken_below.pop(key, 0)
+                if left > 0:
+                    pending[key] = left
+                    continue
+            if not evictable(key):
+                continue
+            out.append(key)
+            while node is not None and node[2] is not None and len(out) < n:
+                # Leaving this tier frees a parent's child slot here; in the last tier the
+                # node must leave the hierarchy (held in no other tier) to free it.
+                if last and not node[3]:
+                    break
+                parent = node[2]
+                if parent not in pending:
+                    taken_below[parent] = taken_below.get(parent, 0) + 1
+                    break
+                pending[parent] -= 1
+                if pending[parent] or not evictable(parent):
+                    break
+                del pending[parent]
+                out.append(parent)
+                node = links(parent, tier)
+            if len(out) >= n:
+                break
+        return out
 
     def should_keep(self, key: PageKey) -> bool:
         """A victim that is no longer a leaf (a child landed in the tier while it was

@@ -61,6 +61,7 @@ from kvtier.metrics import CacheMetrics
 from kvtier.plan.planner import Planner, PlanTier
 from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.write import WritePolicy
+from kvtier.transfer import adopt
 from kvtier.transfer.batch import forget
 from kvtier.transfer.evict import WAIT_RECHECK_S, Evictor
 from kvtier.transfer.fetch import Fetcher
@@ -286,6 +287,18 @@ class Pipeline:
             return await forget(self.mover, tier, keys)
         finally:
             self.evictor.release(tier, keys)
+
+    # -- pages the pipeline did not put there ---------------------------------------------------
+
+    async def recover(self) -> int:
+        """Index the pages persistent stores already hold (see
+        :func:`~kvtier.transfer.adopt.recover`)."""
+        return await adopt.recover(self.mover)
+
+    async def index_shared(self, keys: Sequence[PageKey], parent: PageKey, namespace: str) -> int:
+        """Index what shared tiers hold of ``keys`` (see
+        :func:`~kvtier.transfer.adopt.index_shared`)."""
+        return await adopt.index_shared(self.mover, keys, parent, namespace)
 
     # -- private slots of the top tier ----------------------------------------------------------
 
