@@ -81,6 +81,8 @@ class Evictor:
         self.background = background
         self.max_workers = max(1, max_workers)
         self._queues = [_Queue() for _ in mover.tiers]
+        self._trimming = [False for _ in mover.tiers]
+        self._trim_spare: list[set[PageKey]] = [set() for _ in mover.tiers]
 
     def queued(self, tier: Tier) -> int:
         """Victims of ``tier`` waiting for a worker."""
@@ -135,10 +137,22 @@ class Evictor:
         """
         if self.mover.directory.used(tier.name) <= tier.high_pages:
             return
-        if self.background:
-            self.mover.spawn(self._trim(tier, Priority.EVICT, protect, wait=True))
-        else:
+        if not self.background:
             await self._trim(tier, priority, protect, wait=False)
+            return
+        # one background trim per tier: later requests add what they protect to it
+        spare = self._trim_spare[tier.index]
+        spare.update(protect)
+        if not self._trimming[tier.index]:
+            self._trimming[tier.index] = True
+            self.mover.spawn(self._background_trim(tier))
+
+    async def _background_trim(self, tier: Tier) -> None:
+        try:
+            await self._trim(tier, Priority.EVICT, self._trim_spare[tier.index], wait=True)
+        finally:
+            self._trimming[tier.index] = False
+            self._trim_spare[tier.index] = set()
 
     async def _trim(
         self, tier: Tier, priority: Priority, protect: Collection[PageKey], wait: bool
