@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvtier.backends import dram
+from kvtier.backends import dram, dram_memory
 from kvtier.backends.dram import DramArena, split_pairs
 
 from kvtier.backend import BackendClosedError
@@ -134,7 +134,7 @@ async def test_large_batches_are_split_across_threads_and_stay_correct() -> None
     sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=6),
     parts=st.integers(1, 8),
 )
-def testsplit_pairs_covers_every_byte_once(sizes: list[int], parts: int) -> None:
+def test_split_pairs_covers_every_byte_once(sizes: list[int], parts: int) -> None:
     src = [np.arange(s, dtype=np.uint32).astype(np.uint8) for s in sizes]
     dst = [np.zeros(s, dtype=np.uint8) for s in sizes]
     groups = split_pairs(list(zip(dst, src, strict=True)), parts)
@@ -144,7 +144,7 @@ def testsplit_pairs_covers_every_byte_once(sizes: list[int], parts: int) -> None
             d[:] = s
     assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
     total = sum(sizes)
-    assert len(groups) <= max(1, -(-total // dram._MIN_PIECE_BYTES), parts) + 1
+    assert len(groups) <= max(1, -(-total // dram_memory.MIN_PIECE_BYTES), parts) + 1
 
 
 async def test_slot_is_stable_while_committed_and_reused_after_delete() -> None:
