@@ -90,7 +90,7 @@ async def test_one_executor_hop_per_call(tmp_path: Path, monkeypatch: pytest.Mon
         out = [np.zeros(PAGE, np.uint8) for _ in keys]
         assert await store.get(keys, out) == [True] * 5
         assert await store.delete(keys[:2]) == [True, True]
-        assert hops[2:] == ["_read_files", "_unlink_all"]
+        assert hops[2:] == ["_read_files", "unlink_all"]
 
 
 async def test_commit_of_an_unwritten_reservation_fails_and_frees(tmp_path: Path) -> None:
