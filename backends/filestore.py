@@ -121,14 +121,14 @@ class FileStore(FileStoreBase):
             elif (p := self._live(r)) is not None:
                 jobs.append((i, p, buf))
         if jobs:
-            results = await self._fan_out(self._write_files, jobs)
+            results = await self._fan_out(self.write_files, jobs)
             for (i, p, _), res in zip(jobs, results, strict=True):
                 ok[i] = res
                 p.written = res
                 self._counters["write_errors"] += not res
         return ok
 
-    def _write_files(self, jobs: list[tuple[int, Pending, np.ndarray]]) -> list[bool]:
+    def write_files(self, jobs: list[tuple[int, Pending, np.ndarray]]) -> list[bool]:
         out: list[bool] = []
         for _, p, buf in jobs:
             try:
@@ -174,7 +174,7 @@ class FileStore(FileStoreBase):
             else:
                 jobs.append((i, p))
         if jobs:
-            results = await self.run_blocking(self._commit_files, jobs)
+            results = await self.run_blocking(self.commit_files, jobs)
             for (i, p), res in zip(jobs, results, strict=True):
                 if i >= 0 and res:
                     self._index[p.key] = next(self._stamps)
@@ -183,7 +183,7 @@ class FileStore(FileStoreBase):
                     self._counters["write_errors"] += 1
         return ok
 
-    def _commit_files(self, jobs: list[tuple[int, Pending]]) -> list[bool]:
+    def commit_files(self, jobs: list[tuple[int, Pending]]) -> list[bool]:
         out: list[bool] = []
         dirs: set[Path] = set()
         for i, p in jobs:
@@ -229,7 +229,7 @@ class FileStore(FileStoreBase):
         jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in stamps]
         if not jobs:
             return ok
-        results = await self._fan_out(self._read_files, jobs)
+        results = await self._fan_out(self.read_files, jobs)
         damaged: list[Path] = []
         for (i, key, _), res in zip(jobs, results, strict=True):
             if res == "ok":
@@ -247,7 +247,7 @@ class FileStore(FileStoreBase):
             await self.run_blocking(unlink_all, damaged)
         return ok
 
-    def _read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[str]:
+    def read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[str]:
         """Per job: ``ok``, ``bad`` (failed verification), ``gone`` (file missing) or
         ``error`` (I/O error). Removes nothing: :meth:`get` decides that on the loop."""
         out: list[str] = []

@@ -8,6 +8,7 @@ referenced from configs by ``module:Class`` path, exactly as a third-party backe
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -72,14 +73,14 @@ class SlowFileStore(FileStore):
     _active: ClassVar[int] = 0
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def _read_files(self, jobs: Any) -> Any:
+    def read_files(self, jobs: Any) -> Any:
         cls = type(self)
         with cls._lock:
             cls._active += 1
             cls.max_concurrent = max(cls.max_concurrent, cls._active)
         try:
             time.sleep(cls.delay_s)
-            return super()._read_files(jobs)
+            return super().read_files(jobs)
         finally:
             with cls._lock:
                 cls._active -= 1
@@ -155,3 +156,56 @@ class DeviceReadingStore(FileStore):
     async def get(self, keys: Any, out: Any) -> list[bool]:
         type(self).targets.extend(out)
         return await super().get(keys, out)
+
+
+class LabelFailingFileStore(FileStore):
+    """A file store whose ``reserve`` raises for pages of one namespace label (as a store
+    whose per-namespace area went away would)."""
+
+    bad_label: ClassVar[str] = "bad"
+
+    async def reserve(self, keys: Any, namespace: str = "") -> Any:
+        if namespace == type(self).bad_label:
+            raise TierIOError(f"injected: namespace {namespace!r} unavailable")
+        return await super().reserve(keys, namespace)
+
+
+class SlowWriteFileStore(FileStore):
+    """A file store whose page writes sleep ``delay_s`` per batch in the executor thread,
+    and which records, when closed, how many tasks ``pipeline`` was still running."""
+
+    delay_s: ClassVar[float] = 0.2
+    pipeline: ClassVar[Any] = None
+    busy_at_close: ClassVar[list[int]] = []
+
+    def write_files(self, jobs: Any) -> Any:
+        time.sleep(type(self).delay_s)
+        return super().write_files(jobs)
+
+    async def close(self) -> None:
+        if type(self).pipeline is not None:
+            type(self).busy_at_close.append(type(self).pipeline.pending_tasks)
+        await super().close()
+
+
+class SlowKeysFileStore(FileStore):
+    """A file store whose ``keys()`` (the recovery scan at start-up) takes ``delay_s``."""
+
+    delay_s: ClassVar[float] = 5.0
+
+    async def keys(self) -> Any:
+        await asyncio.sleep(type(self).delay_s)
+        return await super().keys()
+
+
+class DeleteFailingFileStore(FileStore):
+    """A file store whose ``delete`` reports per-page failure (``False``, as the backend
+    contract asks) while ``failing`` is set, leaving its pages in place, as a remote
+    store that cannot reach its server does."""
+
+    failing: ClassVar[bool] = False
+
+    async def delete(self, keys: Any) -> list[bool]:
+        if type(self).failing:
+            return [False] * len(keys)
+        return await super().delete(keys)

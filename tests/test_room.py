@@ -4,6 +4,8 @@ without waiting for the write-down of its victims; a pinned-full tier still rais
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,3 +144,33 @@ async def test_a_load_keeps_a_page_the_evict_queue_is_writing_down(tmp_path):
         assert all(np.array_equal(top.view(s), d) for s, d in zip(loaded.slots, data, strict=True))
         cache.release(keys)
         GatedFileStore.gate = None
+
+
+def _open(cfg: dict[str, Any]) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evicted(
+    tmp_path: Path,
+):
+    """With leaf-first eviction in the last tier (where eviction drops pages), pinning
+    only the last page of a cached chain leaves its unpinned ancestors un-evictable. The
+    error must say so, not claim that everything is pinned. (Above the last tier those
+    ancestors move down instead: test_prefix_tree's
+    test_leaf_first_moves_ancestors_down_when_only_a_pinned_leaf_is_left.)"""
+    rng = np.random.default_rng(30)
+    cfg = config(tmp_path, dram_pages=10, file_pages=64)
+    cfg["tiers"] = cfg["tiers"][:1]  # DRAM alone: the last tier
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 8)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys[-1:])  # the chain's leaf only
+        more, more_data = sequence(rng, 4)
+        with pytest.raises(
+            CapacityError,
+            match=r"1 of its 10 pages are pinned or reserved; none of the other 7 can go "
+            r"\(its eviction policy \(leaf-first\(lru\)\) offers none",
+        ):
+            await cache.store(more, more_data)
+        cache.release(keys[-1:])
+        assert all((await cache.store(more, more_data)).stored)
