@@ -252,3 +252,27 @@ def _write(text: str) -> Path:
     f = Path(tempfile.mkdtemp()) / "x.py"
     f.write_text(text)
     return f
+
+
+def test_no_test_calls_a_private_method_of_kvtier() -> None:
+    """Tests use the public surface: no ``obj._name(...)`` call on anything but the test's
+    own ``self`` (or ``super()`` of a test double), no import of a ``_name`` from kvtier."""
+    bad = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtier"):
+                bad += [
+                    f"{path.name}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            name, base = node.func.attr, node.func.value
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            bad.append(f"{path.name}:{node.lineno} calls {ast.unparse(node.func)}()")
+    assert bad == []
