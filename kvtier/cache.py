@@ -31,8 +31,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from kvtier import registry
 from kvtier.backend import ArenaBackend, Backend, Reservation, check_buffer
+from kvtier.codec.tiers import TierCodecError, create_backend
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import CapacityError, ConfigError, KVTierError, KVTierUsageError
 from kvtier.index.directory import Directory
@@ -169,12 +169,17 @@ class KVCache:
     def _make_backend(self, i: int) -> Backend:
         tc = self.config.tiers[i]
         try:
-            return registry.create(
+            # the tier's codec (kvtier.codec) wraps its store; "none" builds it as is
+            return create_backend(
                 tc.backend,
-                page_bytes=self.spec.page_bytes,
-                capacity_pages=tc.capacity_pages(self.spec.page_bytes),
-                **tc.options,
+                spec=self.spec,
+                capacity_bytes=tc.capacity_bytes,
+                options=tc.options,
+                codec=tc.codec,
+                codec_params=tc.codec_params,
             )
+        except TierCodecError as exc:
+            raise ConfigError(f"tiers[{i}].codec ({tc.name}): {exc}") from None
         except ConfigError as exc:
             raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
         except TypeError as exc:
