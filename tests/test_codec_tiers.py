@@ -233,8 +233,8 @@ async def test_a_shared_pool_keeps_lossy_and_exact_servers_apart() -> None:
     def cfg(url: str, codec: str) -> dict[str, Any]:
         remote = {"name": "remote", "backend": "redis", "capacity": 256 * PAGE, "codec": codec,
                   "options": {"url": url, "key_prefix": "kvtier-codec-test"}}  # fmt: skip
-        return {"model": {"preset": "tiny"},
-                "tiers": [{"name": "dram", "backend": "dram", "capacity": 16 * PAGE}, remote]}  # fmt: skip
+        dram = {"name": "dram", "backend": "dram", "capacity": 16 * PAGE}
+        return {"model": {"preset": "tiny"}, "tiers": [dram, remote]}
 
     with RedisServer("valkey") as server:
         async with (
