@@ -43,6 +43,7 @@ _COMMAND_MODULES: list[str] = [
     "inspect_store",
     "bench_sim",
     "inspect_topology",
+    "bench_codec",
 ]
 
 

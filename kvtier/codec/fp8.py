@@ -17,7 +17,8 @@ Parameter ``scale`` picks the groups:
 * ``"tensor"``: one per layer and K/V.
 
 Decoding gathers each element from a 256-entry table per group, already scaled and
-rounded to the output dtype, so it is one pass. A page holding a non-finite value cannot
+rounded to the output dtype, so it is one pass (with ``"token"`` scales, whose groups are
+too many for tables, it scales each element instead). A page holding a non-finite value cannot
 be encoded (:class:`~kvtier.codec.base.CodecError`: it is not written to the tier).
 
 The codec is lossy: a tier configured with it changes the cache's namespace (see
@@ -80,7 +81,11 @@ class Fp8E4M3Codec(Codec):
         self._axes = _GROUP_AXES[self.scale]
         self._scale_shape = tuple(1 if i in self._axes else n for i, n in enumerate(self.shape))
         self.groups = int(np.prod(self._scale_shape))
-        # decode gathers element i from entry group(i) * 256 + byte(i) of one table
+        # With few groups (per head), decode gathers element i from entry
+        # group(i) * 256 + byte(i) of one table already scaled and in the output dtype:
+        # one pass. With many (per token), building that table would cost more than the
+        # page: decode then scales each element instead.
+        self._by_table = self.groups * 256 <= self.elements // 4
         self._group_base = np.ascontiguousarray(
             np.broadcast_to(
                 (np.arange(self.groups, dtype=np.int32) * 256).reshape(self._scale_shape),
@@ -88,6 +93,8 @@ class Fp8E4M3Codec(Codec):
             )
         ).reshape(-1)
         self._group_base.flags.writeable = False
+        if not self._by_table:
+            self._group_base = np.zeros(0, dtype=np.int32)
         import ml_dtypes
 
         self._fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -140,6 +147,12 @@ class Fp8E4M3Codec(Codec):
         scales = data[:head].view("<f4")
         if not (np.isfinite(scales).all() and (scales > 0).all()):
             raise CodecError(f"{self.name}: page holds invalid scales")
-        table = (scales.reshape(-1, 1) * self._codes.reshape(1, -1)).astype(self.dtype)
-        index = self._group_base + data[head:]
-        np.take(table.view(self._out_bits).reshape(-1), index, out=out.view(self._out_bits))
+        codes = data[head : head + self.elements]
+        if self._by_table:
+            table = (scales.reshape(-1, 1) * self._codes.reshape(1, -1)).astype(self.dtype)
+            index = self._group_base + codes
+            np.take(table.view(self._out_bits).reshape(-1), index, out=out.view(self._out_bits))
+            return
+        values = np.take(self._codes, codes).reshape(self.shape)
+        values *= scales.reshape(self._scale_shape)
+        out.view(self.dtype).reshape(self.shape)[...] = values.astype(self.dtype)

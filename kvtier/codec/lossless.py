@@ -40,13 +40,24 @@ def _check_int(codec: str, name: str, value: Any, lo: int, hi: int) -> int:
 
 
 def shuffle_into(page: np.ndarray, itemsize: int, out: np.ndarray) -> None:
-    """Write ``page``'s bytes grouped by their position in each ``itemsize``-byte element."""
-    out.reshape(itemsize, -1)[...] = page.reshape(-1, itemsize).T
+    """Write ``page``'s bytes grouped by their position in each ``itemsize``-byte
+    (2, 4 or 8) little-endian element: all first bytes, then all second bytes, ..."""
+    words = page.view(f"<u{itemsize}")
+    planes = out.reshape(itemsize, -1)
+    np.copyto(planes[0], words, casting="unsafe")  # the low byte of each element
+    for j in range(1, itemsize):
+        np.copyto(planes[j], words >> (8 * j), casting="unsafe")
 
 
 def unshuffle_into(planes: np.ndarray, itemsize: int, out: np.ndarray) -> None:
     """Undo :func:`shuffle_into`: ``out`` gets the page back."""
-    out.reshape(-1, itemsize)[...] = planes.reshape(itemsize, -1).T
+    rows = planes.reshape(itemsize, -1)
+    dtype = np.dtype(f"<u{itemsize}")
+    acc = rows[itemsize - 1].astype(dtype)
+    for j in range(itemsize - 2, -1, -1):
+        acc <<= dtype.type(8)
+        acc |= rows[j]
+    out.view(dtype)[...] = acc
 
 
 class NoneCodec(Codec):
