@@ -20,6 +20,7 @@ from kvtier.codec.frame import (
     verify_frame,
     write_frame,
 )
+from kvtier.codec.int8 import Int8Codec
 from kvtier.codec.lossless import shuffle_into, unshuffle_into
 from kvtier.errors import ConfigError, IntegrityError
 from kvtier.spec import KVSpec
@@ -197,9 +198,33 @@ def test_fp8_halves_a_16_bit_page_plus_its_scales() -> None:
     assert make_codec("fp8-e4m3", _spec("float32")).max_encoded_bytes() == elements + 4 * heads
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("scale", ["channel", "token", "head"])
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), magnitude=st.floats(-3, 2))
+def test_int8_error_is_at_most_half_a_step(dtype: str, scale: str, seed: int, magnitude: float):
+    spec = _spec(dtype)
+    codec = make_codec("int8", spec, scale=scale)
+    assert isinstance(codec, Int8Codec)
+    rng = np.random.default_rng(seed)
+    spread = 10.0 ** (magnitude + rng.uniform(-1.5, 1.5, size=(2, 2, 1, 2, 1)))
+    page = _kv(spec, rng.standard_normal(spec.page_shape) * spread)
+    n, out = _round_trip(codec, page)
+    assert n == codec.max_encoded_bytes()
+    x, got = _as_float(spec, page), _as_float(spec, out)
+    step = np.abs(x).max(axis=codec._axes, keepdims=True) / 127
+    out_ulp, out_tiny = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134),
+                         "float32": (2.0**-24, 2.0**-150)}[dtype]  # fmt: skip
+    bound = step * (0.5 + 1e-6) + (np.abs(x) + step) * out_ulp + out_tiny
+    assert (np.abs(got - x) <= bound).all()
+    _, again = _round_trip(codec, out)
+    assert np.array_equal(again, out)  # decoded pages are fixed points
+
+
+@pytest.mark.parametrize("name", ["fp8-e4m3", "int8"])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_fp8_refuses_non_finite_pages(bad: float) -> None:
-    codec = make_codec("fp8-e4m3", SPEC)
+def test_scaled_codecs_refuse_non_finite_pages(name: str, bad: float) -> None:
+    codec = make_codec(name, SPEC)
     x = np.ones(SPEC.page_shape, dtype=np.float32)
     x[1, 0, 2, 1, 3] = bad
     with pytest.raises(CodecError, match="non-finite"):
@@ -289,9 +314,9 @@ def test_frame_names_each_mismatch() -> None:
 def test_builtins_are_registered_with_their_lossiness() -> None:
     infos = {i.name: i for i in discover()}
     assert {n: (i.lossy, i.available) for n, i in infos.items() if n in {
-        "none", "zstd", "lz4", "fp8-e4m3"}} == {
+        "none", "zstd", "lz4", "fp8-e4m3", "int8"}} == {
         "none": (False, True), "zstd": (False, True), "lz4": (False, True),
-        "fp8-e4m3": (True, True),
+        "fp8-e4m3": (True, True), "int8": (True, True),
     }  # fmt: skip
 
 
