@@ -30,7 +30,9 @@ class Fp8E4M3Codec(ScaledByteCodec):
     def _code_values(self) -> np.ndarray:
         import ml_dtypes
 
-        codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        codes: np.ndarray = (
+            np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        )
         codes[~np.isfinite(codes)] = 0.0  # the two NaN codes are never written
         return codes
 
