@@ -44,6 +44,7 @@ _COMMAND_MODULES: list[str] = [
     "bench_sim",
     "inspect_topology",
     "bench_codec",
+    "inspect_codecs",
 ]
 
 

@@ -1,4 +1,5 @@
-"""``kvtier bench codec`` and ``kvtier bench sim --codec``: what they report (no timing
+"""``kvtier bench codec``, ``kvtier bench sim --codec`` and ``kvtier inspect codecs``: what
+they report (no timing
 is asserted: benchmarks are not timed tests)."""
 
 from __future__ import annotations
@@ -58,3 +59,12 @@ def test_codec_option_parsing() -> None:
     assert parse_codec("fp8-e4m3:scale=token") == ("fp8-e4m3", {"scale": "token"})
     with pytest.raises(KVTierUsageError, match="key=value"):
         parse_codec("zstd:level")
+
+
+def test_inspect_codecs_lists_the_builtins() -> None:
+    result = CliRunner().invoke(get_app(), ["inspect", "codecs", "--json"])
+    assert result.exit_code == 0, result.output
+    codecs = {c["name"]: c for c in json.loads(result.stdout)["codecs"]}
+    assert {"none", "zstd", "lz4", "fp8-e4m3", "int8"} <= set(codecs)
+    assert codecs["fp8-e4m3"]["lossy"] and not codecs["zstd"]["lossy"]
+    assert all(codecs[n]["available"] for n in ("zstd", "lz4", "fp8-e4m3", "int8"))
