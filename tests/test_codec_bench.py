@@ -1,6 +1,5 @@
 """``kvtier bench codec``, ``kvtier bench sim --codec`` and ``kvtier inspect codecs``: what
-they report (no timing
-is asserted: benchmarks are not timed tests)."""
+they report (no timing is asserted: benchmarks are not timed tests)."""
 
 from __future__ import annotations
 
