@@ -302,3 +302,21 @@ def test_a_wrapper_checks_its_inner_store(tmp_path: Path) -> None:
         wrap(FileStore(page_bytes=SPEC.page_bytes, capacity_pages=2, path=tmp_path), codec)
     with pytest.raises(KVTierUsageError, match="not one"):
         CodecStore(DramArena(page_bytes=slot_bytes(codec), capacity_pages=2), codec)  # type: ignore[arg-type]
+
+
+async def test_a_bad_page_the_store_cannot_delete_is_still_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = np.zeros(SPEC.page_bytes, dtype=np.uint8)
+    keys = _keys(1)
+    async with _store("file", "lz4", tmp_path) as store:
+        assert await store.put(keys, [page]) == [True]
+    async with _store("file", "zstd", tmp_path) as store:
+
+        async def failing(_keys: Any) -> list[bool]:
+            raise OSError("disk went read-only")
+
+        monkeypatch.setattr(store.inner, "delete", failing)
+        out = [np.ones(SPEC.page_bytes, np.uint8)]
+        assert await store.get(keys, out) == [False]
+        assert store.stats()["frame_failures"] == 1
