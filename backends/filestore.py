@@ -420,9 +420,7 @@ class FileStore(StoreBackend):
         jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in stamps]
         if not jobs:
             return ok
-        read = functools.update_wrapper(functools.partial(self._read_files, sized=sized),
-                                        self._read_files)  # fmt: skip
-        results = await self._fan_out(read, jobs)
+        results = await self._fan_out(self._read_blobs if sized else self._read_files, jobs)
         damaged: list[Path] = []
         for (i, key, _), (res, length) in zip(jobs, results, strict=True):
             if res == "ok":
@@ -440,8 +438,16 @@ class FileStore(StoreBackend):
             await self.run_blocking(_unlink_all, damaged)
         return ok
 
-    def _read_files(
-        self, jobs: list[tuple[int, PageKey, np.ndarray]], sized: bool = False
+    def _read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[tuple[str, int]]:
+        """:meth:`_read` of whole pages (a shorter blob is ``bad``)."""
+        return self._read(jobs, sized=False)
+
+    def _read_blobs(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[tuple[str, int]]:
+        """:meth:`_read` of blobs of 1 to ``page_bytes`` bytes."""
+        return self._read(jobs, sized=True)
+
+    def _read(
+        self, jobs: list[tuple[int, PageKey, np.ndarray]], sized: bool
     ) -> list[tuple[str, int]]:
         """Per job: (``ok``, bytes read), or ``bad`` (failed verification), ``gone`` (file
         missing) or ``error`` (I/O error) with 0. A blob shorter than a page is ``ok``
