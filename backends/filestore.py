@@ -25,6 +25,14 @@ but not necessarily a power loss; ``fsync=True`` syncs each page and its directo
 commit returns. One store object (in one process) at a time may open a directory: a
 second opener gets :class:`~kvtier.backends.nvme_index.StoreLockedError`.
 
+Privacy and safety (:mod:`~kvtier.backends.store_files`): files are created ``0600`` and
+directories ``0700`` whatever the umask (``group_access`` widens them to ``0660`` /
+``0770``); no symlink inside the store is followed (a planted ``.lock``, ``.tmp``,
+sub-directory or page symlink is refused at open with
+:class:`~kvtier.backends.store_files.UnsafeStoreError`, and a page symlink planted later is
+a miss); a path the OS refuses (a file, a missing or read-only parent, a name too long, a
+NUL byte) raises :class:`~kvtier.backends.store_files.StorePathError` naming it.
+
 The full NVMe tier (slab files, O_DIRECT, an SQLite index) is ``kvtier.backends.nvme``.
 """
 
@@ -45,6 +53,18 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 from kvtier.backends.nvme_index import StoreLockedError
+from kvtier.backends.store_files import (
+    Modes,
+    StorePathError,
+    UnsafeStoreError,
+    check_no_symlink,
+    check_path_text,
+    describe_os_error,
+    make_store_root,
+    open_private,
+    private_dir,
+    set_mode,
+)
 
 from kvtier.backend import Reservation, StoreBackend, check_blobs, check_buffers
 from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
@@ -85,9 +105,10 @@ class FileStore(StoreBackend):
     """Pages as files in a directory (see module docstring).
 
     Options:
-        path: the directory (created if missing). Required.
+        path: the directory (created if missing, private). Required.
         fsync: sync each page to stable storage before commit returns (default False).
         io_threads: worker threads (default 4).
+        group_access: files 0660 / directories 0770 instead of 0600 / 0700.
 
     Persistent: committed pages are there again after close and reopen.
     """
@@ -103,6 +124,7 @@ class FileStore(StoreBackend):
         io_threads: int | None = None,
         path: str | os.PathLike[str] | None = None,
         fsync: bool = False,
+        group_access: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(
@@ -117,7 +139,8 @@ class FileStore(StoreBackend):
             raise ConfigError(f"FileStore: option 'path' must be a path, got {path!r}")
         if not isinstance(fsync, bool):
             raise ConfigError(f"FileStore: option 'fsync' must be a bool, got {fsync!r}")
-        self.path = Path(path)
+        self.path = check_path_text(path, "FileStore: option 'path'")
+        self.modes = Modes.for_option(group_access, "FileStore")
         self.fsync = fsync
         # committed key -> stamp of its commit (0 for pages found at open), so a read that
         # fails can tell whether the page it read is still the one committed
@@ -160,7 +183,9 @@ class FileStore(StoreBackend):
     async def open(self) -> None:
         """Create the directory if needed, clear ``.tmp`` and index committed pages.
 
-        Idempotent. Raises ``OSError`` when the directory cannot be created or read,
+        Idempotent. Raises :class:`~kvtier.backends.store_files.StorePathError` when the
+        directory cannot be created or read (naming it and why),
+        :class:`~kvtier.backends.store_files.UnsafeStoreError` for a symlink inside it,
         :class:`~kvtier.backends.nvme_index.StoreLockedError` when another store object
         (here or in another process) has it open.
         """
@@ -179,26 +204,49 @@ class FileStore(StoreBackend):
     def _scan(self) -> tuple[set[PageKey], int]:
         """Lock the directory, then index ``<path>/<xx>/<hex>`` files of the right size;
         count what is skipped."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._scan_files()
+        except (StorePathError, UnsafeStoreError, StoreLockedError):
+            self._unlock()
+            raise
+        except OSError as exc:
+            self._unlock()
+            where = exc.filename or self.path
+            raise StorePathError(
+                f"file store {self.path}: cannot use {where}: {describe_os_error(exc)}"
+            ) from exc
+
+    def _scan_files(self) -> tuple[set[PageKey], int]:
+        make_store_root(self.path, self.modes, "file store")
         self._lock_dir()
         tmp = self.path / _TMP
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        if check_no_symlink(tmp, self.path, want="dir"):
+            shutil.rmtree(tmp)  # never follows symlinks inside it
+        private_dir(tmp, self.modes, self.path)
         largest = HEADER_SIZE + self.page_bytes
         keys: set[PageKey] = set()
         skipped = 0
-        for sub in self.path.iterdir():
-            if sub.name == _TMP or not sub.is_dir() or len(sub.name) != 2:
+        for sub in os.scandir(self.path):
+            if sub.name in (_TMP, _LOCK) or len(sub.name) != 2:
                 continue
-            for entry in os.scandir(sub):
+            if sub.is_symlink():
+                check_no_symlink(Path(sub.path), self.path, want="dir")  # raises
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            private_dir(Path(sub.path), self.modes, self.path, create=False)
+            for entry in os.scandir(sub.path):
                 name = entry.name
+                if entry.is_symlink():
+                    check_no_symlink(Path(entry.path), self.path)  # raises
                 if len(name) != _HEX_LEN or not name.startswith(sub.name):
                     skipped += 1
                     continue
                 try:
                     key = bytes.fromhex(name)
-                    size = entry.stat().st_size
+                    st = entry.stat(follow_symlinks=False)
+                    size = st.st_size
+                    if st.st_mode & 0o777 != self.modes.file:
+                        set_mode(Path(entry.path), self.modes.file)
                 except (ValueError, OSError):
                     skipped += 1
                     continue
@@ -227,7 +275,7 @@ class FileStore(StoreBackend):
         self._unlock()
 
     def _lock_dir(self) -> None:
-        fd = os.open(self.path / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(self.path / _LOCK, os.O_RDWR | os.O_CREAT, self.modes, self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -315,7 +363,8 @@ class FileStore(StoreBackend):
         for _, p, buf in jobs:
             try:
                 header = encode_header(p.key, p.namespace, buf)
-                fd = os.open(p.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                fd = open_private(p.tmp, flags, self.modes, self.path)
                 try:
                     want = HEADER_SIZE + buf.nbytes
                     done = os.writev(fd, [header, buf.data])
@@ -374,7 +423,8 @@ class FileStore(StoreBackend):
                 continue
             final = self.page_path(p.key)
             try:
-                final.parent.mkdir(exist_ok=True)
+                # Never a symlink (UnsafeStoreError is an OSError: the page fails).
+                private_dir(final.parent, self.modes, self.path)
                 os.replace(p.tmp, final)
                 dirs.add(final.parent)
                 out.append(True)
@@ -454,13 +504,22 @@ class FileStore(StoreBackend):
         only when ``sized``. Removes nothing: :meth:`get` decides that on the loop."""
         out: list[tuple[str, int]] = []
         header = bytearray(HEADER_SIZE)
+        safe_dirs: dict[Path, bool] = {}
         for _, key, buf in jobs:
             path = self.page_path(key)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                if path.parent not in safe_dirs:
+                    safe_dirs[path.parent] = not os.path.islink(path.parent)
+                if not safe_dirs[path.parent]:
+                    raise UnsafeStoreError(f"{path.parent} inside {self.path} is a symlink")
+                fd = open_private(path, os.O_RDONLY, self.modes, self.path, fix_mode=False)
             except FileNotFoundError:
                 _log.warning("file store: page %s vanished from %s", key.hex(), path)
                 out.append(("gone", 0))
+                continue
+            except UnsafeStoreError as exc:  # a symlink planted in place of a page
+                _log.warning("file store: page %s refused: %s", key.hex(), exc)
+                out.append(("bad", 0))
                 continue
             except OSError as exc:
                 _log.warning("file store: cannot open %s for %s: %s", path, key.hex(), exc)

@@ -49,6 +49,13 @@ Options (besides ``page_bytes``, ``capacity_pages``, ``io_threads``):
   fixed when a store is created).
 * ``preallocate``: reserve slab space up front (``posix_fallocate``, default) so a full
   disk fails ``reserve`` rather than ``write``.
+* ``group_access``: files ``0660`` and directories ``0770`` instead of the private
+  ``0600`` / ``0700`` (default false; see :mod:`~kvtier.backends.store_files`).
+
+Opening checks and repairs the store (:mod:`~kvtier.backends.nvme_open`): no symlink
+inside it is followed, every index row is validated (bad ones are quarantined and
+logged), and an index that is missing or lost its pages while slabs hold data is rebuilt
+from the slabs' self-describing page headers (:mod:`~kvtier.backends.nvme_rebuild`).
 """
 
 from __future__ import annotations
@@ -62,7 +69,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import numpy as np
@@ -73,18 +79,11 @@ from kvtier.backends.nvme_engines import (
     PageWrite,
     kvikio_unavailable_reason,
 )
-from kvtier.backends.nvme_index import (
-    INDEX_FILE,
-    STORE_FORMAT_VERSION,
-    NotAStoreError,
-    PageRow,
-    StoreIndex,
-    StoreLock,
-    StoreVersionError,
-    check_store_dir,
-)
+from kvtier.backends.nvme_index import PageRow, StoreIndex, StoreLock
 from kvtier.backends.nvme_layout import SlotLayout
-from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io, slab_path
+from kvtier.backends.nvme_open import OpenedStore, open_store
+from kvtier.backends.nvme_slabs import SlabFiles
+from kvtier.backends.store_files import Modes, check_path_text
 
 from kvtier.backend import BackendClosedError, Reservation, StoreBackend, check_buffers
 from kvtier.errors import BackendUnavailableError, ConfigError, IntegrityError, KVTierUsageError
@@ -163,6 +162,7 @@ class NvmeStore(StoreBackend):
         slab_bytes: int = DEFAULT_SLAB_BYTES,
         preallocate: bool = True,
         io_threads: int | None = None,
+        group_access: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(
@@ -170,6 +170,13 @@ class NvmeStore(StoreBackend):
         )
         if path is None or str(path) == "":
             raise ConfigError("nvme: option 'path' (the store directory) is required")
+        if not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"nvme: option 'path' must be a path, got {path!r}")
+        if not isinstance(preallocate, bool):
+            raise ConfigError(
+                f"nvme: option 'preallocate' must be true or false, got {preallocate!r}"
+            )
+        self._modes = Modes.for_option(group_access, "nvme")
         if engine not in ("posix", "kvikio", "auto"):
             raise ConfigError(
                 f"nvme: option 'engine' must be posix, kvikio or auto, got {engine!r}"
@@ -186,7 +193,7 @@ class NvmeStore(StoreBackend):
             reason = kvikio_unavailable_reason()
             if reason is not None:
                 raise BackendUnavailableError(f"nvme engine 'kvikio' is unavailable here: {reason}")
-        self.path = Path(path)
+        self.path = check_path_text(path, "nvme: option 'path'")
         self.engine_name: str = (
             engine
             if engine != "auto"
@@ -194,7 +201,7 @@ class NvmeStore(StoreBackend):
         )
         self._direct_opt = direct_io
         self._slab_opt = slab_bytes
-        self._preallocate = bool(preallocate)
+        self._preallocate = preallocate
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -229,6 +236,8 @@ class NvmeStore(StoreBackend):
         self._closing = False
         self.recovery_seconds = 0.0
         self.recovered_pages = 0
+        self.rebuilt_index = False
+        self.dropped_index_rows = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -256,81 +265,42 @@ class NvmeStore(StoreBackend):
 
     def _open_blocking(self) -> None:
         start = time.perf_counter()
-        check_store_dir(self.path, create=True)
-        lock = StoreLock(self.path, exclusive=True)
-        index: StoreIndex | None = None
+        opened = open_store(
+            self.path,
+            page_bytes=self.page_bytes,
+            slab_bytes=self._slab_opt,
+            capacity_pages=self.capacity_pages,
+            engine=self.engine_name,
+            direct_io=self._direct_opt,
+            modes=self._modes,
+        )
         try:
-            index = StoreIndex(self.path / INDEX_FILE)
-            layout = self._load_or_init_meta(index)
-            dsync = False
-            if self._direct_opt is False:
-                self.direct, self.direct_reason = False, "disabled by option"
-            else:
-                reason, dsync = probe_direct_io(self.path)
-                if reason is not None and self._direct_opt is True:
-                    raise ConfigError(f"nvme: direct_io=true but {self.path} refuses it: {reason}")
-                self.direct, self.direct_reason = reason is None, reason
-            slabs = SlabFiles(self.path, layout, self.direct, dsync=self.direct and dsync)
-            engine = ENGINES[self.engine_name](layout, slabs)
-            rows, quarantined = index.load()
+            engine = ENGINES[self.engine_name](opened.layout, opened.slabs)
         except BaseException:
-            if index is not None:
-                index.close()
-            lock.release()
+            opened.close()
             raise
-        self._lock, self._index, self._slabs, self._engine = lock, index, slabs, engine
-        self.layout = layout
-        self._recover(rows, quarantined, slabs)
+        self._lock, self._index, self._slabs, self._engine = (
+            opened.lock,
+            opened.index,
+            opened.slabs,
+            engine,
+        )
+        self.layout = opened.layout
+        self.direct, self.direct_reason = opened.direct, opened.direct_reason
+        self._recover(opened)
         self.recovery_seconds = time.perf_counter() - start
 
-    def _load_or_init_meta(self, index: StoreIndex) -> SlotLayout:
-        meta = index.meta()
-        if "format_version" not in meta:
-            if index.load()[0]:
-                raise NotAStoreError(f"{self.path}: the index has pages but no format record")
-            layout = SlotLayout.for_page(self.page_bytes, self._slab_opt, self.capacity_pages)
-            index.set_meta(
-                {
-                    "format_version": STORE_FORMAT_VERSION,
-                    "page_bytes": self.page_bytes,
-                    "slot_bytes": layout.slot_bytes,
-                    "slots_per_slab": layout.slots_per_slab,
-                    "created": time.time(),
-                }
-            )
-        else:
-            version = int(meta["format_version"])
-            if version > STORE_FORMAT_VERSION:
-                raise StoreVersionError(
-                    f"NVMe store {self.path} has format version {version}, newer than the "
-                    f"{STORE_FORMAT_VERSION} this kvtier reads; upgrade kvtier"
-                )
-            stored = int(meta["page_bytes"])
-            if stored != self.page_bytes:
-                raise ConfigError(
-                    f"NVMe store {self.path} holds pages of {stored} bytes, not "
-                    f"{self.page_bytes}: use another directory for this page size"
-                )
-            layout = SlotLayout(stored, int(meta["slots_per_slab"]))
-        index.set_meta({"capacity_pages": self.capacity_pages, "engine": self.engine_name})
-        return layout
-
-    def _recover(self, rows: list[PageRow], quarantined: dict[int, str], slabs: SlabFiles) -> None:
-        assert self.layout is not None
-        self._entries = {r.key: r for r in rows}
-        self._quarantined = dict(quarantined)
-        used = {r.slot for r in rows} | set(quarantined)
-        self._hwm = max(used) + 1 if used else 0
-        self._free = [s for s in range(self._hwm) if s not in used]
+    def _recover(self, opened: OpenedStore) -> None:
+        """Take the checked rows, quarantine and free slots :func:`open_store` found."""
+        self._entries = {r.key: r for r in opened.rows}
+        self._quarantined = dict(opened.quarantined)
+        self._hwm = opened.hwm
+        self._free = list(opened.free)
         heapq.heapify(self._free)
-        size = self.layout.slab_bytes
-        for slab in slabs.existing():
-            try:
-                if os.stat(slab_path(self.path, slab)).st_size >= size:
-                    self._ready_slabs.add(slab)
-            except OSError:
-                continue
-        self.recovered_pages = len(rows)
+        self._ready_slabs = set(opened.ready_slabs)
+        self.recovered_pages = len(opened.rows)
+        self.rebuilt_index = opened.rebuilt is not None
+        self.dropped_index_rows = opened.dropped_rows
 
     async def close(self) -> None:
         """Wait for calls in flight and pending commits, drop uncommitted reservations,
@@ -909,6 +879,8 @@ class NvmeStore(StoreBackend):
                 "quarantined_slots": len(self._quarantined),
                 "recovered_pages": self.recovered_pages,
                 "recovery_seconds": self.recovery_seconds,
+                "index_rebuilt_at_open": self.rebuilt_index,
+                "index_rows_dropped_at_open": self.dropped_index_rows,
                 "slot_bytes": self.layout.slot_bytes if self.layout else None,
                 "slabs": len(self._ready_slabs),
             }

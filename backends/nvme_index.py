@@ -25,9 +25,22 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvtier.backends.store_files import (
+    Modes,
+    StorePathError,
+    UnsafeStoreError,
+    check_no_symlink,
+    check_path_text,
+    create_private_file,
+    describe_os_error,
+    make_store_root,
+    open_private,
+    set_mode,
+)
 
 from kvtier.errors import KVTierError, KVTierUsageError
 
@@ -76,6 +89,15 @@ class StoreReadOnlyError(KVTierError):
     """The store directory cannot be written."""
 
 
+class DamagedStoreError(KVTierError):
+    """The store's index or metadata is damaged beyond what opening repairs by itself
+    (the message says how to rebuild it from the slabs)."""
+
+
+#: The raw columns of a ``pages`` row as SQLite returns them (validated before use).
+RawRow = tuple[object, ...]
+
+
 def _signed(u: int) -> int:
     """A uint64 as SQLite's int64."""
     return u - (1 << 64) if u >= 1 << 63 else u
@@ -99,52 +121,95 @@ class PageRow:
     created: float
 
 
-def check_store_dir(root: Path, create: bool) -> bool:
+def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> bool:
     """Check that ``root`` is a store directory; return whether it holds a store already.
 
-    With ``create``, a missing directory is created. Raises :class:`NotAStoreError` for a
-    file, or a directory with foreign content and no index; :class:`KVTierUsageError` for
-    a missing directory when not creating.
+    With ``create``, a missing directory (and missing parents) is created private
+    (``modes.dir``, ``0700`` by default). Raises :class:`NotAStoreError` for a file, or a
+    directory with foreign content and no index; :class:`KVTierUsageError` for a missing
+    directory when not creating; :class:`~kvtier.backends.store_files.UnsafeStoreError`
+    when one of the store's own entries (index, its WAL/SHM, lock, slabs) is a symlink or
+    of the wrong type; :class:`~kvtier.backends.store_files.StorePathError` for a path the
+    OS refuses (NUL byte, name too long...).
     """
-    if root.exists() and not root.is_dir():
-        raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
-    if not root.exists():
+    root = check_path_text(root, "NVMe store")
+    modes = modes or Modes()
+    try:
+        exists = root.exists()
+        if exists and not root.is_dir():
+            raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
+    except OSError as exc:
+        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
+    if not exists:
         if not create:
             raise KVTierUsageError(f"no NVMe store at {root}: the directory does not exist")
         try:
-            root.mkdir(parents=True)
-        except OSError as exc:
-            raise StoreReadOnlyError(f"cannot create store directory {root}: {exc}") from exc
+            make_store_root(root, modes, "NVMe store")
+        except StorePathError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (
+                errno.EROFS,
+                errno.EACCES,
+                errno.EPERM,
+            ):
+                raise StoreReadOnlyError(
+                    f"cannot create store directory {root}: {exc.__cause__.strerror}"
+                ) from exc
+            raise
         return False
+    check_store_entries(root)
+    if create:
+        set_mode(root, modes.dir)
     if (root / INDEX_FILE).exists():
         return True
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_FILES)
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError as exc:
+        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
+    foreign = sorted(n for n in names if n not in _STORE_FILES)
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise NotAStoreError(
             f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
             f"({shown}); pick an empty or new directory"
         )
-    if not create:
+    if not create and not (root / "slabs").is_dir():
         raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
     return False
+
+
+def check_store_entries(root: Path) -> None:
+    """Refuse a store whose own files or directories are symlinks or of the wrong type:
+    :class:`~kvtier.backends.store_files.UnsafeStoreError` names the entry."""
+    for name in (INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE):
+        check_no_symlink(root / name, root)
+    if check_no_symlink(root / "slabs", root, want="dir"):
+        try:
+            entries = list(os.scandir(root / "slabs"))
+        except OSError as exc:
+            raise StorePathError(f"NVMe store {root}: slabs: {describe_os_error(exc)}") from exc
+        for entry in entries:
+            if entry.name.startswith("slab-"):
+                check_no_symlink(Path(entry.path), root)
 
 
 class StoreLock:
     """Exclusive (writer) or shared (inspection) ``flock`` on ``<store>/lock``."""
 
-    def __init__(self, root: Path, exclusive: bool = True) -> None:
+    def __init__(self, root: Path, exclusive: bool = True, modes: Modes | None = None) -> None:
         path = root / LOCK_FILE
+        modes = modes or Modes()
         self._fd = -1
         if not exclusive:
             # Readers only need to see a writer's lock; they may sit on read-only media.
             try:
-                self._fd = os.open(path, os.O_RDONLY)
+                self._fd = open_private(path, os.O_RDONLY, modes, root, fix_mode=False)
             except FileNotFoundError:
                 return  # never opened for writing: nobody to exclude
         try:
             if self._fd < 0:
-                self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._fd = open_private(path, os.O_RDWR | os.O_CREAT, modes, root)
+        except UnsafeStoreError:
+            raise
         except OSError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise StoreReadOnlyError(
@@ -228,18 +293,34 @@ class StoreIndex:
         readonly: open for inspection only (``mode=ro``).
     """
 
-    def __init__(self, path: Path, readonly: bool = False) -> None:
+    def __init__(self, path: Path, readonly: bool = False, modes: Modes | None = None) -> None:
         self.path = path
         self._lock = threading.Lock()
+        #: Tables the file held when it was opened (before the schema was completed).
+        self.tables_at_open: frozenset[str] = frozenset()
         try:
             if readonly:
                 self._db = _connect_readonly(path)
             else:
+                # SQLite gives its -wal and -shm files the database file's modes, so the
+                # file is created private first; none of the three may be a symlink.
+                for suffix in ("", "-wal", "-shm"):
+                    check_no_symlink(path.with_name(path.name + suffix), path.parent)
+                create_private_file(path, modes or Modes(), path.parent)
+                for suffix in ("-wal", "-shm"):
+                    if (extra := path.with_name(path.name + suffix)).exists():
+                        set_mode(extra, (modes or Modes()).file)
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self.tables_at_open = frozenset(
+                str(r[0])
+                for r in self._db.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                ).fetchall()
+            )
+            if not readonly:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.executescript(_SCHEMA)
-            self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()
         except sqlite3.DatabaseError as exc:
             raise NotAStoreError(f"{path} is not a kvtier store index: {exc}") from exc
 
@@ -278,17 +359,68 @@ class StoreIndex:
     # -- pages -------------------------------------------------------------------------
 
     def load(self) -> tuple[list[PageRow], dict[int, str]]:
-        """Every committed page and every quarantined slot (with its reason)."""
+        """Every ``pages`` row whose columns have the right types, and every quarantined
+        slot (with its reason), as stored: for tools and tests. Opening a store checks
+        far more (:func:`~kvtier.backends.nvme_validate.check_index`)."""
+        pages: list[PageRow] = []
+        for _, k, s, sl, off, ln, c, ns, cr in self.raw_rows():
+            ints = (s, sl, off, ln, c)
+            if (
+                isinstance(k, bytes)
+                and all(isinstance(v, int) for v in ints)
+                and isinstance(ns, str)
+                and isinstance(cr, int | float)
+            ):
+                si, sli, offi, lni, ci = (int(v) for v in ints)  # type: ignore[call-overload]
+                pages.append(PageRow(k, si, sli, offi, lni, _unsigned(ci), ns, float(cr)))
+        quarantined = {int(s): str(r) for _, s, r in self.raw_quarantine() if isinstance(s, int)}
+        return pages, quarantined
+
+    def raw_rows(self) -> Iterator[RawRow]:
+        """Every ``pages`` row as stored: ``(rowid, key, slot, slab, offset, length,
+        checksum, namespace, created)``, unchecked (see :mod:`~kvtier.backends.nvme_validate`).
+        Streams from a cursor, so memory does not grow with the table."""
+        yield from self._stream(
+            "SELECT rowid, key, slot, slab, offset, length, checksum, namespace, created "
+            "FROM pages"
+        )
+
+    def raw_quarantine(self) -> Iterator[RawRow]:
+        """Every ``quarantine`` row as stored: ``(rowid, slot, reason)``, unchecked."""
+        yield from self._stream("SELECT rowid, slot, reason FROM quarantine")
+
+    def _stream(self, sql: str) -> Iterator[RawRow]:
         with self._lock:
-            rows = self._db.execute(
-                "SELECT key, slot, slab, offset, length, checksum, namespace, created FROM pages"
-            ).fetchall()
-            quarantined = self._db.execute("SELECT slot, reason FROM quarantine").fetchall()
-        pages = [
-            PageRow(bytes(k), s, sl, off, ln, _unsigned(c), ns, cr)
-            for k, s, sl, off, ln, c, ns, cr in rows
-        ]
-        return pages, {int(s): str(r) for s, r in quarantined}
+            try:
+                cursor = self._db.execute(sql)
+                while batch := cursor.fetchmany(4096):
+                    yield from batch
+            except sqlite3.DatabaseError as exc:
+                raise DamagedStoreError(
+                    f"{self.path}: the index cannot be read ({exc}); rebuild it from the "
+                    f"slabs with 'kvtier inspect store {self.path.parent} --rebuild-index'"
+                ) from exc
+
+    def count(self, table: str) -> int:
+        """Rows of ``pages`` or ``quarantine``."""
+        assert table in ("pages", "quarantine")
+        with self._lock:
+            return int(self._db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+
+    def drop_rows(self, page_rowids: Sequence[int], quarantine_rowids: Sequence[int],
+                  quarantine: Iterable[tuple[int, bytes | None, str]]) -> None:
+        """Remove invalid ``pages`` and ``quarantine`` rows (by rowid) and quarantine the
+        slots given, in one transaction."""
+        now = time.time()
+        with self._tx() as db:
+            db.executemany("DELETE FROM pages WHERE rowid = ?", [(r,) for r in page_rowids])
+            db.executemany(
+                "DELETE FROM quarantine WHERE rowid = ?", [(r,) for r in quarantine_rowids]
+            )
+            db.executemany(
+                "INSERT OR REPLACE INTO quarantine (slot, key, reason, at) VALUES (?, ?, ?, ?)",
+                [(slot, key, reason, now) for slot, key, reason in quarantine],
+            )
 
     def insert(self, rows: Iterable[PageRow]) -> None:
         """Commit rows in one transaction (the group commit)."""
@@ -343,18 +475,26 @@ class StoreIndex:
     def summary(self) -> dict[str, object]:
         """Counts for inspection: pages, payload bytes, pages per namespace, quarantined."""
         with self._lock:
-            n, total = self._db.execute(
-                "SELECT count(*), coalesce(sum(length), 0) FROM pages"
-            ).fetchone()
-            per_ns = self._db.execute(
-                "SELECT namespace, count(*), sum(length) FROM pages GROUP BY namespace "
-                "ORDER BY namespace"
-            ).fetchall()
-            q = self._db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+            try:
+                n, total = self._db.execute(
+                    "SELECT count(*), coalesce(total(length), 0) FROM pages"
+                ).fetchone()
+                per_ns = self._db.execute(
+                    "SELECT namespace, count(*), total(length) FROM pages GROUP BY namespace "
+                    "ORDER BY namespace"
+                ).fetchall()
+                q = self._db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+            except sqlite3.DatabaseError as exc:
+                raise DamagedStoreError(
+                    f"{self.path}: the index cannot be read ({exc}); rebuild it from the "
+                    f"slabs with 'kvtier inspect store {self.path.parent} --rebuild-index'"
+                ) from exc
         return {
             "pages": int(n),
             "bytes": int(total),
-            "namespaces": {str(ns): {"pages": int(c), "bytes": int(b)} for ns, c, b in per_ns},
+            "namespaces": {
+                str(ns): {"pages": int(c), "bytes": int(b)} for ns, c, b in per_ns
+            },
             "quarantined": int(q),
         }
 

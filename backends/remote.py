@@ -3,19 +3,30 @@
 :class:`RedisStore` keeps each page as one string value under ``<prefix>:{<key hex>}``:
 the payload followed by the 64-byte header of :mod:`kvtier.pageformat` (key, length, xxh3
 checksum), the same layout as the NVMe slots. Reads are a plain pipelined ``GET``
-(measured twice as fast as ``HMGET`` of hash fields), verified before the bytes are
-copied out; a page that does not verify, that the server evicted, or that a failing server
+(measured twice as fast as ``HMGET`` of hash fields), verified before the page counts as
+read; a page that does not verify, that the server evicted, or that a failing server
 could not return is a miss, never wrong bytes (a page that fails verification is also
 deleted, so that it can be stored again).
+
+**Two paths to the server.** Page bytes (``SET`` and ``GET`` of values) go through the
+data path of :mod:`~kvtier.backends.remote_datapath`: a small RESP client of kvtier's own
+that sends each page straight from the caller's buffer and reads each value straight into
+the caller's buffer, on worker threads, with the checksum work on those threads too
+(measured against ``redis-py`` and the C client ``redis-benchmark`` in
+``benchmarks/remote_clients.py``). Everything else (``EXISTS``, ``DEL``, ``SCAN``, and in
+cluster mode the slot map and ``MOVED``/``ASK`` redirections) goes through ``redis-py``.
+In cluster mode, each batch is split by the node owning each key's slot; a key answered
+with a redirection is sent again through ``redis-py``'s cluster pipeline, which follows
+the redirection and refreshes the slot map.
 
 **Two-phase put: the value reaches the server only at commit.** ``reserve`` asks which
 keys already exist (those are no-ops) and takes client-side capacity; ``write`` copies the
 page and its header into a client-side buffer (the one copy a header+payload value needs;
 the caller may reuse its buffer at once); ``commit`` sends each buffer in one ``SET``
-(zero-copy: redis-py sends a ``memoryview`` without copying it). A ``SET`` is atomic, so
-readers see either no page or the whole page, and uncommitted data is never on the server
-for ``get``/``contains``/``exists``/``keys`` to see. :meth:`RedisStore.put` does the same in
-one round trip (``SET ... NX``: a page already there is kept).
+without copying it. A ``SET`` is atomic, so readers see either no page or the whole page,
+and uncommitted data is never on the server for ``get``/``contains``/``exists``/``keys``
+to see. :meth:`RedisStore.put` does the same in one round trip (``SET ... NX``: a page
+already there is kept), sent straight from the caller's buffers.
 
 **Capacity.** ``capacity_pages`` bounds what *this client* has reserved and committed (the
 pool is shared; the server's own ``maxmemory`` bounds it as a whole). Pages the server drops
@@ -23,14 +34,16 @@ on its own become misses and leave the client-side count when a read or ``contai
 notices they are gone.
 
 **Failures.** Each pipelined batch (``batch_pages`` pages, by default 16 MiB) has a deadline
-(``op_timeout_s``); a batch that times out or cannot reach the server fails as a whole and
-its pages count as misses (``False``/``None``), and batches (of any call) still waiting for
-a pipeline slot then are skipped, so that during an outage calls miss within about one
-deadline instead of queueing for one deadline each. The
-client reconnects by itself on the next call. An outage is logged once when it starts and
-once when it ends (:class:`~kvtier.backends.remote_health.Health`); a server refusing
-writes (out of memory) is logged once per episode. A server that is down when the store
-opens is not an error: the store opens and misses until the server is up.
+(``op_timeout_s``) that every system call of the data path honours; a batch that times
+out or cannot reach the server fails as a whole and its pages count as misses
+(``False``/``None``), and batches (of any call) still waiting for a pipeline slot then are
+skipped, so that during an outage calls miss within about one deadline instead of queueing
+for one deadline each. A cancelled call returns only once no thread writes into its
+buffers any more. The client reconnects by itself on the next call. An outage is logged
+once when it starts and once when it ends
+(:class:`~kvtier.backends.remote_health.Health`); a server refusing writes (out of memory)
+is logged once per episode. A server that is down when the store opens is not an error:
+the store opens and misses until the server is up.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -49,19 +64,42 @@ from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
+from .remote_datapath import (
+    Address,
+    Fetched,
+    GetItem,
+    SetItem,
+    WirePool,
+    WireSettings,
+    byte_view,
+    fetch_pages,
+    send_pages,
+)
 from .remote_health import Health
-from .remote_options import RemoteOptions, parse_options, pipeline_pages
+from .remote_options import RemoteOptions, parse_options, pipeline_pages, url_parts
+from .remote_wire import ReplyError, WireConnection
 
 log = logging.getLogger("kvtier.backends.remote")
 
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - an item of a batch
 
-#: Batches whose verify-and-copy work is at least this large run on the executor, so the
-#: event loop never spends long on them (design invariant 7); below it an executor hop
+#: Batches whose staging copy (``write``) is at least this large run on the executor, so
+#: the event loop never spends long on them (design invariant 7); below it an executor hop
 #: (100 us to milliseconds on a loaded machine) costs more than the work.
 _OFFLOAD_BYTES = 4 << 20
 #: Most bytes of idle value buffers kept for reuse between calls.
 _SPARE_BYTES = 64 << 20
+
+
+class _NoReply:
+    """Marks an item whose batch failed or was skipped (``None`` is a real reply)."""
+
+    def __repr__(self) -> str:
+        return "NO_REPLY"
+
+
+NO_REPLY: Any = _NoReply()
 
 
 @dataclass
@@ -73,20 +111,26 @@ class _Pending:
     value: np.ndarray | None = None  # payload + header, filled by write()
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException | ReplyError) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}".strip()
 
 
+def _failed(reply: Any) -> bool:
+    """A per-item failure: no reply, a server error, or an exception object."""
+    return reply is NO_REPLY or isinstance(reply, ReplyError | BaseException)
+
+
 class RedisStore(StoreBackend):
-    """A remote page store on Valkey/Redis (``redis.asyncio``, hiredis parser).
+    """A remote page store on Valkey/Redis.
 
     Options (see :class:`~kvtier.backends.remote_options.RemoteOptions`): ``url``,
     ``cluster``, ``key_prefix``, ``ttl_s``, ``batch_pages``, ``max_inflight``,
-    ``op_timeout_s``, ``connect_timeout_s``, ``username``, ``password``, ``tls``,
-    ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``, ``tls_verify``. Unknown or invalid
-    options raise :class:`~kvtier.errors.ConfigError` naming the option.
+    ``op_timeout_s``, ``connect_timeout_s``, ``retry_interval_s``, ``username``,
+    ``password``, ``tls``, ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``,
+    ``tls_verify``. Unknown or invalid options raise :class:`~kvtier.errors.ConfigError`
+    naming the option.
     """
 
     default_io_threads: ClassVar[int] = 2
@@ -104,7 +148,9 @@ class RedisStore(StoreBackend):
         super().__init__(
             page_bytes=page_bytes, capacity_pages=capacity_pages, io_threads=io_threads
         )
+        self._url_parts = url_parts(self.options.url)
         self._client: Any = None
+        self._wire: WirePool | None = None
         self._sem: asyncio.Semaphore | None = None
         self._pending: dict[int, _Pending] = {}
         self._committed: set[PageKey] = set()
@@ -117,6 +163,7 @@ class RedisStore(StoreBackend):
             self.options.public()["url"], log, retry_interval_s=self.options.retry_interval_s
         )
         self.checksum_failures = 0
+        self.redirects = 0  # pages re-sent through redis-py after MOVED/ASK
         self._busy = 0  # calls using the client now (close waits for them)
         self._idle = asyncio.Event()
 
@@ -163,8 +210,37 @@ class RedisStore(StoreBackend):
             url = "rediss://" + url.removeprefix("redis://")
         return url
 
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context of the data path (same settings as redis-py's)."""
+        o = self.options
+        if not o.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=o.tls_ca_certs)
+        if not o.tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if o.tls_certfile is not None:
+            ctx.load_cert_chain(o.tls_certfile, o.tls_keyfile)
+        return ctx
+
+    def _wire_settings(self) -> WireSettings:
+        o, u = self.options, self._url_parts
+        tls_error = None
+        try:
+            ctx = self._ssl_context()
+        except (OSError, ssl.SSLError) as exc:  # a missing or bad file: misses, logged
+            ctx, tls_error = None, f"TLS setup failed: {exc}"
+        return WireSettings(
+            connect_timeout_s=o.connect_timeout_s,
+            username=o.username if o.username is not None else u.username,
+            password=o.password if o.password is not None else u.password,
+            db=u.db,
+            ssl_context=ctx,
+            tls_error=tls_error,
+        )
+
     async def open(self) -> None:
-        """Create the client (no connection is made yet: a server that is down now is
+        """Create the clients (no connection is made yet: a server that is down now is
         not an error; calls miss until it is up)."""
         if self._client is None:
             if self.options.cluster:
@@ -175,6 +251,8 @@ class RedisStore(StoreBackend):
                 from redis.asyncio import Redis
 
                 self._client = Redis.from_url(self._url(), **self._client_kwargs())
+            threads = self.options.max_inflight * (4 if self.options.cluster else 1)
+            self._wire = WirePool(self._wire_settings(), threads)
             self._sem = asyncio.Semaphore(self.options.max_inflight)
             self._idle = asyncio.Event()  # like the semaphore: bound to this loop
         await super().open()
@@ -193,6 +271,9 @@ class RedisStore(StoreBackend):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.options.op_timeout_s):
                     await self._idle.wait()
+        if self._wire is not None:
+            wire, self._wire = self._wire, None
+            wire.close()
         if self._client is not None:
             client, self._client = self._client, None
             try:
@@ -255,42 +336,34 @@ class RedisStore(StoreBackend):
             value[:size] = page
             value[size:] = np.frombuffer(encode_header(key, ns, page), dtype=np.uint8)
 
-    def _set_kwargs(self, nx: bool) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"nx": nx}
-        if self._ttl_ms:
-            kwargs["px"] = self._ttl_ms
-        return kwargs
-
-    async def _pipelined(
+    async def _batched(
         self,
-        items: Sequence[T],
-        build: Callable[[Any, T], object],
-        per_item: int = 1,
+        n: int,
+        send: Callable[[Any, range, float], Awaitable[Sequence[Any]]],
         *,
         before: Callable[[range], Awaitable[None]] | None = None,
-        after: Callable[[range, list[list[Any] | None]], Awaitable[None]] | None = None,
-    ) -> list[list[Any] | None]:
-        """Send ``build(pipe, item)`` for every item in pipelined batches.
+    ) -> list[Any]:
+        """Run ``send(client, indices, deadline)`` for items ``0..n-1`` in batches of the
+        pipeline depth, up to ``max_inflight`` at once.
 
-        Returns, per item, its ``per_item`` replies (each a value or an exception object),
-        or ``None`` when its whole batch failed (timeout, connection, cluster down) or was
-        skipped: a batch waiting for a pipeline slot (``max_inflight``) while another batch
-        of any call failed is not sent, so that during an outage every call misses within
-        one deadline instead of queueing for one deadline per wave of batches.
-        ``before(indices)`` prepares a batch (inside the concurrency bound, before its
-        deadline starts); ``after(indices, results)`` runs as each batch's replies arrive,
-        outside the bound. Both let CPU work on one batch overlap other batches' transfers.
+        Returns, per item, its reply (a value, a :class:`ReplyError` or an exception
+        object), or :data:`NO_REPLY` when its whole batch failed (timeout, connection,
+        cluster down) or was skipped: a batch waiting for a pipeline slot (``max_inflight``)
+        while another batch of any call failed is not sent, so that during an outage every
+        call misses within one deadline instead of queueing for one deadline per wave of
+        batches. ``before(indices)`` prepares a batch (inside the concurrency bound, before
+        its deadline starts). A batch's deadline (``op_timeout_s``) bounds its ``send``.
         """
         self._check_open()
-        results: list[list[Any] | None] = [None] * len(items)
-        if not items:
+        results: list[Any] = [NO_REPLY] * n
+        if not n:
             return results
         step = self._step
         sem = self._sem
         assert sem is not None
 
         async def one(client: Any, start: int) -> None:
-            chunk = range(start, min(start + step, len(items)))
+            chunk = range(start, min(start + step, n))
             failures = self.health.failed_batches
             async with sem:
                 if self.health.failed_batches != failures:
@@ -303,11 +376,9 @@ class RedisStore(StoreBackend):
                 try:
                     if before is not None:
                         await before(chunk)
-                    async with asyncio.timeout(self.options.op_timeout_s):
-                        pipe = client.pipeline(transaction=False)
-                        for i in chunk:
-                            build(pipe, items[i])
-                        replies = await pipe.execute(raise_on_error=False)
+                    timeout = self.options.op_timeout_s
+                    async with asyncio.timeout(timeout):
+                        replies = await send(client, chunk, time.monotonic() + timeout)
                     sent = True
                 except Exception as exc:  # any failure of the batch makes it a miss
                     self.health.failed(_describe(exc))
@@ -320,14 +391,113 @@ class RedisStore(StoreBackend):
                 self.health.failed(_describe(broken))
             else:
                 self.health.succeeded()
-            for j, i in enumerate(chunk):
-                results[i] = list(replies[j * per_item : (j + 1) * per_item])
-            if after is not None:
-                await after(chunk, results)
+            for i, reply in zip(chunk, replies, strict=True):
+                results[i] = reply
 
         with self._using_client() as client:
-            await asyncio.gather(*(one(client, s) for s in range(0, len(items), step)))
+            if n <= step:
+                await one(client, 0)
+            else:
+                await asyncio.gather(*(one(client, s) for s in range(0, n, step)))
         return results
+
+    def _pipelined(
+        self, items: Sequence[I], build: Callable[[Any, I], object]
+    ) -> Callable[[Any, range, float], Awaitable[Sequence[Any]]]:
+        """A ``send`` for :meth:`_batched` through a redis-py pipeline of
+        ``build(pipe, item)`` per item (the small commands)."""
+
+        async def send(client: Any, chunk: range, _deadline: float) -> Sequence[Any]:
+            pipe = client.pipeline(transaction=False)
+            for i in chunk:
+                build(pipe, items[i])
+            replies: Sequence[Any] = await pipe.execute(raise_on_error=False)
+            return replies
+
+        return send
+
+    async def _addresses(self, client: Any, names: Sequence[bytes]) -> list[Address]:
+        """The server address of each name: the URL's, or in cluster mode the node owning
+        the name's slot (redis-py's slot map)."""
+        if not self.options.cluster:
+            u = self._url_parts
+            return [(u.host, u.port)] * len(names)
+        await client.initialize()
+        nodes = [client.get_node_from_key(name) for name in names]
+        return [(node.host, int(node.port)) for node in nodes]
+
+    async def _on_wire(
+        self,
+        client: Any,
+        items: Sequence[I],
+        names: Sequence[bytes],
+        run: Callable[[WireConnection, list[I]], list[Any]],
+        deadline: float,
+        redirected: Callable[[Any, list[I]], Awaitable[list[Any]]],
+    ) -> list[Any]:
+        """Run ``run(connection, items of one node)`` on the data path, one thread per
+        node, and send items answered with ``MOVED``/``ASK`` again through
+        ``redirected(client, items)`` (redis-py's cluster pipeline)."""
+        wire = self._wire
+        if wire is None:
+            raise BackendClosedError(f"{type(self).__name__} is closed")
+        groups: dict[Address, list[int]] = {}
+        for i, address in enumerate(await self._addresses(client, names)):
+            groups.setdefault(address, []).append(i)
+        out: list[Any] = [NO_REPLY] * len(items)
+
+        async def node(address: Address, idx: list[int]) -> None:
+            part = [items[i] for i in idx]
+            for i, reply in zip(idx, await wire.run(address, lambda c: run(c, part), deadline),
+                                strict=True):  # fmt: skip
+                out[i] = reply
+
+        if len(groups) == 1:  # one node (always, outside a cluster): no task to create
+            [(address, idx)] = groups.items()
+            await node(address, idx)
+        else:
+            # Every group runs to its end (or its aborted end) before this returns: no
+            # thread is left writing into the caller's buffers.
+            done = await asyncio.gather(*(node(a, idx) for a, idx in groups.items()),
+                                        return_exceptions=True)  # fmt: skip
+            failure = next((d for d in done if isinstance(d, BaseException)), None)
+            if failure is not None:
+                raise failure
+        again = [i for i, r in enumerate(out) if isinstance(r, ReplyError) and r.redirected]
+        if again and self.options.cluster:
+            self.redirects += len(again)
+            for i, reply in zip(again, await redirected(client, [items[i] for i in again]),
+                                strict=True):  # fmt: skip
+                out[i] = reply
+        return out
+
+    def _set_kwargs(self, nx: bool) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"nx": nx}
+        if self._ttl_ms:
+            kwargs["px"] = self._ttl_ms
+        return kwargs
+
+    async def _set_pages(self, items: Sequence[SetItem], nx: bool) -> list[Any]:
+        """``SET`` every item on the data path; per item ``True``, ``None`` (``NX``: the
+        key exists), a :class:`ReplyError`, or :data:`NO_REPLY`."""
+        names = [it.name for it in items]
+        ttl = self._ttl_ms
+
+        async def redirected(client: Any, part: list[SetItem]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for it in part:
+                header = b"" if it.key is None else encode_header(it.key, it.namespace, it.body)
+                pipe.set(it.name, bytes(it.body) + header, **self._set_kwargs(nx))
+            return [_as_reply(r) for r in await pipe.execute(raise_on_error=False)]
+
+        async def send(client: Any, chunk: range, deadline: float) -> list[Any]:
+            part = [items[i] for i in chunk]
+            return await self._on_wire(
+                client, part, [names[i] for i in chunk],
+                lambda conn, its: send_pages(conn, its, nx, ttl), deadline, redirected,
+            )  # fmt: skip
+
+        return await self._batched(len(items), send)
 
     # -- the keyed, two-phase interface ----------------------------------------------------
 
@@ -338,15 +508,17 @@ class RedisStore(StoreBackend):
         while the client-side capacity lasts; ``None`` when full or the server fails."""
         self._check_keys(keys)
         self._check_open()
-        found = await self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
+        found = await self._batched(
+            len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
+        )
         out: list[Reservation | None] = []
         for key, reply in zip(keys, found, strict=True):
-            if reply is None or isinstance(reply[0], BaseException):
+            if _failed(reply):
                 out.append(None)
                 continue
             handle = self._next_handle
             self._next_handle += 1
-            if reply[0]:
+            if reply:
                 out.append(Reservation(key, handle, present=True))
             elif self.used_pages() < self.capacity_pages:
                 self._pending[handle] = _Pending(key, namespace)
@@ -403,14 +575,10 @@ class RedisStore(StoreBackend):
                 self._release(r.handle)
         if not todo:
             return ok
-        kwargs = self._set_kwargs(nx=False)
-
-        def build(pipe: Any, p: _Pending) -> None:
-            assert p.value is not None
-            pipe.set(self.page_name(p.key), p.value.data, **kwargs)
-
+        items = [SetItem(self.page_name(p.key), byte_view(p.value)) for _, p in todo
+                 if p.value is not None]  # fmt: skip
         try:
-            replies = await self._pipelined([p for _, p in todo], build)
+            replies = await self._set_pages(items, nx=False)
         finally:
             for i, _ in todo:
                 self._release(reservations[i].handle)
@@ -418,19 +586,18 @@ class RedisStore(StoreBackend):
         return ok
 
     def _settle(
-        self, items: Sequence[tuple[int, PageKey]], replies: list[list[Any] | None],
-        ok: list[bool],
-    ) -> None:  # fmt: skip
+        self, items: Sequence[tuple[int, PageKey]], replies: Sequence[Any], ok: list[bool]
+    ) -> None:
         """Mark the ``SET`` replies of ``items`` in ``ok``; log refused writes once."""
-        refusals: list[BaseException] = []
+        refusals: list[BaseException | ReplyError] = []
         for (i, key), reply in zip(items, replies, strict=True):
-            if reply is None:
+            if reply is NO_REPLY:
                 continue
-            if isinstance(reply[0], BaseException):
-                refusals.append(reply[0])
+            if isinstance(reply, ReplyError | BaseException):
+                refusals.append(reply)
                 continue
             ok[i] = True
-            if reply[0]:  # stored now (an NX put answers None for a page already there)
+            if reply:  # stored now (an NX put answers None for a page already there)
                 self._committed.add(key)
         if refusals:
             self.health.refused(len(refusals), _describe(refusals[0]))
@@ -439,7 +606,8 @@ class RedisStore(StoreBackend):
         self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
     ) -> list[bool]:
         """Reserve, write and commit in one round trip per batch: ``SET ... NX`` of the
-        page and its header (an existing page is kept, as the contract asks).
+        page and its header, sent straight from ``data`` (an existing page is kept, as the
+        contract asks).
 
         Keys this client knows are committed answer ``True`` without sending anything.
         Capacity is checked before sending, so when this client is full a key committed
@@ -458,44 +626,18 @@ class RedisStore(StoreBackend):
                 first[key] = i
                 todo.append(i)
                 self._putting += 1
-        values = self._take_buffers(len(todo))
         try:
             if todo:
-                await self._put_now(keys, bufs, todo, values, namespace, ok)
+                items = [SetItem(self.page_name(keys[i]), byte_view(bufs[i]), keys[i], namespace)
+                         for i in todo]  # fmt: skip
+                replies = await self._set_pages(items, nx=True)
+                self._settle([(i, keys[i]) for i in todo], replies, ok)
         finally:
             self._putting -= len(todo)
-            self._give_buffers(values)
         for i, key in enumerate(keys):
             if key in first and first[key] != i:
                 ok[i] = ok[first[key]]  # the same key twice in one batch
         return ok
-
-    async def _put_now(
-        self,
-        keys: Sequence[PageKey],
-        bufs: list[np.ndarray],
-        todo: list[int],
-        values: list[np.ndarray],
-        namespace: str,
-        ok: list[bool],
-    ) -> None:
-        kwargs = self._set_kwargs(nx=True)
-        filled: set[int] = set()
-
-        async def fill(chunk: range) -> None:  # per batch, so copies overlap transfers
-            await self._cpu(
-                lambda: self._fill([values[j] for j in chunk], [keys[todo[j]] for j in chunk],
-                                   [namespace] * len(chunk), [bufs[todo[j]] for j in chunk]),
-                len(chunk) * self.page_bytes,
-            )  # fmt: skip
-            filled.update(chunk)
-
-        def build(pipe: Any, j: int) -> None:
-            assert j in filled
-            pipe.set(self.page_name(keys[todo[j]]), values[j].data, **kwargs)
-
-        replies = await self._pipelined(list(range(len(todo))), build, before=fill)
-        self._settle([(i, keys[i]) for i in todo], replies, ok)
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
         """Release reservations (nothing of them is on the server)."""
@@ -505,43 +647,44 @@ class RedisStore(StoreBackend):
                 self._release(r.handle)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
-        """Read and verify each page into ``out[i]``; ``False`` for absent, evicted,
-        unverifiable or unreachable pages (then ``out[i]`` is unspecified)."""
+        """Read each page straight into ``out[i]`` and verify it there; ``False`` for
+        absent, evicted, unverifiable or unreachable pages (then ``out[i]`` is
+        unspecified). No thread writes into ``out`` after this returns, cancelled or not."""
         self._check_keys(keys)
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         self._check_open()
-        size = self.page_bytes
+        names = [self.page_name(k) for k in keys]
+        items = [GetItem(name, key, byte_view(buf))
+                 for name, key, buf in zip(names, keys, bufs, strict=True)]  # fmt: skip
+
+        async def redirected(client: Any, part: list[GetItem]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for it in part:
+                pipe.get(it.name)
+            values = await pipe.execute(raise_on_error=False)
+            return await self._cpu(lambda: [_check_value(it, v) for it, v in
+                                            zip(part, values, strict=True)],
+                                   len(part) * self.page_bytes)  # fmt: skip
+
+        async def send(client: Any, chunk: range, deadline: float) -> list[Any]:
+            return await self._on_wire(
+                client, [items[i] for i in chunk], [names[i] for i in chunk],
+                fetch_pages, deadline, redirected,
+            )  # fmt: skip
+
+        replies = await self._batched(len(keys), send)
         ok = [False] * len(keys)
         bad: list[tuple[int, str]] = []
-
-        def verify_and_copy(fetched: list[tuple[int, bytes]]) -> None:
-            for i, value in fetched:
-                view = memoryview(value)
-                try:
-                    if len(view) != size + HEADER_SIZE:
-                        raise IntegrityError(f"stored value is {len(view)} bytes, expected "
-                                             f"{size + HEADER_SIZE}")  # fmt: skip
-                    verify_page(view[size:], keys[i], view[:size])
-                except IntegrityError as exc:
-                    bad.append((i, str(exc)))
-                    continue
-                np.copyto(bufs[i], np.frombuffer(view[:size], dtype=np.uint8))
+        for i, reply in enumerate(replies):
+            if _failed(reply):
+                continue  # batch failed, or a foreign value type under our key
+            outcome, problem = reply
+            if outcome is Fetched.HIT:
                 ok[i] = True
-
-        async def arrived(chunk: range, replies: list[list[Any] | None]) -> None:
-            fetched: list[tuple[int, bytes]] = []
-            for i in chunk:
-                reply = replies[i]
-                if reply is None or isinstance(reply[0], BaseException):
-                    continue  # batch failed, or a foreign value type under our key
-                if reply[0] is None:
-                    self._committed.discard(keys[i])  # gone: evicted, expired or deleted
-                    continue
-                fetched.append((i, reply[0]))
-                replies[i] = None  # let the bytes go as soon as they are copied
-            await self._cpu(lambda: verify_and_copy(fetched), len(fetched) * size)
-
-        await self._pipelined(keys, lambda pipe, k: pipe.get(self.page_name(k)), after=arrived)
+            elif outcome is Fetched.ABSENT:
+                self._committed.discard(keys[i])  # gone: evicted, expired or deleted
+            else:
+                bad.append((i, problem))
         if bad:
             for i, problem in bad:
                 self.checksum_failures += 1
@@ -553,11 +696,13 @@ class RedisStore(StoreBackend):
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         """Which keys are committed on the server (``False`` when it cannot answer)."""
         self._check_keys(keys)
-        replies = await self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
+        replies = await self._batched(
+            len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
+        )
         out: list[bool] = []
         for key, reply in zip(keys, replies, strict=True):
-            answered = reply is not None and not isinstance(reply[0], BaseException)
-            hit = answered and reply is not None and reply[0] == 1
+            answered = not _failed(reply)
+            hit = answered and reply == 1
             if answered and not hit:
                 self._committed.discard(key)  # gone: evicted, expired or deleted
             out.append(hit)
@@ -566,14 +711,16 @@ class RedisStore(StoreBackend):
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
         """Remove committed keys; ``True`` where this call removed one."""
         self._check_keys(keys)
-        replies = await self._pipelined(keys, lambda pipe, k: pipe.delete(self.page_name(k)))
+        replies = await self._batched(
+            len(keys), self._pipelined(keys, lambda pipe, k: pipe.delete(self.page_name(k)))
+        )
         out: list[bool] = []
         for key, reply in zip(keys, replies, strict=True):
-            if reply is None or isinstance(reply[0], BaseException):
+            if _failed(reply):
                 out.append(False)
                 continue
             self._committed.discard(key)
-            out.append(reply[0] == 1)
+            out.append(reply == 1)
         return out
 
     async def keys(self) -> list[PageKey]:
@@ -621,16 +768,53 @@ class RedisStore(StoreBackend):
             failed_batches=self.health.failed_batches,
             refused_writes=self.health.refused_writes,
             down=self.health.down,
+            down_reason=self.health.reason,
             checksum_failures=self.checksum_failures,
+            redirected_pages=self.redirects,
+            data_connections_opened=0 if self._wire is None else self._wire.connects,
         )
         return out
 
 
-def _is_connection_error(reply: Any) -> bool:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
+def _as_reply(reply: Any) -> Any:
+    """A redis-py pipeline reply in the data path's terms (errors become ReplyError)."""
+    if isinstance(reply, BaseException) and not _is_connection_error(reply):
+        return ReplyError(str(reply))
+    return reply
 
-    return isinstance(reply, RedisConnectionError | RedisTimeoutError | OSError | TimeoutError)
+
+def _check_value(item: GetItem, value: Any) -> Any:
+    """Verify a value fetched through redis-py (after a redirection) and copy it into the
+    item's buffer; the same outcomes as :func:`fetch_pages`."""
+    if isinstance(value, BaseException):
+        return _as_reply(value)
+    if value is None:
+        return (Fetched.ABSENT, "")
+    view, size = memoryview(value), item.out.nbytes
+    try:
+        if len(view) != size + HEADER_SIZE:
+            raise IntegrityError(f"stored value is {len(view)} bytes, expected "
+                                 f"{size + HEADER_SIZE}")  # fmt: skip
+        verify_page(view[size:], item.key, view[:size])
+    except IntegrityError as exc:
+        return (Fetched.BAD, str(exc))
+    item.out[:] = view[:size]
+    return (Fetched.HIT, "")
+
+
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def _is_connection_error(reply: Any) -> bool:
+    global _CONNECTION_ERRORS
+    if not isinstance(reply, BaseException):
+        return False
+    if not _CONNECTION_ERRORS:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+    return isinstance(reply, _CONNECTION_ERRORS)
 
 
 def _parse_page_name(name: bytes, prefix: bytes) -> PageKey | None:

@@ -59,6 +59,11 @@ class Health:
     def down(self) -> bool:
         return self.down_since is not None
 
+    @property
+    def reason(self) -> str | None:
+        """Why the store is down (the error that opened the outage), ``None`` when up."""
+        return self._reason if self.down_since is not None else None
+
     def may_send(self) -> bool:
         """Whether a batch may go to the server now. Always while healthy or when fail-fast
         is off; during an outage only the one probe of each interval (the caller then

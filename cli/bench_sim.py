@@ -3,12 +3,15 @@
 Prints, per policy and capacity: the prefix hit rate per tier and in total, Belady MIN's
 ceiling at the same total capacity, pages per link, and modeled TTFT and throughput on a
 hardware profile. ``--json`` prints one JSON object; ``--plot`` draws hit rate against
-capacity with MIN and LRU as reference lines.
+capacity with MIN and LRU as reference lines (checked before the replay: the directory
+must exist, the suffix must be a format matplotlib writes).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,13 +40,15 @@ def parse_capacity(text: str, distinct: int) -> int:
     """``"1%"`` or ``"0.01"`` (a share of distinct blocks) or ``"2000"`` (pages)."""
     t = text.strip()
     try:
-        if t.endswith("%"):
-            return max(1, int(float(t[:-1]) / 100 * distinct))
-        v = float(t)
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
         raise KVTierUsageError(f"bad capacity {text!r}: use 1%, 0.01 or a page count") from None
-    if v <= 0:
-        raise KVTierUsageError(f"capacity must be > 0, got {text!r}")
+    if not math.isfinite(v) or v <= 0:
+        raise KVTierUsageError(f"capacity must be a finite number > 0, got {text!r}")
+    if t.endswith("%"):
+        if v > 1e6:
+            raise KVTierUsageError(f"capacity {text!r} is beyond reason")
+        return max(1, int(v * distinct))
     if v < 1:
         return max(1, int(v * distinct))
     if v != int(v):
@@ -58,6 +63,56 @@ def make_admission(name: str) -> AdmissionPolicy:
     if name == "frequency":
         return FrequencyAdmission()
     raise KVTierUsageError(f"unknown admission policy {name!r}; known: frequency, reuse")
+
+
+def check_args(
+    requests: int | None,
+    block_tokens: int,
+    tier_scale: float,
+    tiers: list[str],
+    admission: str,
+    capacities: list[str],
+    plot_file: Path | None,
+) -> None:
+    """Refuse meaningless arguments before any work (a replay can take minutes):
+    :class:`KVTierUsageError` naming the option."""
+    if requests is not None and requests < 1:
+        raise KVTierUsageError(f"--requests must be >= 1, got {requests}")
+    if block_tokens < 1:
+        raise KVTierUsageError(f"--block-tokens must be >= 1, got {block_tokens}")
+    if not math.isfinite(tier_scale) or tier_scale <= 0:
+        raise KVTierUsageError(f"--tier-scale must be a finite number > 0, got {tier_scale}")
+    if not tiers or len(set(tiers)) != len(tiers):
+        raise KVTierUsageError(f"--tiers must name distinct tiers, got {','.join(tiers)!r}")
+    make_admission(admission)
+    for c in capacities:
+        parse_capacity(c, 1)
+    if plot_file is not None:
+        check_plot_path(plot_file)
+
+
+def check_plot_path(path: Path) -> None:
+    """The plot can be written there: the directory exists and is writable, and the file
+    type is one matplotlib writes (by the suffix)."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise KVTierUsageError(f"--plot: directory {parent} does not exist")
+    if path.is_dir():
+        raise KVTierUsageError(f"--plot: {path} is a directory")
+    if not os.access(parent, os.W_OK):
+        raise KVTierUsageError(f"--plot: directory {parent} is not writable")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix not in kinds:
+        raise KVTierUsageError(
+            f"--plot: cannot write a {suffix or 'suffix-less'} file; use one of "
+            f"{', '.join(sorted(kinds))}"
+        )
 
 
 def _load(trace: Path | None, name: str | None, requests: int | None, block_tokens: int) -> Trace:
@@ -86,7 +141,7 @@ def run_sim(
     """Run every (policy, capacity) pair and return the report as plain data.
 
     ``codecs`` maps tier names to a codec: that tier holds, in the bytes its uncoded
-    capacity takes, as many pages as the live cache would (:func:`codec_page_factor`).
+    capacity takes, as many pages as the live cache would (:func:`codec_page_factors`).
     """
     for p in policies:
         if p not in EVICTION_POLICIES:
@@ -189,47 +244,64 @@ def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any)
     return out
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Hit rate vs capacity per policy, with MIN (and LRU) as reference lines."""
+def make_figure(report: dict[str, Any]) -> Any:
+    """The hit-rate-vs-capacity figure of a report (a matplotlib ``Figure``).
+
+    Capacity (log axis) is labelled in percent of the distinct blocks; the hit rate axis
+    starts at 0; the reference lines (Belady MIN, LRU) are drawn under the policies, thin
+    and translucent, so no policy is hidden; the legend sits outside the plot area; the
+    title names the trace, model, hardware, tiers and write policy.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.add_subplot()
     by_pol: dict[str, list[tuple[float, float]]] = {}
     mins: dict[float, float] = {}
     for r in report["runs"]:
         by_pol.setdefault(r["policy"], []).append((r["capacity_share"], r["hit_rate"]))
         mins[r["capacity_share"]] = r["min_hit_rate"]
     xs = sorted(mins)
-    ax.plot(xs, [mins[x] for x in xs], "k--", lw=2, label="Belady MIN (ceiling)")
+    ax.plot(xs, [mins[x] for x in xs], "k--", lw=1.2, alpha=0.7, zorder=1,
+            label="Belady MIN (ceiling)")  # fmt: skip
+    if "lru" in by_pol:
+        pts = sorted(by_pol["lru"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="gray", ls=":", lw=1.5,
+                alpha=0.8, marker="x", zorder=2, label="LRU (reference)")  # fmt: skip
     for pol, pts in by_pol.items():
         if pol == "lru":
             continue
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
-    if "lru" in by_pol:  # the reference line, drawn last so no policy hides it
-        pts = sorted(by_pol["lru"])
-        ax.plot(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            color="gray",
-            ls=":",
-            lw=3,
-            marker="x",
-            ms=8,
-            label="LRU (reference)",
-        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.8, zorder=3,
+                label=pol)  # fmt: skip
     ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (share of distinct blocks, all tiers)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x * 100:g}%"))
+    if xs:
+        ax.set_xticks(xs)
+    ax.set_xlabel("cache capacity, all tiers (% of distinct blocks)")
     ax.set_ylabel("prefix hit rate")
-    ax.set_title(f"{report['trace']}: {report['requests']} requests, {report['refs']} block refs")
+    top = max([1e-9, *mins.values(), *(h for pts in by_pol.values() for _, h in pts)])
+    ax.set_ylim(0, min(1.0, top * 1.1) if top < 0.95 else 1.0)
+    tiers = " > ".join(report.get("tiers") or [])
+    ax.set_title(
+        f"{report['trace']}: {report['requests']} requests, {report['refs']} block refs\n"
+        f"{report['model']} on {report['hardware']}; tiers {tiers}; "
+        f"{report['write_policy']}",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Write :func:`make_figure` of ``report`` to ``path`` (format by suffix)."""
+    make_figure(report).savefig(path, dpi=110)
 
 
 def _render(report: dict[str, Any]) -> None:
@@ -308,14 +380,24 @@ def sim(
     """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model."""
 
     def body() -> None:
-        tr = _load(trace, workload_name, requests, block_tokens)
         names = [t.strip() for t in tiers.split(",") if t.strip()]
+        check_args(
+            requests,
+            block_tokens,
+            tier_scale,
+            names,
+            admission,
+            capacity or ["1%", "5%", "10%"],
+            plot_file,
+        )
         codecs: dict[str, str] = {}
         for item in codec or []:
             tier_name, eq, codec_name = item.partition("=")
             if not eq or not tier_name or not codec_name:
                 raise KVTierUsageError(f"--codec {item!r}: use TIER=CODEC, e.g. nvme=fp8-e4m3")
             codecs[tier_name] = codec_name
+        codec_page_factors(codecs, names, preset(model))  # bad tier or codec names: now
+        tr = _load(trace, workload_name, requests, block_tokens)
         report = run_sim(
             tr,
             policy or DEFAULT_POLICIES,
@@ -335,4 +417,4 @@ def sim(
             report["plot"] = str(plot_file)
         emit(report, as_json, _render)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

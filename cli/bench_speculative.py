@@ -16,6 +16,9 @@ from kvtier.config import format_size, load_config, parse_size
 
 
 def _render(data: dict[str, Any]) -> None:
+    from kvtier.cli.bench_run import render_config
+
+    render_config(data["config"])
     rate = data["accept_rate_observed"]
     console.print(
         table(

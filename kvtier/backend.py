@@ -78,6 +78,9 @@ class Reservation:
     view: np.ndarray | None = None
 
 
+_UINT8 = np.dtype(np.uint8)
+
+
 def check_buffer(buf: Any, page_bytes: int, what: str = "buffer") -> np.ndarray:
     """Return ``buf`` as a 1-D uint8 array of ``page_bytes`` bytes, or raise.
 
@@ -111,7 +114,11 @@ def check_buffers(
     """Validate a batch of page buffers against the number of keys it goes with."""
     if len(bufs) != count:
         raise KVTierUsageError(f"got {len(bufs)} buffers for {count} keys")
-    out = [check_buffer(b, page_bytes, f"buffer {i}") for i, b in enumerate(bufs)]
+    # Fast path for what callers pass almost always (pages of an arena or of a batch
+    # array): no per-buffer label is formatted unless a buffer is wrong.
+    out = [b if type(b) is np.ndarray and b.dtype is _UINT8 and b.ndim == 1
+           and b.nbytes == page_bytes and b.flags.c_contiguous
+           else check_buffer(b, page_bytes, f"buffer {i}") for i, b in enumerate(bufs)]  # fmt: skip
     if writable:
         for i, arr in enumerate(out):
             if not arr.flags.writeable:
@@ -166,8 +173,11 @@ class Backend(ABC):
                 f"({page_bytes} bytes), got {capacity_pages!r} pages"
             )
         threads = self.default_io_threads if io_threads is None else io_threads
-        if threads < 1:
-            raise KVTierUsageError(f"io_threads must be >= 1, got {threads}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+            raise ConfigError(
+                f"{type(self).__name__}: io_threads must be an integer >= 1 (at most 1024), "
+                f"got {threads!r}"
+            )
         self.page_bytes = page_bytes
         self.capacity_pages = capacity_pages
         self.io_threads = threads

@@ -24,6 +24,7 @@ dtype, size, key); a tier that fails at run time degrades to misses (``False`` r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,13 @@ from typing import Any, Self
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Backend, Reservation, check_buffer
-from kvtier.codec.tiers import TierCodecError, create_backend
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
-from kvtier.errors import CapacityError, ConfigError, KVTierError, KVTierUsageError
+from kvtier.errors import (
+    CapacityError,
+    KVTierError,
+    KVTierUsageError,
+    TierOpenError,
+)
 from kvtier.index.directory import Directory
 from kvtier.index.prefix_tree import LeafFirstPolicy, PrefixTree
 from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
@@ -88,9 +93,13 @@ def _check_key(key: Any, what: str, optional: bool = False) -> PageKey:
 
 
 def _check_keys(keys: Sequence[Any], what: str = "keys") -> list[PageKey]:
-    if isinstance(keys, bytes | bytearray | str):
+    if isinstance(keys, bytes | bytearray | str | memoryview):
         raise KVTierUsageError(
             f"{what} must be a sequence of page keys, not a single {type(keys).__name__}"
+        )
+    if not isinstance(keys, Sequence | np.ndarray) and not hasattr(keys, "__iter__"):
+        raise KVTierUsageError(
+            f"{what} must be a sequence of page keys, got {type(keys).__name__}"
         )
     return [_check_key(k, f"{what}[{i}]") for i, k in enumerate(keys)]
 
@@ -126,8 +135,11 @@ class KVCache:
         self.prefix_tree = PrefixTree([t.name for t in self.config.tiers])
         self.prefix_tree.attach(self.directory)
         self.tiers: list[Tier] = []
+        #: Tiers that could not open and were skipped (``on_open_error = "skip"``): name ->
+        #: the reason. The cache runs without them.
+        self.skipped_tiers: dict[str, str] = {}
         self._pipeline: Pipeline | None = None
-        self._state = "new"  # -> open -> closing -> closed
+        self._state = "new"  # -> starting -> open -> closing -> closed
         self._closed = asyncio.Event()
         self._configure_log = configure_log
 
@@ -167,25 +179,9 @@ class KVCache:
     # -- lifecycle -----------------------------------------------------------------------
 
     def _make_backend(self, i: int) -> Backend:
-        tc = self.config.tiers[i]
-        try:
-            # the tier's codec (kvtier.codec) wraps its store; "none" builds it as is
-            return create_backend(
-                tc.backend,
-                spec=self.spec,
-                capacity_bytes=tc.capacity_bytes,
-                options=tc.options,
-                codec=tc.codec,
-                codec_params=tc.codec_params,
-            )
-        except TierCodecError as exc:
-            raise ConfigError(f"tiers[{i}].codec ({tc.name}): {exc}") from None
-        except ConfigError as exc:
-            raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-        except TypeError as exc:
-            raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-        except KVTierUsageError as exc:
-            raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
+        from kvtier.tier_check import create_backend
+
+        return create_backend(self.config, i)
 
     def _eviction_policy(self, i: int) -> EvictionPolicy:
         """Tier ``i``'s configured policy, offering only prefix-tree leaves when
@@ -199,23 +195,69 @@ class KVCache:
 
     async def start(self) -> None:
         """Create and open the backends, recover persistent tiers into the directory and
-        start the pipeline. Idempotent while open; a closed cache cannot restart."""
-        if self._state == "open":
-            return
-        if self._state in ("closing", "closed"):
-            raise KVTierUsageError(f"KVCache is {self._state}; create a new one")
-        if self._configure_log:
-            configure_logging(self.config.log_format, self.config.log_level)
-        backends = [self._make_backend(i) for i in range(len(self.config.tiers))]
-        opened: list[Backend] = []
+        start the pipeline. Raises :class:`KVTierUsageError` when the cache was started
+        already (it is open, starting or closed: create a new one).
+
+        A tier whose backend cannot open fails the start (:class:`TierOpenError` naming
+        the tier and why) or, with ``on_open_error = "skip"`` (the default below the top
+        tier), is logged as an error and left out: the cache runs on the other tiers and
+        :attr:`skipped_tiers` says why."""
+        if self._state != "new":
+            what = {"open": "already open", "starting": "already starting"}
+            raise KVTierUsageError(
+                f"KVCache is {what.get(self._state, self._state)}; create a new one "
+                "(start() runs once)"
+            )
+        self._state = "starting"
         try:
-            for b in backends:
-                await b.open()
-                opened.append(b)
+            await self._start()
         except BaseException:
-            for b in reversed(opened):
+            if self._state == "starting":
+                self._state = "new"
+            raise
+
+    async def _open_backends(self) -> list[tuple[int, Backend]]:
+        """Construct and open every tier's backend; skip (log, record) those whose open
+        fails when their tier says so. Returns the opened ones with their tier index."""
+        backends = [self._make_backend(i) for i in range(len(self.config.tiers))]
+        opened: list[tuple[int, Backend]] = []
+        try:
+            for i, b in enumerate(backends):
+                tc = self.config.tiers[i]
+                try:
+                    await b.open()
+                except Exception as exc:
+                    if tc.on_open_error != "skip":
+                        raise TierOpenError.of(tc.name, tc.backend, exc) from exc
+                    self.skipped_tiers[tc.name] = f"{type(exc).__name__}: {exc}"
+                    _log.error(
+                        "tier skipped: it cannot open",
+                        tier=tc.name,
+                        backend=tc.backend,
+                        error=str(exc),
+                        error_type=type(exc).__name__,
+                    )
+                    continue
+                opened.append((i, b))
+        except BaseException:
+            for _, b in reversed(opened):
                 await b.close()
             raise
+        return opened
+
+    async def _start(self) -> None:
+        if self._configure_log:
+            configure_logging(self.config.log_format, self.config.log_level)
+        opened = await self._open_backends()
+        if self.skipped_tiers:  # the cache runs on the tiers that opened
+            self.config = dataclasses.replace(
+                self.config, tiers=[self.config.tiers[i] for i, _ in opened]
+            )
+            names = [t.name for t in self.config.tiers]
+            self.directory = Directory(names)
+            self.prefix_tree = PrefixTree(names)
+            self.prefix_tree.attach(self.directory)
+        backends = [b for _, b in opened]
         self.tiers = [
             Tier(i, tc, b, self._eviction_policy(i))
             for i, (tc, b) in enumerate(zip(self.config.tiers, backends, strict=True))
@@ -247,6 +289,7 @@ class KVCache:
             page_bytes=self.spec.page_bytes,
             tiers=[t.describe() for t in self.tiers],
             recovered_pages=recovered,
+            skipped_tiers=self.skipped_tiers or None,
         )
 
     async def _recover(self) -> int:
@@ -277,6 +320,8 @@ class KVCache:
         if self._state == "closing":
             await self._closed.wait()
             return
+        if self._state == "starting":
+            raise KVTierUsageError("KVCache is starting: await start() before closing it")
         if self._state != "open":
             self._state = "closed"
             return
@@ -622,7 +667,11 @@ class KVCache:
             except KVTierError as exc:
                 info["backend_stats"] = {"error": str(exc)}
             tiers.append(info)
-        return {"tiers": tiers, "metrics": self.metrics.snapshot()}
+        return {
+            "tiers": tiers,
+            "skipped_tiers": dict(self.skipped_tiers),
+            "metrics": self.metrics.snapshot(),
+        }
 
 
 class _Done:

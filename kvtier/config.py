@@ -26,8 +26,9 @@ The file format::
     name = "dram"
     backend = "dram"                 # entry-point name or "module:Class"
     capacity = "4GiB"                # bytes, or a size string
-    high_watermark = 0.80            # default 0.80 / 0.70 / 0.90 by position
+    high_watermark = 0.80            # default by role: top 0.80, middle 0.70, last 0.90
     low_watermark = 0.70             # default high - 0.10
+    on_open_error = "skip"           # a tier below the top that cannot open: skip | fail
     eviction = "lru"                 # lru | lru-k | anything registered
     [tiers.eviction_params]          # e.g. k = 2 for lru-k
     [tiers.options]                  # passed to the backend, e.g. path = "/mnt/nvme/kv"
@@ -67,11 +68,23 @@ WRITE_POLICIES: tuple[str, ...] = ("write-through", "write-back", "selective")
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
-#: Default high watermark of a tier by position: the top 0.80, the next 0.70 (the source
-#: article's L1/L2 figures), lower ones 0.90 (stores have no hot working set to protect,
-#: and their eviction only drops or hands down pages).
-DEFAULT_HIGH_WATERMARKS: tuple[float, ...] = (0.80, 0.70)
-DEFAULT_LOWER_HIGH_WATERMARK = 0.90
+#: Default high watermarks by role (design guide, "watermarks by role"): the top tier evicts
+#: early (0.80, the source article's L1 figure), middle tiers at 0.70 (its L2 figure), the
+#: last tier fills to 0.90 (nothing below it to spill to: its eviction only drops pages).
+#: A single tier is the top tier.
+TOP_HIGH_WATERMARK = 0.80
+MIDDLE_HIGH_WATERMARK = 0.70
+LAST_HIGH_WATERMARK = 0.90
+DEFAULT_HIGH_WATERMARKS: tuple[float, ...] = (TOP_HIGH_WATERMARK, MIDDLE_HIGH_WATERMARK)
+DEFAULT_LOWER_HIGH_WATERMARK = LAST_HIGH_WATERMARK
+#: Largest size accepted anywhere (a signed 64-bit byte count).
+MAX_SIZE_BYTES = (1 << 63) - 1
+#: Upper bounds of pipeline settings (beyond them a value is a mistake).
+MAX_BATCH_PAGES = 1 << 20
+MAX_INFLIGHT_PER_LINK = 1 << 10
+#: What a tier that cannot open does: ``fail`` raises from ``KVCache.start``; ``skip``
+#: logs an error and the cache runs without it (only below the top tier).
+ON_OPEN_ERROR = ("skip", "fail")
 #: Default low watermark = high - this: evicting 10 % of a tier at a time makes batches
 #: large enough to amortise transfers without emptying the tier.
 DEFAULT_HYSTERESIS = 0.10
@@ -92,10 +105,10 @@ def parse_size(value: Any, key: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{key}: expected a size in bytes or a string like '4GiB', got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        if not 0 <= value <= MAX_SIZE_BYTES:
+            raise ConfigError(f"{key}: size must be in [0, 2**63 - 1] bytes, got {value}")
         return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
+    if isinstance(value, float) and value.is_integer() and 0 <= value <= MAX_SIZE_BYTES:
         return int(value)
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
@@ -103,6 +116,8 @@ def parse_size(value: Any, key: str = "size") -> int:
             number, unit, binary, _b = m.groups()
             base = 1000 if (unit and not binary and _b) else 1024
             result = float(number) * base ** _SIZE_POWERS[unit.lower()]
+            if result > MAX_SIZE_BYTES:
+                raise ConfigError(f"{key}: {value!r} is too large (at most 2**63 - 1 bytes)")
             if result.is_integer() or unit:
                 return int(result)
     raise ConfigError(f"{key}: cannot parse {value!r} as a size (e.g. 4096, '512MiB', '4GiB')")
@@ -118,13 +133,16 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} B"  # pragma: no cover - loop always returns
 
 
-def default_watermarks(position: int) -> tuple[float, float]:
-    """(high, low) default watermarks of the tier at ``position`` (0 = top)."""
-    high = (
-        DEFAULT_HIGH_WATERMARKS[position]
-        if position < len(DEFAULT_HIGH_WATERMARKS)
-        else DEFAULT_LOWER_HIGH_WATERMARK
-    )
+def default_watermarks(position: int, count: int | None = None) -> tuple[float, float]:
+    """(high, low) default watermarks of the tier at ``position`` (0 = top) of ``count``
+    tiers, by role: top, middle or last (see :data:`TOP_HIGH_WATERMARK`). Without
+    ``count`` every tier below the second counts as last (the former rule by position)."""
+    if position == 0:
+        high = TOP_HIGH_WATERMARK
+    elif (count is not None and position == count - 1) or (count is None and position >= 2):
+        high = LAST_HIGH_WATERMARK
+    else:
+        high = MIDDLE_HIGH_WATERMARK
     return high, round(high - DEFAULT_HYSTERESIS, 6)
 
 
@@ -141,6 +159,10 @@ class TierConfig:
         eviction: eviction policy name (see :mod:`kvtier.policy.eviction`).
         eviction_params: keyword parameters of the policy (``k`` for ``lru-k``).
         options: keyword options of the backend (``path`` for stores).
+        on_open_error: ``fail`` (raise from ``KVCache.start``) or ``skip`` (log an error and
+            run without this tier) when the backend cannot open (a damaged or locked store,
+            an unreachable directory). Default ``skip`` below the top tier, ``fail`` for
+            the top tier (which cannot be skipped).
         codec: page codec of a store tier (:mod:`kvtier.codec`; ``none``: no codec).
         codec_params: keyword parameters of the codec.
     """
@@ -153,6 +175,7 @@ class TierConfig:
     eviction: str = "lru"
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    on_open_error: str = "fail"
     codec: str = "none"
     codec_params: dict[str, Any] = field(default_factory=dict)
 
@@ -170,6 +193,7 @@ class TierConfig:
             "eviction": self.eviction,
             "eviction_params": dict(self.eviction_params),
             "options": dict(self.options),
+            "on_open_error": self.on_open_error,
             "codec": self.codec,
             "codec_params": dict(self.codec_params),
         }
@@ -305,6 +329,7 @@ _TIER_KEYS: tuple[str, ...] = (
     "eviction",
     "eviction_params",
     "options",
+    "on_open_error",
     "codec",
     "codec_params",
 )
@@ -498,12 +523,14 @@ def _src(sources: Mapping[str, str], key: str) -> str:
     return f" (from {origin})" if origin and origin != "default" else ""
 
 
-def _int(value: Any, key: str, sources: Mapping[str, str], minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(
-            f"{key}: must be an integer >= {minimum}, got {value!r}{_src(sources, key)}"
-        )
-    return value
+def _int(
+    value: Any, key: str, sources: Mapping[str, str], minimum: int = 1, maximum: int | None = None
+) -> int:
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{key}: must be an integer {bounds}, got {value!r}{_src(sources, key)}")
+    return int(value)
 
 
 def _fraction(value: Any, key: str, sources: Mapping[str, str]) -> float:
@@ -576,8 +603,15 @@ def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfi
         pipe.get("admission_params", {}), "pipeline.admission_params", sources
     )
     make_admission(admission, **admission_params)  # fails early on a bad name/params
-    batch = _int(pipe.get("batch_pages", 32), "pipeline.batch_pages", sources)
-    inflight = _int(pipe.get("max_inflight_per_link", 4), "pipeline.max_inflight_per_link", sources)
+    batch = _int(
+        pipe.get("batch_pages", 32), "pipeline.batch_pages", sources, maximum=MAX_BATCH_PAGES
+    )
+    inflight = _int(
+        pipe.get("max_inflight_per_link", 4),
+        "pipeline.max_inflight_per_link",
+        sources,
+        maximum=MAX_INFLIGHT_PER_LINK,
+    )
     leaf_first = pipe.get("leaf_first", True)
     if not isinstance(leaf_first, bool):
         raise ConfigError(
@@ -603,7 +637,7 @@ def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfi
     tiers: list[TierConfig] = []
     seen: set[str] = set()
     for i, t in enumerate(tiers_raw):
-        tiers.append(_build_tier(i, t, spec, sources, seen))
+        tiers.append(_build_tier(i, t, spec, sources, seen, len(tiers_raw)))
     namespace = _with_codec_representation(namespace, tiers, spec)
     return KVTierConfig(
         spec=spec,
@@ -621,7 +655,12 @@ def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfi
 
 
 def _build_tier(
-    i: int, t: Mapping[str, Any], spec: KVSpec, sources: Mapping[str, str], seen: set[str]
+    i: int,
+    t: Mapping[str, Any],
+    spec: KVSpec,
+    sources: Mapping[str, str],
+    seen: set[str],
+    count: int | None = None,
 ) -> TierConfig:
     from kvtier.policy.eviction import make_policy
 
@@ -643,7 +682,7 @@ def _build_tier(
             f"of {spec.name} ({spec.page_bytes} bytes, {format_size(spec.page_bytes)})"
             f"{_src(sources, p + '.capacity')}"
         )
-    d_high, d_low = default_watermarks(i)
+    d_high, d_low = default_watermarks(i, count)
     high = _fraction(t.get("high_watermark", d_high), f"{p}.high_watermark", sources)
     low_default = d_low if "high_watermark" not in t else round(high - DEFAULT_HYSTERESIS, 6)
     low_value = t.get("low_watermark", low_default)
@@ -665,8 +704,15 @@ def _build_tier(
     codec = _str(t.get("codec", "none"), f"{p}.codec", sources)
     codec_params = _table(t.get("codec_params", {}), f"{p}.codec_params", sources)
     _check_codec(p, codec, codec_params, capacity, spec, sources)
-    return TierConfig(name, backend, capacity, high, low, eviction, params, options, codec,
-                      codec_params)  # fmt: skip
+    on_error = t.get("on_open_error", "fail" if i == 0 else "skip")
+    if on_error not in ON_OPEN_ERROR or (i == 0 and on_error != "fail"):
+        allowed = "fail (the top tier cannot be skipped)" if i == 0 else "skip or fail"
+        raise ConfigError(
+            f"{p}.on_open_error: must be {allowed}, got {on_error!r}"
+            f"{_src(sources, p + '.on_open_error')}"
+        )
+    return TierConfig(name, backend, capacity, high, low, eviction, params, options, on_error,
+                      codec, codec_params)  # fmt: skip
 
 
 # -- codecs (kvtier.codec): checked here, applied where tiers are built -----------------
@@ -744,16 +790,32 @@ def _to_raw(cfg: KVTierConfig) -> dict[str, Any]:
     }
 
 
+_MAX_CONFIG_BYTES = 16 << 20
+
+
 def _read_file(path: Path) -> dict[str, Any]:
+    """The TOML table in ``path``; :class:`ConfigError` for a file that is missing,
+    unreadable, not UTF-8 text (binary, UTF-16) or not TOML."""
+    if "\x00" in str(path):
+        raise ConfigError(f"config file path {str(path)!r} contains a NUL byte")
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {str(path)!r} is larger than 16 MiB")
+            data = f.read()
+        return tomllib.loads(data.decode("utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (binary, or UTF-16?): cannot decode "
+            f"byte {exc.start}; save it as UTF-8 TOML"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
     except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {reason}") from None
 
 
 def load_config(

@@ -227,9 +227,10 @@ async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monke
         gate.wait(10)
         real(pairs)
 
-    async with DramArena(page_bytes=PAGE, capacity_pages=1) as arena:
+    big = dram_module.INLINE_COPY_MAX_BYTES  # a batch this large goes to a worker thread
+    async with DramArena(page_bytes=big, capacity_pages=1) as arena:
         a, b = _keys(2)
-        data = _pages(2)
+        data = _pages(2, big)
         (res,) = await arena.reserve([a])
         assert res is not None
         monkeypatch.setattr(dram_module, "_copy_pairs", held_copy)
@@ -249,7 +250,7 @@ async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monke
             await asyncio.sleep(0.01)
         assert arena.used_pages() == 0
         assert await arena.put([b], data[1:]) == [True]
-        out = np.zeros(PAGE, np.uint8)
+        out = np.zeros(big, np.uint8)
         assert await arena.get([b], [out]) == [True]
         assert np.array_equal(out, data[1])
 
@@ -266,9 +267,10 @@ async def test_a_cancelled_put_gives_its_slots_back_once_the_copy_ends(monkeypat
         gate.wait(10)
         real(pairs)
 
-    async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+    big = dram_module.INLINE_COPY_MAX_BYTES
+    async with DramArena(page_bytes=big, capacity_pages=2) as arena:
         monkeypatch.setattr(dram_module, "_copy_pairs", held_copy)
-        putting = asyncio.create_task(arena.put(_keys(2), _pages(2)))
+        putting = asyncio.create_task(arena.put(_keys(2), _pages(2, big)))
         await asyncio.sleep(0.05)
         putting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -280,3 +282,33 @@ async def test_a_cancelled_put_gives_its_slots_back_once_the_copy_ends(monkeypat
             await asyncio.sleep(0.01)
         assert arena.used_pages() == 0  # no reservation leaked
         assert await arena.keys() == []
+
+
+async def test_small_batches_copy_on_the_loop_and_large_ones_on_worker_threads(
+    monkeypatch,
+) -> None:
+    """A batch under INLINE_COPY_MAX_BYTES is copied without an executor hop; a larger one
+    goes to the copy threads. Both land byte-exact."""
+    import threading
+
+    from kvtier.backends import dram as dram_module
+
+    threads: list[str] = []
+    real = dram_module._copy_pairs
+
+    def recording_copy(pairs):
+        threads.append(threading.current_thread().name)
+        real(pairs)
+
+    monkeypatch.setattr(dram_module, "_copy_pairs", recording_copy)
+    small = dram_module.INLINE_COPY_MAX_BYTES // 4
+    async with DramArena(page_bytes=small, capacity_pages=8, io_threads=2) as arena:
+        keys, data = _keys(8), _pages(8, small)
+        assert await arena.put(keys[:3], data[:3]) == [True] * 3  # 3/4 of the limit: inline
+        assert threads == [threading.current_thread().name]
+        assert arena.stats()["inline_copies"] == 3
+        assert await arena.put(keys[3:], data[3:]) == [True] * 5  # 5/4 of it: a worker
+        assert len(threads) == 2 and threads[1] != threading.current_thread().name
+        out = [np.zeros(small, np.uint8) for _ in keys]
+        assert await arena.get(keys, out) == [True] * 8
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))

@@ -2,10 +2,11 @@
 
 A baseline measures the same bytes moved the plainest fast way on the *same* medium
 kvtier just used: the arena's own slots (numpy memcpy), the store's directory (fio, or
-threaded ``O_DIRECT`` ``pwrite``/``pread``), the same server (a bare ``redis.asyncio``
-pipeline). Each backend name maps to an :class:`IOProfile`: the backend options a bench
-run uses (a scratch directory, a server it starts) and the baseline function. Backends
-without a registered profile get a default by kind (arena -> memcpy, store -> disk).
+threaded ``O_DIRECT`` ``pwrite``/``pread``), the same server (the C client
+``redis-benchmark`` when installed, and a bare ``redis.asyncio`` pipeline). Each backend
+name maps to an :class:`IOProfile`: the backend options a bench run uses (a scratch
+directory, a server it starts) and the baseline function. Backends without a registered
+profile get a default by kind (arena -> memcpy, store -> disk).
 
 Other modules refine these with :func:`register_profile`, for example a store with its
 own engine registering a baseline that matches its queue depth::
@@ -31,6 +32,7 @@ import json
 import mmap
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -44,8 +46,10 @@ from kvtier.backend import ArenaBackend, Backend, BackendKind
 from kvtier.errors import KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
 
-#: Queue depth of the disk baselines (fio ``iodepth``, threads of the fallback).
+#: Queue depth of the disk baselines (fio ``iodepth`` per job, threads of the fallback).
 DISK_IODEPTH = 8
+#: fio jobs of the disk baseline (each with :data:`DISK_IODEPTH` requests in flight).
+DISK_JOBS = 2
 
 
 @dataclass
@@ -77,12 +81,18 @@ class IOTarget:
 
 @dataclass(frozen=True)
 class BaselineSample:
-    """One timed pass of a baseline: seconds to write and to read ``nbytes``."""
+    """One timed pass of a baseline: seconds to write and to read ``nbytes``.
+
+    ``others`` holds further baselines measured in the same pass on the same medium,
+    as ``name -> (write seconds, read seconds)`` for the same ``nbytes`` (reported beside
+    the main one, e.g. a Python client next to the C client).
+    """
 
     method: str
     write_seconds: float
     read_seconds: float
     nbytes: int
+    others: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 BaselineFn = Callable[[IOTarget], Awaitable[BaselineSample]]
@@ -155,13 +165,48 @@ def _timed_copies(
     return time.perf_counter() - start
 
 
+def _kvtier_copy_threads(target: IOTarget) -> int:
+    """Threads the arena copies one call of ``batch_pages`` pages on: its own answer
+    (``copy_threads_for(nbytes)``, e.g. one thread for a batch too small to split) when it
+    gives one, else ``target.threads``."""
+    ask = getattr(target.backend, "copy_threads_for", None)
+    if callable(ask):
+        return max(1, int(ask(target.batch_pages * target.page_bytes)))
+    return max(1, target.threads)
+
+
+async def _memcpy_pass(
+    writes: list[tuple[np.ndarray, np.ndarray]],
+    reads: list[tuple[np.ndarray, np.ndarray]],
+    threads: int,
+) -> tuple[float, float]:
+    pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+    if pool is not None:  # start the threads now, not inside the timed copies
+        barrier = threading.Barrier(threads)
+        for fut in [pool.submit(barrier.wait) for _ in range(threads)]:
+            fut.result()
+    try:
+        write_s = await asyncio.to_thread(_timed_copies, writes, threads, pool)
+        read_s = await asyncio.to_thread(_timed_copies, reads, threads, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return write_s, read_s
+
+
+def _memcpy_name(threads: int) -> str:
+    return f"numpy memcpy, {threads} thread{'s' if threads > 1 else ''}"
+
+
 async def memcpy_baseline(target: IOTarget) -> BaselineSample:
     """numpy memcpy of the same bytes into and out of the arena's own slots.
 
     Writes copy each source page into the slot kvtier put it in (the same bytes, so the
-    arena's content is unchanged); reads copy each slot into a pre-faulted buffer. Uses
-    ``target.threads`` threads like kvtier's path. Stores (no slots) copy into separate
-    pre-faulted buffers instead.
+    arena's content is unchanged); reads copy each slot into a pre-faulted buffer. The
+    main figure uses as many threads as kvtier's path uses for one call of
+    ``batch_pages`` pages (see :func:`_kvtier_copy_threads`); when that differs from
+    ``target.threads`` (the arena's copy threads), a pass with those is reported beside
+    it in ``others``. Stores (no slots) copy into separate pre-faulted buffers instead.
     """
     if isinstance(target.backend, ArenaBackend):
         slots = [target.backend.slot_of(k) for k in target.keys]
@@ -171,20 +216,16 @@ async def memcpy_baseline(target: IOTarget) -> BaselineSample:
     else:
         dsts = [np.ones(target.page_bytes, dtype=np.uint8) for _ in target.keys]
     outs = [np.ones(target.page_bytes, dtype=np.uint8) for _ in target.keys]
-    threads = max(1, min(target.threads, len(dsts)))
-    pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
-    try:
-        write_s = await asyncio.to_thread(
-            _timed_copies, list(zip(target.pages, dsts, strict=True)), threads, pool
-        )
-        read_s = await asyncio.to_thread(
-            _timed_copies, list(zip(dsts, outs, strict=True)), threads, pool
-        )
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    method = f"numpy memcpy, {threads} thread{'s' if threads > 1 else ''}"
-    return BaselineSample(method, write_s, read_s, len(dsts) * target.page_bytes)
+    writes = list(zip(target.pages, dsts, strict=True))
+    reads = list(zip(dsts, outs, strict=True))
+    used = min(_kvtier_copy_threads(target), len(dsts))
+    write_s, read_s = await _memcpy_pass(writes, reads, used)
+    others: dict[str, tuple[float, float]] = {}
+    pool_threads = max(1, min(target.threads, len(dsts)))
+    if pool_threads != used:
+        others[_memcpy_name(pool_threads)] = await _memcpy_pass(writes, reads, pool_threads)
+    nbytes = len(dsts) * target.page_bytes
+    return BaselineSample(_memcpy_name(used), write_s, read_s, nbytes, others)
 
 
 # -- disk ----------------------------------------------------------------------------------
@@ -279,17 +320,26 @@ def _fio_seconds(report: dict[str, Any], rw: str) -> float:
     return float(job["io_bytes"]) / bw
 
 
-async def fio_io(path: Path, page_bytes: int, pages: int) -> BaselineSample:
+async def fio_io(
+    path: Path, page_bytes: int, pages: int, jobs: int = DISK_JOBS
+) -> BaselineSample:
     """fio sequential write then read of ``pages`` blocks of ``page_bytes`` on ``path``:
-    libaio, O_DIRECT, iodepth :data:`DISK_IODEPTH`, fsync at the end of the write."""
+    libaio, O_DIRECT, ``jobs`` jobs (default :data:`DISK_JOBS`) of iodepth
+    :data:`DISK_IODEPTH` each, every job on its own contiguous share of the bytes,
+    fsync at the end of the write, bandwidth of the group. The bytes moved are
+    ``pages`` blocks rounded down to a multiple of ``jobs`` (all of them with one job)."""
+    jobs = max(1, min(jobs, pages))
+    share = pages // jobs
     common = [
         f"--filename={path}",
         f"--bs={page_bytes}",
-        f"--size={page_bytes * pages}",
+        f"--size={page_bytes * share}",
+        f"--offset_increment={page_bytes * share}",
         "--direct=1",
         f"--iodepth={DISK_IODEPTH}",
         "--ioengine=libaio",
-        "--numjobs=1",
+        f"--numjobs={jobs}",
+        "--group_reporting",
     ]
     try:
         wrote = await _fio(["--name=kvtier-raw-write", "--rw=write", "--end_fsync=1", *common])
@@ -297,10 +347,10 @@ async def fio_io(path: Path, page_bytes: int, pages: int) -> BaselineSample:
     finally:
         path.unlink(missing_ok=True)
     return BaselineSample(
-        f"fio libaio O_DIRECT iodepth {DISK_IODEPTH}",
+        f"fio libaio O_DIRECT {jobs} job{'s' if jobs > 1 else ''} x iodepth {DISK_IODEPTH}",
         _fio_seconds(wrote, "write"),
         _fio_seconds(read, "read"),
-        page_bytes * pages,
+        page_bytes * share * jobs,
     )
 
 
@@ -329,14 +379,40 @@ async def disk_baseline(target: IOTarget) -> BaselineSample:
 
 
 async def redis_baseline(target: IOTarget) -> BaselineSample:
+    """The C client on the same server when ``redis-benchmark`` is installed
+    (:func:`kvtier.bench.redis_c.c_client_sample`: as many values of the page size, best
+    of two shapes), with the bare ``redis.asyncio`` loop of :func:`redis_py_baseline`
+    beside it under ``others["redis.asyncio"]``; the ``redis.asyncio`` loop alone
+    otherwise."""
+    from kvtier.bench.redis_c import c_client_sample, redis_benchmark_path
+
+    py = await redis_py_baseline(target)
+    if redis_benchmark_path() is None:
+        return py
+    url = _redis_url(target)
+    c = await c_client_sample(url, target.page_bytes, len(target.keys), target.batch_pages)
+    return BaselineSample(
+        c.method,
+        c.write_seconds,
+        c.read_seconds,
+        len(target.keys) * target.page_bytes,
+        {"redis.asyncio": (py.write_seconds, py.read_seconds)},
+    )
+
+
+def _redis_url(target: IOTarget) -> str:
+    url = target.options.get("url")
+    if not isinstance(url, str):
+        raise KVTierUsageError(f"{target.backend_name}: the redis baseline needs a 'url' option")
+    return url
+
+
+async def redis_py_baseline(target: IOTarget) -> BaselineSample:
     """A bare ``redis.asyncio`` loop on the same server: SET then GET of the same values,
     pipelined ``batch_pages`` deep (no header, no checksum, no copy out)."""
     import redis.asyncio as aioredis
 
-    url = target.options.get("url")
-    if not isinstance(url, str):
-        raise KVTierUsageError(f"{target.backend_name}: the redis baseline needs a 'url' option")
-    client = aioredis.Redis.from_url(url)
+    client = aioredis.Redis.from_url(_redis_url(target))
     names = [b"kvtier-bench-raw:" + bytes(k) for k in target.keys]
     depth = max(1, target.batch_pages)
     try:
@@ -367,7 +443,9 @@ async def redis_baseline(target: IOTarget) -> BaselineSample:
 
 MEMCPY_PROFILE = IOProfile(no_options, memcpy_baseline, "memcpy into the arena's slots")
 DISK_PROFILE = IOProfile(directory_options, disk_baseline, "fio / O_DIRECT on the store's dir")
-REDIS_PROFILE = IOProfile(valkey_options, redis_baseline, "bare redis.asyncio on the same server")
+REDIS_PROFILE = IOProfile(
+    valkey_options, redis_baseline, "redis-benchmark (C client) and bare redis.asyncio"
+)
 
 #: Entry-point group where plugin distributions register the bench profile of their
 #: backends (name = the backend's name, value = ``module:PROFILE``).

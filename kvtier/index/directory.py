@@ -49,9 +49,10 @@ class DirectoryListener(Protocol):
         """``key`` left ``tier`` (evicted, deleted or failed)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
-    """What the directory knows of one page."""
+    """What the directory knows of one page (``__slots__``: one per page, so its size
+    is the directory's memory per page)."""
 
     key: PageKey
     namespace: str = ""

@@ -379,8 +379,62 @@ class LeafFirstPolicy(EvictionPolicy):
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         tier = None if self.last else self.tier
+        order = getattr(self.inner, "ordered_keys", None)
+        if callable(order):
+            return self._in_one_pass(order(), n, evictable)
         is_leaf = self.tree.is_leaf
         return self.inner.victims(n, lambda k: is_leaf(k, tier) and evictable(k))
+
+    def _in_one_pass(
+        self, order: Iterable[PageKey], n: int, evictable: Callable[[PageKey], bool]
+    ) -> list[PageKey]:
+        """Leaf-first victims from the inner policy's preference order, walked once.
+
+        The answer is what ``n`` successive one-victim calls would give, each after the
+        previous victim left: the first evictable leaf of the order, and whenever a
+        victim was the last child (here) of a page met *earlier* in the order, that page
+        next (it is now a leaf, and it precedes every key not yet taken). Victims come
+        out children first, so a chain leaves the tier tail-first, as one batch. Cost:
+        one step per key walked, instead of a rescan of every chain's ancestors per call.
+        """
+        out: list[PageKey] = []
+        if n <= 0:
+            return out
+        nodes = self.tree._nodes
+        t = self.tree._bit[self.tier]
+        shift = _FIELD * t
+        last = self.last
+        pending: dict[PageKey, int] = {}  # walked non-leaves -> children still here
+        taken_below: dict[PageKey, int] = {}  # children taken before their parent's turn
+        for key in order:
+            node = nodes.get(key)
+            if node is not None:
+                here = node.children if last else (node.child_tiers >> shift) & _FIELD_MASK
+                left = here - taken_below.pop(key, 0)
+                if left > 0:
+                    pending[key] = left
+                    continue
+            if not evictable(key):
+                continue
+            out.append(key)
+            while node is not None and node.parent is not None and len(out) < n:
+                # Leaving this tier frees a parent's child slot here; in the last tier the
+                # node must leave the hierarchy (held in no other tier) to free it.
+                if last and node.mask != 1 << t:
+                    break
+                parent = node.parent
+                if parent not in pending:
+                    taken_below[parent] = taken_below.get(parent, 0) + 1
+                    break
+                pending[parent] -= 1
+                if pending[parent] or not evictable(parent):
+                    break
+                del pending[parent]
+                out.append(parent)
+                node = nodes.get(parent)
+            if len(out) >= n:
+                break
+        return out
 
     def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Victims for when :meth:`victims` offers none and the tier would otherwise

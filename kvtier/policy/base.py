@@ -12,6 +12,14 @@ the tier calls :meth:`EvictionPolicy.on_remove` for what it really removed.
 
 An :class:`AdmissionPolicy` decides whether a page enters a tier at all (selective
 write-through, TinyLFU-style filters).
+
+**Optional hook: one preference order.** A policy whose ``victims(n, evictable)`` is
+always the first ``n`` keys of a single order that ``evictable`` accepts (LRU, LRU-K) may
+expose that order as ``ordered_keys()`` (an iterator over every tracked key, best victim
+first). Wrappers that filter victims structurally can then walk the order once instead of
+calling ``victims`` again and again: :class:`~kvtier.index.prefix_tree.LeafFirstPolicy`
+uses it to take a chain tail-first in one pass (without it, every call rescans the
+ancestors that precede each leaf in the order, quadratic in the chain length).
 """
 
 from __future__ import annotations

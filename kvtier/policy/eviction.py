@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
@@ -37,6 +37,11 @@ class LRUPolicy(EvictionPolicy):
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         return first_evictable(iter(self._order), n, evictable)
+
+    def ordered_keys(self) -> Iterator[PageKey]:
+        """Every tracked key, best victim first (``victims`` takes the first evictable
+        ones of this order): the optional hook described in :mod:`kvtier.policy.base`."""
+        return iter(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -86,16 +91,19 @@ class LRUKPolicy(EvictionPolicy):
         self._cold.pop(key, None)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        out = first_evictable(iter(self._cold), n, evictable)
-        if len(out) >= n:
-            return out
+        return first_evictable(self._order(), n, evictable)
+
+    def ordered_keys(self) -> Iterator[PageKey]:
+        """Every tracked key, best victim first: pages with fewer than K accesses in LRU
+        order, then the others by their K-th most recent access (the hot part is sorted
+        only if the iteration gets there). See :mod:`kvtier.policy.base`."""
+        return self._order()
+
+    def _order(self) -> Iterator[PageKey]:
+        yield from self._cold
         hot = ((hist[0], key) for key, hist in self._history.items() if len(hist) >= self.k)
         for _, key in heapq.nsmallest(len(self._history), hot):
-            if evictable(key):
-                out.append(key)
-                if len(out) >= n:
-                    break
-        return out
+            yield key
 
     def __len__(self) -> int:
         return len(self._history)
