@@ -15,6 +15,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.spec import preset
 from kvtier.testing.servers import RedisServer, unavailable_reason
+from kvtier.tier_check import check_tiers, create_backend
 
 SPEC = preset("tiny")  # float16, 512-byte pages of (2, 2, 4, 2, 8)
 PAGE = SPEC.page_bytes
@@ -99,6 +100,29 @@ def test_only_lossy_codecs_change_the_namespace(tmp_path: Path) -> None:
     assert lossless == plain
     assert lossy.kv_dtype == "float16~fp8-e4m3:head"
     assert len({plain.digest, lossy.digest, token.digest}) == 3
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_inspect_config_check_probes_codec_tiers(tmp_path: Path, dtype: str) -> None:
+    """``kvtier inspect config --check`` stores and reads back a probe page through each
+    codec tier: a lossy tier's answer is the codec's rounding of the page, not a failure."""
+    codecs = ["fp8-e4m3", "int8", "zstd", "lz4"]
+    cfg = _config(tmp_path, *({"codec": c} for c in codecs))
+    cfg["model"] = {"preset": "tiny", "dtype": dtype}
+    config = load_config(cfg, env={}).config
+    checks = await check_tiers(config)
+    assert [(c.tier, c.ok, c.error) for c in checks] == [
+        (t.name, True, None) for t in config.tiers
+    ]
+    assert isinstance(create_backend(config, 1), CodecStore)
+
+
+def test_a_codec_on_a_memory_tier_fails_its_config_check(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, {})
+    cfg["tiers"][0]["codec"] = "zstd"
+    config = load_config(cfg, env={}).config
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.codec \(dram\): .*store backend"):
+        create_backend(config, 0)
 
 
 # -- hierarchies --------------------------------------------------------------------------

@@ -191,6 +191,21 @@ class CodecStore(StoreBackend):
             out.append(None)
         return out
 
+    def round_trip(self, page: Any) -> np.ndarray:
+        """The page this tier gives back for ``page`` (``page_bytes`` uint8): the page
+        itself for a lossless codec, what the codec decodes for a lossy one. Raises
+        :class:`CodecError` when the codec cannot encode it (such a page is never stored).
+        Runs on the caller's thread (for a probe, not for the data path)."""
+        (buf,) = check_buffers([page], 1, self.page_bytes)
+        out = np.array(buf, copy=True)
+        if not self.codec.lossy:
+            return out
+        body = np.empty(self.slot - FRAME_SIZE, dtype=np.uint8)
+        n = self.codec.encode(buf, body)
+        if n is not None:
+            self.codec.decode(body[:n], out)
+        return out
+
     # -- the keyed, two-phase interface ------------------------------------------------
 
     async def reserve(
