@@ -1,4 +1,4 @@
-"""CodecStore: a codec over a real store (file, NVMe). The conformance kit and the state
+"""CodecStore: a codec over a real store (file, NVMe, Valkey). The conformance kit and the state
 machine on wrapped stores, bytes on the media, corrupted and foreign pages (misses, never
 decoded), pages the codec cannot encode, one executor hop per batch."""
 
@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 from kvtier.backends.filestore import FileStore
 
 from kvtier.codec import CodecStore, make_codec, slot_bytes, wrap
@@ -21,6 +22,7 @@ from kvtier.pageformat import HEADER_SIZE
 from kvtier.spec import KVSpec
 from kvtier.testing import check_backend
 from kvtier.testing.model import backend_state_machine
+from kvtier.testing.servers import RedisServer, unavailable_reason
 
 #: 4 KiB float16 pages: 2 layers, K/V, 8 tokens, 2 heads of 32.
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", page_tokens=8, name="t")
@@ -320,3 +322,86 @@ async def test_a_bad_page_the_store_cannot_delete_is_still_a_miss(
         out = [np.ones(SPEC.page_bytes, np.uint8)]
         assert await store.get(keys, out) == [False]
         assert store.stats()["frame_failures"] == 1
+
+
+# -- the remote store: a compressed page crosses the network at its compressed size ------
+
+
+@pytest.fixture
+def valkey() -> Any:
+    reason = unavailable_reason("valkey")
+    if reason:
+        pytest.skip(reason)
+    with RedisServer("valkey") as server:
+        yield server
+
+
+def _remote(url: str, codec: str, prefix: str = "codec") -> CodecStore:
+    b = create_backend(
+        "redis",
+        spec=SPEC,
+        capacity_bytes=CAPACITY * slot_bytes(make_codec(codec, SPEC)),
+        options={"url": url, "key_prefix": prefix},
+        codec=codec,
+    )
+    assert isinstance(b, CodecStore)
+    return b
+
+
+async def test_conformance_kit_passes_on_a_zstd_remote_store(valkey: Any) -> None:
+    report = await check_backend(lambda: _remote(valkey.url, "zstd"), persistent=True)
+    assert "round_trip" in report.passed and "survives_reopen" in report.passed
+
+
+async def test_zstd_sends_and_keeps_only_the_compressed_bytes_on_the_remote_store(
+    valkey: Any,
+) -> None:
+    """The remote store keeps short blobs: a compressible page is a short value on the
+    server, noise is kept raw (a page and its frame), and both read back byte for byte;
+    a plain ``get`` of the store underneath takes whole pages only."""
+    rng = np.random.default_rng(2)
+    smooth = np.repeat(rng.standard_normal(SPEC.page_bytes // 16), 8).astype(np.float16)
+    page = smooth.view(np.uint8).reshape(-1)
+    noise = rng.integers(0, 256, SPEC.page_bytes, dtype=np.uint8)
+    raw = redis.Redis(port=valkey.port)
+    try:
+        async with _remote(valkey.url, "zstd") as store:
+            assert store.sized
+            keys = _keys(2)
+            assert await store.put(keys, [page, noise]) == [True, True]
+            names = [store.inner.page_name(k) for k in keys]  # type: ignore[attr-defined]
+            sizes = [raw.strlen(n) for n in names]
+            assert sizes[0] < HEADER_SIZE + FRAME_SIZE + SPEC.page_bytes // 2
+            assert sizes[1] == HEADER_SIZE + FRAME_SIZE + SPEC.page_bytes  # kept raw
+            assert store.stats()["stored_bytes_written"] == sizes[0] + sizes[1] - 2 * HEADER_SIZE
+            out = [np.zeros(SPEC.page_bytes, np.uint8) for _ in keys]
+            assert await store.get(keys, out) == [True, True]
+            assert np.array_equal(out[0], page) and np.array_equal(out[1], noise)
+            blob = [np.zeros(store.slot, np.uint8)]
+            assert await store.inner.get(keys[:1], blob) == [False]  # short: not a page
+            assert store.inner.stats()["checksum_failures"] == 1
+            assert raw.exists(names[0]) == 0  # and dropped, like a damaged page
+    finally:
+        raw.close()
+
+
+async def test_a_damaged_short_blob_on_the_remote_store_is_a_miss_never_decoded(
+    valkey: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = np.zeros(SPEC.page_bytes, dtype=np.uint8)
+    raw = redis.Redis(port=valkey.port)
+    try:
+        async with _remote(valkey.url, "lz4") as store:
+            keys = _keys(3)
+            assert await store.put(keys, [page, page, page]) == [True] * 3
+            names = [store.inner.page_name(k) for k in keys]  # type: ignore[attr-defined]
+            raw.setrange(names[0], FRAME_SIZE + 2, b"\xff")  # the encoded bytes
+            raw.set(names[1], raw.get(names[1])[1:])  # one byte short
+            decodes = _count_decodes(store, monkeypatch)
+            out = [np.ones(SPEC.page_bytes, np.uint8) for _ in keys]
+            assert await store.get(keys, out) == [False, False, True]
+            assert len(decodes) == 1 and not out[2].any()
+            assert store.inner.stats()["checksum_failures"] == 2
+            assert await store.contains(keys) == [False, False, True]
+    finally:
+        raw.close()

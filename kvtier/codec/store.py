@@ -9,9 +9,9 @@ ordinary store. Per page, the inner store holds one *blob*: a codec frame
   the codec's largest encoding). A fixed-size codec (``fp8-e4m3``) fills every slot, so
   the inner store moves and keeps only the encoded bytes. A variable-size codec (``zstd``,
   ``lz4``) hands a store with :attr:`~kvtier.backend.StoreBackend.variable_length` just the
-  bytes it produced (``write_blobs`` / ``get_sized``); a fixed-slot store (NVMe) gets the
-  blob zero-padded to its slot, so it keeps and reads a whole slot and only the codec's
-  CPU time changes.
+  bytes it produced (``write_blobs`` / ``get_sized``: the file and Redis stores); a
+  fixed-slot store (NVMe) gets the blob zero-padded to its slot, so it keeps and reads a
+  whole slot and only the codec's CPU time changes.
 * **Capacity counts logical pages**: :attr:`capacity_pages` is the inner store's, which
   holds ``capacity bytes // slot_bytes`` slots (:func:`tier_capacity_pages`). A tier never
   holds more bytes than configured; ``fp8-e4m3`` doubles the pages a 16-bit tier holds,
