@@ -32,6 +32,8 @@ The file format::
     eviction = "lru"                 # lru | lru-k | anything registered
     [tiers.eviction_params]          # e.g. k = 2 for lru-k
     [tiers.options]                  # passed to the backend, e.g. path = "/mnt/nvme/kv"
+    codec = "none"                   # store tiers: none | zstd | lz4 | fp8-e4m3 | a plugin's
+    [tiers.codec_params]             # e.g. level = 3 for zstd, scale = "token" for fp8-e4m3
 
 Environment variables use ``__`` between levels: ``KVTIER_MODEL__PRESET=llama3-70b``,
 ``KVTIER_PIPELINE__WRITE_POLICY=write-back``, ``KVTIER_TIERS__DRAM__CAPACITY=2GiB``
@@ -161,6 +163,8 @@ class TierConfig:
             run without this tier) when the backend cannot open (a damaged or locked store,
             an unreachable directory). Default ``skip`` below the top tier, ``fail`` for
             the top tier (which cannot be skipped).
+        codec: page codec of a store tier (:mod:`kvtier.codec`; ``none``: no codec).
+        codec_params: keyword parameters of the codec.
     """
 
     name: str
@@ -172,6 +176,8 @@ class TierConfig:
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     on_open_error: str = "fail"
+    codec: str = "none"
+    codec_params: dict[str, Any] = field(default_factory=dict)
 
     def capacity_pages(self, page_bytes: int) -> int:
         """Whole pages that fit in ``capacity_bytes``."""
@@ -188,6 +194,8 @@ class TierConfig:
             "eviction_params": dict(self.eviction_params),
             "options": dict(self.options),
             "on_open_error": self.on_open_error,
+            "codec": self.codec,
+            "codec_params": dict(self.codec_params),
         }
 
 
@@ -322,9 +330,11 @@ _TIER_KEYS: tuple[str, ...] = (
     "eviction_params",
     "options",
     "on_open_error",
+    "codec",
+    "codec_params",
 )
 #: Keys whose values are free-form tables passed through (their inner keys are not checked here).
-_OPEN_TABLES = ("admission_params", "eviction_params", "options")
+_OPEN_TABLES = ("admission_params", "eviction_params", "options", "codec_params")
 
 
 def default_raw() -> dict[str, Any]:
@@ -628,6 +638,7 @@ def _validate(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierConfi
     seen: set[str] = set()
     for i, t in enumerate(tiers_raw):
         tiers.append(_build_tier(i, t, spec, sources, seen, len(tiers_raw)))
+    namespace = _with_codec_representation(namespace, tiers, spec)
     return KVTierConfig(
         spec=spec,
         namespace=namespace,
@@ -690,6 +701,9 @@ def _build_tier(
     except ConfigError as exc:
         raise ConfigError(f"{p}.eviction: {exc}{_src(sources, p + '.eviction')}") from None
     options = _table(t.get("options", {}), f"{p}.options", sources)
+    codec = _str(t.get("codec", "none"), f"{p}.codec", sources)
+    codec_params = _table(t.get("codec_params", {}), f"{p}.codec_params", sources)
+    _check_codec(p, codec, codec_params, capacity, spec, sources)
     on_error = t.get("on_open_error", "fail" if i == 0 else "skip")
     if on_error not in ON_OPEN_ERROR or (i == 0 and on_error != "fail"):
         allowed = "fail (the top tier cannot be skipped)" if i == 0 else "skip or fail"
@@ -697,7 +711,53 @@ def _build_tier(
             f"{p}.on_open_error: must be {allowed}, got {on_error!r}"
             f"{_src(sources, p + '.on_open_error')}"
         )
-    return TierConfig(name, backend, capacity, high, low, eviction, params, options, on_error)
+    return TierConfig(name, backend, capacity, high, low, eviction, params, options, on_error,
+                      codec, codec_params)  # fmt: skip
+
+
+# -- codecs (kvtier.codec): checked here, applied where tiers are built -----------------
+
+
+def _check_codec(
+    p: str, codec: str, params: dict[str, Any], capacity: int, spec: KVSpec,
+    sources: Mapping[str, str],
+) -> None:  # fmt: skip
+    """Fail early, naming the key, on an unknown codec, bad parameters or a capacity that
+    holds no encoded page."""
+    from kvtier.codec import NO_CODEC, make_codec, tier_capacity_pages
+
+    if codec == NO_CODEC and not params:
+        return
+    try:
+        made = make_codec(codec, spec, **params)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}.codec: {exc}{_src(sources, p + '.codec')}") from None
+    if tier_capacity_pages(capacity, made) < 1:
+        raise ConfigError(
+            f"{p}.capacity: {capacity} bytes hold no page encoded with {codec!r}"
+            f"{_src(sources, p + '.capacity')}"
+        )
+
+
+def _with_codec_representation(
+    namespace: Namespace, tiers: list[TierConfig], spec: KVSpec
+) -> Namespace:
+    """The namespace, its KV dtype marked with the lossy codecs any tier uses
+    (``float16~fp8-e4m3:head``), so that pages which may have passed through a lossy
+    codec never share keys with exact KV (see :mod:`kvtier.codec.base`)."""
+    from kvtier.codec import make_codec
+
+    lossy = sorted(
+        {
+            made.representation
+            for t in tiers
+            if t.codec != "none"
+            and (made := make_codec(t.codec, spec, **t.codec_params)).lossy
+        }
+    )
+    if not lossy:
+        return namespace
+    return dataclasses.replace(namespace, kv_dtype=f"{namespace.kv_dtype}~{'+'.join(lossy)}")
 
 
 def _to_raw(cfg: KVTierConfig) -> dict[str, Any]:

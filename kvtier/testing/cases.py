@@ -25,6 +25,7 @@ from kvtier.testing.conformance import (
     Case,
     CaseSkipped,
     ConformanceError,
+    PageSource,
     build,
 )
 
@@ -43,11 +44,14 @@ def expect(cond: object, what: str) -> None:
 class CaseContext:
     """What a case works with: fresh backends, random pages and keys, and cleanup."""
 
-    def __init__(self, factory: BackendFactory, *, persistent: bool) -> None:
+    def __init__(
+        self, factory: BackendFactory, *, persistent: bool, pages: PageSource | None = None
+    ) -> None:
         self.factory = factory
         self.persistent = persistent
         self.rng = np.random.default_rng(20251129)
         self._open: list[Backend] = []
+        self._source = pages
 
     async def backend(self, *, clear: bool = True) -> Backend:
         """A new backend from the factory, opened, and emptied unless ``clear=False``."""
@@ -72,6 +76,8 @@ class CaseContext:
         return [PageKey(self.rng.bytes(16)) for _ in range(n)]
 
     def pages(self, n: int, page_bytes: int) -> list[np.ndarray]:
+        if self._source is not None:
+            return self._source(self.rng, n, page_bytes)
         return [self.rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(n)]
 
 

@@ -32,10 +32,16 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvtier.backend import Backend
 
 #: A zero-argument callable returning an unopened backend (or an awaitable of one).
 BackendFactory = Callable[[], Backend | Awaitable[Backend]]
+#: Makes the pages the cases store: ``(rng, count, page_bytes) -> count uint8 pages``.
+#: The default is random bytes; a backend that only keeps certain pages byte for byte (a
+#: lossy codec keeps its own decoded pages exactly) passes pages it keeps.
+PageSource = Callable[[np.random.Generator, int, int], list[np.ndarray]]
 
 #: Seconds one case may take before it counts as a hang.
 DEFAULT_CASE_TIMEOUT_S = 30.0
@@ -105,12 +111,14 @@ class Case:
         *,
         persistent: bool = False,
         timeout_s: float = DEFAULT_CASE_TIMEOUT_S,
+        pages: PageSource | None = None,
     ) -> CaseResult:
-        """Run this case; raises :class:`ConformanceError` naming it when it fails."""
+        """Run this case; raises :class:`ConformanceError` naming it when it fails.
+        ``pages`` replaces the random pages the case stores (see :data:`PageSource`)."""
         from kvtier.testing.cases import CaseContext
 
         start = time.perf_counter()
-        ctx = CaseContext(factory, persistent=persistent)
+        ctx = CaseContext(factory, persistent=persistent, pages=pages)
         try:
             await asyncio.wait_for(self.fn(ctx), timeout_s)
         except CaseSkipped as exc:
@@ -142,10 +150,12 @@ async def check_backend(
     persistent: bool = False,
     cases: Sequence[Case] | None = None,
     timeout_s: float = DEFAULT_CASE_TIMEOUT_S,
+    pages: PageSource | None = None,
 ) -> ConformanceReport:
     """Run the whole suite (or ``cases``) against backends from ``factory``.
 
-    ``persistent=True`` adds the check that committed pages survive close and reopen.
+    ``persistent=True`` adds the check that committed pages survive close and reopen;
+    ``pages`` replaces the random pages the cases store (see :data:`PageSource`).
     Returns the report when every case passed or skipped; otherwise raises
     :class:`ConformanceError` listing each failed case with its reason.
     """
@@ -157,7 +167,9 @@ async def check_backend(
     failures: list[str] = []
     for case in cases if cases is not None else conformance_cases():
         try:
-            result = await case.run(factory, persistent=persistent, timeout_s=timeout_s)
+            result = await case.run(
+                factory, persistent=persistent, timeout_s=timeout_s, pages=pages
+            )
         except ConformanceError as exc:
             failures.append(str(exc))
             continue
