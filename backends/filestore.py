@@ -15,6 +15,11 @@ verify is a miss, counted in :meth:`FileStore.stats`, logged with its key and pa
 its file is removed. Opening a directory indexes the pages already there, so a reopened
 store still has them; leftovers in ``.tmp`` are removed.
 
+Variable-length blobs (:attr:`~kvtier.backend.StoreBackend.variable_length`): a blob
+written with :meth:`FileStore.write_blobs` is a file of ``64 + n`` bytes whose header
+records ``n``; :meth:`FileStore.get_sized` reads it back, plain ``get`` serves only whole
+pages (a shorter file is a miss there, removed like a damaged page).
+
 Durability: with ``fsync=False`` (the default) a committed page survives a process crash
 but not necessarily a power loss; ``fsync=True`` syncs each page and its directory before
 commit returns. One store object (in one process) at a time may open a directory: a
@@ -46,7 +51,7 @@ from kvtier.backends.store_files import (
     private_dir,
 )
 
-from kvtier.backend import Reservation, check_buffers
+from kvtier.backend import Reservation, check_blobs, check_buffers
 from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
@@ -112,7 +117,21 @@ class FileStore(FileStoreBase):
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         """Write each page with its header to its temp file (one hop for the batch)."""
         self._check_open()
-        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        return await self._write(reservations, check_buffers(data, len(reservations),
+                                                             self.page_bytes))  # fmt: skip
+
+    async def write_blobs(
+        self, reservations: Sequence[Reservation], blobs: Sequence[Any]
+    ) -> list[bool]:
+        """:meth:`write` for blobs of 1 to ``page_bytes`` bytes (read back with
+        :meth:`get_sized`)."""
+        self._check_open()
+        return await self._write(reservations, check_blobs(blobs, len(reservations),
+                                                           self.page_bytes))  # fmt: skip
+
+    async def _write(
+        self, reservations: Sequence[Reservation], bufs: list[np.ndarray]
+    ) -> list[bool]:
         ok = [False] * len(reservations)
         jobs: list[tuple[int, Pending, np.ndarray]] = []
         for i, (r, buf) in enumerate(zip(reservations, bufs, strict=True)):
@@ -222,18 +241,29 @@ class FileStore(FileStoreBase):
         """Read and verify committed pages into ``out`` (one hop). A page that fails
         verification is a miss: counted, logged and its file removed (a second hop),
         unless the key was committed again while the read was out."""
+        got = await self._get(keys, out, sized=False)
+        return [n is not None for n in got]
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        """Read committed blobs (whole pages or shorter ones from :meth:`write_blobs`)
+        into the start of ``out``; each one's length, or ``None`` for a miss. Verified,
+        counted and removed when damaged exactly as in :meth:`get`."""
+        return await self._get(keys, out, sized=True)
+
+    async def _get(self, keys: Sequence[PageKey], out: Sequence[Any], sized: bool
+                   ) -> list[int | None]:  # fmt: skip
         self._check_open()
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
-        ok = [False] * len(keys)
+        ok: list[int | None] = [None] * len(keys)
         stamps = {k: self._index[k] for k in keys if k in self._index}
         jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in stamps]
         if not jobs:
             return ok
-        results = await self._fan_out(self.read_files, jobs)
+        results = await self._fan_out(self._read_blobs if sized else self.read_files, jobs)
         damaged: list[Path] = []
-        for (i, key, _), res in zip(jobs, results, strict=True):
+        for (i, key, _), (res, length) in zip(jobs, results, strict=True):
             if res == "ok":
-                ok[i] = True
+                ok[i] = length
                 continue
             if res == "bad":
                 self._counters["checksum_failures"] += 1
@@ -247,10 +277,21 @@ class FileStore(FileStoreBase):
             await self.run_blocking(unlink_all, damaged)
         return ok
 
-    def read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[str]:
-        """Per job: ``ok``, ``bad`` (failed verification), ``gone`` (file missing) or
-        ``error`` (I/O error). Removes nothing: :meth:`get` decides that on the loop."""
-        out: list[str] = []
+    def read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[tuple[str, int]]:
+        """:meth:`_read` of whole pages (a shorter blob is ``bad``)."""
+        return self._read(jobs, sized=False)
+
+    def _read_blobs(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[tuple[str, int]]:
+        """:meth:`_read` of blobs of 1 to ``page_bytes`` bytes."""
+        return self._read(jobs, sized=True)
+
+    def _read(
+        self, jobs: list[tuple[int, PageKey, np.ndarray]], sized: bool
+    ) -> list[tuple[str, int]]:
+        """Per job: (``ok``, bytes read), or ``bad`` (failed verification), ``gone`` (file
+        missing) or ``error`` (I/O error) with 0. A blob shorter than a page is ``ok``
+        only when ``sized``. Removes nothing: :meth:`get` decides that on the loop."""
+        out: list[tuple[str, int]] = []
         header = bytearray(HEADER_SIZE)
         safe_dirs: dict[Path, bool] = {}
         for _, key, buf in jobs:
@@ -263,31 +304,34 @@ class FileStore(FileStoreBase):
                 fd = open_private(path, os.O_RDONLY, self.modes, self.path, fix_mode=False)
             except FileNotFoundError:
                 _log.warning("file store: page %s vanished from %s", key.hex(), path)
-                out.append("gone")
+                out.append(("gone", 0))
                 continue
             except UnsafeStoreError as exc:  # a symlink planted in place of a page
                 _log.warning("file store: page %s refused: %s", key.hex(), exc)
-                out.append("bad")
+                out.append(("bad", 0))
                 continue
             except OSError as exc:
                 _log.warning("file store: cannot open %s for %s: %s", path, key.hex(), exc)
-                out.append("error")
+                out.append(("error", 0))
                 continue
             try:
                 size = os.fstat(fd).st_size
-                got = os.preadv(fd, [header, buf.data], 0)
+                n = size - HEADER_SIZE
+                fits = 0 < n <= buf.nbytes if sized else n == buf.nbytes
+                got = os.preadv(fd, [header, buf[:n].data], 0) if fits else -1
             except OSError as exc:
                 _log.warning("file store: read of %s from %s failed: %s", key.hex(), path, exc)
-                out.append("error")
+                out.append(("error", 0))
                 continue
             finally:
                 os.close(fd)
             try:
-                if size != HEADER_SIZE + buf.nbytes or got != size:
+                if not fits or got != size:
                     raise IntegrityError(
-                        f"file holds {size} bytes (read {got}), expected {HEADER_SIZE + buf.nbytes}"
+                        f"file holds {size} bytes (read {got}), expected "
+                        f"{'up to ' if sized else ''}{HEADER_SIZE + buf.nbytes}"
                     )
-                verify_page(memoryview(header), key, buf)
+                verify_page(memoryview(header), key, buf[:n])
             except IntegrityError as exc:
                 _log.warning(
                     "file store: page %s at %s failed verification (%s): a miss",
@@ -295,9 +339,9 @@ class FileStore(FileStoreBase):
                     path,
                     exc,
                 )
-                out.append("bad")
+                out.append(("bad", 0))
                 continue
-            out.append("ok")
+            out.append(("ok", n))
         return out
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:

@@ -76,6 +76,7 @@ class FileStoreBase(StoreBackend):
     medium: ClassVar[Medium] = Medium.FILE
 
     default_io_threads: ClassVar[int] = 4
+    variable_length: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -184,7 +185,7 @@ class FileStoreBase(StoreBackend):
         if check_no_symlink(tmp, self.path, want="dir"):
             shutil.rmtree(tmp)  # never follows symlinks inside it
         private_dir(tmp, self.modes, self.path)
-        expected = HEADER_SIZE + self.page_bytes
+        largest = HEADER_SIZE + self.page_bytes
         keys: set[PageKey] = set()
         skipped = 0
         for sub in os.scandir(self.path):
@@ -211,13 +212,14 @@ class FileStoreBase(StoreBackend):
                 except (ValueError, OSError):
                     skipped += 1
                     continue
-                if size != expected:
+                if not HEADER_SIZE < size <= largest:  # shorter: a variable-length blob
                     _log.warning(
-                        "file store %s: skipping %s (%d bytes, expected %d)",
+                        "file store %s: skipping %s (%d bytes, expected %d to %d)",
                         self.path,
                         entry.path,
                         size,
-                        expected,
+                        HEADER_SIZE + 1,
+                        largest,
                     )
                     skipped += 1
                     continue

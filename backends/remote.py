@@ -8,6 +8,13 @@ read; a page that does not verify, that the server evicted, or that a failing se
 could not return is a miss, never wrong bytes (a page that fails verification is also
 deleted, so that it can be stored again).
 
+**Short values** (:attr:`~kvtier.backend.StoreBackend.variable_length`): a blob of 1 to
+``page_bytes`` bytes written with :meth:`RedisStore.write_blobs` is a value of its own
+length plus the header (which records that length); :meth:`RedisStore.get_sized` reads it
+back with its length. A codec tier (:mod:`kvtier.codec.store`) thus sends a compressed page
+at its compressed size. Plain ``get`` takes whole pages only (a shorter value is a damaged
+page there).
+
 **Two paths to the server.** Page bytes (``SET`` and ``GET`` of values) go through the
 data path of :mod:`~kvtier.backends.remote_datapath`: a small RESP client of kvtier's own
 that sends each page straight from the caller's buffer and reads each value straight into
@@ -51,8 +58,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.backend import BackendClosedError, Reservation, check_buffers
+import numpy as np
+
+from kvtier.backend import (
+    BackendClosedError,
+    Reservation,
+    check_blobs,
+    check_buffers,
+)
 from kvtier.keys import PageKey
+from kvtier.pageformat import HEADER_SIZE
 
 from .remote_base import RedisStoreBase, log
 from .remote_datapath import (
@@ -124,6 +139,20 @@ class RedisStore(RedisStoreBase):
         before :meth:`commit`. ``False`` only for reservations no longer pending."""
         bufs = check_buffers(data, len(reservations), self.page_bytes)
         self._check_open()
+        return await self._stage(reservations, bufs)
+
+    async def write_blobs(
+        self, reservations: Sequence[Reservation], blobs: Sequence[Any]
+    ) -> list[bool]:
+        """:meth:`write` for blobs of 1 to ``page_bytes`` bytes: the value sent at commit
+        is the blob and its header, no longer (read back with :meth:`get_sized`)."""
+        bufs = check_blobs(blobs, len(reservations), self.page_bytes)
+        self._check_open()
+        return await self._stage(reservations, bufs)
+
+    async def _stage(
+        self, reservations: Sequence[Reservation], bufs: Sequence[np.ndarray]
+    ) -> list[bool]:
         ok = [r.present for r in reservations]
         todo = [(i, p) for i, r in enumerate(reservations) if not r.present
                 if (p := self._pending_of(r)) is not None]  # fmt: skip
@@ -135,10 +164,11 @@ class RedisStore(RedisStoreBase):
         await self._cpu(
             lambda: self._fill(values, [p.key for _, p in todo], [p.namespace for _, p in todo],
                                [bufs[i] for i, _ in todo]),
-            len(todo) * self.page_bytes,
+            sum(bufs[i].nbytes for i, _ in todo),
         )  # fmt: skip
         for (i, p), value in zip(todo, values, strict=True):
             p.value = value
+            p.size = bufs[i].nbytes
             ok[i] = True
         return ok
 
@@ -163,8 +193,8 @@ class RedisStore(RedisStoreBase):
                 self._release(r.handle)
         if not todo:
             return ok
-        items = [SetItem(self.page_name(p.key), byte_view(p.value)) for _, p in todo
-                 if p.value is not None]  # fmt: skip
+        items = [SetItem(self.page_name(p.key), byte_view(p.value[: p.size + HEADER_SIZE]))
+                 for _, p in todo if p.value is not None]  # fmt: skip
         try:
             replies = await self._set_pages(items, nx=False)
         finally:
@@ -237,7 +267,19 @@ class RedisStore(RedisStoreBase):
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Read each page straight into ``out[i]`` and verify it there; ``False`` for
         absent, evicted, unverifiable or unreachable pages (then ``out[i]`` is
-        unspecified). No thread writes into ``out`` after this returns, cancelled or not."""
+        unspecified). No thread writes into ``out`` after this returns, cancelled or not.
+        A shorter blob (:meth:`write_blobs`) is a miss here, deleted like a damaged page."""
+        return [n is not None for n in await self._get(keys, out, sized=False)]
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        """Read committed blobs (whole pages, or shorter ones from :meth:`write_blobs`)
+        into the start of ``out[i]``; each one's length, or ``None`` for a miss, exactly
+        as :meth:`get` decides it."""
+        return await self._get(keys, out, sized=True)
+
+    async def _get(
+        self, keys: Sequence[PageKey], out: Sequence[Any], sized: bool
+    ) -> list[int | None]:
         self._check_keys(keys)
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         self._check_open()
@@ -250,25 +292,25 @@ class RedisStore(RedisStoreBase):
             for it in part:
                 pipe.get(it.name)
             values = await pipe.execute(raise_on_error=False)
-            return await self._cpu(lambda: [check_value(it, v) for it, v in
+            return await self._cpu(lambda: [check_value(it, v, sized) for it, v in
                                             zip(part, values, strict=True)],
                                    len(part) * self.page_bytes)  # fmt: skip
 
         async def send(client: Any, chunk: range, deadline: float) -> list[Any]:
             return await self._on_wire(
                 client, [items[i] for i in chunk], [names[i] for i in chunk],
-                fetch_pages, deadline, redirected,
+                lambda conn, its: fetch_pages(conn, its, sized), deadline, redirected,
             )  # fmt: skip
 
         replies = await self._batched(len(keys), send)
-        ok = [False] * len(keys)
+        ok: list[int | None] = [None] * len(keys)
         bad: list[tuple[int, str]] = []
         for i, reply in enumerate(replies):
             if failed(reply):
                 continue  # batch failed, or a foreign value type under our key
-            outcome, problem = reply
+            outcome, problem, length = reply
             if outcome is Fetched.HIT:
-                ok[i] = True
+                ok[i] = length
             elif outcome is Fetched.ABSENT:
                 self._committed.discard(keys[i])  # gone: evicted, expired or deleted
             else:

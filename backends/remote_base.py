@@ -16,7 +16,11 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from kvtier.backend import BackendClosedError, Medium, StoreBackend
+from kvtier.backend import (
+    BackendClosedError,
+    Medium,
+    StoreBackend,
+)
 from kvtier.errors import KVTierUsageError
 from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
@@ -61,6 +65,7 @@ class RedisStoreBase(StoreBackend):
 
     default_io_threads: ClassVar[int] = 2
     shared: ClassVar[bool] = True  # one pool, many servers
+    variable_length: ClassVar[bool] = True  # write_blobs / get_sized: values of 1 to a page
 
     def __init__(
         self,
@@ -256,11 +261,14 @@ class RedisStoreBase(StoreBackend):
         self, values: Sequence[np.ndarray], keys: Sequence[PageKey], namespace: Sequence[str],
         pages: Sequence[np.ndarray],
     ) -> None:  # fmt: skip
-        """Copy each page and its header into its value buffer (one batch, one call)."""
-        size = self.page_bytes
+        """Copy each page (or shorter blob) and its header into the start of its value
+        buffer (one batch, one call)."""
         for value, key, ns, page in zip(values, keys, namespace, pages, strict=True):
+            size = page.nbytes
             value[:size] = page
-            value[size:] = np.frombuffer(encode_header(key, ns, page), dtype=np.uint8)
+            value[size : size + HEADER_SIZE] = np.frombuffer(
+                encode_header(key, ns, page), dtype=np.uint8
+            )
 
     async def _batched(
         self,

@@ -9,7 +9,8 @@ batch runs on one thread and one :class:`~kvtier.backends.remote_wire.WireConnec
   hash releases the GIL and overlaps the server's reading of the previous page), then
   reads the replies;
 * :func:`fetch_pages` sends every ``GET`` at once, reads each value straight into the
-  caller's page buffer and verifies it there, on the thread, as it arrives.
+  caller's page buffer and verifies it there, on the thread, as it arrives (``sized``:
+  values shorter than a page too, for the codec tiers' variable-length blobs).
 
 :class:`WirePool` keeps idle connections per server address and runs batches on its own
 threads. Its :meth:`WirePool.run` is cancel-safe: a cancelled caller aborts the
@@ -255,30 +256,38 @@ class GetItem:
 
 
 def fetch_pages(
-    conn: WireConnection, items: Sequence[GetItem]
-) -> list[tuple[Fetched, str] | ReplyError]:
+    conn: WireConnection, items: Sequence[GetItem], sized: bool = False
+) -> list[tuple[Fetched, str, int] | ReplyError]:
     """Pipelined ``GET`` of every item straight into its buffer, each verified there as it
-    arrives. Per item ``(Fetched, problem)`` or a :class:`ReplyError`. A ``BAD`` page's
+    arrives. Per item ``(Fetched, problem, payload bytes)`` or a :class:`ReplyError`. A
+    ``HIT``'s payload fills ``item.out``, or with ``sized`` its first bytes (a blob of 1 to
+    ``len(item.out)`` bytes, :meth:`~WireConnection.read_blob_into`); a ``BAD`` page's
     buffer holds unspecified bytes. Runs on a worker thread."""
     conn.send([b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(i.name), i.name) for i in items])
     header = bytearray(HEADER_SIZE)
     hview = memoryview(header)
-    out: list[tuple[Fetched, str] | ReplyError] = []
+    out: list[tuple[Fetched, str, int] | ReplyError] = []
     for item in items:
-        got = conn.read_value_into(item.out, hview)
+        got: int | ValueReply | ReplyError
+        if sized:
+            got = conn.read_blob_into(item.out, hview)
+        else:
+            got = conn.read_value_into(item.out, hview)
+            if got is ValueReply.VALUE:
+                got = item.out.nbytes
         if isinstance(got, ReplyError):
             out.append(got)
         elif got is ValueReply.NIL:
-            out.append((Fetched.ABSENT, ""))
-        elif got is ValueReply.WRONG_SIZE:
-            out.append((Fetched.BAD, "stored value has the wrong size"))
+            out.append((Fetched.ABSENT, "", 0))
+        elif not isinstance(got, int):  # ValueReply.WRONG_SIZE
+            out.append((Fetched.BAD, "stored value has the wrong size", 0))
         else:
             try:
-                verify_page(hview, item.key, item.out)
+                verify_page(hview, item.key, item.out[:got])
             except IntegrityError as exc:
-                out.append((Fetched.BAD, str(exc)))
+                out.append((Fetched.BAD, str(exc), 0))
             else:
-                out.append((Fetched.HIT, ""))
+                out.append((Fetched.HIT, "", got))
     return out
 
 

@@ -15,7 +15,10 @@ from kvtier.errors import IntegrityError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, verify_page
 
-from .remote_datapath import Fetched, GetItem
+from .remote_datapath import (
+    Fetched,
+    GetItem,
+)
 from .remote_wire import ReplyError
 
 
@@ -36,6 +39,7 @@ class Pending:
     key: PageKey
     namespace: str
     value: np.ndarray | None = None  # payload + header, filled by write()
+    size: int = 0  # payload bytes in value (page_bytes, or less from write_blobs())
 
 
 def describe(exc: BaseException | ReplyError) -> str:
@@ -56,23 +60,25 @@ def as_reply(reply: Any) -> Any:
     return reply
 
 
-def check_value(item: GetItem, value: Any) -> Any:
+def check_value(item: GetItem, value: Any, sized: bool) -> Any:
     """Verify a value fetched through redis-py (after a redirection) and copy it into the
-    item's buffer; the same outcomes as :func:`fetch_pages`."""
+    item's buffer; the same outcomes as :func:`fetch_pages` (``sized``: a blob of 1 to
+    ``len(item.out)`` bytes)."""
     if isinstance(value, BaseException):
         return as_reply(value)
     if value is None:
-        return (Fetched.ABSENT, "")
-    view, size = memoryview(value), item.out.nbytes
+        return (Fetched.ABSENT, "", 0)
+    view, largest = memoryview(value), item.out.nbytes
+    size = len(view) - HEADER_SIZE
     try:
-        if len(view) != size + HEADER_SIZE:
+        if not (0 < size <= largest if sized else size == largest):
             raise IntegrityError(f"stored value is {len(view)} bytes, expected "
-                                 f"{size + HEADER_SIZE}")  # fmt: skip
+                                 f"{'up to ' if sized else ''}{largest + HEADER_SIZE}")  # fmt: skip
         verify_page(view[size:], item.key, view[:size])
     except IntegrityError as exc:
-        return (Fetched.BAD, str(exc))
-    item.out[:] = view[:size]
-    return (Fetched.HIT, "")
+        return (Fetched.BAD, str(exc), 0)
+    item.out[:size] = view[:size]
+    return (Fetched.HIT, "", size)
 
 
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = ()

@@ -374,17 +374,12 @@ class WireConnection:
         self.broken = True
         raise WireError(f"protocol error: unexpected reply line {line[:40]!r}")
 
-    def read_value_into(self, payload: memoryview, trailer: memoryview) -> ValueReply | ReplyError:
-        """Read one ``GET`` reply expected to hold ``len(payload) + len(trailer)`` bytes
-        straight into ``payload`` then ``trailer``.
-
-        A value of another size is read and discarded (:attr:`ValueReply.WRONG_SIZE`); the
-        caller's buffers are then untouched. Raises :class:`WireError` on a protocol error.
-        """
-        size = payload.nbytes + trailer.nbytes
-        # Ask for no more than the expected length line, so that the value's bytes go to
-        # the caller's buffer rather than through the line buffer.
-        line = self._line(len(b"$%d\r\n" % size))
+    def _value_length(self, largest: int) -> int | ReplyError:
+        """The length of the next ``GET`` reply's value (``-1``: nil), or its error.
+        Reads no more of the reply than a length line for ``largest`` bytes, so that the
+        value's bytes go to the caller's buffers rather than through the line buffer.
+        Raises :class:`WireError` on a protocol error."""
+        line = self._line(len(b"$%d\r\n" % largest))
         kind, rest = line[:1], line[1:]
         if kind == b"-":
             return ReplyError(rest.decode(errors="replace"))
@@ -395,14 +390,52 @@ class WireConnection:
         if n is None:
             self.broken = True
             raise WireError(f"protocol error: unexpected GET reply {line[:40]!r}")
+        return n
+
+    def _read_value(self, views: Sequence[memoryview]) -> None:
+        """Read a value (its length line already read) into ``views``, then its CRLF."""
+        crlf = bytearray(2)
+        self._read_exact([*views, memoryview(crlf)])
+        if crlf != _CRLF:
+            self.broken = True
+            raise WireError("protocol error: bulk value not followed by CRLF")
+
+    def read_value_into(self, payload: memoryview, trailer: memoryview) -> ValueReply | ReplyError:
+        """Read one ``GET`` reply expected to hold ``len(payload) + len(trailer)`` bytes
+        straight into ``payload`` then ``trailer``.
+
+        A value of another size is read and discarded (:attr:`ValueReply.WRONG_SIZE`); the
+        caller's buffers are then untouched. Raises :class:`WireError` on a protocol error.
+        """
+        size = payload.nbytes + trailer.nbytes
+        n = self._value_length(size)
+        if isinstance(n, ReplyError):
+            return n
         if n < 0:
             return ValueReply.NIL
         if n != size:
             self._discard(n + 2)
             return ValueReply.WRONG_SIZE
-        crlf = bytearray(2)
-        self._read_exact([payload, trailer, memoryview(crlf)])
-        if crlf != _CRLF:
-            self.broken = True
-            raise WireError("protocol error: bulk value not followed by CRLF")
+        self._read_value([payload, trailer])
         return ValueReply.VALUE
+
+    def read_blob_into(
+        self, payload: memoryview, trailer: memoryview
+    ) -> int | ValueReply | ReplyError:
+        """Read one ``GET`` reply of ``len(trailer) + 1`` to ``len(payload) + len(trailer)``
+        bytes: all but its last ``len(trailer)`` bytes into the start of ``payload``, those
+        into ``trailer``. Returns how many bytes went to ``payload``, or what
+        :meth:`read_value_into` returns for nil, another size (the buffers untouched) or an
+        error reply. Raises :class:`WireError` on a protocol error.
+        """
+        n = self._value_length(payload.nbytes + trailer.nbytes)
+        if isinstance(n, ReplyError):
+            return n
+        if n < 0:
+            return ValueReply.NIL
+        body = n - trailer.nbytes
+        if not 0 < body <= payload.nbytes:
+            self._discard(n + 2)
+            return ValueReply.WRONG_SIZE
+        self._read_value([payload[:body], trailer])
+        return body

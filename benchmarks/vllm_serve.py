@@ -1,29 +1,30 @@
 """vLLM with kvtier against vLLM alone, through ``vllm serve`` (the OpenAI-compatible API).
 
-Two servers run side by side on 127.0.0.1, identical but for ``--kv-transfer-config``
-(kvtier: a DRAM tier over an NVMe tier in a temporary directory). Requests go one at a
-time, each to both servers in turn (alternating which goes first), so both see the same
-machine at the same moment: every figure is a ratio of two measurements of one run.
-vLLM's block pool is small (``--num-gpu-blocks-override``) so that earlier turns of a
-conversation are evicted from it by the other conversations; vLLM's own prefix cache is on
-in both servers. Run in the vLLM environment::
+Three servers run side by side on 127.0.0.1, identical but for ``--kv-transfer-config``:
+``vllm`` (no connector), ``null`` (a connector that does nothing,
+``benchmarks/vllm_null_connector.py``: what vLLM's own connector code path costs) and
+``kvtier`` (a DRAM tier over an NVMe tier in a temporary directory). Requests go one at a
+time, each to every server in turn (rotating which goes first), so all see the same machine
+at the same moment: every figure is a ratio of measurements of one run. vLLM's block pool
+is small (``--num-gpu-blocks-override``) so that earlier turns of a conversation are
+evicted from it by the other conversations; vLLM's own prefix cache is on everywhere.
+Run in the vLLM environment::
 
     .venv-vllm/bin/python benchmarks/vllm_serve.py --out bench-out/vllm_serve.json
 
 Workloads:
 
-* ``conversations``: multi-round QA. ``--conversations`` conversations of ``--turns``
-  turns, visited round-robin (turn 1 of each, then turn 2 of each, ...). A turn's prompt
-  is the shared system prompt, the whole history (earlier questions and the answers the
-  server gave) and a new question. Answers are greedy, so both servers give the same
-  answers (checked: mismatches are reported).
-* ``no-reuse``: prompts that share nothing, so kvtier can only cost time (lookups, saves).
+* ``conversations``: multi-round QA over a shared system prompt. ``--conversations``
+  conversations of ``--turns`` turns, visited round-robin (turn 1 of each, then turn 2 of
+  each, ...). A turn's prompt is the system prompt, the whole history (earlier questions
+  and vLLM's answers) and a new question; the same prompt goes to every server.
+* ``no-reuse``: prompts that share nothing, so kvtier can only cost time.
 
-Reported: TTFT (time to the first streamed token) per request and server; for the
-requests kvtier served at least 85 % cached (``usage.prompt_tokens_details``), the ratio
-of kvtier's TTFT to vLLM alone's (which recomputes what its pool lost); for the no-reuse
-workload the TTFT ratio and the throughput ratio; for the whole conversation replay the
-tokens/s ratio (prompt + generated tokens over the summed request times).
+Reported per workload and server: TTFT (time to the first streamed token), tokens/s
+(prompt + generated tokens over the request times) and the cached fraction
+(``usage.prompt_tokens_details``); kvtier's ratios to vLLM alone and to the null
+connector, overall and for the requests kvtier served at least 85 % cached; greedy
+answers that differ from vLLM alone's (with the first differing token).
 """
 
 from __future__ import annotations
@@ -174,15 +175,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.enforce_eager:
         common.append("--enforce-eager")
     env = base_env(runtime)
+    null = {
+        "kv_connector": "NullConnector",
+        "kv_connector_module_path": "vllm_null_connector",
+        "kv_role": "kv_both",
+    }
+    null_env = dict(
+        env,
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
+        ),
+    )
     servers = {
         "vllm": Server("vllm", model, common, env, work / "vllm.log"),
+        "null": Server(
+            "null", model, [*common, "--kv-transfer-config", json.dumps(null)], null_env,
+            work / "null.log",
+        ),
         "kvtier": Server(
             "kvtier", model, [*common, "--kv-transfer-config", json.dumps(connector(kv))], env,
             work / "kvtier.log",
         ),
     }  # fmt: skip
     samples: list[Sample] = []
-    mismatches = 0
+    mismatches: list[dict[str, Any]] = []
     try:
         for s in servers.values():
             s.wait()
@@ -194,15 +210,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         turn = 0
 
         def both(workload: str, prompt: list[int], max_tokens: int) -> list[int]:
-            nonlocal turn, mismatches
+            nonlocal turn
             turn += 1
             answers: dict[str, list[int]] = {}
-            for name in order if turn % 2 else reversed(order):
+            rotated = order[turn % len(order) :] + order[: turn % len(order)]
+            for name in rotated:
                 ttft, total, toks, cached = _complete(clients[name], str(model), prompt, max_tokens)
                 answers[name] = toks
                 samples.append(Sample(workload, name, len(prompt), cached, len(toks), ttft, total))
-            if answers["vllm"] != answers["kvtier"]:
-                mismatches += 1
+            for name in ("null", "kvtier"):
+                if answers[name] != answers["vllm"]:
+                    first = next(
+                        (
+                            i
+                            for i, (a, b) in enumerate(
+                                zip(answers[name], answers["vllm"], strict=False)
+                            )
+                            if a != b
+                        ),
+                        min(len(answers[name]), len(answers["vllm"])),
+                    )
+                    mismatches.append(
+                        {
+                            "server": name,
+                            "workload": workload,
+                            "turn": turn,
+                            "first_divergent_token": first,
+                        }
+                    )
             return answers["vllm"]
 
         rng = np.random.default_rng(args.seed)
@@ -228,64 +263,65 @@ def _ratio(a: float, b: float) -> float:
 
 
 def summarize(
-    samples: list[Sample], mismatches: int, kv_metrics: dict[str, float], params: dict[str, Any]
+    samples: list[Sample],
+    mismatches: list[dict[str, Any]],
+    kv_metrics: dict[str, float],
+    params: dict[str, Any],
 ) -> dict[str, Any]:
-    by = {
-        (s.workload, s.server): [
-            x for x in samples if (x.workload, x.server) == (s.workload, s.server)
-        ]
-        for s in samples
-    }
-    conv_v, conv_k = by[("conversations", "vllm")], by[("conversations", "kvtier")]
-    pairs = list(zip(conv_v, conv_k, strict=True))
-    hot = [(v, k) for v, k in pairs if k.cached_tokens >= 0.85 * k.prompt_tokens]
-    hot_ratios = [k.ttft_s / v.ttft_s for v, k in hot]
-    uv, uk = by.get(("no-reuse", "vllm"), []), by.get(("no-reuse", "kvtier"), [])
+    """Per workload: each server's figures and kvtier's ratios to vLLM alone and to the
+    null connector (requests are matched one to one: the same prompt on every server)."""
+
+    def of(workload: str, server: str) -> list[Sample]:
+        return [x for x in samples if x.workload == workload and x.server == server]
 
     def tps(xs: list[Sample]) -> float:
         return sum(x.prompt_tokens + x.output_tokens for x in xs) / sum(x.total_s for x in xs)
 
-    return {
-        "params": params,
-        "answer_mismatches": mismatches,
-        "conversations": {
-            "requests": len(pairs),
-            "hot_requests": len(hot),
-            "hot_ttft_ratio_median": round(statistics.median(hot_ratios), 3)
-            if hot_ratios
-            else None,
-            "hot_ttft_ratio_max": round(max(hot_ratios), 3) if hot_ratios else None,
-            "hot_ttft_ratio_of_means": _ratio(
-                sum(k.ttft_s for _, k in hot), sum(v.ttft_s for v, _ in hot)
-            )
-            if hot
-            else None,
-            "vllm_cached_fraction": round(
-                sum(v.cached_tokens for v in conv_v) / sum(v.prompt_tokens for v in conv_v), 3
+    def figures(xs: list[Sample]) -> dict[str, float]:
+        return {
+            "requests": len(xs),
+            "mean_ttft_s": round(statistics.mean(x.ttft_s for x in xs), 3),
+            "median_ttft_s": round(statistics.median(x.ttft_s for x in xs), 3),
+            "tokens_per_s": round(tps(xs), 1),
+            "cached_fraction": round(
+                sum(x.cached_tokens for x in xs) / sum(x.prompt_tokens for x in xs), 3
             ),
-            "kvtier_cached_fraction": round(
-                sum(k.cached_tokens for k in conv_k) / sum(k.prompt_tokens for k in conv_k), 3
-            ),
-            "tokens_per_s_ratio": _ratio(tps(conv_k), tps(conv_v)),
-            "ttft_ratio_of_means": _ratio(
-                sum(k.ttft_s for k in conv_k), sum(v.ttft_s for v in conv_v)
-            ),
-        },
-        "no_reuse": {
-            "requests": len(uk),
-            "ttft_ratio_median": round(
-                statistics.median(k.ttft_s / v.ttft_s for v, k in zip(uv, uk, strict=True)), 3
-            )
-            if uk
-            else None,
-            "ttft_ratio_of_means": _ratio(sum(k.ttft_s for k in uk), sum(v.ttft_s for v in uv))
-            if uk
-            else None,
-            "throughput_ratio": _ratio(tps(uk), tps(uv)) if uk else None,
-        },
-        "kvtier_metrics": kv_metrics,
-        "samples": [asdict(s) | {"tokens": None} for s in samples],
-    }
+        }
+
+    out: dict[str, Any] = {"params": params, "answer_mismatches": mismatches}
+    for workload in ("conversations", "no-reuse"):
+        arms = {name: of(workload, name) for name in ("vllm", "null", "kvtier")}
+        if not arms["kvtier"]:
+            continue
+        section: dict[str, Any] = {name: figures(xs) for name, xs in arms.items()}
+        for base in ("vllm", "null"):
+            pairs = list(zip(arms[base], arms["kvtier"], strict=True))
+            section[f"kvtier_vs_{base}"] = {
+                "ttft_ratio_of_means": _ratio(
+                    sum(k.ttft_s for _, k in pairs), sum(b.ttft_s for b, _ in pairs)
+                ),
+                "ttft_ratio_median": round(
+                    statistics.median(k.ttft_s / b.ttft_s for b, k in pairs), 3
+                ),
+                "tokens_per_s_ratio": _ratio(tps(arms["kvtier"]), tps(arms[base])),
+            }
+            hot = [(b, k) for b, k in pairs if k.cached_tokens >= 0.85 * k.prompt_tokens]
+            if workload == "conversations":
+                section[f"kvtier_vs_{base}"]["hot_requests"] = len(hot)
+                if hot:
+                    ratios = [k.ttft_s / b.ttft_s for b, k in hot]
+                    section[f"kvtier_vs_{base}"]["hot_ttft_ratio_median"] = round(
+                        statistics.median(ratios), 3
+                    )
+                    section[f"kvtier_vs_{base}"]["hot_ttft_ratio_of_means"] = _ratio(
+                        sum(k.ttft_s for _, k in hot), sum(b.ttft_s for b, _ in hot)
+                    )
+                    section[f"kvtier_vs_{base}"]["hot_ttft_ratio_max"] = round(max(ratios), 3)
+        section["null_vs_vllm_tokens_per_s_ratio"] = _ratio(tps(arms["null"]), tps(arms["vllm"]))
+        out[workload] = section
+    out["kvtier_metrics"] = kv_metrics
+    out["samples"] = [asdict(s) | {"tokens": None} for s in samples]
+    return out
 
 
 def main() -> None:
@@ -297,15 +333,15 @@ def main() -> None:
     )
     p.add_argument("--smollm2", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=256)
-    p.add_argument("--question-tokens", type=int, default=320)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-tokens", type=int, default=512)
+    p.add_argument("--question-tokens", type=int, default=96)
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--unique", type=int, default=8, help="no-reuse requests")
-    p.add_argument("--unique-tokens", type=int, default=1024)
+    p.add_argument("--unique-tokens", type=int, default=768)
     p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--pool-blocks", type=int, default=160, help="vLLM's block pool (both servers)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--pool-blocks", type=int, default=96, help="vLLM's block pool (every server)")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dram", default="256MiB")
     p.add_argument("--nvme", default="2GiB")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)

@@ -149,6 +149,8 @@ _COMMAND_MODULES: list[str] = [
     "bench_sim",
     "inspect_topology",
     "inspect_stats",
+    "bench_codec",
+    "inspect_codecs",
 ]
 
 

@@ -130,8 +130,13 @@ def run_sim(
     show_progress: bool,
     admission: str = "reuse",
     prefetch: str | None = None,
+    codecs: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run every (policy, capacity) pair and return the report as plain data."""
+    """Run every (policy, capacity) pair and return the report as plain data.
+
+    ``codecs`` maps tier names to a codec: that tier holds, in the bytes its uncoded
+    capacity takes, as many pages as the live cache would (:func:`codec_page_factors`).
+    """
     for p in policies:
         if p not in EVICTION_POLICIES:
             known = ", ".join(sorted(EVICTION_POLICIES))
@@ -142,6 +147,7 @@ def run_sim(
         raise KVTierUsageError(f"unknown write policy {write_policy!r}; known: {WRITE_POLICIES}")
     hw = profile(hardware)
     spec = preset(model)
+    factors = codec_page_factors(codecs or {}, tier_names, spec)
     distinct = tr.distinct_blocks()
     blocks = [r.blocks for r in tr.requests]
     runs: list[dict[str, Any]] = []
@@ -150,6 +156,7 @@ def run_sim(
         for cap_text in capacities:
             top = parse_capacity(cap_text, distinct)
             caps = [top] + [int(top * tier_scale**i) for i in range(1, len(tier_names))]
+            caps = [max(1, int(c * f)) for c, f in zip(caps, factors, strict=True)]
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
@@ -198,8 +205,29 @@ def run_sim(
         "model": spec.name,
         "admission": admission if write_policy == "selective" else None,
         "prefetch": prefetch,
+        "codecs": dict(codecs or {}),
+        "codec_page_factors": dict(zip(tier_names, factors, strict=True)),
         "runs": runs,
     }
+
+
+def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any) -> list[float]:
+    """Per tier, pages held per page of uncoded capacity: ``page_bytes / slot_bytes`` of its
+    codec (``fp8-e4m3`` about 2; a lossless codec slightly under 1, since capacity counts
+    a raw page plus the frame), 1 without a codec."""
+    from kvtier.codec import NO_CODEC, make_codec, slot_bytes
+
+    unknown = sorted(set(codecs) - set(tier_names))
+    if unknown:
+        raise KVTierUsageError(f"--codec names tier(s) {unknown}; tiers are {tier_names}")
+    out = []
+    for name in tier_names:
+        codec = codecs.get(name, NO_CODEC)
+        if codec == NO_CODEC:
+            out.append(1.0)
+            continue
+        out.append(spec.page_bytes / slot_bytes(make_codec(codec, spec)))
+    return out
 
 
 def make_figure(report: dict[str, Any]) -> Any:
@@ -330,6 +358,10 @@ def sim(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="write a PNG plot")] = None,
     show_progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    codec: Annotated[
+        list[str] | None,
+        typer.Option(help="TIER=CODEC: that tier's bytes hold pages encoded so (repeat)"),
+    ] = None,
 ) -> None:
     """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model."""
 
@@ -344,6 +376,13 @@ def sim(
             capacity or ["1%", "5%", "10%"],
             plot_file,
         )
+        codecs: dict[str, str] = {}
+        for item in codec or []:
+            tier_name, eq, codec_name = item.partition("=")
+            if not eq or not tier_name or not codec_name:
+                raise KVTierUsageError(f"--codec {item!r}: use TIER=CODEC, e.g. nvme=fp8-e4m3")
+            codecs[tier_name] = codec_name
+        codec_page_factors(codecs, names, preset(model))  # bad tier or codec names: now
         tr = _load(trace, workload_name, requests, block_tokens)
         report = run_sim(
             tr,
@@ -357,6 +396,7 @@ def sim(
             show_progress,
             admission,
             prefetch,
+            codecs,
         )
         if plot_file is not None:
             plot(report, plot_file)

@@ -372,7 +372,56 @@ class ArenaBackend(Backend):
 
 
 class StoreBackend(Backend):
-    """A key -> blob store (NVMe, remote pool)."""
+    """A key -> blob store (NVMe, remote pool).
+
+    **Variable-length blobs (optional).** A store whose :attr:`variable_length` is true
+    also keeps blobs shorter than ``page_bytes``: :meth:`write_blobs` takes them (1 to
+    ``page_bytes`` bytes each) in place of :meth:`write`, and :meth:`get_sized` reads them
+    back with their length. Its page header records that length and its checksum covers
+    exactly those bytes; plain :meth:`get` still serves only whole ``page_bytes`` pages (a
+    shorter blob is a miss there). A codec-wrapped tier (:mod:`kvtier.codec.store`) uses
+    this to move and keep only a compressed page's bytes.
+    """
 
     kind: ClassVar[BackendKind] = BackendKind.STORE
     medium: ClassVar[Medium] = Medium.STORE
+
+    #: Whether :meth:`write_blobs` / :meth:`get_sized` keep blobs shorter than a page.
+    variable_length: ClassVar[bool] = False
+
+    async def write_blobs(
+        self, reservations: Sequence[Reservation], blobs: Sequence[Any]
+    ) -> list[bool]:
+        """Like :meth:`write`, for blobs of 1 to ``page_bytes`` bytes on a store with
+        :attr:`variable_length`; other stores take only whole pages (:meth:`write`)."""
+        if not self.variable_length:
+            return await self.write(reservations, blobs)
+        raise NotImplementedError(f"{type(self).__name__} declares variable_length "
+                                  "but does not implement write_blobs")  # fmt: skip
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        """Read each committed blob into the start of ``out[i]`` (``page_bytes`` long);
+        its length, or ``None`` for a miss. Stores without :attr:`variable_length` hold
+        whole pages only, so a hit is ``page_bytes``."""
+        got = await self.get(keys, out)
+        return [self.page_bytes if hit else None for hit in got]
+
+
+def check_blobs(blobs: Sequence[Any], count: int, max_bytes: int) -> list[np.ndarray]:
+    """Validate a batch of variable-length blobs: 1-D C-contiguous uint8, 1 to
+    ``max_bytes`` bytes each, one per key; :class:`KVTierUsageError` names the bad one."""
+    if len(blobs) != count:
+        raise KVTierUsageError(f"got {len(blobs)} blobs for {count} keys")
+    out: list[np.ndarray] = []
+    for i, blob in enumerate(blobs):
+        try:
+            n = blob.nbytes if isinstance(blob, np.ndarray) else memoryview(blob).nbytes
+        except TypeError:
+            raise KVTierUsageError(
+                f"blob {i} must be a numpy uint8 array or a bytes-like object, "
+                f"got {type(blob).__name__}"
+            ) from None
+        if not 1 <= n <= max_bytes:
+            raise KVTierUsageError(f"blob {i} holds {n} bytes; a blob holds 1 to {max_bytes}")
+        out.append(check_buffer(blob, n, f"blob {i}"))
+    return out

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("machine", ("kvtier.topology", "kvtier.numa", "kvtier.placement", "kvtier.cuda_streams")),
     ("contract", ("kvtier.backend", "kvtier.registry", "kvtier.slots", "kvtier.arena")),
-    ("backends", ("kvtier.backends.*",)),
+    ("backends", ("kvtier.backends.*", "kvtier.codec.*")),
     ("index", ("kvtier.index.*",)),
     ("policy", ("kvtier.policy.*",)),
     ("config", ("kvtier.config.*",)),

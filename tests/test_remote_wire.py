@@ -111,6 +111,43 @@ def test_values_land_in_the_callers_buffers_and_the_stream_stays_in_step(
     conn.close()
 
 
+def test_read_blob_into_takes_values_up_to_the_buffers(
+    server: RedisServer, raw: redis.Redis
+) -> None:
+    """A value of one byte more than the trailer up to both buffers full is split into
+    payload (its start) and trailer; nil, an empty payload, a value too long and an error
+    reply leave the buffers untouched, and the replies after them still parse."""
+    largest = 5000
+    rng = np.random.default_rng(3)
+    values = {b"one": 1, b"some": 777, b"full": largest}
+    for name, n in values.items():
+        raw.set(name, rng.integers(0, 256, n + 16, dtype=np.uint8).tobytes())
+    raw.set("header-only", b"H" * 16)
+    raw.set("too-long", b"x" * (largest + 17))
+    raw.rpush("list", b"x")
+    names = [*values, b"missing", b"header-only", b"too-long", b"list", b"some"]
+    conn = connect(server)
+    conn.send([command(b"GET", n) for n in names])
+    outs = [np.zeros(largest, np.uint8) for _ in names]
+    trailers = [bytearray(16) for _ in names]
+    got = [conn.read_blob_into(byte_view(o), memoryview(t))
+           for o, t in zip(outs, trailers, strict=True)]  # fmt: skip
+    assert got[:3] == [1, 777, largest] and got[7] == 777
+    assert got[3] is ValueReply.NIL
+    assert got[4] is ValueReply.WRONG_SIZE and got[5] is ValueReply.WRONG_SIZE
+    assert isinstance(got[6], ReplyError) and got[6].prefix == "WRONGTYPE"
+    for i, name in enumerate(names):
+        if isinstance(got[i], int):
+            n = got[i]
+            assert bytes(outs[i][:n]) + bytes(trailers[i]) == raw.get(name)
+            assert not outs[i][n:].any()  # nothing past the value
+        else:
+            assert not outs[i].any() and not any(trailers[i])
+    conn.send([command(b"PING")])
+    assert conn.read_reply() == b"PONG"
+    conn.close()
+
+
 def test_many_small_values_through_the_line_buffer(server: RedisServer, raw: redis.Redis) -> None:
     """Small pipelined values arrive several per receive: they are served from the
     connection's buffer, byte-exact."""
@@ -215,6 +252,35 @@ def test_send_and_fetch_pages_write_the_page_format_and_verify_it(
     assert "checksum" in got[1][1] and "size" in got[2][1] and "key" in got[5][1]  # type: ignore[index]
     for i in (0, 4):
         np.testing.assert_array_equal(outs[i], pages[i])
+    conn.close()
+
+
+def test_fetch_pages_sized_reads_and_verifies_short_blobs(
+    server: RedisServer, raw: redis.Redis
+) -> None:
+    """Blobs shorter than a page, sent with their header, come back with their length
+    when ``sized``; without it they are ``BAD`` (a page store takes whole pages only)."""
+    size = 4096
+    rng = np.random.default_rng(4)
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1, 100, size)]
+    keys = [bytes([i]) * 16 for i in range(3)]
+    names = [b"b:%d" % i for i in range(3)]
+    conn = connect(server)
+    items = [SetItem(n, byte_view(b), k, "ns") for n, b, k in zip(names, blobs, keys, strict=True)]
+    assert send_pages(conn, items, nx=False, ttl_ms=0) == [True] * 3
+    raw.setrange(names[2], 7, b"\x00\x01")  # corrupt the full-size one
+    outs = [np.zeros(size, np.uint8) for _ in range(4)]
+    gets = [GetItem(n, k, byte_view(o)) for n, k, o in
+            zip([*names, b"b:none"], [*keys, keys[0]], outs, strict=True)]  # fmt: skip
+    got = fetch_pages(conn, gets, sized=True)
+    assert got[:2] == [(Fetched.HIT, "", 1), (Fetched.HIT, "", 100)]
+    assert got[3] == (Fetched.ABSENT, "", 0)
+    assert not isinstance(got[2], ReplyError) and got[2][0] is Fetched.BAD
+    assert "checksum" in got[2][1]
+    for i in (0, 1):
+        np.testing.assert_array_equal(outs[i][: blobs[i].nbytes], blobs[i])
+    plain = fetch_pages(conn, gets[:2])
+    assert [g[0] for g in plain if not isinstance(g, ReplyError)] == [Fetched.BAD] * 2
     conn.close()
 
 

@@ -34,6 +34,8 @@ The file format::
     eviction = "lru"                 # lru | lru-k | anything registered
     [tiers.eviction_params]          # e.g. k = 2 for lru-k
     [tiers.options]                  # passed to the backend, e.g. path = "/mnt/nvme/kv"
+    codec = "none"                   # store tiers: none | zstd | lz4 | fp8-e4m3 | a plugin's
+    [tiers.codec_params]             # e.g. level = 3 for zstd, scale = "token" for fp8-e4m3
 
 Environment variables use ``__`` between levels: ``KVTIER_MODEL__PRESET=llama3-70b``,
 ``KVTIER_PIPELINE__WRITE_POLICY=write-back``, ``KVTIER_TIERS__DRAM__CAPACITY=2GiB``

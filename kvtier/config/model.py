@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtier.codec import NO_CODEC, make_codec, tier_capacity_pages
 from kvtier.config.defaults import (
     DEFAULT_HYSTERESIS,
     MAX_BATCH_PAGES,
@@ -45,6 +46,8 @@ class TierConfig:
             run without this tier) when the backend cannot open (a damaged or locked store,
             an unreachable directory). Default ``skip`` below the top tier, ``fail`` for
             the top tier (which cannot be skipped).
+        codec: page codec of a store tier (:mod:`kvtier.codec`; ``none``: no codec).
+        codec_params: keyword parameters of the codec.
     """
 
     name: str
@@ -56,6 +59,8 @@ class TierConfig:
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     on_open_error: str = "fail"
+    codec: str = "none"
+    codec_params: dict[str, Any] = field(default_factory=dict)
 
     def capacity_pages(self, page_bytes: int) -> int:
         """Whole pages that fit in ``capacity_bytes``."""
@@ -72,6 +77,8 @@ class TierConfig:
             "eviction_params": dict(self.eviction_params),
             "options": dict(self.options),
             "on_open_error": self.on_open_error,
+            "codec": self.codec,
+            "codec_params": dict(self.codec_params),
         }
 
 
@@ -279,6 +286,7 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
     seen: set[str] = set()
     for i, t in enumerate(tiers_raw):
         tiers.append(_build_tier(i, t, spec, sources, seen, len(tiers_raw)))
+    namespace = _with_codec_representation(namespace, tiers, spec)
     return KVTierConfig(
         spec=spec,
         namespace=namespace,
@@ -340,6 +348,9 @@ def _build_tier(
     except ConfigError as exc:
         raise ConfigError(f"{p}.eviction: {exc}{_src(sources, p + '.eviction')}") from None
     options = _table(t.get("options", {}), f"{p}.options", sources)
+    codec = _str(t.get("codec", "none"), f"{p}.codec", sources)
+    codec_params = _table(t.get("codec_params", {}), f"{p}.codec_params", sources)
+    _check_codec(p, codec, codec_params, capacity, spec, sources)
     on_error = t.get("on_open_error", "fail" if i == 0 else "skip")
     if on_error not in ON_OPEN_ERROR or (i == 0 and on_error != "fail"):
         allowed = "fail (the top tier cannot be skipped)" if i == 0 else "skip or fail"
@@ -347,7 +358,53 @@ def _build_tier(
             f"{p}.on_open_error: must be {allowed}, got {on_error!r}"
             f"{_src(sources, p + '.on_open_error')}"
         )
-    return TierConfig(name, backend, capacity, high, low, eviction, params, options, on_error)
+    return TierConfig(
+        name, backend, capacity, high, low, eviction, params, options, on_error, codec, codec_params
+    )
+
+
+# -- codecs (kvtier.codec): checked here, applied where tiers are built -----------------
+
+
+def _check_codec(
+    p: str,
+    codec: str,
+    params: dict[str, Any],
+    capacity: int,
+    spec: KVSpec,
+    sources: Mapping[str, str],
+) -> None:
+    """Fail early, naming the key, on an unknown codec, bad parameters or a capacity that
+    holds no encoded page."""
+    if codec == NO_CODEC and not params:
+        return
+    try:
+        made = make_codec(codec, spec, **params)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}.codec: {exc}{_src(sources, p + '.codec')}") from None
+    if tier_capacity_pages(capacity, made) < 1:
+        raise ConfigError(
+            f"{p}.capacity: {capacity} bytes hold no page encoded with {codec!r}"
+            f"{_src(sources, p + '.capacity')}"
+        )
+
+
+def _with_codec_representation(
+    namespace: Namespace, tiers: list[TierConfig], spec: KVSpec
+) -> Namespace:
+    """The namespace, its KV dtype marked with the lossy codecs any tier uses
+    (``float16~fp8-e4m3:head``), so that pages which may have passed through a lossy
+    codec never share keys with exact KV (see :mod:`kvtier.codec.base`)."""
+    lossy = sorted(
+        {
+            made.representation
+            for t in tiers
+            if t.codec != "none" and (made := make_codec(t.codec, spec, **t.codec_params)).lossy
+        }
+    )
+    if not lossy:
+        return namespace
+    return dataclasses.replace(namespace, kv_dtype=f"{namespace.kv_dtype}~{'+'.join(lossy)}")
 
 
 def to_raw(cfg: KVTierConfig) -> dict[str, Any]:

@@ -35,9 +35,11 @@ TIER_KEYS: tuple[str, ...] = (
     "eviction_params",
     "options",
     "on_open_error",
+    "codec",
+    "codec_params",
 )
 #: Keys whose values are free-form tables passed through (their inner keys are not checked here).
-OPEN_TABLES = ("admission_params", "eviction_params", "options")
+OPEN_TABLES = ("admission_params", "eviction_params", "options", "codec_params")
 
 
 def flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

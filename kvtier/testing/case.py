@@ -20,6 +20,7 @@ from kvtier.testing.kit import (
     CaseResult,
     CaseSkipped,
     ConformanceError,
+    PageSource,
     build,
 )
 
@@ -38,11 +39,14 @@ def expect(cond: object, what: str) -> None:
 class CaseContext:
     """What a case works with: fresh backends, random pages and keys, and cleanup."""
 
-    def __init__(self, factory: BackendFactory, *, persistent: bool) -> None:
+    def __init__(
+        self, factory: BackendFactory, *, persistent: bool, pages: PageSource | None = None
+    ) -> None:
         self.factory = factory
         self.persistent = persistent
         self.rng = np.random.default_rng(20251129)
         self._open: list[Backend] = []
+        self._source = pages
 
     async def backend(self, *, clear: bool = True) -> Backend:
         """A new backend from the factory, opened, and emptied unless ``clear=False``."""
@@ -67,6 +71,8 @@ class CaseContext:
         return [PageKey(self.rng.bytes(16)) for _ in range(n)]
 
     def pages(self, n: int, page_bytes: int) -> list[np.ndarray]:
+        if self._source is not None:
+            return self._source(self.rng, n, page_bytes)
         return [self.rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(n)]
 
 
@@ -93,10 +99,12 @@ class Case:
         *,
         persistent: bool = False,
         timeout_s: float = DEFAULT_CASE_TIMEOUT_S,
+        pages: PageSource | None = None,
     ) -> CaseResult:
-        """Run this case; raises :class:`ConformanceError` naming it when it fails."""
+        """Run this case; raises :class:`ConformanceError` naming it when it fails.
+        ``pages`` replaces the random pages the case stores (see :data:`PageSource`)."""
         start = time.perf_counter()
-        ctx = CaseContext(factory, persistent=persistent)
+        ctx = CaseContext(factory, persistent=persistent, pages=pages)
         try:
             await asyncio.wait_for(self.fn(ctx), timeout_s)
         except CaseSkipped as exc:

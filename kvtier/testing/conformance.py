@@ -38,6 +38,7 @@ from kvtier.testing.kit import (
     CaseSkipped,
     ConformanceError,
     ConformanceReport,
+    PageSource,
     build,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "CaseSkipped",
     "ConformanceError",
     "ConformanceReport",
+    "PageSource",
     "build",
     "check_backend",
     "conformance_cases",
@@ -67,10 +69,12 @@ async def check_backend(
     persistent: bool = False,
     cases: Sequence[Case] | None = None,
     timeout_s: float = DEFAULT_CASE_TIMEOUT_S,
+    pages: PageSource | None = None,
 ) -> ConformanceReport:
     """Run the whole suite (or ``cases``) against backends from ``factory``.
 
-    ``persistent=True`` adds the check that committed pages survive close and reopen.
+    ``persistent=True`` adds the check that committed pages survive close and reopen;
+    ``pages`` replaces the random pages the cases store (see :data:`PageSource`).
     Returns the report when every case passed or skipped; otherwise raises
     :class:`ConformanceError` listing each failed case with its reason.
     """
@@ -82,7 +86,9 @@ async def check_backend(
     failures: list[str] = []
     for case in cases if cases is not None else conformance_cases():
         try:
-            result = await case.run(factory, persistent=persistent, timeout_s=timeout_s)
+            result = await case.run(
+                factory, persistent=persistent, timeout_s=timeout_s, pages=pages
+            )
         except ConformanceError as exc:
             failures.append(str(exc))
             continue

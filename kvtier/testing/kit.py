@@ -11,10 +11,16 @@ import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvtier.backend import Backend
 
 #: A zero-argument callable returning an unopened backend (or an awaitable of one).
 BackendFactory = Callable[[], Backend | Awaitable[Backend]]
+#: Makes the pages the cases store: ``(rng, count, page_bytes) -> count uint8 pages``.
+#: The default is random bytes; a backend that only keeps certain pages byte for byte (a
+#: lossy codec keeps its own decoded pages exactly) passes pages it keeps.
+PageSource = Callable[[np.random.Generator, int, int], list[np.ndarray]]
 
 #: Seconds one case may take before it counts as a hang.
 DEFAULT_CASE_TIMEOUT_S = 30.0

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.errors import CapacityError
-from kvtier.index.directory import PageState
+from kvtier.index.directory import Directory, PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.transfer.batch import forget
@@ -82,6 +82,8 @@ class Evictor:
         self.max_workers = max(1, max_workers)
         self._queues = [_Queue() for _ in mover.tiers]
         self._trimming = [False for _ in mover.tiers]
+        self._trim_again = [False for _ in mover.tiers]
+        self._kept_by_policy = 0
         self._trim_spare: list[set[PageKey]] = [set() for _ in mover.tiers]
 
     def queued(self, tier: Tier) -> int:
@@ -143,16 +145,23 @@ class Evictor:
         # one background trim per tier: later requests add what they protect to it
         spare = self._trim_spare[tier.index]
         spare.update(protect)
-        if not self._trimming[tier.index]:
+        if self._trimming[tier.index]:
+            self._trim_again[tier.index] = True  # things changed: another round after this
+        else:
             self._trimming[tier.index] = True
             self.mover.spawn(self._background_trim(tier))
 
     async def _background_trim(self, tier: Tier) -> None:
+        i = tier.index
         try:
-            await self._trim(tier, Priority.EVICT, self._trim_spare[tier.index], wait=True)
+            while True:
+                self._trim_again[i] = False
+                await self._trim(tier, Priority.EVICT, self._trim_spare[i], wait=True)
+                if not self._trim_again[i]:
+                    return
         finally:
-            self._trimming[tier.index] = False
-            self._trim_spare[tier.index] = set()
+            self._trimming[i] = False
+            self._trim_spare[i] = set()
 
     async def _trim(
         self, tier: Tier, priority: Priority, protect: Collection[PageKey], wait: bool
@@ -195,7 +204,10 @@ class Evictor:
                 for g in groups:
                     if not g.done.done():
                         g.done.set_result({k for k in g.keys if k in stuck})
-                if self.background and len(stuck) < len(keys):  # progress: go on if need be
+                kept = self._kept_by_policy
+                self._kept_by_policy = 0
+                # progress, or the policy changed its mind (a child landed): go on if need be
+                if self.background and (len(stuck) < len(keys) or kept):
                     await self.trim(
                         tier, Priority.EVICT, frozenset().union(*(g.spare for g in groups))
                     )
@@ -242,8 +254,12 @@ class Evictor:
                     ok = [False] * len(plan.down)
                 stuck = {k for k, o in zip(plan.down, ok, strict=True) if not o}
             planner = mover.planner
-            stuck |= {k for k in watched if planner.keeps(tier.index, k)}
+            kept = {k for k in watched if planner.keeps(tier.index, k)}
+            self._kept_by_policy += len(kept)
+            stuck |= kept
             stuck |= {k for k in victims if d.is_pinned(k)}  # a load pinned it meanwhile
+            if stuck and tier.policy.keeps_parents:  # a parent never leaves before its child
+                stuck |= _ancestors_among(d, stuck, set(victims))
             keep = [k for k in victims if k in stuck]
             go = [k for k in victims if k not in keep]
             for k in keep:
@@ -267,3 +283,16 @@ def _retrieve(fut: asyncio.Future[set[PageKey]]) -> None:
     """Mark a group's exception as seen (groups queued in the background are not awaited)."""
     if not fut.cancelled():
         fut.exception()
+
+
+def _ancestors_among(d: Directory, keys: set[PageKey], victims: set[PageKey]) -> set[PageKey]:
+    """The victims that are ancestors (through recorded parents) of ``keys``."""
+    out: set[PageKey] = set()
+    todo = list(keys)
+    while todo:
+        entry = d.get(todo.pop())
+        parent = entry.parent if entry is not None else None
+        if parent is not None and parent in victims and parent not in out:
+            out.add(parent)
+            todo.append(parent)
+    return out

@@ -185,6 +185,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self.scheduler.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.loads_reported(getattr(connector_output, "invalid_block_ids", None))
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, KVTierKVEvents):
             self.scheduler.add_events(events.get_all_events())

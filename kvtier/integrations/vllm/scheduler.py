@@ -86,6 +86,8 @@ class SchedulerSide:
         self._stats = KVTierConnectorStats()
         self._events: list[Any] = []
         self._hit_tiers: dict[str, dict[str, int]] = {}
+        #: loads sent to the workers, by request, until their step's output came back
+        self._inflight_loads: dict[str, list[PageRun]] = {}
 
     # -- lookup ------------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class SchedulerSide:
                 continue
             self._tokens_upto(st, run.first_page + len(run.block_ids), meta)
             meta.loads.append(run)
+            self._inflight_loads.setdefault(run.req_id, []).append(run)
         self._pending_loads = []
         if self.saves_enabled:
             spec = scheduler_output.scheduled_spec_decode_tokens or {}
@@ -196,6 +199,21 @@ class SchedulerSide:
         meta.holds = self._holds
         self._final_tokens, self._final_saves, self._holds = [], [], []
         return meta
+
+    def loads_reported(self, invalid_block_ids: set[int] | None) -> None:
+        """A step's output came back: a page whose load failed will be recomputed by vLLM,
+        so it (and every page after it) is saved again once recomputed."""
+        loads, self._inflight_loads = self._inflight_loads, {}
+        if not invalid_block_ids:
+            return
+        for req_id, runs in loads.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for run in runs:
+                bad = [i for i, b in enumerate(run.block_ids) if b in invalid_block_ids]
+                if bad:
+                    st.saved_pages = min(st.saved_pages, run.first_page + bad[0])
 
     def _block_ids(self, req_id: str) -> list[int]:
         if self.kv_cache_manager is None:
