@@ -353,9 +353,8 @@ class KVCache:
         tiers: list[str] = []
         for attempt in range(2):
             for k in keys[len(found) :]:
-                tier = next(
-                    (t.name for t in self.tiers if self.directory.is_committed(k, t.name)), None
-                )
+                # an evicting page is still readable: a load pins it and it stays put
+                tier = self.directory.locate(k)
                 if tier is None:
                     break
                 found.append(k)

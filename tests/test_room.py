@@ -122,8 +122,9 @@ async def test_a_pinned_full_tier_still_raises_for_every_waiter(tmp_path, backgr
 
 
 async def test_a_load_keeps_a_page_the_evict_queue_is_writing_down(tmp_path):
-    """A page being written down in the background is still readable; a load pins it, and
-    the eviction then leaves it where it is instead of dropping it from the top tier."""
+    """A page being written down in the background is still readable: a lookup finds it
+    in the top tier, a load pins it there without waiting for the write-down, and the
+    eviction then leaves it where it is instead of dropping it from the top tier."""
     GatedFileStore.gate = None
     rng = np.random.default_rng(44)
     async with KVCache(_gated(tmp_path, 10, True), env={}) as cache:
@@ -133,10 +134,13 @@ async def test_a_load_keeps_a_page_the_evict_queue_is_writing_down(tmp_path):
         demoting = asyncio.create_task(cache.demote("dram", keys))
         await _until(lambda: GatedFileStore.held > 0, "the write-down waits")
         assert cache.directory.evicting("dram") == 3
-        loading = asyncio.create_task(cache.load(keys))
-        await asyncio.sleep(0.01)
+        found = await cache.lookup(tokens)
+        assert found.keys == keys and found.tiers == ["dram"] * 3
+        hits = cache.metrics.snapshot()["tiers"]["dram"]["hits"]
+        loaded = await asyncio.wait_for(cache.load(keys), 5)  # the write-down still waits
+        assert GatedFileStore.held > 0 and not demoting.done()
+        assert cache.metrics.snapshot()["tiers"]["dram"]["hits"] == hits + 3
         GatedFileStore.gate.set()
-        loaded = await loading
         assert sorted(await demoting) == sorted(keys)  # they stay: pinned meanwhile
         assert loaded.missing == [] and all(cache.directory.is_committed(k, "dram") for k in keys)
         assert all(cache.directory.is_committed(k, "file") for k in keys)  # and went down

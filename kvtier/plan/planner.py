@@ -285,12 +285,13 @@ class Planner:
 
     # -- references ------------------------------------------------------------------------
 
-    def note_lookup(self, key: PageKey) -> int | None:
+    def note_lookup(self, key: PageKey, holder: int | None = None) -> int | None:
         """A page was asked for (a load or read): the admission policy counts it, and the
-        highest tier holding it (returned: it hits there, every tier above misses) sees
+        highest tier holding it (``holder`` when the caller knows it, e.g. a page being
+        evicted that a load keeps; returned: it hits there, every tier above misses) sees
         an access."""
         self.admission.on_access(key)
-        i = self.holder(key)
+        i = self.holder(key) if holder is None else holder
         if i is not None:
             self.tiers[i].policy.on_access(key)
         return i

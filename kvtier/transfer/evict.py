@@ -265,7 +265,13 @@ class Evictor:
             for k in keep:
                 d.cancel_evict(k, tier.name)
             if go:
-                lingering = await forget(mover, tier, go)
+                # decided in the same step as the pin check above: a load pinning one of
+                # these from now on waits for it to leave (Tier.stays)
+                tier.leaving.update(go)
+                try:
+                    lingering = await forget(mover, tier, go)
+                finally:
+                    tier.leaving.difference_update(go)
                 stuck |= lingering
                 go = [k for k in go if k not in lingering]
             if go:

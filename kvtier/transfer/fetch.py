@@ -39,11 +39,12 @@ class Fetcher:
         self.mover = mover
         self.moves = moves
 
-    def count_lookup(self, key: PageKey) -> None:
+    def count_lookup(self, key: PageKey, holder: int | None = None) -> None:
         """Hits/misses per tier for one requested page: a hit in the first tier holding
-        it, a miss in every tier above (all tiers when none does). The admission policy
-        sees every reference (frequency filters count here)."""
-        hit = self.mover.planner.note_lookup(key)
+        it (``holder`` when known: a page being evicted), a miss in every tier above (all
+        tiers when none does). The admission policy sees every reference (frequency
+        filters count here)."""
+        hit = self.mover.planner.note_lookup(key, holder)
         metrics = self.mover.metrics
         for t in self.mover.tiers:
             if t.index == hit:
@@ -67,16 +68,20 @@ class Fetcher:
         started = time.perf_counter()
         for k in keys:
             d.pin(k)
+        # pinned before the evictor decided: a page being evicted from the top tier stays
+        # there (its write-down is not waited for)
+        here = {k for k in uniq if top.stays(k, d)}
+        wait = [k for k in uniq if k not in here]
         ok = False
         try:
-            await mover.settle(uniq, [top])
+            await mover.settle(wait, [top])
             for k in uniq:
-                self.count_lookup(k)
+                self.count_lookup(k, top.index if k in here else None)
             failed: dict[PageKey, set[str]] = {k: set() for k in uniq}
             wanted = frozenset(uniq)
             for _round in range(2 * len(mover.tiers) + 2):
-                await mover.settle(uniq, [top])  # fetched or evicted by someone else
-                need = [k for k in uniq if not d.is_committed(k, top.name)]
+                await mover.settle(wait, [top])  # fetched or evicted by someone else
+                need = [k for k in wait if not d.is_committed(k, top.name)]
                 groups: dict[int, list[PageKey]] = {}
                 moving: list[PageKey] = []
                 for k in need:
@@ -117,7 +122,7 @@ class Fetcher:
         slots: list[int | None] = []
         missing: list[PageKey] = []
         for k in keys:
-            if d.is_committed(k, top.name):
+            if d.is_committed(k, top.name) or (k in here and top.stays(k, d)):
                 slots.append(top.arena.slot_of(k) if top.is_arena else None)
             else:
                 slots.append(None)

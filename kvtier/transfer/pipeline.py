@@ -266,6 +266,7 @@ class Pipeline:
             for k in here:
                 d.begin_evict(k, tier.name)
                 self.mover.begin_op(k, tier, fut)
+            tier.leaving.update(here)  # whatever pins them from now on
             # its own task: a cancelled caller cannot leave the index and the backend apart
             lingering = await asyncio.shield(self.mover.spawn(self._remove(tier, here)))
             removed += len(here) - len(lingering)
@@ -286,6 +287,7 @@ class Pipeline:
         try:
             return await forget(self.mover, tier, keys)
         finally:
+            tier.leaving.difference_update(keys)
             self.evictor.release(tier, keys)
 
     # -- pages the pipeline did not put there ---------------------------------------------------

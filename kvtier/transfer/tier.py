@@ -16,6 +16,8 @@ from typing import Any
 from kvtier.backend import ArenaBackend, Backend
 from kvtier.config import TierConfig
 from kvtier.health import Outage
+from kvtier.index.directory import Directory, PageState
+from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.plan.limits import TierLimits
 from kvtier.policy.base import EvictionPolicy
@@ -37,6 +39,8 @@ class Tier:
         claimed: pages of room promised to batches that have not reserved them yet.
         reserving: pages the pipeline has reserved here and not yet committed or aborted
             (reservations taken outside the pipeline are not counted: they are held).
+        leaving: evicting pages the evictor has decided to drop from here (see
+            :meth:`stays`).
     """
 
     def __init__(
@@ -56,8 +60,14 @@ class Tier:
         )
         self.claimed = 0
         self.reserving = 0
+        self.leaving: set[PageKey] = set()
         self.outage = Outage()
         self._waiters: list[asyncio.Future[None]] = []
+
+    def stays(self, key: PageKey, directory: Directory) -> bool:
+        """Whether ``key``, being evicted from this tier, will still be here for a load
+        that pins it now (the evictor has not yet decided it leaves)."""
+        return directory.state(key, self.name) is PageState.EVICTING and key not in self.leaving
 
     @property
     def capacity_pages(self) -> int:
