@@ -175,6 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.enforce_eager:
         common.append("--enforce-eager")
     env = base_env(runtime)
+    if args.omp_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     null = {
         "kv_connector": "NullConnector",
         "kv_connector_module_path": "vllm_null_connector",
@@ -218,26 +220,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ttft, total, toks, cached = _complete(clients[name], str(model), prompt, max_tokens)
                 answers[name] = toks
                 samples.append(Sample(workload, name, len(prompt), cached, len(toks), ttft, total))
-            for name in ("null", "kvtier"):
-                if answers[name] != answers["vllm"]:
-                    first = next(
-                        (
-                            i
-                            for i, (a, b) in enumerate(
-                                zip(answers[name], answers["vllm"], strict=False)
-                            )
-                            if a != b
-                        ),
-                        min(len(answers[name]), len(answers["vllm"])),
-                    )
+            for name, ref in (("null", "vllm"), ("kvtier", "vllm"), ("kvtier", "null")):
+                a, b = answers[name], answers[ref]
+                if a != b:
+                    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 0)
                     mismatches.append(
-                        {
-                            "server": name,
-                            "workload": workload,
-                            "turn": turn,
-                            "first_divergent_token": first,
-                        }
-                    )
+                        {"pair": f"{name}/{ref}", "workload": workload, "turn": turn,
+                         "first_divergent_token": first}
+                    )  # fmt: skip
             return answers["vllm"]
 
         rng = np.random.default_rng(args.seed)
@@ -288,7 +278,15 @@ def summarize(
             ),
         }
 
-    out: dict[str, Any] = {"params": params, "answer_mismatches": mismatches}
+    pairs_count = {
+        p: sum(m["pair"] == p for m in mismatches)
+        for p in ("null/vllm", "kvtier/vllm", "kvtier/null")
+    }
+    out: dict[str, Any] = {
+        "params": params,
+        "divergent_answers": pairs_count,
+        "answer_mismatches": mismatches,
+    }
     for workload in ("conversations", "no-reuse"):
         arms = {name: of(workload, name) for name in ("vllm", "null", "kvtier")}
         if not arms["kvtier"]:
@@ -346,6 +344,11 @@ def main() -> None:
     p.add_argument("--nvme", default="2GiB")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--omp-bind",
+        help="VLLM_CPU_OMP_THREADS_BIND for every server (e.g. 0: leave a core to the engine "
+        "core's polling loop)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     result = run(args)
