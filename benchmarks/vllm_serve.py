@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, ref in (("null", "vllm"), ("kvtier", "vllm"), ("kvtier", "null")):
                 a, b = answers[name], answers[ref]
                 if a != b:
-                    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 0)
+                    pairs = enumerate(zip(a, b, strict=False))
+                    first = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
                     mismatches.append(
                         {"pair": f"{name}/{ref}", "workload": workload, "turn": turn,
                          "first_divergent_token": first}
