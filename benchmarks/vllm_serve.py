@@ -316,11 +316,29 @@ def summarize(
                         sum(k.ttft_s for _, k in hot), sum(b.ttft_s for b, _ in hot)
                     )
                     section[f"kvtier_vs_{base}"]["hot_ttft_ratio_max"] = round(max(ratios), 3)
+                # of those, the ones the other server recomputed (it held < half the prompt)
+                lost = [(b, k) for b, k in hot if b.cached_tokens < 0.5 * b.prompt_tokens]
+                section[f"kvtier_vs_{base}"]["hot_recomputed_requests"] = len(lost)
+                if lost:
+                    ratios = [k.ttft_s / b.ttft_s for b, k in lost]
+                    section[f"kvtier_vs_{base}"]["hot_recomputed_ttft_ratio_median"] = round(
+                        statistics.median(ratios), 3
+                    )
+                    section[f"kvtier_vs_{base}"]["hot_recomputed_ttft_ratio_of_means"] = _ratio(
+                        sum(k.ttft_s for _, k in lost), sum(b.ttft_s for b, _ in lost)
+                    )
         section["null_vs_vllm_tokens_per_s_ratio"] = _ratio(tps(arms["null"]), tps(arms["vllm"]))
         out[workload] = section
     out["kvtier_metrics"] = kv_metrics
     out["samples"] = [asdict(s) | {"tokens": None} for s in samples]
     return out
+
+
+def resummarize(path: Path) -> dict[str, Any]:
+    """Recompute the summary of a saved result file (``--summarize FILE``)."""
+    saved = json.loads(path.read_text())
+    samples = [Sample(**x) for x in saved["samples"]]
+    return summarize(samples, saved["answer_mismatches"], saved["kvtier_metrics"], saved["params"])
 
 
 def main() -> None:
@@ -351,8 +369,11 @@ def main() -> None:
         "core's polling loop)",
     )
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--summarize", type=Path, help="only recompute the summary of a saved --out file"
+    )
     args = p.parse_args()
-    result = run(args)
+    result = resummarize(args.summarize) if args.summarize else run(args)
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
