@@ -171,12 +171,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
         "--seed", "0", "--gpu-memory-utilization", "0.3", "--enable-prompt-tokens-details",
         "--num-gpu-blocks-override", str(args.pool_blocks), "--max-num-seqs", "4",
+        "--kv-cache-memory-bytes", str(256 << 20),
     ]  # fmt: skip
     if args.enforce_eager:
         common.append("--enforce-eager")
     env = base_env(runtime)
-    if args.omp_bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     null = {
         "kv_connector": "NullConnector",
         "kv_connector_module_path": "vllm_null_connector",
@@ -365,8 +365,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--omp-bind",
-        help="VLLM_CPU_OMP_THREADS_BIND for every server (e.g. 0: leave a core to the engine "
-        "core's polling loop)",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND for every server (auto: vLLM's default, every core; "
+        "0: one core, leaving the other to the engine loop's polling)",
     )
     p.add_argument("--out", type=Path)
     p.add_argument(
