@@ -171,10 +171,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "--max-model-len", str(args.max_model_len), "--block-size", str(args.block_size),
         "--seed", "0", "--gpu-memory-utilization", "0.3", "--enable-prompt-tokens-details",
         "--num-gpu-blocks-override", str(args.pool_blocks), "--max-num-seqs", "4",
+        "--kv-cache-memory-bytes", str(256 << 20),
     ]  # fmt: skip
     if args.enforce_eager:
         common.append("--enforce-eager")
     env = base_env(runtime)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     null = {
         "kv_connector": "NullConnector",
         "kv_connector_module_path": "vllm_null_connector",
@@ -218,26 +220,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ttft, total, toks, cached = _complete(clients[name], str(model), prompt, max_tokens)
                 answers[name] = toks
                 samples.append(Sample(workload, name, len(prompt), cached, len(toks), ttft, total))
-            for name in ("null", "kvtier"):
-                if answers[name] != answers["vllm"]:
-                    first = next(
-                        (
-                            i
-                            for i, (a, b) in enumerate(
-                                zip(answers[name], answers["vllm"], strict=False)
-                            )
-                            if a != b
-                        ),
-                        min(len(answers[name]), len(answers["vllm"])),
-                    )
+            for name, ref in (("null", "vllm"), ("kvtier", "vllm"), ("kvtier", "null")):
+                a, b = answers[name], answers[ref]
+                if a != b:
+                    pairs = enumerate(zip(a, b, strict=False))
+                    first = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
                     mismatches.append(
-                        {
-                            "server": name,
-                            "workload": workload,
-                            "turn": turn,
-                            "first_divergent_token": first,
-                        }
-                    )
+                        {"pair": f"{name}/{ref}", "workload": workload, "turn": turn,
+                         "first_divergent_token": first}
+                    )  # fmt: skip
             return answers["vllm"]
 
         rng = np.random.default_rng(args.seed)
@@ -288,7 +279,15 @@ def summarize(
             ),
         }
 
-    out: dict[str, Any] = {"params": params, "answer_mismatches": mismatches}
+    pairs_count = {
+        p: sum(m["pair"] == p for m in mismatches)
+        for p in ("null/vllm", "kvtier/vllm", "kvtier/null")
+    }
+    out: dict[str, Any] = {
+        "params": params,
+        "divergent_answers": pairs_count,
+        "answer_mismatches": mismatches,
+    }
     for workload in ("conversations", "no-reuse"):
         arms = {name: of(workload, name) for name in ("vllm", "null", "kvtier")}
         if not arms["kvtier"]:
@@ -317,11 +316,29 @@ def summarize(
                         sum(k.ttft_s for _, k in hot), sum(b.ttft_s for b, _ in hot)
                     )
                     section[f"kvtier_vs_{base}"]["hot_ttft_ratio_max"] = round(max(ratios), 3)
+                # of those, the ones the other server recomputed (it held < half the prompt)
+                lost = [(b, k) for b, k in hot if b.cached_tokens < 0.5 * b.prompt_tokens]
+                section[f"kvtier_vs_{base}"]["hot_recomputed_requests"] = len(lost)
+                if lost:
+                    ratios = [k.ttft_s / b.ttft_s for b, k in lost]
+                    section[f"kvtier_vs_{base}"]["hot_recomputed_ttft_ratio_median"] = round(
+                        statistics.median(ratios), 3
+                    )
+                    section[f"kvtier_vs_{base}"]["hot_recomputed_ttft_ratio_of_means"] = _ratio(
+                        sum(k.ttft_s for _, k in lost), sum(b.ttft_s for b, _ in lost)
+                    )
         section["null_vs_vllm_tokens_per_s_ratio"] = _ratio(tps(arms["null"]), tps(arms["vllm"]))
         out[workload] = section
     out["kvtier_metrics"] = kv_metrics
     out["samples"] = [asdict(s) | {"tokens": None} for s in samples]
     return out
+
+
+def resummarize(path: Path) -> dict[str, Any]:
+    """Recompute the summary of a saved result file (``--summarize FILE``)."""
+    saved = json.loads(path.read_text())
+    samples = [Sample(**x) for x in saved["samples"]]
+    return summarize(samples, saved["answer_mismatches"], saved["kvtier_metrics"], saved["params"])
 
 
 def main() -> None:
@@ -346,9 +363,18 @@ def main() -> None:
     p.add_argument("--nvme", default="2GiB")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--omp-bind",
+        default="auto",
+        help="VLLM_CPU_OMP_THREADS_BIND for every server (auto: vLLM's default, every core; "
+        "0: one core, leaving the other to the engine loop's polling)",
+    )
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--summarize", type=Path, help="only recompute the summary of a saved --out file"
+    )
     args = p.parse_args()
-    result = run(args)
+    result = resummarize(args.summarize) if args.summarize else run(args)
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

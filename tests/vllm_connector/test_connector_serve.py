@@ -47,6 +47,7 @@ def test_vllm_serve_with_kvtier_over_http(
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--block-size", "32", "--seed", "0",
         "--enforce-eager", "--gpu-memory-utilization", "0.3", "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes", str(128 << 20),
         "--kv-transfer-config", json.dumps(connector(str(config_file))),
     ]  # fmt: skip
     log = (tmp_path / "serve.log").open("wb")

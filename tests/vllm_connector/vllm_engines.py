@@ -27,9 +27,12 @@ CONNECTOR = {
 
 def base_env(runtime_dir: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the engines size their pool: kv_cache_memory_bytes
     env.update(
         {
-            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # one OpenMP thread per engine, a core left to the engine loop's polling (see
+            # docs/integrations.md): engines start and run faster on small machines
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("KVTIER_TEST_OMP_BIND", "0"),
             "VLLM_LOGGING_LEVEL": "WARNING",
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
@@ -49,6 +52,7 @@ def llm_kwargs(**overrides: Any) -> dict[str, Any]:
         "seed": 0,
         "enforce_eager": True,
         "gpu_memory_utilization": 0.3,
+        "kv_cache_memory_bytes": 128 << 20,
         "disable_log_stats": False,
         "enable_prefix_caching": True,
     }
