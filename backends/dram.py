@@ -24,9 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import logging
 import mmap
 import os
@@ -34,9 +31,24 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from kvtier.backends.dram_memory import (
+    INLINE_COPY_MAX_BYTES,
+    LOGGED,
+    PARALLEL_COPY_MIN_BYTES,
+    ArenaAllocationError,
+    CopyPair,
+    available_memory,
+    copy_pairs,
+    cuda_available,
+    same_memory,
+    size_text,
+    split_pairs,
+    try_mlock,
+)
 
-from kvtier.backend import ArenaBackend, Reservation, check_buffers
-from kvtier.errors import KVTierError, KVTierUsageError
+from kvtier.arena import SlotArena
+from kvtier.backend import Reservation, check_buffers
+from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.slots import SlotBook
 
@@ -47,96 +59,19 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-#: Below this many bytes per call, a copy runs on one thread (splitting costs more).
-PARALLEL_COPY_MIN_BYTES = 8 << 20
-#: Below this many bytes per call, the copy runs on the event loop itself: it takes less
-#: time than the executor hop it would replace (measured 50-200 us per hop here, against
-#: 60-150 us for a 1 MiB memcpy), so the loop is blocked no longer than the hop would
-#: keep it busy, and small pages stop paying a hop per call.
-INLINE_COPY_MAX_BYTES = 1 << 20
-#: Smallest piece of a split copy.
-_MIN_PIECE_BYTES = 1 << 20
-
-_mlock_refusal_logged = False
-
-CopyPair = tuple[np.ndarray, np.ndarray]
+__all__ = [
+    "INLINE_COPY_MAX_BYTES",
+    "LOGGED",
+    "PARALLEL_COPY_MIN_BYTES",
+    "ArenaAllocationError",
+    "DramArena",
+    "available_memory",
+    "split_pairs",
+    "try_mlock",
+]
 
 
-class ArenaAllocationError(KVTierError):
-    """The arena's memory cannot be had (more than the machine has available)."""
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available for new allocations (``MemAvailable`` in
-    ``/proc/meminfo``), or ``None`` where that cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _size(nbytes: int) -> str:
-    from kvtier.config import format_size
-
-    return format_size(nbytes)
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken torch install must not break the CPU path
-        return False
-
-
-def _try_mlock(addr: int, length: int) -> str | None:
-    """``mlock`` the range; ``None`` on success, else why it was refused."""
-    libc_name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-    except OSError as exc:
-        return f"cannot load libc: {exc}"
-    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mlock.restype = ctypes.c_int
-    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) == 0:
-        return None
-    err = ctypes.get_errno()
-    return f"mlock of {length} bytes refused: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
-
-
-def _copy_pairs(pairs: Sequence[CopyPair]) -> None:
-    """Copy ``src`` into ``dst`` for each pair (runs on a worker thread; numpy drops the
-    GIL for the memcpy)."""
-    for dst, src in pairs:
-        np.copyto(dst, src, casting="no")
-
-
-def _split_pairs(pairs: Sequence[CopyPair], parts: int) -> list[list[CopyPair]]:
-    """Split a batch of copies into ``parts`` groups of about equal bytes, cutting pages
-    into pieces where needed (a single 4 MiB page may go to several threads)."""
-    total = sum(int(d.nbytes) for d, _ in pairs)
-    target = max(_MIN_PIECE_BYTES, -(-total // parts))
-    groups: list[list[CopyPair]] = [[]]
-    room = target
-    for dst, src in pairs:
-        start, end = 0, int(dst.nbytes)
-        while start < end:
-            take = min(room, end - start)
-            groups[-1].append((dst[start : start + take], src[start : start + take]))
-            start += take
-            room -= take
-            if room == 0:
-                groups.append([])
-                room = target
-    return [g for g in groups if g]
-
-
-class DramArena(ArenaBackend):
+class DramArena(SlotArena):
     """``capacity_pages`` slots of ``page_bytes`` in host memory (see module docstring).
 
     Options:
@@ -198,7 +133,7 @@ class DramArena(ArenaBackend):
         # A new book per open: a get finishing after close touches only its old book.
         # The book also keeps a slot being read from reuse until the read ends (so a
         # delete + put cannot overwrite bytes a get is copying out).
-        self._slots = SlotBook(0)
+        self.slots = SlotBook(0)
         self._copies = 0
         self._skipped_copies = 0
         self._inline_copies = 0
@@ -219,7 +154,7 @@ class DramArena(ArenaBackend):
         available = available_memory()
         if available is not None and self.nbytes > available:
             raise ArenaAllocationError(
-                f"a DRAM arena of {_size(self.nbytes)} does not fit: {_size(available)} of "
+                f"a DRAM arena of {size_text(self.nbytes)} does not fit: {size_text(available)} of "
                 "memory is available (MemAvailable); lower the tier's capacity"
             )
         self._placement = self._plan()  # before the executor: its threads get pinned
@@ -229,13 +164,13 @@ class DramArena(ArenaBackend):
         except BaseException:
             await super().close()
             raise
-        self._slots = SlotBook(self.capacity_pages)
+        self.slots = SlotBook(self.capacity_pages)
 
     async def close(self) -> None:
         """Drop every page and release the memory (views already handed out keep their
         bytes alive). Idempotent."""
         await super().close()
-        self._slots = SlotBook(0)
+        self.slots = SlotBook(0)
         self._buf = None
         self._torch_buf = None
         self._mmap = None  # not mm.close(): outstanding views would make it raise
@@ -279,7 +214,7 @@ class DramArena(ArenaBackend):
         return None
 
     def _allocate(self) -> None:
-        if _cuda_available():
+        if cuda_available():
             import torch
 
             # Pinned pages are locked as they are allocated and cannot migrate later:
@@ -301,23 +236,21 @@ class DramArena(ArenaBackend):
             mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, OverflowError, MemoryError) as exc:
             available = available_memory()
-            have = "unknown" if available is None else _size(available)
+            have = "unknown" if available is None else size_text(available)
             raise ArenaAllocationError(
-                f"cannot allocate a DRAM arena of {_size(self.nbytes)} ({exc}); memory "
+                f"cannot allocate a DRAM arena of {size_text(self.nbytes)} ({exc}); memory "
                 f"available: {have}"
             ) from exc
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)
-        refusal = _try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
+        refusal = try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
         if refusal is None:
             self._memory = "mlocked"
         else:
             buf[:: mmap.PAGESIZE] = 0  # pre-fault: touch every page so no copy pays for it
             self._memory = "plain"
             self._memory_note = refusal
-            global _mlock_refusal_logged
-            if not _mlock_refusal_logged:
-                _mlock_refusal_logged = True
+            if LOGGED.first("mlock"):
                 _log.warning("dram arena not locked in memory (continuing): %s", refusal)
         self._mmap = mm
         self._buf = buf
@@ -345,21 +278,22 @@ class DramArena(ArenaBackend):
 
     # -- zero-copy access ---------------------------------------------------------------
 
+    def ready(self) -> None:
+        self._arena()
+
+    def reservation_view(self, slot: int) -> np.ndarray:
+        """Reservations carry their slot's writable view (a store reads straight in)."""
+        return self._slot_view(slot)
+
     def _arena(self) -> np.ndarray:
         self._check_open()
         assert self._buf is not None
         return self._buf
 
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
-            raise KVTierUsageError(f"slot must be an int, got {type(slot).__name__}")
-        if not 0 <= slot < self.capacity_pages:
-            raise KVTierUsageError(f"slot {slot} out of range [0, {self.capacity_pages})")
-
     def view(self, slot: int) -> np.ndarray:
         """Writable zero-copy uint8 view of ``slot``; raises for a slot out of range."""
         buf = self._arena()
-        self._check_slot(slot)
+        self.check_slot(slot)
         start = int(slot) * self.page_bytes
         return buf[start : start + self.page_bytes]
 
@@ -378,9 +312,6 @@ class DramArena(ArenaBackend):
         import torch
 
         return torch.from_numpy(view)
-
-    def slot_of(self, key: PageKey) -> int | None:
-        return self._slots.slot_of(key)
 
     def copy_threads_for(self, nbytes: int) -> int:
         """Threads one call copying ``nbytes`` runs on: one below
@@ -402,7 +333,7 @@ class DramArena(ArenaBackend):
         hand a slot to a new page that a late copy would then overwrite or read."""
         self._check_open()
         assert self._executor is not None
-        work = [(slot, (d, s)) for slot, (d, s) in pairs if not _same_memory(d, s)]
+        work = [(slot, (d, s)) for slot, (d, s) in pairs if not same_memory(d, s)]
         if not work:
             return
         self._copies += len(work)
@@ -410,7 +341,7 @@ class DramArena(ArenaBackend):
         total = len(copies) * self.page_bytes  # every pair is one page (or less)
         if total < INLINE_COPY_MAX_BYTES:
             self._inline_copies += len(work)
-            _copy_pairs(copies)  # no await in between: nothing can reuse the slots meanwhile
+            copy_pairs(copies)  # no await in between: nothing can reuse the slots meanwhile
             # Yield once, so that a stream of small calls cannot starve the loop's other
             # tasks (one loop iteration: far cheaper than the hop this replaces).
             await asyncio.sleep(0)
@@ -419,12 +350,12 @@ class DramArena(ArenaBackend):
         groups = (
             [copies]
             if parts <= 1 or total < PARALLEL_COPY_MIN_BYTES
-            else _split_pairs(copies, parts)
+            else split_pairs(copies, parts)
         )
-        book, slots = self._slots, [slot for slot, _ in work]
+        book, slots = self.slots, [slot for slot, _ in work]
         book.begin_io(slots)
         loop = asyncio.get_running_loop()
-        futures = [self._executor.submit(_copy_pairs, group) for group in groups]
+        futures = [self._executor.submit(copy_pairs, group) for group in groups]
         left = len(futures)
 
         def finished() -> None:
@@ -443,23 +374,6 @@ class DramArena(ArenaBackend):
 
     # -- the keyed, two-phase interface ------------------------------------------------
 
-    async def reserve(
-        self, keys: Sequence[PageKey], namespace: str = ""
-    ) -> list[Reservation | None]:
-        """A free slot per key (``None`` when the arena is full). Committed keys get a
-        ``present`` reservation; other reservations carry the slot's writable view."""
-        self._arena()
-        out: list[Reservation | None] = []
-        for key in keys:
-            taken = self._slots.take(key)
-            if taken is None:
-                out.append(None)
-            elif taken[1]:
-                out.append(Reservation(key, taken[0], present=True))
-            else:
-                out.append(Reservation(key, taken[0], view=self._slot_view(taken[0])))
-        return out
-
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         """Copy each buffer into its slot (skipped when the buffer *is* the slot view).
         ``False`` for a reservation that is no longer live (aborted or committed)."""
@@ -470,9 +384,9 @@ class DramArena(ArenaBackend):
         for r, buf in zip(reservations, bufs, strict=True):
             if r.present:
                 ok.append(True)
-            elif self._slots.is_live(r.handle, r.key):
+            elif self.slots.is_live(r.handle, r.key):
                 dst = self._slot_view(r.handle)
-                if _same_memory(dst, buf):
+                if same_memory(dst, buf):
                     self._skipped_copies += 1
                 else:
                     pairs.append((r.handle, (dst, buf)))
@@ -481,17 +395,6 @@ class DramArena(ArenaBackend):
                 ok.append(False)
         await self._copy(pairs)
         return ok
-
-    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
-        """Publish slots. A key committed meanwhile by another reservation keeps its
-        first slot; the duplicate's slot is freed and the commit still succeeds."""
-        self._arena()
-        return [self._slots.commit(r.handle, r.key, r.present) for r in reservations]
-
-    async def abort(self, reservations: Sequence[Reservation]) -> None:
-        self._arena()
-        for r in reservations:
-            self._slots.abort(r.handle, r.key, r.present)
 
     async def put(
         self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
@@ -505,7 +408,7 @@ class DramArena(ArenaBackend):
         taken: list[tuple[int, int, PageKey]] = []
         pairs: list[tuple[int, CopyPair]] = []
         for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
-            got = self._slots.take(key)
+            got = self.slots.take(key)
             if got is None:
                 continue
             slot, present = got
@@ -514,7 +417,7 @@ class DramArena(ArenaBackend):
                 continue
             taken.append((i, slot, key))
             dst = self._slot_view(slot)
-            if _same_memory(dst, buf):
+            if same_memory(dst, buf):
                 self._skipped_copies += 1
             else:
                 pairs.append((slot, (dst, buf)))
@@ -522,10 +425,10 @@ class DramArena(ArenaBackend):
             await self._copy(pairs)
         except BaseException:  # cancelled or failed before any commit: give the slots back
             for _, slot, key in taken:
-                self._slots.abort(slot, key, False)
+                self.slots.abort(slot, key, False)
             raise
         for i, slot, key in taken:
-            ok[i] = self._slots.commit(slot, key, False)
+            ok[i] = self.slots.commit(slot, key, False)
         return ok
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
@@ -535,7 +438,7 @@ class DramArena(ArenaBackend):
         ok: list[bool] = []
         pairs: list[tuple[int, CopyPair]] = []
         for key, buf in zip(keys, bufs, strict=True):
-            slot = self._slots.slot_of(key)
+            slot = self.slots.slot_of(key)
             if slot is None:
                 ok.append(False)
                 continue
@@ -543,24 +446,6 @@ class DramArena(ArenaBackend):
             ok.append(True)
         await self._copy(pairs)
         return ok
-
-    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        self._arena()
-        return [self._slots.slot_of(k) is not None for k in keys]
-
-    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Remove committed keys. The caller guarantees none is pinned for zero-copy use;
-        a slot that a :meth:`get` in flight is still copying out is reused only once that
-        copy finished (until then it counts in :meth:`used_pages`)."""
-        self._arena()
-        return [self._slots.delete(key) for key in keys]
-
-    async def keys(self) -> list[PageKey]:
-        self._arena()
-        return list(self._slots.committed)
-
-    def used_pages(self) -> int:
-        return self._slots.used()
 
     def stats(self) -> dict[str, Any]:
         """Base counters plus ``memory`` (pinned / mlocked / plain / none before open),
@@ -573,29 +458,11 @@ class DramArena(ArenaBackend):
             numa_node=self.numa_node,
             placement=None if self._placement is None else self._placement.to_dict(),
             arena_bytes=self.nbytes,
-            committed_pages=len(self._slots.committed),
-            reserved_pages=len(self._slots.reserved),
-            draining_pages=self._slots.draining,
+            committed_pages=len(self.slots.committed),
+            reserved_pages=len(self.slots.reserved),
+            draining_pages=self.slots.draining,
             copies=self._copies,
             skipped_copies=self._skipped_copies,
             inline_copies=self._inline_copies,
         )
         return out
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two page buffers are the very same bytes (so a copy is a no-op).
-
-    Only views of one base array are compared by address (reading an address costs
-    microseconds); buffers of different bases are taken as different, so the rare buffer
-    that reaches the same bytes through another object is copied onto itself: harmless.
-    """
-    if a is b:
-        return True
-    base = a.base
-    return bool(
-        base is not None
-        and base is b.base
-        and a.ctypes.data == b.ctypes.data
-        and a.nbytes == b.nbytes
-    )

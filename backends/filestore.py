@@ -38,70 +38,39 @@ The full NVMe tier (slab files, O_DIRECT, an SQLite index) is ``kvtier.backends.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import fcntl
-import functools
-import itertools
 import logging
 import os
-import shutil
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
 import numpy as np
-from kvtier.backends.nvme_index import StoreLockedError
 from kvtier.backends.store_files import (
-    Modes,
-    StorePathError,
     UnsafeStoreError,
-    check_no_symlink,
-    check_path_text,
-    describe_os_error,
-    make_store_root,
     open_private,
     private_dir,
-    set_mode,
 )
 
-from kvtier.backend import Reservation, StoreBackend, check_blobs, check_buffers
-from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
+from kvtier.backend import Reservation, check_blobs, check_buffers
+from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
+from .filestore_base import (
+    FAN_OUT_MIN_BYTES,
+    TMP_SUFFIX,
+    FileStoreBase,
+    Pending,
+    fsync_dir,
+    unlink_all,
+)
+
 _log = logging.getLogger(__name__)
 
-_TMP = ".tmp"
-_LOCK = ".lock"
-#: Batches of at least this many bytes are spread over the I/O threads.
-FAN_OUT_MIN_BYTES = 1 << 20
-
-J = TypeVar("J")
-R = TypeVar("R")
-_HEX_LEN = KEY_BYTES * 2
+__all__ = ["FAN_OUT_MIN_BYTES", "FileStore"]
 
 
-@dataclass
-class _Pending:
-    """A reservation's state: where its bytes go before commit."""
-
-    key: PageKey
-    namespace: str
-    tmp: Path
-    written: bool = False
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class FileStore(StoreBackend):
+class FileStore(FileStoreBase):
     """Pages as files in a directory (see module docstring).
 
     Options:
@@ -112,186 +81,6 @@ class FileStore(StoreBackend):
 
     Persistent: committed pages are there again after close and reopen.
     """
-
-    default_io_threads: ClassVar[int] = 4
-    variable_length: ClassVar[bool] = True
-
-    def __init__(
-        self,
-        *,
-        page_bytes: int,
-        capacity_pages: int,
-        io_threads: int | None = None,
-        path: str | os.PathLike[str] | None = None,
-        fsync: bool = False,
-        group_access: bool = False,
-        **options: Any,
-    ) -> None:
-        super().__init__(
-            page_bytes=page_bytes,
-            capacity_pages=capacity_pages,
-            io_threads=io_threads,
-            **options,
-        )
-        if path is None or str(path) == "":
-            raise ConfigError("FileStore: option 'path' (the store directory) is required")
-        if not isinstance(path, str | os.PathLike):
-            raise ConfigError(f"FileStore: option 'path' must be a path, got {path!r}")
-        if not isinstance(fsync, bool):
-            raise ConfigError(f"FileStore: option 'fsync' must be a bool, got {fsync!r}")
-        self.path = check_path_text(path, "FileStore: option 'path'")
-        self.modes = Modes.for_option(group_access, "FileStore")
-        self.fsync = fsync
-        # committed key -> stamp of its commit (0 for pages found at open), so a read that
-        # fails can tell whether the page it read is still the one committed
-        self._index: dict[PageKey, int] = {}
-        self._stamps = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
-        self._next_handle = 0
-        self._lock_fd = -1
-        self._counters = {
-            "checksum_failures": 0,
-            "read_errors": 0,
-            "write_errors": 0,
-            "skipped_files": 0,
-        }
-
-    async def _fan_out(self, fn: Callable[[list[J]], list[R]], jobs: list[J]) -> list[R]:
-        """Run ``fn`` over ``jobs`` off the loop: one hop for a small batch; a large one is
-        cut into contiguous chunks run at once on the I/O threads. Results keep job order."""
-        parts = min(self.io_threads, os.cpu_count() or 1, len(jobs))
-        if parts <= 1 or len(jobs) * self.page_bytes < FAN_OUT_MIN_BYTES:
-            return await self.run_blocking(fn, jobs)
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        size = -(-len(jobs) // parts)
-        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-        done = await asyncio.gather(
-            *(loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks)
-        )
-        return [r for chunk in done for r in chunk]
-
-    # -- paths --------------------------------------------------------------------------
-
-    def page_path(self, key: PageKey) -> Path:
-        """Where the committed page for ``key`` lives."""
-        h = bytes(key).hex()
-        return self.path / h[:2] / h
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    async def open(self) -> None:
-        """Create the directory if needed, clear ``.tmp`` and index committed pages.
-
-        Idempotent. Raises :class:`~kvtier.backends.store_files.StorePathError` when the
-        directory cannot be created or read (naming it and why),
-        :class:`~kvtier.backends.store_files.UnsafeStoreError` for a symlink inside it,
-        :class:`~kvtier.backends.nvme_index.StoreLockedError` when another store object
-        (here or in another process) has it open.
-        """
-        if self._opened:
-            return
-        await super().open()
-        try:
-            keys, skipped = await self.run_blocking(self._scan)
-        except BaseException:
-            await super().close()
-            self._unlock()
-            raise
-        self._index = dict.fromkeys(keys, 0)
-        self._counters["skipped_files"] = skipped
-
-    def _scan(self) -> tuple[set[PageKey], int]:
-        """Lock the directory, then index ``<path>/<xx>/<hex>`` files of the right size;
-        count what is skipped."""
-        try:
-            return self._scan_files()
-        except (StorePathError, UnsafeStoreError, StoreLockedError):
-            self._unlock()
-            raise
-        except OSError as exc:
-            self._unlock()
-            where = exc.filename or self.path
-            raise StorePathError(
-                f"file store {self.path}: cannot use {where}: {describe_os_error(exc)}"
-            ) from exc
-
-    def _scan_files(self) -> tuple[set[PageKey], int]:
-        make_store_root(self.path, self.modes, "file store")
-        self._lock_dir()
-        tmp = self.path / _TMP
-        if check_no_symlink(tmp, self.path, want="dir"):
-            shutil.rmtree(tmp)  # never follows symlinks inside it
-        private_dir(tmp, self.modes, self.path)
-        largest = HEADER_SIZE + self.page_bytes
-        keys: set[PageKey] = set()
-        skipped = 0
-        for sub in os.scandir(self.path):
-            if sub.name in (_TMP, _LOCK) or len(sub.name) != 2:
-                continue
-            if sub.is_symlink():
-                check_no_symlink(Path(sub.path), self.path, want="dir")  # raises
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            private_dir(Path(sub.path), self.modes, self.path, create=False)
-            for entry in os.scandir(sub.path):
-                name = entry.name
-                if entry.is_symlink():
-                    check_no_symlink(Path(entry.path), self.path)  # raises
-                if len(name) != _HEX_LEN or not name.startswith(sub.name):
-                    skipped += 1
-                    continue
-                try:
-                    key = bytes.fromhex(name)
-                    st = entry.stat(follow_symlinks=False)
-                    size = st.st_size
-                    if st.st_mode & 0o777 != self.modes.file:
-                        set_mode(Path(entry.path), self.modes.file)
-                except (ValueError, OSError):
-                    skipped += 1
-                    continue
-                if not HEADER_SIZE < size <= largest:  # shorter: a variable-length blob
-                    _log.warning(
-                        "file store %s: skipping %s (%d bytes, expected %d to %d)",
-                        self.path,
-                        entry.path,
-                        size,
-                        HEADER_SIZE + 1,
-                        largest,
-                    )
-                    skipped += 1
-                    continue
-                keys.add(PageKey(key))
-        return keys, skipped
-
-    async def close(self) -> None:
-        """Drop uncommitted writes and release threads and the directory; committed pages
-        stay. Idempotent."""
-        if self._opened and self._pending:
-            tmps = [p.tmp for p in self._pending.values()]
-            await self.run_blocking(_unlink_all, tmps)
-        self._pending.clear()
-        await super().close()
-        self._unlock()
-
-    def _lock_dir(self) -> None:
-        fd = open_private(self.path / _LOCK, os.O_RDWR | os.O_CREAT, self.modes, self.path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreLockedError(
-                f"file store {self.path} is already open in another process or store object"
-            ) from None
-        self._lock_fd = fd
-
-    def _unlock(self) -> None:
-        fd, self._lock_fd = self._lock_fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    # -- the keyed, two-phase interface ------------------------------------------------
 
     async def reserve(
         self, keys: Sequence[PageKey], namespace: str = ""
@@ -316,12 +105,12 @@ class FileStore(StoreBackend):
                 continue
             handle = self._next_handle
             self._next_handle += 1
-            tmp = self.path / _TMP / f"{handle}-{bytes(key).hex()}"
-            self._pending[handle] = _Pending(key, namespace, tmp)
+            tmp = self.path / TMP_SUFFIX / f"{handle}-{bytes(key).hex()}"
+            self._pending[handle] = Pending(key, namespace, tmp)
             out.append(Reservation(key, handle))
         return out
 
-    def _live(self, r: Reservation) -> _Pending | None:
+    def _live(self, r: Reservation) -> Pending | None:
         p = self._pending.get(r.handle)
         return p if p is not None and p.key == r.key else None
 
@@ -344,21 +133,21 @@ class FileStore(StoreBackend):
         self, reservations: Sequence[Reservation], bufs: list[np.ndarray]
     ) -> list[bool]:
         ok = [False] * len(reservations)
-        jobs: list[tuple[int, _Pending, np.ndarray]] = []
+        jobs: list[tuple[int, Pending, np.ndarray]] = []
         for i, (r, buf) in enumerate(zip(reservations, bufs, strict=True)):
             if r.present:
                 ok[i] = True
             elif (p := self._live(r)) is not None:
                 jobs.append((i, p, buf))
         if jobs:
-            results = await self._fan_out(self._write_files, jobs)
+            results = await self._fan_out(self.write_files, jobs)
             for (i, p, _), res in zip(jobs, results, strict=True):
                 ok[i] = res
                 p.written = res
                 self._counters["write_errors"] += not res
         return ok
 
-    def _write_files(self, jobs: list[tuple[int, _Pending, np.ndarray]]) -> list[bool]:
+    def write_files(self, jobs: list[tuple[int, Pending, np.ndarray]]) -> list[bool]:
         out: list[bool] = []
         for _, p, buf in jobs:
             try:
@@ -388,7 +177,7 @@ class FileStore(StoreBackend):
         reservation that was not written or whose move failed."""
         self._check_open()
         ok = [False] * len(reservations)
-        jobs: list[tuple[int, _Pending]] = []
+        jobs: list[tuple[int, Pending]] = []
         for i, r in enumerate(reservations):
             if r.present:
                 ok[i] = r.key in self._index
@@ -404,7 +193,7 @@ class FileStore(StoreBackend):
             else:
                 jobs.append((i, p))
         if jobs:
-            results = await self.run_blocking(self._commit_files, jobs)
+            results = await self.run_blocking(self.commit_files, jobs)
             for (i, p), res in zip(jobs, results, strict=True):
                 if i >= 0 and res:
                     self._index[p.key] = next(self._stamps)
@@ -413,12 +202,12 @@ class FileStore(StoreBackend):
                     self._counters["write_errors"] += 1
         return ok
 
-    def _commit_files(self, jobs: list[tuple[int, _Pending]]) -> list[bool]:
+    def commit_files(self, jobs: list[tuple[int, Pending]]) -> list[bool]:
         out: list[bool] = []
         dirs: set[Path] = set()
         for i, p in jobs:
             if i < 0:
-                _unlink_all([p.tmp])
+                unlink_all([p.tmp])
                 out.append(False)
                 continue
             final = self.page_path(p.key)
@@ -430,11 +219,11 @@ class FileStore(StoreBackend):
                 out.append(True)
             except OSError as exc:
                 _log.warning("file store: commit of %s to %s failed: %s", p.key.hex(), final, exc)
-                _unlink_all([p.tmp])
+                unlink_all([p.tmp])
                 out.append(False)
         if self.fsync:
             for d in dirs:
-                _fsync_dir(d)
+                fsync_dir(d)
         return out
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:
@@ -446,7 +235,7 @@ class FileStore(StoreBackend):
                 del self._pending[r.handle]
                 tmps.append(p.tmp)
         if tmps:
-            await self.run_blocking(_unlink_all, tmps)
+            await self.run_blocking(unlink_all, tmps)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Read and verify committed pages into ``out`` (one hop). A page that fails
@@ -470,7 +259,7 @@ class FileStore(StoreBackend):
         jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in stamps]
         if not jobs:
             return ok
-        results = await self._fan_out(self._read_blobs if sized else self._read_files, jobs)
+        results = await self._fan_out(self._read_blobs if sized else self.read_files, jobs)
         damaged: list[Path] = []
         for (i, key, _), (res, length) in zip(jobs, results, strict=True):
             if res == "ok":
@@ -485,10 +274,10 @@ class FileStore(StoreBackend):
                 if res == "bad":
                     damaged.append(self.page_path(key))
         if damaged:
-            await self.run_blocking(_unlink_all, damaged)
+            await self.run_blocking(unlink_all, damaged)
         return ok
 
-    def _read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[tuple[str, int]]:
+    def read_files(self, jobs: list[tuple[int, PageKey, np.ndarray]]) -> list[tuple[str, int]]:
         """:meth:`_read` of whole pages (a shorter blob is ``bad``)."""
         return self._read(jobs, sized=False)
 
@@ -569,7 +358,7 @@ class FileStore(StoreBackend):
                 present.append((i, k))
                 ok[i] = True
         if present:
-            await self.run_blocking(_unlink_all, [self.page_path(k) for _, k in present])
+            await self.run_blocking(unlink_all, [self.page_path(k) for _, k in present])
         return ok
 
     async def keys(self) -> list[PageKey]:
@@ -591,14 +380,3 @@ class FileStore(StoreBackend):
             **self._counters,
         )
         return out
-
-
-def _unlink_all(paths: Sequence[Path]) -> None:
-    """Remove files, ignoring ones already gone."""
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            _log.warning("file store: cannot remove %s: %s", p, exc)

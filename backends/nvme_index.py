@@ -10,8 +10,8 @@ A ``pages`` row exists only for a page whose bytes were made durable (``fdatasyn
 before the row's transaction committed, so after any crash every row points at a whole
 page. ``synchronous=FULL``: a committed transaction survives power loss as well.
 
-The index also owns the store directory's identity checks and the single-writer lock
-(``fcntl.flock`` on ``<store>/lock``).
+The store directory's identity checks and the single-writer lock are in
+:mod:`kvtier.backends.nvme_dir` (re-exported here).
 
 Thread-safety: every method takes the index lock; call from any thread.
 """
@@ -19,8 +19,6 @@ Thread-safety: every method takes the index lock; call from any thread.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import sqlite3
 import threading
@@ -29,27 +27,42 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.backends.nvme_dir import (
+    INDEX_FILE,
+    LOCK_FILE,
+    STORE_FORMAT_VERSION,
+    DamagedStoreError,
+    NotAStoreError,
+    StoreLock,
+    StoreLockedError,
+    StoreReadOnlyError,
+    StoreVersionError,
+    check_store_dir,
+    check_store_entries,
+)
 from kvtier.backends.store_files import (
     Modes,
-    StorePathError,
-    UnsafeStoreError,
     check_no_symlink,
-    check_path_text,
     create_private_file,
-    describe_os_error,
-    make_store_root,
-    open_private,
     set_mode,
 )
 
-from kvtier.errors import KVTierError, KVTierUsageError
-
-#: Version of the store layout (slabs + index). Stores of a newer version are refused.
-STORE_FORMAT_VERSION = 1
-INDEX_FILE = "index.sqlite"
-LOCK_FILE = "lock"
-#: Files that may sit in a store directory; anything else there means it is not a store.
-_STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
+__all__ = [
+    "INDEX_FILE",
+    "LOCK_FILE",
+    "STORE_FORMAT_VERSION",
+    "DamagedStoreError",
+    "NotAStoreError",
+    "PageRow",
+    "RawRow",
+    "StoreIndex",
+    "StoreLock",
+    "StoreLockedError",
+    "StoreReadOnlyError",
+    "StoreVersionError",
+    "check_store_dir",
+    "check_store_entries",
+]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -71,27 +84,6 @@ CREATE TABLE IF NOT EXISTS quarantine (
     at REAL NOT NULL
 );
 """
-
-
-class NotAStoreError(KVTierUsageError):
-    """The path exists but is not an NVMe store (and is not an empty directory)."""
-
-
-class StoreVersionError(KVTierUsageError):
-    """The store was written by a newer kvtier (format version too new)."""
-
-
-class StoreLockedError(KVTierError):
-    """Another process (or another open store object) holds the store."""
-
-
-class StoreReadOnlyError(KVTierError):
-    """The store directory cannot be written."""
-
-
-class DamagedStoreError(KVTierError):
-    """The store's index or metadata is damaged beyond what opening repairs by itself
-    (the message says how to rebuild it from the slabs)."""
 
 
 #: The raw columns of a ``pages`` row as SQLite returns them (validated before use).
@@ -119,151 +111,6 @@ class PageRow:
     checksum: int
     namespace: str
     created: float
-
-
-def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> bool:
-    """Check that ``root`` is a store directory; return whether it holds a store already.
-
-    With ``create``, a missing directory (and missing parents) is created private
-    (``modes.dir``, ``0700`` by default). Raises :class:`NotAStoreError` for a file, or a
-    directory with foreign content and no index; :class:`KVTierUsageError` for a missing
-    directory when not creating; :class:`~kvtier.backends.store_files.UnsafeStoreError`
-    when one of the store's own entries (index, its WAL/SHM, lock, slabs) is a symlink or
-    of the wrong type; :class:`~kvtier.backends.store_files.StorePathError` for a path the
-    OS refuses (NUL byte, name too long...).
-    """
-    root = check_path_text(root, "NVMe store")
-    modes = modes or Modes()
-    try:
-        exists = root.exists()
-        if exists and not root.is_dir():
-            raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
-    except OSError as exc:
-        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
-    if not exists:
-        if not create:
-            raise KVTierUsageError(f"no NVMe store at {root}: the directory does not exist")
-        try:
-            make_store_root(root, modes, "NVMe store")
-        except StorePathError as exc:
-            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (
-                errno.EROFS,
-                errno.EACCES,
-                errno.EPERM,
-            ):
-                raise StoreReadOnlyError(
-                    f"cannot create store directory {root}: {exc.__cause__.strerror}"
-                ) from exc
-            raise
-        return False
-    check_store_entries(root)
-    if create:
-        set_mode(root, modes.dir)
-    if (root / INDEX_FILE).exists():
-        return True
-    try:
-        names = [p.name for p in root.iterdir()]
-    except OSError as exc:
-        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
-    foreign = sorted(n for n in names if n not in _STORE_FILES)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise NotAStoreError(
-            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
-            f"({shown}); pick an empty or new directory"
-        )
-    if not create and not (root / "slabs").is_dir():
-        raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
-    return False
-
-
-def check_store_entries(root: Path) -> None:
-    """Refuse a store whose own files or directories are symlinks or of the wrong type:
-    :class:`~kvtier.backends.store_files.UnsafeStoreError` names the entry."""
-    for name in (INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE):
-        check_no_symlink(root / name, root)
-    if check_no_symlink(root / "slabs", root, want="dir"):
-        try:
-            entries = list(os.scandir(root / "slabs"))
-        except OSError as exc:
-            raise StorePathError(f"NVMe store {root}: slabs: {describe_os_error(exc)}") from exc
-        for entry in entries:
-            if entry.name.startswith("slab-"):
-                check_no_symlink(Path(entry.path), root)
-
-
-class StoreLock:
-    """Exclusive (writer) or shared (inspection) ``flock`` on ``<store>/lock``."""
-
-    def __init__(self, root: Path, exclusive: bool = True, modes: Modes | None = None) -> None:
-        path = root / LOCK_FILE
-        modes = modes or Modes()
-        self._fd = -1
-        if not exclusive:
-            # Readers only need to see a writer's lock; they may sit on read-only media.
-            try:
-                self._fd = open_private(path, os.O_RDONLY, modes, root, fix_mode=False)
-            except FileNotFoundError:
-                return  # never opened for writing: nobody to exclude
-        try:
-            if self._fd < 0:
-                self._fd = open_private(path, os.O_RDWR | os.O_CREAT, modes, root)
-        except UnsafeStoreError:
-            raise
-        except OSError as exc:
-            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise StoreReadOnlyError(
-                    f"NVMe store directory {root} is read-only ({exc.strerror}); "
-                    "the store needs write access"
-                ) from exc
-            raise
-        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        try:
-            fcntl.flock(self._fd, op)
-        except BlockingIOError:
-            if exclusive and _only_readers(self._fd):
-                os.close(self._fd)
-                raise StoreLockedError(
-                    f"NVMe store {root} is being verified (kvtier inspect store --verify); "
-                    "open it once that is done"
-                ) from None
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise StoreLockedError(
-                f"NVMe store {root} is already open in another process or object "
-                f"(holder pid {holder}); "
-                + (
-                    "a store has one writer at a time"
-                    if exclusive
-                    else "--verify needs it closed (plain inspect works on a live store)"
-                )
-            ) from None
-        if exclusive:
-            try:
-                os.ftruncate(self._fd, 0)
-                os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-            except OSError as exc:
-                self.release()
-                raise StoreReadOnlyError(
-                    f"NVMe store directory {root} is not writable ({exc.strerror})"
-                ) from exc
-
-    def release(self) -> None:
-        """Drop the lock (closing the descriptor releases it)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _only_readers(fd: int) -> bool:
-    """Whether the lock on ``fd``'s file is held shared (by inspections), not by a writer:
-    then a shared lock can still be taken (and is dropped again at once)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
 
 
 def _connect_readonly(path: Path) -> sqlite3.Connection:
@@ -381,8 +228,7 @@ class StoreIndex:
         checksum, namespace, created)``, unchecked (see :mod:`~kvtier.backends.nvme_validate`).
         Streams from a cursor, so memory does not grow with the table."""
         yield from self._stream(
-            "SELECT rowid, key, slot, slab, offset, length, checksum, namespace, created "
-            "FROM pages"
+            "SELECT rowid, key, slot, slab, offset, length, checksum, namespace, created FROM pages"
         )
 
     def raw_quarantine(self) -> Iterator[RawRow]:
@@ -407,8 +253,12 @@ class StoreIndex:
         with self._lock:
             return int(self._db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
 
-    def drop_rows(self, page_rowids: Sequence[int], quarantine_rowids: Sequence[int],
-                  quarantine: Iterable[tuple[int, bytes | None, str]]) -> None:
+    def drop_rows(
+        self,
+        page_rowids: Sequence[int],
+        quarantine_rowids: Sequence[int],
+        quarantine: Iterable[tuple[int, bytes | None, str]],
+    ) -> None:
         """Remove invalid ``pages`` and ``quarantine`` rows (by rowid) and quarantine the
         slots given, in one transaction."""
         now = time.time()
@@ -492,9 +342,7 @@ class StoreIndex:
         return {
             "pages": int(n),
             "bytes": int(total),
-            "namespaces": {
-                str(ns): {"pages": int(c), "bytes": int(b)} for ns, c, b in per_ns
-            },
+            "namespaces": {str(ns): {"pages": int(c), "bytes": int(b)} for ns, c, b in per_ns},
             "quarantined": int(q),
         }
 

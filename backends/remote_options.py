@@ -199,9 +199,7 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
     ttl = (
         None
         if ttl_raw in (None, "", "none", 0, "0")
-        else _as_number(
-            "ttl_s", ttl_raw, integer=False, minimum=0.001, maximum=MAX_TTL_SECONDS
-        )
+        else _as_number("ttl_s", ttl_raw, integer=False, minimum=0.001, maximum=MAX_TTL_SECONDS)
     )
     return RemoteOptions(
         url=url,

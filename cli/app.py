@@ -121,7 +121,9 @@ def _root(
     show_version: Annotated[
         bool,
         typer.Option(
-            "--version", help="Print kvtier's version and exit.", is_eager=True,
+            "--version",
+            help="Print kvtier's version and exit.",
+            is_eager=True,
             callback=_print_version,
         ),
     ] = False,

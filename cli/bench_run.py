@@ -14,10 +14,9 @@ from kvtier.cli.output import (
     console,
     emit,
     fail,
-    fmt,
     progress,
+    render_config,
     run_guarded,
-    size,
     table,
 )
 
@@ -26,36 +25,9 @@ from kvtier.bench.speculative import SpeculativeParams
 from kvtier.bench.workload import ChatParams
 from kvtier.config import format_size, load_config, parse_size
 from kvtier.errors import KVTierUsageError
-from kvtier.spec import KVSpec
 
 _DEFAULTS = ChatParams()
 _SPEC_DEFAULTS = SpeculativeParams()
-
-
-def render_config(config: dict[str, Any], disk_dir: str | None = None) -> None:
-    """The configuration a run used: model, page size, and each tier's backend, capacity
-    (bytes and pages), watermarks and directory."""
-    model = config["model"]
-    page = KVSpec(**model).page_bytes
-    rows = []
-    for t in config["tiers"]:
-        path = t["options"].get("path") or t["options"].get("url") or "-"
-        rows.append(
-            (
-                t["name"],
-                t["backend"],
-                size(t["capacity"]),
-                fmt(t["capacity"] // page if page else None),
-                f"{t['high_watermark']:.0%} / {t['low_watermark']:.0%}",
-                path,
-            )
-        )
-    title = (
-        f"configuration: {model['name']}, {model['page_tokens']}-token pages of "
-        f"{size(page)} ({model['dtype']}), {config['pipeline']['write_policy']}"
-    )
-    cols = ["tier", "backend", "capacity", "pages", "high / low", "where"]
-    console.print(table(title, cols, rows))
 
 
 def _render(data: dict[str, Any]) -> None:

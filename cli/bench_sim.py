@@ -21,8 +21,7 @@ from kvtier.cli.app import bench_app
 from kvtier.cli.output import console, emit, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
-from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
-from kvtier.policy.base import AdmissionPolicy
+from kvtier.policy.admission import admission_names, make_admission
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy
 from kvtier.policy.prefetch import LookaheadPredictor
 from kvtier.sim.belady import belady_min
@@ -56,15 +55,6 @@ def parse_capacity(text: str, distinct: int) -> int:
     return int(v)
 
 
-def make_admission(name: str) -> AdmissionPolicy:
-    """The admission policy ``name`` (``reuse`` or ``frequency``) for selective writes."""
-    if name == "reuse":
-        return ReusePredictor()
-    if name == "frequency":
-        return FrequencyAdmission()
-    raise KVTierUsageError(f"unknown admission policy {name!r}; known: frequency, reuse")
-
-
 def check_args(
     requests: int | None,
     block_tokens: int,
@@ -84,7 +74,11 @@ def check_args(
         raise KVTierUsageError(f"--tier-scale must be a finite number > 0, got {tier_scale}")
     if not tiers or len(set(tiers)) != len(tiers):
         raise KVTierUsageError(f"--tiers must name distinct tiers, got {','.join(tiers)!r}")
-    make_admission(admission)
+    if admission not in admission_names():
+        known = ", ".join(admission_names())
+        raise KVTierUsageError(
+            f"--admission: unknown admission policy {admission!r}; known: {known}"
+        )
     for c in capacities:
         parse_capacity(c, 1)
     if plot_file is not None:
@@ -166,19 +160,11 @@ def run_sim(
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
-                adm = (
-                    {i: make_admission(admission) for i in range(1, len(caps))}
-                    if write_policy == "selective"
-                    else None
-                )
-                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names, adm)
+                adm = make_admission(admission) if write_policy == "selective" else None
+                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names)
                 predictor = LookaheadPredictor() if prefetch == "lookahead" else None
                 res = replay(
-                    tr,
-                    tiers,
-                    write_policy,  # type: ignore[arg-type]
-                    predictor=predictor,
-                    progress=adv,
+                    tr, tiers, write_policy, predictor=predictor, progress=adv, admission=adm
                 )
                 secs = time.perf_counter() - t0
                 cost = evaluate(res, spec, hw)

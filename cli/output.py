@@ -29,6 +29,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 
 from kvtier.errors import KVTierError, KVTierUsageError
+from kvtier.spec import KVSpec
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -183,3 +184,29 @@ def run_guarded(fn: Callable[[], None], as_json: bool = False) -> None:
         if as_json:
             json_error(message, type(exc).__name__, code)
         raise fail(message, code) from None
+
+
+def render_config(config: dict[str, Any], disk_dir: str | None = None) -> None:
+    """The configuration a run used: model, page size, and each tier's backend, capacity
+    (bytes and pages), watermarks and directory."""
+    model = config["model"]
+    page = KVSpec(**model).page_bytes
+    rows = []
+    for t in config["tiers"]:
+        path = t["options"].get("path") or t["options"].get("url") or "-"
+        rows.append(
+            (
+                t["name"],
+                t["backend"],
+                size(t["capacity"]),
+                fmt(t["capacity"] // page if page else None),
+                f"{t['high_watermark']:.0%} / {t['low_watermark']:.0%}",
+                path,
+            )
+        )
+    title = (
+        f"configuration: {model['name']}, {model['page_tokens']}-token pages of "
+        f"{size(page)} ({model['dtype']}), {config['pipeline']['write_policy']}"
+    )
+    cols = ["tier", "backend", "capacity", "pages", "high / low", "where"]
+    console.print(table(title, cols, rows))

@@ -59,6 +59,21 @@ class BackendKind(StrEnum):
     STORE = "store"
 
 
+class Medium(StrEnum):
+    """Where a backend's bytes live; links are chosen per (source, destination) medium.
+
+    ``host`` and ``device`` are memory (arenas), ``file`` a local file system or block
+    device, ``network`` a remote server. A backend that says nothing is ``host`` (an
+    arena) or ``store`` (a store of unknown kind).
+    """
+
+    HOST = "host"
+    DEVICE = "device"
+    FILE = "file"
+    NETWORK = "network"
+    STORE = "store"
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Space taken by :meth:`Backend.reserve` for one key, not yet visible.
@@ -140,6 +155,8 @@ class Backend(ABC):
 
     #: Arena or store.
     kind: ClassVar[BackendKind]
+    #: Where the bytes live (links are registered per medium pair).
+    medium: ClassVar[Medium]
     #: Default number of worker threads for blocking work.
     default_io_threads: ClassVar[int] = 4
     #: Other processes may commit pages here behind this process's back (a remote pool
@@ -337,6 +354,7 @@ class ArenaBackend(Backend):
     """
 
     kind: ClassVar[BackendKind] = BackendKind.ARENA
+    medium: ClassVar[Medium] = Medium.HOST
 
     @abstractmethod
     def slot_of(self, key: PageKey) -> int | None:
@@ -366,6 +384,8 @@ class StoreBackend(Backend):
     """
 
     kind: ClassVar[BackendKind] = BackendKind.STORE
+    medium: ClassVar[Medium] = Medium.STORE
+
     #: Whether :meth:`write_blobs` / :meth:`get_sized` keep blobs shorter than a page.
     variable_length: ClassVar[bool] = False
 

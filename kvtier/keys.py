@@ -9,6 +9,7 @@ mean equal KV. Only full pages get keys; a trailing partial page is never shared
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,3 +181,34 @@ def page_keys(
 def key_hex(key: bytes) -> str:
     """Short printable form of a key (32 hex digits)."""
     return key.hex()
+
+
+class PrivateKeys:
+    """Keys for private top-tier slots (working pages never committed: an engine's
+    unverified KV, a partial page being filled): ``tag`` followed by a counter.
+
+    A content key is a 128-bit hash, so a fixed 10-byte ``tag`` (starting with a byte such
+    as 0xff) makes a collision with one negligible; distinct tags keep the private keys
+    of different users (the sequence manager, the transformers integration) apart. Keys
+    count up from 1 for the life of the process.
+    """
+
+    TAG_BYTES = 10
+
+    def __init__(self, tag: bytes) -> None:
+        if len(tag) != self.TAG_BYTES:
+            raise KVTierUsageError(f"a private key tag is {self.TAG_BYTES} bytes, got {len(tag)}")
+        self.tag = bytes(tag)
+        self._counter = itertools.count(1)
+
+    def next(self) -> PageKey:
+        """A key never handed out before."""
+        return PageKey(self.tag + next(self._counter).to_bytes(KEY_BYTES - self.TAG_BYTES, "big"))
+
+    def take(self, n: int) -> list[PageKey]:
+        """``n`` new keys."""
+        return [self.next() for _ in range(n)]
+
+    def owns(self, key: bytes) -> bool:
+        """Whether ``key`` is one of this tag's keys."""
+        return key[: self.TAG_BYTES] == self.tag

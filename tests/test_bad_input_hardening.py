@@ -32,8 +32,13 @@ def config(tmp_path: Path, **disk: Any) -> dict[str, Any]:
         "model": {"preset": "tiny"},
         "tiers": [
             {"name": "dram", "backend": "dram", "capacity": "8KiB"},
-            {"name": "disk", "backend": "nvme", "capacity": "64KiB",
-             "options": {"path": str(tmp_path / "nvme")}, **disk},
+            {
+                "name": "disk",
+                "backend": "nvme",
+                "capacity": "64KiB",
+                "options": {"path": str(tmp_path / "nvme")},
+                **disk,
+            },
         ],
     }
 
@@ -67,9 +72,7 @@ def _a_file(t: Path) -> Path:
     ],
     ids=["existing file", "parent is a file", "name too long"],
 )
-async def test_unusable_file_store_paths_are_named(
-    tmp_path: Path, make: Any, needle: str
-) -> None:
+async def test_unusable_file_store_paths_are_named(tmp_path: Path, make: Any, needle: str) -> None:
     path = make(tmp_path)
     with pytest.raises(StorePathError, match=needle) as info:
         await filestore(path).open()
@@ -177,8 +180,10 @@ async def test_file_store_refuses_planted_symlinks(tmp_path: Path, entry: str) -
     link.symlink_to(target)
     with pytest.raises(UnsafeStoreError, match="symlink"):
         await filestore(root).open()
-    assert (target / "keep").read_text() == "precious" if target.is_dir() else (
-        target.read_text() == "precious"
+    assert (
+        (target / "keep").read_text() == "precious"
+        if target.is_dir()
+        else (target.read_text() == "precious")
     )
 
 
@@ -259,7 +264,7 @@ async def test_a_dram_tier_larger_than_memory_names_the_tier_and_what_is_availab
 
 @pytest.mark.parametrize(
     "content",
-    [bytes(range(256)) * 4, '[pipeline]\nbatch_pages = 4\n'.encode("utf-16")],
+    [bytes(range(256)) * 4, "[pipeline]\nbatch_pages = 4\n".encode("utf-16")],
     ids=["binary", "utf-16"],
 )
 def test_a_config_file_that_is_not_utf8_text_is_named(
@@ -310,8 +315,11 @@ def test_io_threads_of_the_wrong_type_is_named(tmp_path: Path, backend: str) -> 
     cfg["tiers"][1]["options"] = {"io_threads": "abc"} | (
         {} if backend == "dram" else {"path": str(tmp_path / backend)}
     )
-    with pytest.raises(ConfigError, match=r"tiers\[1\]\.options \(disk\).*io_threads must be an "
-                       r"integer >= 1.*'abc'") as info:
+    with pytest.raises(
+        ConfigError,
+        match=r"tiers\[1\]\.options \(disk\).*io_threads must be an "
+        r"integer >= 1.*'abc'",
+    ) as info:
         asyncio.run(KVCache(cfg, configure_log=False).start())
     assert "not supported" not in str(info.value)
 

@@ -13,7 +13,7 @@ from kvtier.backends.filestore import FileStore
 from kvtier.cli.app import get_app
 from typer.testing import CliRunner
 
-from kvtier.bench import baselines
+from kvtier.bench import baselines, disk_baseline
 from kvtier.bench import io as io_bench
 from kvtier.bench.io import IOBenchParams, bench_io
 from kvtier.bench.pagecache import drop_page_cache
@@ -95,7 +95,7 @@ def test_bench_io_failing_tier_exits_1(runner: CliRunner, tmp_path: Path) -> Non
 
 
 async def test_disk_baseline_without_fio(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(baselines.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(disk_baseline.shutil, "which", lambda _name: None)
     [result] = await bench_io(
         ["file"], IOBenchParams(page_bytes=64 * 1024, pages=4, repeats=1, workdir=tmp_path)
     )

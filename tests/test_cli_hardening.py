@@ -215,10 +215,16 @@ DRAM = '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "64KiB"\n'
             "unknown backend 'nosuch'",
         ),
         ('[[tiers]]\nname = "n"\nbackend = "nvme"\ncapacity = "1MiB"\n', "option 'path'"),
-        ('[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
-         'options = {path = "/tmp/x", colour = "blue"}\n', "unknown option(s) colour"),
-        ('[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
-         'options = {path = "/tmp/x", io_threads = "abc"}\n', "io_threads must be an integer"),
+        (
+            '[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
+            'options = {path = "/tmp/x", colour = "blue"}\n',
+            "unknown option(s) colour",
+        ),
+        (
+            '[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
+            'options = {path = "/tmp/x", io_threads = "abc"}\n',
+            "io_threads must be an integer",
+        ),
     ],
     ids=["unknown backend", "missing path", "unknown option", "bad option type"],
 )
@@ -245,8 +251,7 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     assert [(c["tier"], c["ok"]) for c in checks] == [("dram", True), ("f", True)]
     bad = _write(
         tmp_path,
-        DRAM
-        + '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
+        DRAM + '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
         f'options = {{url = "redis://127.0.0.1:{port}/0", op_timeout_s = 0.3, '
         "connect_timeout_s = 0.3}\n"
         + '[[tiers]]\nname = "locked"\nbackend = "nvme"\ncapacity = "1MiB"\n'

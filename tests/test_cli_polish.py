@@ -80,8 +80,15 @@ def test_tables_keep_their_width_when_piped(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(1100.0, "1,100"), (0.5, "0.5"), (3.14159, "3.14"), (123456, "123,456"), (12, "12"),
-     (None, "-"), (True, "yes")],
+    [
+        (1100.0, "1,100"),
+        (0.5, "0.5"),
+        (3.14159, "3.14"),
+        (123456, "123,456"),
+        (12, "12"),
+        (None, "-"),
+        (True, "yes"),
+    ],
 )
 def test_cells_are_human(value: object, text: str) -> None:
     assert fmt(value) == text
@@ -104,8 +111,12 @@ def metrics_endpoint(tmp_path: Path) -> Iterator[tuple[str, dict[str, object]]]:
             "model": {"preset": "tiny"},
             "tiers": [
                 {"name": "dram", "backend": "dram", "capacity": "8KiB"},
-                {"name": "file", "backend": "file", "capacity": "1MiB",
-                 "options": {"path": str(tmp_path / "f")}},
+                {
+                    "name": "file",
+                    "backend": "file",
+                    "capacity": "1MiB",
+                    "options": {"path": str(tmp_path / "f")},
+                },
             ],
         }
         async with KVCache(config, configure_log=False) as cache:

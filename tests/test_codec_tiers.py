@@ -111,9 +111,7 @@ async def test_inspect_config_check_probes_codec_tiers(tmp_path: Path, dtype: st
     cfg["model"] = {"preset": "tiny", "dtype": dtype}
     config = load_config(cfg, env={}).config
     checks = await check_tiers(config)
-    assert [(c.tier, c.ok, c.error) for c in checks] == [
-        (t.name, True, None) for t in config.tiers
-    ]
+    assert [(c.tier, c.ok, c.error) for c in checks] == [(t.name, True, None) for t in config.tiers]
     assert isinstance(create_backend(config, 1), CodecStore)
 
 

@@ -43,7 +43,9 @@ def _config(
     return {
         "model": spec.to_dict(),
         "namespace": {"model_id": "test-llama-codec"},
-        "pipeline": {"write_policy": "write-back"},
+        # evictions done before each forward returns: both runs hold the same pages at the
+        # same steps (the background evictor's timing would vary which prefix hits)
+        "pipeline": {"write_policy": "write-back", "background_eviction": False},
         "tiers": [
             {"name": "dram", "backend": "dram", "capacity": spec.page_bytes * 20},
             {"name": "file", "backend": "file", "capacity": spec.page_bytes * 5,

@@ -298,3 +298,13 @@ def test_registered_admission_policy_is_selectable():
     assert cfg.admission == "only-zero" and cfg.admission_params == {"byte": 7}
     with pytest.raises(ConfigError, match=r"admission_params: bad parameters for 'only-zero'"):
         load_config({"pipeline": {"admission": "only-zero", "admission_params": {"x": 1}}}, env={})
+
+
+def test_background_eviction_is_a_pipeline_switch_on_by_default():
+    assert load_config(None, env={}).config.background_eviction is True
+    resolved = load_config(None, env={"KVTIER_PIPELINE__BACKGROUND_EVICTION": "false"})
+    assert resolved.config.background_eviction is False
+    assert resolved.sources["pipeline.background_eviction"].startswith("env:")
+    assert resolved.config.to_dict()["pipeline"]["background_eviction"] is False
+    with pytest.raises(ConfigError, match=r"pipeline.background_eviction: must be true or false"):
+        load_config({"pipeline": {"background_eviction": "yes"}}, env={})

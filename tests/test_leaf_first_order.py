@@ -10,9 +10,10 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.index.prefix_tree import LeafFirstPolicy, PrefixTree
+from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.policy.eviction import LRUKPolicy, LRUPolicy
+from kvtier.policy.leaf_first import LeafFirstPolicy
 
 NS = Namespace("leaf-first-order", page_tokens=1)
 TIERS = ["dram", "disk"]

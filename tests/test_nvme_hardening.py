@@ -55,9 +55,10 @@ def store(path: Path, **opts: Any) -> NvmeStore:
 
 async def filled(root: Path, n: int = N) -> None:
     async with store(root) as s:
-        assert await s.put([key(i) for i in range(n)], [page(i) for i in range(n)], "ns@x/f") == [
-            True
-        ] * n
+        assert (
+            await s.put([key(i) for i in range(n)], [page(i) for i in range(n)], "ns@x/f")
+            == [True] * n
+        )
 
 
 def sql(root: Path, statement: str, *args: object) -> None:
@@ -138,8 +139,10 @@ async def test_every_index_field_is_validated(tmp_path: Path, change: str, reaso
     await filled(root)
     db = sqlite3.connect(root / INDEX_FILE)
     # Columns are declared typed, but SQLite stores whatever it is given.
-    db.execute(f"UPDATE pages SET {change} WHERE rowid = (SELECT rowid FROM pages WHERE key = ?)",
-               (key(5),))
+    db.execute(
+        f"UPDATE pages SET {change} WHERE rowid = (SELECT rowid FROM pages WHERE key = ?)",
+        (key(5),),
+    )
     db.commit()
     db.close()
     report = inspect_store(root, verify=True)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from kvtier.backends import nvme, nvme_engines
+from kvtier.backends import nvme_base, nvme_engines
 from kvtier.backends.nvme import NvmeStore
 
 from kvtier.keys import PageKey
@@ -70,7 +70,7 @@ def standin_kvikio(monkeypatch: pytest.MonkeyPatch) -> Any:
     module.CuFile = _StandInCuFile  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "kvikio", module)
     monkeypatch.setattr(nvme_engines, "kvikio_unavailable_reason", lambda: None)
-    monkeypatch.setattr(nvme, "kvikio_unavailable_reason", lambda: None)
+    monkeypatch.setattr(nvme_base, "kvikio_unavailable_reason", lambda: None)
     _StandInCuFile.opened.clear()
     return module
 

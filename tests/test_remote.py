@@ -423,8 +423,8 @@ async def test_one_round_trip_put_keeps_another_clients_page(valkey: RedisServer
 def test_a_redirected_value_is_checked_like_one_from_the_data_path() -> None:
     """Values fetched through redis-py after a cluster redirection: a short blob is a hit
     of its length only when sized; a whole page either way; a header alone never."""
-    from kvtier.backends.remote import _check_value
     from kvtier.backends.remote_datapath import Fetched, GetItem, byte_view
+    from kvtier.backends.remote_replies import check_value
 
     from kvtier.pageformat import encode_header
 
@@ -434,7 +434,7 @@ def test_a_redirected_value_is_checked_like_one_from_the_data_path() -> None:
 
     def check(value: bytes | None, sized: bool) -> tuple[Any, np.ndarray]:
         out = np.zeros(PAGE, np.uint8)
-        return _check_value(GetItem(b"n", key, byte_view(out)), value, sized), out
+        return check_value(GetItem(b"n", key, byte_view(out)), value, sized), out
 
     short = blob.tobytes() + encode_header(key, "", blob)
     (outcome, _, n), out = check(short, sized=True)

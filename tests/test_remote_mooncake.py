@@ -334,7 +334,11 @@ def test_a_successful_run_prints_little_glog_noise(mooncake: MooncakeCluster) ->
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOG_", "MC_LOG"))}
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
         cwd="/",  # not the repository root, whose kvtier/ would shadow the install
     )
     assert done.returncode == 0, done.stderr

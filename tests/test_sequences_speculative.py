@@ -102,3 +102,11 @@ def test_cli_bench_run_speculative_json(tmp_path: Path) -> None:
         get_app(), ["bench", "run", "--workload", "speculative", "--accept-rate", "2"]
     )
     assert bad.exit_code == 2 and "accept_rate" in bad.output
+
+
+@pytest.mark.parametrize("rate", ["0.5", None, True])
+def test_speculative_accept_rate_of_the_wrong_type_is_named(rate: object) -> None:
+    from kvtier.bench.speculative import SpeculativeParams
+
+    with pytest.raises(KVTierUsageError, match="accept_rate must be a number"):
+        SpeculativeParams(accept_rate=rate)  # type: ignore[arg-type]

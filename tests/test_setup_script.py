@@ -54,9 +54,7 @@ def _run(tmp_path: Path, root: bool = True) -> tuple[subprocess.CompletedProcess
     env = {"PATH": str(b), "LOG": str(log), "KVTIER_POLICY_RC_D": str(tmp_path / "policy-rc.d")}
     bash = shutil.which("bash")
     assert bash is not None
-    done = subprocess.run(
-        [bash, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([bash, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     return done, log
 
 

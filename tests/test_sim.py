@@ -111,9 +111,13 @@ def test_replay_selective_write_uses_admission_of_lower_tier() -> None:
 
 
 def test_replay_pins_the_running_request() -> None:
-    # A request longer than the tier: its own pages are pinned, so the tail is dropped.
-    res = replay(trace_of([1, 2, 3], [1, 2, 3]), make_tiers([2], LRUPolicy))
-    assert res.prefix_hits == {"dram": 2}
+    # The loaded prefix is pinned while the request runs: r1 [1,2,3] stores in batches of
+    # 2 (the tier's watermark), 3 evicts 1; r2 [2,3,4] hits 2 and 3 (pinned), so 4 finds
+    # no room and is dropped (the live cache raises CapacityError there).
+    tiers = make_tiers([2], LRUPolicy)
+    res = replay(trace_of([1, 2, 3], [2, 3, 4]), tiers)
+    assert res.req_hits[:, 0].tolist() == [0, 2]
+    assert tiers[0].resident == {k(2), k(3)}
 
 
 def test_replay_errors() -> None:

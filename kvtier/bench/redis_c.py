@@ -99,9 +99,7 @@ async def run_redis_benchmark(
             except ValueError:
                 break
             if rps > 0:
-                return CClientRun(
-                    op, clients, pipeline, requests, value_bytes, requests / rps, cpu
-                )
+                return CClientRun(op, clients, pipeline, requests, value_bytes, requests / rps, cpu)
     raise TierIOError(
         f"redis-benchmark {op} gave no rate (exit {proc.returncode}): "
         f"{(text + err.decode(errors='replace'))[-300:]}"

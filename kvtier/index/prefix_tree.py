@@ -11,8 +11,8 @@ each tier holds, so the questions the eviction side asks are O(1):
   the topmost tier that holds it;
 * :meth:`PrefixTree.is_leaf` — whether a page may leave a tier without stranding a
   descendant (leaves are evicted before their ancestors: a page is useless without its
-  prefix); :meth:`PrefixTree.evictable` wraps it as the filter an
-  :class:`~kvtier.policy.base.EvictionPolicy` takes.
+  prefix); :meth:`PrefixTree.evictable` wraps it as the filter an eviction policy's
+  ``victims`` takes (:class:`kvtier.policy.leaf_first.LeafFirstPolicy` builds on it).
 
 A node whose page left every tier but which still has cached descendants stays as a
 *hollow* node (it ends every match that reaches it) and disappears with its last
@@ -30,7 +30,6 @@ from typing import Any
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import KEY_BYTES, ROOT_KEY, PageKey
-from kvtier.policy.base import EvictionPolicy
 
 
 @dataclass(frozen=True)
@@ -263,6 +262,29 @@ class PrefixTree:
         node = self._nodes.get(key)
         return None if node is None else node.parent
 
+    def parent(self, key: PageKey) -> PageKey | None:
+        """The parent page of ``key`` (``None``: a first page, unknown, or not cached)."""
+        node = self._nodes.get(key)
+        return None if node is None else node.parent
+
+    def links(self, key: PageKey, tier: str) -> tuple[int, int, PageKey | None, bool] | None:
+        """What leaf-first eviction needs of ``key`` in one call: (children ``tier`` holds,
+        children cached anywhere, its parent, whether ``tier`` is the only tier holding
+        it); ``None`` for a page the tree does not know."""
+        node = self._nodes.get(key)
+        if node is None:
+            return None
+        t = self._tier_index(tier)
+        here = (node.child_tiers >> (_FIELD * t)) & _FIELD_MASK
+        return here, node.children, node.parent, node.mask == 1 << t
+
+    def children_in(self, key: PageKey, tier: str) -> int:
+        """How many child pages of ``key`` ``tier`` holds."""
+        node = self._nodes.get(key)
+        if node is None:
+            return 0
+        return (node.child_tiers >> (_FIELD * self._tier_index(tier))) & _FIELD_MASK
+
     def is_leaf(self, key: PageKey, tier: str | None = None) -> bool:
         """Whether ``key`` has no child page cached in ``tier`` (any tier when ``None``).
 
@@ -280,7 +302,7 @@ class PrefixTree:
     def evictable(
         self, tier: str | None = None, also: Callable[[PageKey], bool] | None = None
     ) -> Callable[[PageKey], bool]:
-        """A filter for :meth:`EvictionPolicy.victims`: leaves of ``tier`` (see
+        """A filter for an eviction policy's ``victims``: leaves of ``tier`` (see
         :meth:`is_leaf`), further restricted by ``also`` (e.g. "not pinned")."""
         if tier is not None:
             self._tier_index(tier)
@@ -343,108 +365,3 @@ class PrefixTree:
                 listener.on_commit(key, tier)
         unsubscribe: Callable[[], None] = directory.subscribe(listener)
         return unsubscribe
-
-
-class LeafFirstPolicy(EvictionPolicy):
-    """Wraps a tier's eviction policy so that it only offers leaves of the prefix tree.
-
-    A page whose child page is still held by the tier is never a victim there (for the
-    last tier, where eviction drops the page from the hierarchy, no child may be held
-    anywhere). The inner policy still orders the leaves (LRU, LRU-K...). Every hook is
-    passed through; the tree itself is fed by the directory (:meth:`PrefixTree.attach`).
-
-    Args:
-        inner: the policy choosing among leaves.
-        tree: the prefix tree of the cache.
-        tier: the tier this policy serves.
-        last: whether ``tier`` is the lowest (eviction drops pages).
-    """
-
-    def __init__(self, inner: EvictionPolicy, tree: PrefixTree, tier: str, last: bool) -> None:
-        tree._tier_index(tier)
-        self.inner = inner
-        self.tree = tree
-        self.tier = tier
-        self.last = last
-        self.name = f"leaf-first({inner.name})"  # type: ignore[misc]
-
-    def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
-        self.inner.on_insert(key, parent)
-
-    def on_access(self, key: PageKey) -> None:
-        self.inner.on_access(key)
-
-    def on_remove(self, key: PageKey) -> None:
-        self.inner.on_remove(key)
-
-    def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        tier = None if self.last else self.tier
-        order = getattr(self.inner, "ordered_keys", None)
-        if callable(order):
-            return self._in_one_pass(order(), n, evictable)
-        is_leaf = self.tree.is_leaf
-        return self.inner.victims(n, lambda k: is_leaf(k, tier) and evictable(k))
-
-    def _in_one_pass(
-        self, order: Iterable[PageKey], n: int, evictable: Callable[[PageKey], bool]
-    ) -> list[PageKey]:
-        """Leaf-first victims from the inner policy's preference order, walked once.
-
-        The answer is what ``n`` successive one-victim calls would give, each after the
-        previous victim left: the first evictable leaf of the order, and whenever a
-        victim was the last child (here) of a page met *earlier* in the order, that page
-        next (it is now a leaf, and it precedes every key not yet taken). Victims come
-        out children first, so a chain leaves the tier tail-first, as one batch. Cost:
-        one step per key walked, instead of a rescan of every chain's ancestors per call.
-        """
-        out: list[PageKey] = []
-        if n <= 0:
-            return out
-        nodes = self.tree._nodes
-        t = self.tree._bit[self.tier]
-        shift = _FIELD * t
-        last = self.last
-        pending: dict[PageKey, int] = {}  # walked non-leaves -> children still here
-        taken_below: dict[PageKey, int] = {}  # children taken before their parent's turn
-        for key in order:
-            node = nodes.get(key)
-            if node is not None:
-                here = node.children if last else (node.child_tiers >> shift) & _FIELD_MASK
-                left = here - taken_below.pop(key, 0)
-                if left > 0:
-                    pending[key] = left
-                    continue
-            if not evictable(key):
-                continue
-            out.append(key)
-            while node is not None and node.parent is not None and len(out) < n:
-                # Leaving this tier frees a parent's child slot here; in the last tier the
-                # node must leave the hierarchy (held in no other tier) to free it.
-                if last and node.mask != 1 << t:
-                    break
-                parent = node.parent
-                if parent not in pending:
-                    taken_below[parent] = taken_below.get(parent, 0) + 1
-                    break
-                pending[parent] -= 1
-                if pending[parent] or not evictable(parent):
-                    break
-                del pending[parent]
-                out.append(parent)
-                node = nodes.get(parent)
-            if len(out) >= n:
-                break
-        return out
-
-    def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        """Victims for when :meth:`victims` offers none and the tier would otherwise
-        refuse room: in a tier above the last, ancestors too (eviction moves them down,
-        so their prefix stays cached); none in the last tier (dropping an ancestor would
-        orphan its descendants)."""
-        return [] if self.last else self.inner.victims(n, evictable)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner

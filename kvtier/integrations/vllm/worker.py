@@ -28,7 +28,6 @@ import collections
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from .metrics_http import MetricsServer
 from .paged import PagedKV
 from .settings import ConnectorSettings
 from .stats import KVTierConnectorStats, KVTierKVEvents
+from .worker_parts import DirectoryEvents, LoadJob, layer_index
 
 _log = get_logger("kvtier.vllm.worker")
 
@@ -57,65 +57,6 @@ LOOKUP_PREFETCH_DEADLINE_S = 10.0
 MAX_EVENTS = 100_000
 #: seconds ``shutdown`` waits for the cache to close
 CLOSE_TIMEOUT_S = 120.0
-
-
-def layer_index(name: str) -> int:
-    """The layer number in a vLLM layer name (``model.layers.12.self_attn.attn`` -> 12)."""
-    try:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        return int(extract_layer_index(name))
-    except Exception:
-        digits = [int(p) for p in name.split(".") if p.isdigit()]
-        return digits[0] if digits else 0
-
-
-@dataclass
-class _LoadJob:
-    """One step's loads: a read into ``buffer`` and a layer-by-layer scatter."""
-
-    keys: list[PageKey]
-    blocks: list[int]
-    deadline: float
-    layers: int
-    ready: list[threading.Event] = field(default_factory=list)
-    events: list[Any] = field(default_factory=list)
-    failed: set[int] = field(default_factory=set)
-    cancelled: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done: concurrent.futures.Future[None] | None = None
-
-    def __post_init__(self) -> None:
-        self.ready = [threading.Event() for _ in range(self.layers)]
-        self.events = [None] * self.layers
-
-
-class _DirectoryEvents:
-    """Directory listener turning page commits/removals into vLLM KV events."""
-
-    def __init__(self, block_size: int, sink: collections.deque[Any]) -> None:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
-
-        self._stored = BlockStored
-        self._removed = BlockRemoved
-        self.block_size = block_size
-        self.sink = sink
-
-    def on_commit(self, key: PageKey, tier: str) -> None:
-        self.sink.append(
-            self._stored(
-                block_hashes=[bytes(key)],
-                parent_block_hash=None,
-                token_ids=[],
-                block_size=self.block_size,
-                lora_id=None,
-                medium=tier,
-                lora_name=None,
-            )
-        )
-
-    def on_remove(self, key: PageKey, tier: str) -> None:
-        self.sink.append(self._removed(block_hashes=[bytes(key)], medium=tier))
 
 
 class WorkerSide:
@@ -146,7 +87,7 @@ class WorkerSide:
         self._metrics: MetricsServer | None = None
         self._scatter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._keys: dict[str, list[PageKey]] = {}
-        self._load: _LoadJob | None = None
+        self._load: LoadJob | None = None
         self._load_errors: set[int] = set()
         self._acks: list[tuple[str, Any]] = []
         self._pending_gathers: list[Any] = []
@@ -193,7 +134,7 @@ class WorkerSide:
         cache = KVCache(resolved)
         await cache.start()
         try:
-            cache.directory.subscribe(_DirectoryEvents(self.block_size, self._events))
+            cache.directory.subscribe(DirectoryEvents(self.block_size, self._events))
             path = socket_path(
                 self.runtime,
                 identity.engine_id(self.vllm_config),
@@ -293,7 +234,7 @@ class WorkerSide:
             keys.extend(run_keys)
             blocks.extend(run.block_ids)
         if keys:
-            self._load = _LoadJob(
+            self._load = LoadJob(
                 keys,
                 blocks,
                 time.monotonic() + self.settings.load_timeout_s,
@@ -315,7 +256,7 @@ class WorkerSide:
             return
         job.done = self._scatter.submit(self._scatter_job, job, read, buffer, started)
 
-    def _fail_load(self, job: _LoadJob) -> None:
+    def _fail_load(self, job: LoadJob) -> None:
         with job.lock:
             job.cancelled = True
             job.failed = set(job.blocks)
@@ -324,7 +265,7 @@ class WorkerSide:
 
     def _scatter_job(
         self,
-        job: _LoadJob,
+        job: LoadJob,
         read: concurrent.futures.Future[list[bool]],
         buffer: torch.Tensor,
         started: float,

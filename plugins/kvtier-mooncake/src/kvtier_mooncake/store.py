@@ -39,10 +39,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-from kvtier.backends.remote_health import Health
 
-from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.backend import Medium, Reservation, StoreBackend, check_buffers
 from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
+from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
@@ -143,6 +143,8 @@ class MooncakeStore(StoreBackend):
     0: 64 MiB worth), ``read_pages`` (pages per read batch; 0: 32 MiB worth), ``key_prefix``,
     ``op_timeout_s``.
     """
+
+    medium: ClassVar[Medium] = Medium.NETWORK
 
     default_io_threads: ClassVar[int] = 2
     shared: ClassVar[bool] = True  # one pool, many servers
