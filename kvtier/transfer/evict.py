@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.errors import CapacityError
 from kvtier.index.directory import Directory, PageState
@@ -43,6 +44,15 @@ WAIT_RECHECK_S = 0.05
 WriteDown = Callable[[Tier, Tier, list[PageKey], Priority], Awaitable[list[bool]]]
 
 
+class Evicted(NamedTuple):
+    """The victims of one eviction that stayed in their tier, and among them those that
+    *could not* leave (their write-down failed or the backend failed to delete them; the
+    others stayed because a load pinned them or the policy wanted them kept by then)."""
+
+    stay: set[PageKey]
+    failed: set[PageKey]
+
+
 @dataclass
 class _Group:
     """Victims submitted together, the future of their stuck subset, and the victims the
@@ -51,7 +61,7 @@ class _Group:
 
     keys: list[PageKey]
     priority: Priority
-    done: asyncio.Future[set[PageKey]]
+    done: asyncio.Future[Evicted]
     watched: set[PageKey]
     spare: Collection[PageKey]
 
@@ -96,18 +106,19 @@ class Evictor:
         victims: Sequence[PageKey],
         priority: Priority = Priority.EVICT,
         spare: Collection[PageKey] = (),
-    ) -> asyncio.Future[set[PageKey]]:
+    ) -> asyncio.Future[Evicted]:
         """Queue ``victims`` (committed, evictable) for eviction from ``tier``; they are
         marked ``evicting`` before this returns. The future answers the victims that stay
-        (see the module docstring). ``spare``: what the caller protects; should victims
-        stay and leave the tier above its high watermark, the tier is trimmed sparing it."""
+        and those that could not leave (see :class:`Evicted`). ``spare``: what the caller
+        protects; should victims stay and leave the tier above its high watermark, the
+        tier is trimmed sparing it."""
         mover = self.mover
         d = mover.directory
         op = mover.op_future()
         for k in victims:
             d.begin_evict(k, tier.name)
             mover.begin_op(k, tier, op)
-        done: asyncio.Future[set[PageKey]] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[Evicted] = asyncio.get_running_loop().create_future()
         done.add_done_callback(_retrieve)
         queue = self._queues[tier.index]
         planner = mover.planner
@@ -123,6 +134,14 @@ class Evictor:
     ) -> set[PageKey]:
         """Evict ``victims`` from ``tier`` and wait for it; returns those that stay. A
         cancelled caller stops waiting; the eviction goes on."""
+        return (await self.evict_reporting(tier, victims, priority)).stay
+
+    async def evict_reporting(
+        self, tier: Tier, victims: Sequence[PageKey], priority: Priority = Priority.EVICT
+    ) -> Evicted:
+        """:meth:`evict`, telling the victims that could not leave from those that stayed
+        because a load pinned them or the policy kept them (a caller making room retries
+        past the latter and gives up only on the former)."""
         return await asyncio.shield(self.submit(tier, victims, priority))
 
     async def trim(
@@ -195,7 +214,7 @@ class Evictor:
                 try:
                     watched = set().union(*(g.watched for g in groups))
                     prio = min(g.priority for g in groups)
-                    stuck = await self._evict(tier, keys, prio, watched)
+                    stuck, failed = await self._evict(tier, keys, prio, watched)
                 except BaseException as exc:
                     for g in groups:
                         if not g.done.done():
@@ -203,7 +222,12 @@ class Evictor:
                     raise
                 for g in groups:
                     if not g.done.done():
-                        g.done.set_result({k for k in g.keys if k in stuck})
+                        g.done.set_result(
+                            Evicted(
+                                {k for k in g.keys if k in stuck},
+                                {k for k in g.keys if k in failed},
+                            )
+                        )
                 kept = self._kept_by_policy
                 self._kept_by_policy = 0
                 # progress, or the policy changed its mind (a child landed): go on if need be
@@ -236,13 +260,15 @@ class Evictor:
         victims: list[PageKey],
         priority: Priority,
         watched: set[PageKey] = frozenset(),  # type: ignore[assignment]
-    ) -> set[PageKey]:
-        """Evict ``victims`` (marked ``evicting``) from ``tier``; returns those that stay:
-        their write-down failed, the backend failed to delete them, a load pinned them
-        meanwhile, or (for ``watched`` victims) the policy wants them kept by now."""
+    ) -> tuple[set[PageKey], set[PageKey]]:
+        """Evict ``victims`` (marked ``evicting``) from ``tier``; returns those that stay
+        (their write-down failed, the backend failed to delete them, a load pinned them
+        meanwhile, or, for ``watched`` victims, the policy wants them kept by now) and,
+        among them, those that could not leave (the first two reasons)."""
         mover = self.mover
         d = mover.directory
         stuck: set[PageKey] = set()
+        failed: set[PageKey] = set()
         try:
             plan = mover.planner.evict_plan(tier.index, victims)
             nxt = mover.next(tier)
@@ -253,6 +279,7 @@ class Evictor:
                     _log.warning("write-down blocked", tier=nxt.name, reason=str(exc))
                     ok = [False] * len(plan.down)
                 stuck = {k for k, o in zip(plan.down, ok, strict=True) if not o}
+                failed |= stuck
             planner = mover.planner
             kept = {k for k in watched if planner.keeps(tier.index, k)}
             self._kept_by_policy += len(kept)
@@ -273,6 +300,7 @@ class Evictor:
                 finally:
                     tier.leaving.difference_update(go)
                 stuck |= lingering
+                failed |= lingering
                 go = [k for k in go if k not in lingering]
             if go:
                 mover.metrics.evicted.inc(tier.name, by=len(go))
@@ -280,12 +308,12 @@ class Evictor:
                 dropped = sum(1 for k in go if k in dropping)
                 if dropped:
                     mover.metrics.dropped.inc(tier.name, by=dropped)
-            return stuck
+            return stuck, failed
         finally:
             self.release(tier, victims)
 
 
-def _retrieve(fut: asyncio.Future[set[PageKey]]) -> None:
+def _retrieve(fut: asyncio.Future[Evicted]) -> None:
     """Mark a group's exception as seen (groups queued in the background are not awaited)."""
     if not fut.cancelled():
         fut.exception()

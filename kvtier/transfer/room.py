@@ -71,7 +71,8 @@ class Room:
         On ``True`` the caller holds a claim of ``n`` pages (``tier.claimed``) that it must
         give back (by reserving, or by subtracting it). ``False`` means room could not be
         made because pages that should have gone down could not be written there (a lower
-        tier is failing): the caller treats its pages as failed.
+        tier is failing), or the only candidates stayed twice (pinned or kept by the
+        policy each time): the caller treats its pages as failed.
 
         Raises:
             CapacityError: the tier is too small for ``n`` pages, or what fills it is
@@ -105,8 +106,23 @@ class Room:
         planner = mover.planner
         d = mover.directory
         i = tier.index
+        # victims that stay are not chosen again: those that could not leave (a failing
+        # lower tier) at once, those a load pinned or the policy kept (a child landed
+        # meanwhile) from their second time on (the first time, room-making goes on past
+        # them, as the replay does)
         stuck: set[PageKey] = set()
+        failed: set[PageKey] = set()
+        kept: set[PageKey] = set()
         spare = Spare(protect, stuck)
+
+        async def evict(victims: list[PageKey]) -> None:
+            out = await self.evictor.evict_reporting(tier, victims, priority)
+            failed.update(out.failed)
+            stuck.update(out.failed)
+            again = out.stay - out.failed
+            stuck.update(again & kept)
+            kept.update(again)
+
         while True:
             if planner.fits(i, n, tier.claimed):
                 tier.claimed += n
@@ -118,7 +134,7 @@ class Room:
                     self.evictor.submit(tier, victims, Priority.EVICT, spare=protect)
                     tier.claimed += n
                     return True
-                stuck.update(await self.evictor.evict(tier, victims, priority))
+                await evict(victims)
                 continue
             transient = d.evicting(tier.name) + tier.reserving + d.busy(tier.name) + tier.claimed
             if transient:
@@ -136,7 +152,7 @@ class Room:
             # pinned pages are left); a policy may still name pages it would rather keep.
             victims = planner.fallback_victims(i, n, tier.claimed, spare)
             if victims:
-                stuck.update(await self.evictor.evict(tier, victims, priority))
+                await evict(victims)
                 continue
             if stuck:
                 return False
