@@ -68,12 +68,12 @@ def stored(tiny_model, tiny_prompts, runtime_dir, tmp_path_factory):  # type: ig
     llm = llm_kwargs(num_gpu_blocks_override=72, kv_transfer_config=connector(kv_config(store)))
     with Engine(tiny_model, llm, base_env(runtime_dir), root / "engine.log") as eng:
         cold = eng.generate(tiny_prompts, 8, logprobs=1)
-        m_cold = eng.metrics()
+        m_cold = eng.settled_metrics()
         eng.generate(filler(), 8)
         warm = eng.generate(tiny_prompts, 8, logprobs=1)
-        m_warm = eng.metrics()
+        m_warm = eng.settled_metrics()
         shared = eng.generate(shared_prefix_prompts(), 8)  # one batch, one shared prefix
-        m_shared = eng.metrics()
+        m_shared = eng.settled_metrics()
     return {
         "store": store,
         "cold": cold,

@@ -25,6 +25,12 @@ CONNECTOR = {
 }
 
 
+#: the connector's counters that a save finishing after a round's last step moves
+SAVE_COUNTERS = ("saved_pages", "save_failures", "saves_dropped", "save_bytes")
+#: how long a reading waits for saves in flight (a save of a few pages takes milliseconds)
+SETTLE_PAUSE_S = 0.5
+
+
 def base_env(runtime_dir: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the engines size their pool: kv_cache_memory_bytes
@@ -130,6 +136,22 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         return dict(self.call(op="metrics")["metrics"])
+
+    def settled_metrics(self, counters: tuple[str, ...] = SAVE_COUNTERS) -> dict[str, float]:
+        """The metrics once ``counters`` stopped moving. vLLM collects a connector's stats
+        with each engine step, and a save still committing when a round's last step ran
+        is counted with the next step: one-token requests (no whole page: nothing to save
+        or load) step the engine until two readings, each after a pause that a save in
+        flight has to end in, agree."""
+        before = self.metrics()
+        for _ in range(8):
+            time.sleep(SETTLE_PAUSE_S)
+            self.generate([[1]], 1)
+            after = self.metrics()
+            if all(after.get(c, 0) == before.get(c, 0) for c in counters):
+                return after
+            before = after
+        raise AssertionError(f"connector counters {counters} did not settle: {after}")
 
     def close(self, timeout: float = 120.0) -> int:
         if self.proc.poll() is None:
