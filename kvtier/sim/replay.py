@@ -45,6 +45,7 @@ import numpy as np
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.policy.base import AdmissionPolicy, EvictionPolicy
+from kvtier.policy.hints import HintAware, hint_target
 from kvtier.sim.trace import Trace
 
 WritePolicy = Literal["write-through", "write-back", "selective"]
@@ -133,7 +134,11 @@ class PagePredictor(Protocol):
         """Pages worth pulling up now, after a request used ``blocks``; best first."""
 
 
-class _Replayer:
+class Replayer:
+    """The request-by-request engine behind :func:`replay` (also driven directly by the
+    what-if estimator, :mod:`kvtier.sim.whatif`): :meth:`run_request` plays one request
+    through the tiers and returns its prefix hits per tier."""
+
     def __init__(self, tiers: Sequence[SimTier], write_policy: str) -> None:
         if not tiers:
             raise KVTierUsageError("replay needs at least one tier")
@@ -154,6 +159,16 @@ class _Replayer:
 
     def _evictable(self, key: PageKey) -> bool:
         return key not in self.pinned
+
+    def prune(self) -> int:
+        """Forget the parents of pages no tier holds (a long-running replay, such as the
+        what-if estimator's, would otherwise remember every page it ever saw); a page
+        seen again learns its parent from its request. Returns how many were dropped."""
+        held = [t.resident for t in self.tiers]
+        gone = [k for k in self.parent if not any(k in r for r in held)]
+        for k in gone:
+            del self.parent[k]
+        return len(gone)
 
     def _count(self, link: str, n: int) -> None:
         if n:
@@ -284,8 +299,13 @@ def replay(
     predictor: PagePredictor | None = None,
     progress: ProgressHook | None = None,
     progress_every: int = 1000,
+    hints: bool = False,
 ) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (top first) and return what was measured.
+
+    Policies that take hints (:class:`~kvtier.policy.hints.HintAware`, possibly inside a
+    wrapper) are told the trace's time before each request (``on_time``) and, with
+    ``hints``, the trace's hints in order, each before the request it precedes.
 
     The tiers' policy objects and resident sets are mutated (pass fresh ones per run).
     ``predictor``, if given, is told every request's blocks after it ran and its
@@ -294,7 +314,7 @@ def replay(
     Raises :class:`KVTierUsageError` for no tiers, duplicate names or an unknown write
     policy.
     """
-    r = _Replayer(tiers, write_policy)
+    r = Replayer(tiers, write_policy)
     n_req = len(trace.requests)
     req_hits = np.zeros((n_req, len(tiers)), dtype=np.int32)
     req_blocks = np.zeros(n_req, dtype=np.int32)
@@ -302,7 +322,17 @@ def replay(
     req_out = np.zeros(n_req, dtype=np.int64)
     req_t = np.zeros(n_req, dtype=np.float64)
     refs = 0
+    aware: list[HintAware] = [a for t in tiers if (a := hint_target(t.policy)) is not None]
+    trace_hints = trace.hints if hints and aware else []
+    next_hint = 0
     for i, req in enumerate(trace.requests):
+        while next_hint < len(trace_hints) and trace_hints[next_hint].before <= i:
+            th = trace_hints[next_hint]
+            next_hint += 1
+            for a in aware:
+                a.on_hint(th.hint, th.timestamp_s)
+        for a in aware:
+            a.on_time(req.timestamp_s)
         hits = r.run_request(req.blocks)
         req_hits[i] = hits
         req_blocks[i] = len(req.blocks)
