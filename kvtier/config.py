@@ -28,7 +28,7 @@ The file format::
     capacity = "4GiB"                # bytes, or a size string
     high_watermark = 0.80            # default 0.80 / 0.70 / 0.90 by position
     low_watermark = 0.70             # default high - 0.10
-    eviction = "lru"                 # lru | lru-k | anything registered
+    eviction = "adaptive"            # adaptive (default) | lru | lru-k | arc | s3-fifo | ...
     [tiers.eviction_params]          # e.g. k = 2 for lru-k
     [tiers.options]                  # passed to the backend, e.g. path = "/mnt/nvme/kv"
 
@@ -146,7 +146,7 @@ class TierConfig:
     capacity_bytes: int
     high_watermark: float
     low_watermark: float
-    eviction: str = "lru"
+    eviction: str = "adaptive"
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -644,7 +644,7 @@ def _build_tier(
             f"{p}.low_watermark: {low} is above high_watermark {high}"
             f"{_src(sources, p + '.low_watermark')}"
         )
-    eviction = _str(t.get("eviction", "lru"), f"{p}.eviction", sources)
+    eviction = _str(t.get("eviction", "adaptive"), f"{p}.eviction", sources)
     params = _table(t.get("eviction_params", {}), f"{p}.eviction_params", sources)
     try:
         make_policy(eviction, **params)

@@ -13,7 +13,7 @@ from kvtier.sim.trace import key_block
 from kvtier.sim.workloads import workload
 
 
-@pytest.mark.parametrize("policy", ["lru", "prefix-lru", "density"])
+@pytest.mark.parametrize("policy", ["lru", "prefix-lru", "density", "lru-k", "adaptive"])
 async def test_replay_matches_live_cache_hits(tmp_path, policy: str) -> None:
     import kvtier.policy  # noqa: F401 - registers policies for config
 

@@ -7,15 +7,27 @@ them (``eviction = "session"``, ``admission = "reuse"``).
 """
 
 from kvtier.config import register_admission
+from kvtier.policy.adaptive import AdaptivePolicy
 from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.density import HitDensityPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy, register_policy
+from kvtier.policy.hinted import HintedPolicy
 from kvtier.policy.prefix_aware import PrefixLRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 from kvtier.policy.session import SessionPolicy
+from kvtier.policy.twoclass import TwoClassPolicy
 
-for _cls in (ARCPolicy, S3FIFOPolicy, PrefixLRUPolicy, SessionPolicy, HitDensityPolicy):
+for _cls in (
+    ARCPolicy,
+    S3FIFOPolicy,
+    PrefixLRUPolicy,
+    SessionPolicy,
+    HitDensityPolicy,
+    AdaptivePolicy,
+    TwoClassPolicy,
+    HintedPolicy,
+):
     register_policy(_cls.name, _cls)
 for _adm in (FrequencyAdmission, ReusePredictor):
     register_admission(_adm.name, _adm)
@@ -23,12 +35,15 @@ for _adm in (FrequencyAdmission, ReusePredictor):
 __all__ = [
     "EVICTION_POLICIES",
     "ARCPolicy",
+    "AdaptivePolicy",
     "FrequencyAdmission",
+    "HintedPolicy",
     "HitDensityPolicy",
     "PrefixLRUPolicy",
     "ReusePredictor",
     "S3FIFOPolicy",
     "SessionPolicy",
+    "TwoClassPolicy",
     "make_policy",
     "register_policy",
 ]
