@@ -24,10 +24,11 @@ dtype, size, key); a tier that fails at run time degrades to misses (``False`` r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Mapping, Sequence
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -42,10 +43,14 @@ from kvtier.log import configure_logging, get_logger
 from kvtier.metrics import CacheMetrics
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
+from kvtier.policy.hints import hint_target, make_hint
 from kvtier.spec import KVSpec, canonical_dtype
 from kvtier.transfer.links import Priority
 from kvtier.transfer.pipeline import LoadResult, Pipeline, PrefetchResult
 from kvtier.transfer.tier import Tier
+
+if TYPE_CHECKING:
+    from kvtier.observers import CacheObserver
 
 __all__ = ["KVCache", "LoadResult", "LookupResult", "PrefetchResult", "StoreResult"]
 
@@ -103,6 +108,11 @@ class KVCache:
             embedded default, or ``$KVTIER_CONFIG``).
         env: environment for ``KVTIER_*`` overrides (default ``os.environ``).
         configure_log: apply the config's log format and level to structlog.
+        whatif: run what-if sizing (:class:`~kvtier.observers.WhatIfObserver`): each
+            tier's hit rate at other capacities, in ``stats()["whatif"]`` and the
+            ``kvtier_whatif_hit_rate`` gauge.
+        predictor: run a live prefetch predictor (:class:`~kvtier.prefetcher.
+            LivePrefetcher`): ``"prefix"``, ``"lookahead"`` or ``"prefix+lookahead"``.
 
     Raises:
         ConfigError: a bad configuration (at construction).
@@ -114,6 +124,8 @@ class KVCache:
         *,
         env: Mapping[str, str] | None = None,
         configure_log: bool = True,
+        whatif: bool = False,
+        predictor: str | None = None,
     ) -> None:
         self.resolved: ResolvedConfig = load_config(config, env)
         self.config: KVTierConfig = self.resolved.config
@@ -130,6 +142,18 @@ class KVCache:
         self._state = "new"  # -> open -> closing -> closed
         self._closed = asyncio.Event()
         self._configure_log = configure_log
+        # -- observers, hints, the clock (issue 15) --
+        self._observers: list[CacheObserver] = []
+        self._targets: list[Any] | None = None
+        self._hints_total = self.metrics.counter(
+            "hints_total", "Engine hints received, by kind", ["kind"]
+        )
+        self._want_whatif = whatif
+        self._want_predictor = predictor
+        if predictor is not None:
+            from kvtier.prefetcher import check_predictor
+
+            check_predictor(predictor)
 
     @classmethod
     async def open(
@@ -235,6 +259,14 @@ class KVCache:
         except BaseException:
             await self.close()  # cancelled while indexing: do not leave backends open
             raise
+        if self._want_whatif:
+            from kvtier.observers import WhatIfObserver
+
+            self.attach(WhatIfObserver(self))
+        if self._want_predictor is not None:
+            from kvtier.prefetcher import LivePrefetcher
+
+            self.attach(LivePrefetcher(self, self._want_predictor))
         _log.info(
             "kvtier cache open",
             model=self.spec.name,
@@ -277,6 +309,10 @@ class KVCache:
             return
         assert self._pipeline is not None
         self._state = "closing"
+        for obs in list(self._observers):
+            aclose = getattr(obs, "aclose", None)
+            if aclose is not None:
+                await aclose()
         try:
             await self._pipeline.close()
         except BaseException:
@@ -476,7 +512,75 @@ class KVCache:
             rest = keys[len(found) :]
             if attempt or not rest or not await self._index_shared(rest, parent, found):
                 break
+        if self._observers or self._hint_targets():
+            self._observe_lookup(keys, tiers)
         return LookupResult(found, tiers, len(found) * self.spec.page_tokens)
+
+    # -- hints and observers (issue 15) ------------------------------------------------
+
+    def attach(self, observer: CacheObserver) -> Callable[[], None]:
+        """Tell ``observer`` about every lookup, hint and clock tick from now on (see
+        :mod:`kvtier.observers`); its ``stats()`` appear in :meth:`stats` under its
+        ``name``. Returns a function that detaches it. Raises
+        :class:`KVTierUsageError` for a name already attached or used by ``stats()``."""
+        name = getattr(observer, "name", None)
+        if (
+            not isinstance(name, str)
+            or name in ("tiers", "metrics")
+            or any(o.name == name for o in self._observers)
+        ):
+            raise KVTierUsageError(f"cannot attach an observer named {name!r}")
+        self._observers.append(observer)
+
+        def detach() -> None:
+            if observer in self._observers:
+                self._observers.remove(observer)
+
+        return detach
+
+    def _hint_targets(self) -> list[Any]:
+        """The tiers' hint-aware policies (found once: policies never change)."""
+        if self._targets is None:
+            self._targets = [a for t in self.tiers if (a := hint_target(t.policy)) is not None]
+        return self._targets
+
+    def _call_observers(self, what: str, *args: Any) -> None:
+        for obs in list(self._observers):
+            hook = getattr(obs, what, None)
+            if hook is None:
+                continue  # optional hook (on_load)
+            try:
+                hook(*args)
+            except Exception as exc:  # an observer never breaks the cache
+                _log.warning("observer failed; detached", observer=obs.name, error=repr(exc))
+                self._observers.remove(obs)
+
+    def _tick(self) -> float:
+        now = time.monotonic()
+        for target in self._hint_targets():
+            target.on_time(now)
+        self._call_observers("on_time", now)
+        return now
+
+    def _observe_lookup(self, keys: Sequence[PageKey], tiers: Sequence[str]) -> None:
+        self._tick()
+        self._call_observers("on_lookup", keys, tiers)
+
+    def hint(self, kind: str, keys: Sequence[PageKey], value: float | None = None) -> None:
+        """Tell the cache what the engine knows about ``keys`` (see
+        :mod:`kvtier.policy.hints`): ``open`` / ``close`` a session, ``next_turn`` in
+        ``value`` seconds, a ``ttl`` of ``value`` seconds, a ``priority`` weight,
+        ``pin`` / ``unpin`` a system prompt. Hint-aware eviction policies (``hinted``,
+        and ``adaptive``, which follows hints only while they prove right) use it; the
+        others ignore it. Raises :class:`KVTierUsageError` for an unknown kind, a bad
+        value or a key that is not a page key."""
+        self.pipeline  # noqa: B018 - raises when not open
+        h = make_hint(kind, _check_keys(keys, "hint keys"), value)
+        self._hints_total.inc(h.kind)
+        now = self._tick()
+        for target in self._hint_targets():
+            target.on_hint(h, now)
+        self._call_observers("on_hint", h, now)
 
     async def _index_shared(
         self, keys: list[PageKey], parent: PageKey, before: list[PageKey]
@@ -572,7 +676,10 @@ class KVCache:
         stay valid meanwhile. Raises :class:`~kvtier.errors.CapacityError` when the pages
         cannot fit because the top tier is pinned full.
         """
-        return await self.pipeline.load(_check_keys(keys), pin)
+        result = await self.pipeline.load(ks := _check_keys(keys), pin)
+        if self._observers:
+            self._call_observers("on_load", ks)
+        return result
 
     def release(self, keys: Sequence[PageKey]) -> Any:
         """Unpin keys pinned by :meth:`load` (one pin per occurrence).
@@ -617,7 +724,11 @@ class KVCache:
             except KVTierError as exc:
                 info["backend_stats"] = {"error": str(exc)}
             tiers.append(info)
-        return {"tiers": tiers, "metrics": self.metrics.snapshot()}
+        out: dict[str, Any] = {"tiers": tiers}
+        for obs in list(self._observers):
+            out[obs.name] = obs.stats()
+        out["metrics"] = self.metrics.snapshot()
+        return out
 
 
 class _Done:
