@@ -4,6 +4,10 @@ Prints, per policy and capacity: the prefix hit rate per tier and in total, Bela
 ceiling at the same total capacity, pages per link, and modeled TTFT and throughput on a
 hardware profile. ``--json`` prints one JSON object; ``--plot`` draws hit rate against
 capacity with MIN and LRU as reference lines.
+
+``--suite`` runs the policy suite instead (:mod:`kvtier.sim.suite`): every workload x
+capacity x policy of the chosen half, a table of hit rate, share of MIN and the default
+policy's gain over the best classic policy, and (``--plot``) one figure of it.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from kvtier.sim.belady import belady_min
 from kvtier.sim.cost import evaluate
 from kvtier.sim.hardware import profile
 from kvtier.sim.replay import WRITE_POLICIES, make_tiers, replay
+from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, plot_suite, run_suite, suite_traces
 from kvtier.sim.trace import Trace, read_mooncake
-from kvtier.sim.workloads import workload
+from kvtier.sim.workloads import WORKLOADS, workload
 from kvtier.spec import preset
 
-DEFAULT_POLICIES = ["lru", "lru-k", "arc", "s3-fifo", "prefix-lru", "session"]
+#: Policies ``bench sim`` replays when none is named: the default and the classics.
+DEFAULT_POLICIES = [DEFAULT_POLICY, *CLASSIC]
 
 
 def parse_capacity(text: str, distinct: int) -> int:
@@ -81,8 +87,10 @@ def run_sim(
     show_progress: bool,
     admission: str = "reuse",
     prefetch: str | None = None,
+    hints: bool = False,
 ) -> dict[str, Any]:
-    """Run every (policy, capacity) pair and return the report as plain data."""
+    """Run every (policy, capacity) pair and return the report as plain data. With
+    ``hints``, the trace's engine hints reach hint-aware policies."""
     for p in policies:
         if p not in EVICTION_POLICIES:
             known = ", ".join(sorted(EVICTION_POLICIES))
@@ -117,6 +125,7 @@ def run_sim(
                     write_policy,  # type: ignore[arg-type]
                     predictor=predictor,
                     progress=adv,
+                    hints=hints,
                 )
                 secs = time.perf_counter() - t0
                 cost = evaluate(res, spec, hw)
@@ -157,6 +166,7 @@ def run_sim(
         "model": spec.name,
         "admission": admission if write_policy == "selective" else None,
         "prefetch": prefetch,
+        "hints": hints and bool(tr.hints),
         "runs": runs,
     }
 
@@ -246,11 +256,95 @@ def _render(report: dict[str, Any]) -> None:
     )
 
 
+def _render_suite(report: dict[str, Any]) -> None:
+    pols = report["policies"]
+    default = report["default"]
+    rows = []
+    for r in report["rows"]:
+        rates = r["hit_rate"]
+        best = r.get("best_classic")
+        rows.append(
+            [
+                r["workload"],
+                r["half"],
+                f"{r['capacity'] * 100:g}%",
+                r["capacity_pages"],
+                *[rates[p] for p in pols],
+                r["min_hit_rate"],
+                r["of_min"].get(default),
+                best or "",
+                f"{r['gain']:+.4f}" if "gain" in r else "",
+            ]
+        )
+    console.print(
+        table(
+            "policy suite: prefix hit rate per workload and capacity (one tier)",
+            [
+                "workload",
+                "half",
+                "cap",
+                "pages",
+                *pols,
+                "MIN",
+                f"{default} of MIN",
+                "best classic",
+                "gain",
+            ],
+            rows,
+        )
+    )
+    for half, s in report["summary"].items():
+        console.print(
+            f"{half}: {s['cells']} cells, {default} ahead of the best classic in {s['ahead']}, "
+            f"level in {s['level']}, behind in {s['behind']}; mean gain {s['mean_gain']:+.4f}, "
+            f"smallest {s['min_gain']:+.4f}"
+        )
+
+
+def _suite(
+    half: str,
+    requests: int | None,
+    trace: Path | None,
+    policies: list[str] | None,
+    capacities: list[str] | None,
+    show_progress: bool,
+) -> dict[str, Any]:
+    pols = policies or DEFAULT_POLICIES
+    for p in pols:
+        if p not in EVICTION_POLICIES:
+            raise KVTierUsageError(
+                f"unknown policy {p!r}; known: {', '.join(sorted(EVICTION_POLICIES))}"
+            )
+    shares = [_share(c) for c in capacities] if capacities else None
+    traces = suite_traces(half, requests or 4000, trace)
+    kwargs: dict[str, Any] = {"policies": pols}
+    if shares is not None:
+        kwargs["capacities"] = shares
+    n = len(traces) * len(shares or [0, 0, 0, 0])
+    with progress(show_progress, "suite", n) as adv:
+        report = run_suite(traces, progress=adv, **kwargs)
+    report["half"] = half
+    report["requests"] = requests or 4000
+    report["trace"] = str(trace) if trace is not None else None
+    return report
+
+
+def _share(text: str) -> float:
+    t = text.strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise KVTierUsageError(f"bad suite capacity {text!r}: use 1% or 0.01") from None
+    if not 0 < v <= 1:
+        raise KVTierUsageError(f"suite capacities are shares in (0, 1], got {text!r}")
+    return v
+
+
 @bench_app.command("sim")
 def sim(
     trace: Annotated[Path | None, typer.Option(help="Mooncake-format JSONL trace")] = None,
     workload_name: Annotated[
-        str | None, typer.Option("--workload", help="chat | docqa | agent | zipf")
+        str | None, typer.Option("--workload", help=" | ".join(WORKLOADS))
     ] = None,
     requests: Annotated[int | None, typer.Option(help="replay only the first N requests")] = None,
     block_tokens: Annotated[int, typer.Option(help="tokens per trace block")] = 512,
@@ -267,15 +361,32 @@ def sim(
     prefetch: Annotated[
         str | None, typer.Option(help="lookahead: run the lookahead prefetch predictor")
     ] = None,
+    hints: Annotated[
+        bool, typer.Option("--hints/--no-hints", help="give the trace's engine hints to policies")
+    ] = False,
+    suite: Annotated[
+        bool, typer.Option("--suite", help="run the policy suite (workload x capacity x policy)")
+    ] = False,
+    half: Annotated[str, typer.Option(help="suite half: held-out | tune | all")] = "held-out",
     hardware: Annotated[str, typer.Option(help="hardware profile or .json")] = "h200-gen5",
     model: Annotated[str, typer.Option(help="KVSpec preset for the cost model")] = "llama3-70b",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="write a PNG plot")] = None,
     show_progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
 ) -> None:
-    """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model."""
+    """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model.
+    With --suite: the policy suite (--trace adds the Mooncake trace's two halves)."""
 
     def body() -> None:
+        if suite:
+            if workload_name is not None:
+                raise KVTierUsageError("--suite picks its own workloads: drop --workload")
+            rep = _suite(half, requests, trace, policy, capacity, show_progress)
+            if plot_file is not None:
+                plot_suite(rep, plot_file)
+                rep["plot"] = str(plot_file)
+            emit(rep, as_json, _render_suite)
+            return
         tr = _load(trace, workload_name, requests, block_tokens)
         names = [t.strip() for t in tiers.split(",") if t.strip()]
         report = run_sim(
@@ -290,6 +401,7 @@ def sim(
             show_progress,
             admission,
             prefetch,
+            hints,
         )
         if plot_file is not None:
             plot(report, plot_file)
