@@ -131,10 +131,6 @@ def run_cell(
 ProgressFn = Callable[[int], None]
 
 
-def _rate_of(policy: str, row: dict[str, Any]) -> float:
-    return float(row["hit_rate"][policy])
-
-
 def run_suite(
     traces: Sequence[SuiteTrace],
     capacities: Sequence[float] = CAPACITIES,
@@ -184,8 +180,9 @@ def run_suite(
 
 
 def plot_suite(report: dict[str, Any], path: Path) -> None:
-    """One PNG: a panel per workload (seeds averaged), hit rate against capacity for the
-    default policy, the best classic of each cell and Belady MIN."""
+    """One PNG: the default policy's gain over the best classic policy of each cell, in
+    points of prefix hit rate, against capacity, one line per workload (seeds averaged);
+    above zero the default is ahead."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,67 +191,34 @@ def plot_suite(report: dict[str, Any], path: Path) -> None:
 
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in report["rows"]:
-        groups.setdefault(r["workload"].split("/")[0], []).append(r)
-    names = list(groups)
-    cols = min(3, len(names)) or 1
-    rows_n = (len(names) + cols - 1) // cols
-    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.3 * rows_n), squeeze=False)
+        if "gain" in r:
+            groups.setdefault(r["workload"].split("/")[0], []).append(r)
     caps = sorted(report["capacities"])
-    policies = [p for p in report["policies"] if p != report["default"]]
-    colors = {
-        p: c
-        for p, c in zip(
-            policies,
-            ["#999999", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"],
-            strict=False,
-        )
-    }
-    for i, name in enumerate(names):
-        ax = axes[i // cols][i % cols]
-
-        def mean(key: Callable[[dict[str, Any]], float], share: float, n: str = name) -> float:
-            vals = [key(r) for r in groups[n] if r["capacity"] == share]
-            return sum(vals) / len(vals)
-
-        ax.plot(
-            caps,
-            [mean(lambda r: r["min_hit_rate"], s) for s in caps],
-            "k--",
-            lw=1.5,
-            label="Belady MIN",
-        )
-        for p in policies:
-            ax.plot(
-                caps,
-                [mean(functools.partial(_rate_of, p), s) for s in caps],
-                color=colors.get(p),
-                lw=1,
-                marker=".",
-                label=p,
-            )
-        ax.plot(
-            caps,
-            [mean(lambda r: r["hit_rate"][report["default"]], s) for s in caps],
-            color="#d62728",
-            lw=2.2,
-            marker="o",
-            label=f"{report['default']} (default)",
-        )
-        halves = {r["half"] for r in groups[name]}
-        ax.set_title(f"{name} ({'/'.join(sorted(halves))})", fontsize=10)
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(FixedLocator(caps))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v * 100:g}%"))
-        ax.set_xlabel("capacity (share of distinct blocks)", fontsize=8)
-        ax.set_ylabel("prefix hit rate", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(True, alpha=0.3)
-    for j in range(len(names), rows_n * cols):
-        axes[j // cols][j % cols].axis("off")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
-    fig.suptitle("Policy suite: hit rate by capacity (seeds averaged)", fontsize=12)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    fig.savefig(path, dpi=100)
+    fig, ax = plt.subplots(figsize=(9, 5.2))
+    markers = "osD^vP*Xhp<>"
+    for i, (name, rows) in enumerate(groups.items()):
+        xs, ys = [], []
+        for share in caps:
+            gains = [r["gain"] for r in rows if r["capacity"] == share]
+            if gains:
+                xs.append(share)
+                ys.append(100 * sum(gains) / len(gains))
+        half = "/".join(sorted({r["half"] for r in rows}))
+        ax.plot(xs, ys, marker=markers[i % len(markers)], lw=1.6, label=f"{name} ({half})")
+    ax.axhline(0.0, color="black", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(caps))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v * 100:g}%"))
+    ax.set_xlabel("cache capacity (share of the trace's distinct blocks, one tier)")
+    ax.set_ylabel(f"{report['default']} minus best classic\n(prefix hit rate, points)")
+    ax.set_title(
+        f"{report['default']} (default) vs the best of {', '.join(report['classic'])} "
+        "in each cell",
+        fontsize=11,
+    )
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
