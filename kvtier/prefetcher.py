@@ -105,7 +105,8 @@ class LivePrefetcher:
 
     def on_remove(self, key: PageKey, tier: str) -> None:
         """Directory listener: a page this predictor moved up left the top tier."""
-        if tier == self.top and self._moved.pop(key, 0) is None:
+        if tier == self.top and key in self._moved:
+            del self._moved[key]
             self._count.inc("wasted")
 
     # -- observer hooks ----------------------------------------------------------------
@@ -169,8 +170,8 @@ class LivePrefetcher:
             self._moved[k] = None
             self._moved.move_to_end(k)
         for k in res.arrived:
-            # already evicted again: wasted
-            if not d.is_committed(k, self.top) and self._moved.pop(k, 0) is None:
+            if k in self._moved and not d.is_committed(k, self.top):  # evicted again
+                del self._moved[k]
                 self._count.inc("wasted")
         while len(self._moved) > self.track:
             self._moved.popitem(last=False)
