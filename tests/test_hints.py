@@ -162,3 +162,41 @@ def test_half_wrong_hints_never_below_no_hints(name: str) -> None:
     without = _rate(tr, cap, "adaptive", hints=False)
     half_wrong = _rate(corrupt_hints(tr, 0.5, seed=7), cap, "adaptive")
     assert half_wrong >= without
+
+
+async def test_live_cache_hints_reach_the_policy() -> None:
+    import numpy as np
+
+    from kvtier.cache import KVCache
+
+    cfg = {
+        "model": {"preset": "tiny"},
+        # the bare policy's order (the leaf-first wrapper offers one leaf per chain a call)
+        "pipeline": {"leaf_first": False},
+        "tiers": [
+            {
+                "name": "dram",
+                "backend": "dram",
+                "capacity": 8 * 512,
+                "high_watermark": 1.0,
+                "low_watermark": 1.0,
+                "eviction": "hinted",
+                "eviction_params": {"fallback": "lru"},
+            }
+        ],
+    }
+    async with KVCache(cfg, env={}, configure_log=False) as cache:
+        a = np.arange(0, 16, dtype=np.uint32)  # 4 pages, stored first (LRU would drop them)
+        b = np.arange(100, 116, dtype=np.uint32)
+        ka = (await cache.store(a, np.zeros((4, 512), np.uint8))).keys
+        kb = (await cache.store(b, np.zeros((4, 512), np.uint8))).keys
+        cache.hint("close", kb)  # b's session is over: its pages go first, not a's
+        cache.hint("next_turn", ka, 30.0)
+        await cache.store(np.arange(200, 208, dtype=np.uint32), np.zeros((2, 512), np.uint8))
+        assert all(cache.directory.is_committed(k, "dram") for k in ka)
+        assert sum(cache.directory.is_committed(k, "dram") for k in kb) == 2
+        assert cache.metrics.raw()["counters"]["kvtier_hints_total"]["kind=close"] == 1
+        with pytest.raises(KVTierUsageError, match="unknown hint kind"):
+            cache.hint("someday", ka)
+        with pytest.raises(KVTierUsageError, match="hint keys"):
+            cache.hint("close", [b"x"])  # type: ignore[list-item]

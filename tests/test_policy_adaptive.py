@@ -36,9 +36,7 @@ def rate(trace: object, cap: int, factory: object) -> float:
 @pytest.mark.parametrize(
     ("point", "classic"), [((0.0, "last"), "lru"), ((math.inf, "kth"), "lru-k")]
 )
-def test_two_class_ends_are_lru_and_lru2_exactly(
-    point: tuple[float, str], classic: str
-) -> None:
+def test_two_class_ends_are_lru_and_lru2_exactly(point: tuple[float, str], classic: str) -> None:
     tr = workload("tenants", n=600, seed=4).without_hints()
     cap = tr.distinct_blocks() // 20
     fam = replay(tr, make_tiers([cap], lambda: TwoClassPolicy(*point)))

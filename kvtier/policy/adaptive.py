@@ -34,10 +34,11 @@ configuration; they were chosen on half of kvtier's workloads and seeds and chec
 the other half (docs/benchmarks.md, "Policy suite"), where the policy is ahead of the
 best classic policy in about half of the cells and behind by at most 0.007 in the rest.
 
-``capacity`` is the tier's size in pages when known; without it the policy uses the most pages held at once (a tier fills before it evicts), and miniatures
-grow with it; the sampling rate halves whenever a miniature would pass ``2 x
-mini_pages``. Everything is deterministic (hash sampling, no Python ``hash``), so the
-live pipeline and the replay make the same decisions.
+``capacity`` is the tier's size in pages when known; without it the policy uses the most
+pages held at once (a tier fills before it evicts), and miniatures grow with it; the
+sampling rate halves whenever a miniature would pass ``2 x mini_pages``. Everything is
+deterministic (hash sampling, no Python ``hash``), so the live pipeline and the replay
+make the same decisions.
 """
 
 from __future__ import annotations

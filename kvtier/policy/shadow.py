@@ -26,9 +26,11 @@ from kvtier.policy.base import EvictionPolicy
 _FULL = 1 << 64
 
 
-def key_hash(key: PageKey) -> int:
-    """A 64-bit hash of ``key`` used for sampling (stable across processes)."""
-    return xxhash.xxh3_64_intdigest(key, seed=0x6B76)
+def key_hash(key: PageKey, seed: int = 0x6B76) -> int:
+    """A 64-bit hash of ``key`` used for sampling (stable across processes). Samplers
+    stacked on one another (what-if miniatures of a tier whose policy samples itself)
+    use different ``seed`` values, so the inner sample is independent of the outer."""
+    return xxhash.xxh3_64_intdigest(key, seed=seed)
 
 
 class KeySampler:

@@ -213,8 +213,7 @@ def plot_suite(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("cache capacity (share of the trace's distinct blocks, one tier)")
     ax.set_ylabel(f"{report['default']} minus best classic\n(prefix hit rate, points)")
     ax.set_title(
-        f"{report['default']} (default) vs the best of {', '.join(report['classic'])} "
-        "in each cell",
+        f"{report['default']} (default) vs the best of {', '.join(report['classic'])} in each cell",
         fontsize=11,
     )
     ax.grid(True, alpha=0.3)

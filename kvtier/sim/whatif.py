@@ -44,6 +44,9 @@ from kvtier.sim.replay import WRITE_POLICIES, Replayer, SimTier
 FACTORS: tuple[float, ...] = (0.5, 0.75, 1.25, 1.5, 2.0)
 
 _FULL = 1 << 64
+#: Hash seed of the what-if sample: not the one policies sample their own miniatures
+#: with, so a sampled adaptive tier's own miniatures see an independent sample.
+_SEED = 0x5748_4946
 
 
 def factor_label(f: float) -> str:
@@ -183,7 +186,7 @@ class WhatIf:
         self.requests += 1
         if not keys:
             return
-        hashes = [key_hash(k) for k in keys]
+        hashes = [key_hash(k, _SEED) for k in keys]
         for g in self.groups:
             g.all_refs += len(keys)
             sampled = [k for k, h in zip(keys, hashes, strict=True) if g.keeps(h)]
@@ -200,7 +203,7 @@ class WhatIf:
 
     def on_hint(self, hint: Hint, now_s: float) -> None:
         """An engine hint: given, for the sampled pages, to hint-aware policies."""
-        hashes = [key_hash(k) for k in hint.keys]
+        hashes = [key_hash(k, _SEED) for k in hint.keys]
         for g in self.groups:
             keys = tuple(k for k, h in zip(hint.keys, hashes, strict=True) if g.keeps(h))
             if hint.keys and not keys:
