@@ -24,9 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import logging
 import mmap
 import os
@@ -34,8 +31,23 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from kvtier.backends.dram_memory import (
+    INLINE_COPY_MAX_BYTES,
+    LOGGED,
+    PARALLEL_COPY_MIN_BYTES,
+    ArenaAllocationError,
+    CopyPair,
+    available_memory,
+    copy_pairs,
+    cuda_available,
+    same_memory,
+    size_text,
+    split_pairs,
+    try_mlock,
+)
 
-from kvtier.backend import ArenaBackend, Reservation, check_buffers
+from kvtier.arena import SlotArena
+from kvtier.backend import Reservation, check_buffers
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.slots import SlotBook
@@ -47,68 +59,19 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-#: Below this many bytes per call, a copy runs on one thread (splitting costs more).
-PARALLEL_COPY_MIN_BYTES = 8 << 20
-#: Smallest piece of a split copy.
-_MIN_PIECE_BYTES = 1 << 20
-
-_mlock_refusal_logged = False
-
-CopyPair = tuple[np.ndarray, np.ndarray]
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken torch install must not break the CPU path
-        return False
+__all__ = [
+    "INLINE_COPY_MAX_BYTES",
+    "LOGGED",
+    "PARALLEL_COPY_MIN_BYTES",
+    "ArenaAllocationError",
+    "DramArena",
+    "available_memory",
+    "split_pairs",
+    "try_mlock",
+]
 
 
-def _try_mlock(addr: int, length: int) -> str | None:
-    """``mlock`` the range; ``None`` on success, else why it was refused."""
-    libc_name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-    except OSError as exc:
-        return f"cannot load libc: {exc}"
-    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mlock.restype = ctypes.c_int
-    if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) == 0:
-        return None
-    err = ctypes.get_errno()
-    return f"mlock of {length} bytes refused: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
-
-
-def _copy_pairs(pairs: Sequence[CopyPair]) -> None:
-    """Copy ``src`` into ``dst`` for each pair (runs on a worker thread; numpy drops the
-    GIL for the memcpy)."""
-    for dst, src in pairs:
-        np.copyto(dst, src, casting="no")
-
-
-def _split_pairs(pairs: Sequence[CopyPair], parts: int) -> list[list[CopyPair]]:
-    """Split a batch of copies into ``parts`` groups of about equal bytes, cutting pages
-    into pieces where needed (a single 4 MiB page may go to several threads)."""
-    total = sum(int(d.nbytes) for d, _ in pairs)
-    target = max(_MIN_PIECE_BYTES, -(-total // parts))
-    groups: list[list[CopyPair]] = [[]]
-    room = target
-    for dst, src in pairs:
-        start, end = 0, int(dst.nbytes)
-        while start < end:
-            take = min(room, end - start)
-            groups[-1].append((dst[start : start + take], src[start : start + take]))
-            start += take
-            room -= take
-            if room == 0:
-                groups.append([])
-                room = target
-    return [g for g in groups if g]
-
-
-class DramArena(ArenaBackend):
+class DramArena(SlotArena):
     """``capacity_pages`` slots of ``page_bytes`` in host memory (see module docstring).
 
     Options:
@@ -170,9 +133,10 @@ class DramArena(ArenaBackend):
         # A new book per open: a get finishing after close touches only its old book.
         # The book also keeps a slot being read from reuse until the read ends (so a
         # delete + put cannot overwrite bytes a get is copying out).
-        self._slots = SlotBook(0)
+        self.slots = SlotBook(0)
         self._copies = 0
         self._skipped_copies = 0
+        self._inline_copies = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -182,10 +146,17 @@ class DramArena(ArenaBackend):
         return self.page_bytes * self.capacity_pages
 
     async def open(self) -> None:
-        """Allocate (and pin or lock) the arena. Idempotent; raises ``MemoryError`` when
-        the memory cannot be had at all."""
+        """Allocate (and pin or lock) the arena. Idempotent; raises
+        :class:`ArenaAllocationError` saying how much memory is available when the arena
+        is larger than that, or the allocation fails."""
         if self._opened:
             return
+        available = available_memory()
+        if available is not None and self.nbytes > available:
+            raise ArenaAllocationError(
+                f"a DRAM arena of {size_text(self.nbytes)} does not fit: {size_text(available)} of "
+                "memory is available (MemAvailable); lower the tier's capacity"
+            )
         self._placement = self._plan()  # before the executor: its threads get pinned
         await super().open()
         try:
@@ -193,13 +164,13 @@ class DramArena(ArenaBackend):
         except BaseException:
             await super().close()
             raise
-        self._slots = SlotBook(self.capacity_pages)
+        self.slots = SlotBook(self.capacity_pages)
 
     async def close(self) -> None:
         """Drop every page and release the memory (views already handed out keep their
         bytes alive). Idempotent."""
         await super().close()
-        self._slots = SlotBook(0)
+        self.slots = SlotBook(0)
         self._buf = None
         self._torch_buf = None
         self._mmap = None  # not mm.close(): outstanding views would make it raise
@@ -243,7 +214,7 @@ class DramArena(ArenaBackend):
         return None
 
     def _allocate(self) -> None:
-        if _cuda_available():
+        if cuda_available():
             import torch
 
             # Pinned pages are locked as they are allocated and cannot migrate later:
@@ -261,19 +232,25 @@ class DramArena(ArenaBackend):
         # Not MAP_POPULATE: the NUMA policy is set first, so pages are faulted in on the
         # right node (by mlock, or by touching each one) instead of being migrated there.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, OverflowError, MemoryError) as exc:
+            available = available_memory()
+            have = "unknown" if available is None else size_text(available)
+            raise ArenaAllocationError(
+                f"cannot allocate a DRAM arena of {size_text(self.nbytes)} ({exc}); memory "
+                f"available: {have}"
+            ) from exc
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)
-        refusal = _try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
+        refusal = try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
         if refusal is None:
             self._memory = "mlocked"
         else:
             buf[:: mmap.PAGESIZE] = 0  # pre-fault: touch every page so no copy pays for it
             self._memory = "plain"
             self._memory_note = refusal
-            global _mlock_refusal_logged
-            if not _mlock_refusal_logged:
-                _mlock_refusal_logged = True
+            if LOGGED.first("mlock"):
                 _log.warning("dram arena not locked in memory (continuing): %s", refusal)
         self._mmap = mm
         self._buf = buf
@@ -301,23 +278,30 @@ class DramArena(ArenaBackend):
 
     # -- zero-copy access ---------------------------------------------------------------
 
+    def ready(self) -> None:
+        self._arena()
+
+    def reservation_view(self, slot: int) -> np.ndarray:
+        """Reservations carry their slot's writable view (a store reads straight in)."""
+        return self._slot_view(slot)
+
     def _arena(self) -> np.ndarray:
         self._check_open()
         assert self._buf is not None
         return self._buf
 
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
-            raise KVTierUsageError(f"slot must be an int, got {type(slot).__name__}")
-        if not 0 <= slot < self.capacity_pages:
-            raise KVTierUsageError(f"slot {slot} out of range [0, {self.capacity_pages})")
-
     def view(self, slot: int) -> np.ndarray:
         """Writable zero-copy uint8 view of ``slot``; raises for a slot out of range."""
         buf = self._arena()
-        self._check_slot(slot)
+        self.check_slot(slot)
         start = int(slot) * self.page_bytes
         return buf[start : start + self.page_bytes]
+
+    def _slot_view(self, slot: int) -> np.ndarray:
+        """:meth:`view` without the checks, for slots the slot book handed out."""
+        assert self._buf is not None
+        start = slot * self.page_bytes
+        return self._buf[start : start + self.page_bytes]
 
     def tensor(self, slot: int) -> torch.Tensor:
         """Zero-copy torch uint8 tensor over ``slot`` (shares memory with :meth:`view`)."""
@@ -329,36 +313,49 @@ class DramArena(ArenaBackend):
 
         return torch.from_numpy(view)
 
-    def slot_of(self, key: PageKey) -> int | None:
-        return self._slots.slot_of(key)
+    def copy_threads_for(self, nbytes: int) -> int:
+        """Threads one call copying ``nbytes`` runs on: one below
+        :data:`PARALLEL_COPY_MIN_BYTES` (on the loop itself below
+        :data:`INLINE_COPY_MAX_BYTES`), else the I/O threads (at most one per core)."""
+        if nbytes < PARALLEL_COPY_MIN_BYTES:
+            return 1
+        return max(1, min(self.io_threads, os.cpu_count() or 1))
 
     # -- copies -------------------------------------------------------------------------
 
     async def _copy(self, pairs: list[tuple[int, CopyPair]]) -> None:
-        """Run a batch of ``(slot, (dst, src))`` copies off the loop: one hop, split
-        across the I/O threads when the batch is large.
+        """Run a batch of ``(slot, (dst, src))`` copies: inline when the whole batch is
+        under :data:`INLINE_COPY_MAX_BYTES`, else off the loop in one hop, split across
+        the I/O threads when the batch is large.
 
         The slots stay busy in the slot book until the worker threads have returned, even
         when the awaiting task is cancelled first, so an abort or delete meanwhile cannot
         hand a slot to a new page that a late copy would then overwrite or read."""
         self._check_open()
         assert self._executor is not None
-        work = [(slot, (d, s)) for slot, (d, s) in pairs if not _same_memory(d, s)]
+        work = [(slot, (d, s)) for slot, (d, s) in pairs if not same_memory(d, s)]
         if not work:
             return
         self._copies += len(work)
         copies = [pair for _, pair in work]
-        total = sum(int(d.nbytes) for d, _ in copies)
+        total = len(copies) * self.page_bytes  # every pair is one page (or less)
+        if total < INLINE_COPY_MAX_BYTES:
+            self._inline_copies += len(work)
+            copy_pairs(copies)  # no await in between: nothing can reuse the slots meanwhile
+            # Yield once, so that a stream of small calls cannot starve the loop's other
+            # tasks (one loop iteration: far cheaper than the hop this replaces).
+            await asyncio.sleep(0)
+            return
         parts = min(self.io_threads, os.cpu_count() or 1)
         groups = (
             [copies]
             if parts <= 1 or total < PARALLEL_COPY_MIN_BYTES
-            else _split_pairs(copies, parts)
+            else split_pairs(copies, parts)
         )
-        book, slots = self._slots, [slot for slot, _ in work]
+        book, slots = self.slots, [slot for slot, _ in work]
         book.begin_io(slots)
         loop = asyncio.get_running_loop()
-        futures = [self._executor.submit(_copy_pairs, group) for group in groups]
+        futures = [self._executor.submit(copy_pairs, group) for group in groups]
         left = len(futures)
 
         def finished() -> None:
@@ -377,23 +374,6 @@ class DramArena(ArenaBackend):
 
     # -- the keyed, two-phase interface ------------------------------------------------
 
-    async def reserve(
-        self, keys: Sequence[PageKey], namespace: str = ""
-    ) -> list[Reservation | None]:
-        """A free slot per key (``None`` when the arena is full). Committed keys get a
-        ``present`` reservation; other reservations carry the slot's writable view."""
-        self._arena()
-        out: list[Reservation | None] = []
-        for key in keys:
-            taken = self._slots.take(key)
-            if taken is None:
-                out.append(None)
-            elif taken[1]:
-                out.append(Reservation(key, taken[0], present=True))
-            else:
-                out.append(Reservation(key, taken[0], view=self.view(taken[0])))
-        return out
-
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         """Copy each buffer into its slot (skipped when the buffer *is* the slot view).
         ``False`` for a reservation that is no longer live (aborted or committed)."""
@@ -404,9 +384,9 @@ class DramArena(ArenaBackend):
         for r, buf in zip(reservations, bufs, strict=True):
             if r.present:
                 ok.append(True)
-            elif self._slots.is_live(r.handle, r.key):
-                dst = self.view(r.handle)
-                if _same_memory(dst, buf):
+            elif self.slots.is_live(r.handle, r.key):
+                dst = self._slot_view(r.handle)
+                if same_memory(dst, buf):
                     self._skipped_copies += 1
                 else:
                     pairs.append((r.handle, (dst, buf)))
@@ -416,16 +396,40 @@ class DramArena(ArenaBackend):
         await self._copy(pairs)
         return ok
 
-    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
-        """Publish slots. A key committed meanwhile by another reservation keeps its
-        first slot; the duplicate's slot is freed and the commit still succeeds."""
+    async def put(
+        self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""
+    ) -> list[bool]:
+        """Reserve, write and commit in one pass (the base class's three calls, without
+        building reservations): the same results and the same slot-book rules, less
+        Python per page, which is what small pages pay for."""
         self._arena()
-        return [self._slots.commit(r.handle, r.key, r.present) for r in reservations]
-
-    async def abort(self, reservations: Sequence[Reservation]) -> None:
-        self._arena()
-        for r in reservations:
-            self._slots.abort(r.handle, r.key, r.present)
+        bufs = check_buffers(data, len(keys), self.page_bytes)
+        ok = [False] * len(keys)
+        taken: list[tuple[int, int, PageKey]] = []
+        pairs: list[tuple[int, CopyPair]] = []
+        for i, (key, buf) in enumerate(zip(keys, bufs, strict=True)):
+            got = self.slots.take(key)
+            if got is None:
+                continue
+            slot, present = got
+            if present:
+                ok[i] = True
+                continue
+            taken.append((i, slot, key))
+            dst = self._slot_view(slot)
+            if same_memory(dst, buf):
+                self._skipped_copies += 1
+            else:
+                pairs.append((slot, (dst, buf)))
+        try:
+            await self._copy(pairs)
+        except BaseException:  # cancelled or failed before any commit: give the slots back
+            for _, slot, key in taken:
+                self.slots.abort(slot, key, False)
+            raise
+        for i, slot, key in taken:
+            ok[i] = self.slots.commit(slot, key, False)
+        return ok
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Copy committed pages into ``out`` (one hop); ``False`` for keys not here."""
@@ -434,36 +438,19 @@ class DramArena(ArenaBackend):
         ok: list[bool] = []
         pairs: list[tuple[int, CopyPair]] = []
         for key, buf in zip(keys, bufs, strict=True):
-            slot = self._slots.slot_of(key)
+            slot = self.slots.slot_of(key)
             if slot is None:
                 ok.append(False)
                 continue
-            pairs.append((slot, (buf, self.view(slot))))
+            pairs.append((slot, (buf, self._slot_view(slot))))
             ok.append(True)
         await self._copy(pairs)
         return ok
 
-    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        self._arena()
-        return [self._slots.slot_of(k) is not None for k in keys]
-
-    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Remove committed keys. The caller guarantees none is pinned for zero-copy use;
-        a slot that a :meth:`get` in flight is still copying out is reused only once that
-        copy finished (until then it counts in :meth:`used_pages`)."""
-        self._arena()
-        return [self._slots.delete(key) for key in keys]
-
-    async def keys(self) -> list[PageKey]:
-        self._arena()
-        return list(self._slots.committed)
-
-    def used_pages(self) -> int:
-        return self._slots.used()
-
     def stats(self) -> dict[str, Any]:
         """Base counters plus ``memory`` (pinned / mlocked / plain / none before open),
-        why memory is not locked (``memory_note``), the NUMA node, and copy counts."""
+        why memory is not locked (``memory_note``), the NUMA node, and copy counts
+        (``inline_copies``: pages of batches small enough to copy on the loop)."""
         out = super().stats()
         out.update(
             memory=self._memory,
@@ -471,15 +458,11 @@ class DramArena(ArenaBackend):
             numa_node=self.numa_node,
             placement=None if self._placement is None else self._placement.to_dict(),
             arena_bytes=self.nbytes,
-            committed_pages=len(self._slots.committed),
-            reserved_pages=len(self._slots.reserved),
-            draining_pages=self._slots.draining,
+            committed_pages=len(self.slots.committed),
+            reserved_pages=len(self.slots.reserved),
+            draining_pages=self.slots.draining,
             copies=self._copies,
             skipped_copies=self._skipped_copies,
+            inline_copies=self._inline_copies,
         )
         return out
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two page buffers are the very same bytes (so a copy is a no-op)."""
-    return bool(a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes)

@@ -6,12 +6,12 @@ CUDA tensors (:meth:`HbmArena.tensor`, through DLPack). Pages enter and leave th
 (page-locked memory, e.g. the pinned DRAM arena's slot views, gives full PCIe speed) or a
 CuPy array on the same GPU (a device-to-device copy).
 
-Copies run on dedicated non-blocking streams (:class:`~kvtier.transfer.cuda_streams.
+Copies run on dedicated non-blocking streams (:class:`~kvtier.cuda_streams.
 CopyStreams`), never the default stream, so they overlap with the engine's compute. Each
 call submits its whole batch from one executor hop (a copy from pageable host memory
 blocks the submitting thread), records one event, and awaits it through the event poller:
 the loop never blocks and no core spins. Stream ordering is explicit per slot
-(:class:`~kvtier.transfer.cuda_streams.SlotOrdering`, kept under the submission lock): a
+(:class:`~kvtier.cuda_streams.SlotOrdering`, kept under the submission lock): a
 read of a slot waits on the GPU for the event of its last write, a write waits for the
 last write and the reads since.
 :meth:`write` returns only after its copies completed, so a committed page is complete.
@@ -33,11 +33,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from kvtier.backend import ArenaBackend, Reservation, check_buffer
-from kvtier.errors import CapacityError, KVTierUsageError
-from kvtier.keys import PageKey
-from kvtier.slots import SlotBook
-from kvtier.transfer.cuda_streams import (
+from kvtier.arena import SlotArena
+from kvtier.backend import Medium, Reservation, check_buffer
+from kvtier.cuda_streams import (
     CopyStreams,
     EventPoller,
     SlotOrdering,
@@ -45,6 +43,9 @@ from kvtier.transfer.cuda_streams import (
     default_poller,
     require_cupy,
 )
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.slots import SlotBook
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ def _is_device_array(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] == "cupy"
 
 
-class HbmArena(ArenaBackend):
+class HbmArena(SlotArena):
     """``capacity_pages`` slots of ``page_bytes`` in the memory of one GPU.
 
     Options:
@@ -65,6 +66,8 @@ class HbmArena(ArenaBackend):
     Not persistent. Raises :class:`~kvtier.errors.CapacityError` at :meth:`open` when the
     GPU lacks the memory, naming what was asked and what is free.
     """
+
+    medium: ClassVar[Medium] = Medium.DEVICE
 
     default_io_threads: ClassVar[int] = 2
     #: Slots are device memory: no numpy views, no host reservation views. (A marker for
@@ -97,7 +100,7 @@ class HbmArena(ArenaBackend):
         self._submit_lock = threading.Lock()
         # Slot reuse needs no read guard here: SlotOrdering makes a write to a slot wait
         # on the GPU for every read of it already submitted.
-        self._slots = SlotBook(0)
+        self.slots = SlotBook(0)
         self._bytes_h2d = 0
         self._bytes_d2h = 0
 
@@ -130,7 +133,7 @@ class HbmArena(ArenaBackend):
             raise
         self._poller = default_poller()
         self._ordering = SlotOrdering()
-        self._slots = SlotBook(self.capacity_pages)
+        self.slots = SlotBook(self.capacity_pages)
 
     def _allocate(self) -> None:
         import cupy
@@ -151,7 +154,7 @@ class HbmArena(ArenaBackend):
         if self._streams is not None and self._executor is not None:
             await self.run_blocking(self._synchronize)
         await super().close()
-        self._slots = SlotBook(0)
+        self.slots = SlotBook(0)
         self._buf = None
         self._streams = None
         self._ordering = SlotOrdering()
@@ -163,16 +166,10 @@ class HbmArena(ArenaBackend):
 
     # -- zero-copy access ---------------------------------------------------------------
 
-    def _check_slot(self, slot: int) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
-            raise KVTierUsageError(f"slot must be an int, got {type(slot).__name__}")
-        if not 0 <= slot < self.capacity_pages:
-            raise KVTierUsageError(f"slot {slot} out of range [0, {self.capacity_pages})")
-
     def device_view(self, slot: int) -> Any:
         """Zero-copy CuPy uint8 array over ``slot`` (device memory)."""
         self._check_open()
-        self._check_slot(slot)
+        self.check_slot(slot)
         start = int(slot) * self.page_bytes
         return self._buf[start : start + self.page_bytes]
 
@@ -188,9 +185,6 @@ class HbmArena(ArenaBackend):
         import torch.utils.dlpack
 
         return torch.utils.dlpack.from_dlpack(self.device_view(slot))
-
-    def slot_of(self, key: PageKey) -> int | None:
-        return self._slots.slot_of(key)
 
     # -- copies -------------------------------------------------------------------------
 
@@ -280,20 +274,6 @@ class HbmArena(ArenaBackend):
 
     # -- the keyed, two-phase interface ------------------------------------------------
 
-    async def reserve(
-        self, keys: Sequence[PageKey], namespace: str = ""
-    ) -> list[Reservation | None]:
-        """A free slot per key (``None`` when full); committed keys get ``present``."""
-        self._check_open()
-        out: list[Reservation | None] = []
-        for key in keys:
-            taken = self._slots.take(key)
-            if taken is not None:
-                out.append(Reservation(key, taken[0], present=taken[1]))
-            else:
-                out.append(None)
-        return out
-
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         """Copy host or same-GPU pages into reserved slots; returns after the copies are
         complete. ``False`` for a reservation no longer live."""
@@ -304,22 +284,13 @@ class HbmArena(ArenaBackend):
         for r, buf in zip(reservations, bufs, strict=True):
             if r.present:
                 ok.append(True)
-            elif self._slots.is_live(r.handle, r.key):
+            elif self.slots.is_live(r.handle, r.key):
                 jobs.append((r.handle, buf))
                 ok.append(True)
             else:
                 ok.append(False)
         await self._run_copies("h2d", jobs)
         return ok
-
-    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
-        self._check_open()
-        return [self._slots.commit(r.handle, r.key, r.present) for r in reservations]
-
-    async def abort(self, reservations: Sequence[Reservation]) -> None:
-        self._check_open()
-        for r in reservations:
-            self._slots.abort(r.handle, r.key, r.present)
 
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         """Copy committed pages into host or same-GPU buffers; ``False`` for misses."""
@@ -328,7 +299,7 @@ class HbmArena(ArenaBackend):
         ok: list[bool] = []
         jobs: list[tuple[int, Any]] = []
         for key, buf in zip(keys, bufs, strict=True):
-            slot = self._slots.slot_of(key)
+            slot = self.slots.slot_of(key)
             if slot is None:
                 ok.append(False)
             else:
@@ -336,22 +307,6 @@ class HbmArena(ArenaBackend):
                 ok.append(True)
         await self._run_copies("d2h", jobs)
         return ok
-
-    async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        self._check_open()
-        return [self._slots.slot_of(k) is not None for k in keys]
-
-    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Free the slots of committed keys (the caller guarantees none is pinned)."""
-        self._check_open()
-        return [self._slots.delete(key) for key in keys]
-
-    async def keys(self) -> list[PageKey]:
-        self._check_open()
-        return list(self._slots.committed)
-
-    def used_pages(self) -> int:
-        return self._slots.used()
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

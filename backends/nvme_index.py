@@ -10,8 +10,8 @@ A ``pages`` row exists only for a page whose bytes were made durable (``fdatasyn
 before the row's transaction committed, so after any crash every row points at a whole
 page. ``synchronous=FULL``: a committed transaction survives power loss as well.
 
-The index also owns the store directory's identity checks and the single-writer lock
-(``fcntl.flock`` on ``<store>/lock``).
+The store directory's identity checks and the single-writer lock are in
+:mod:`kvtier.backends.nvme_dir` (re-exported here).
 
 Thread-safety: every method takes the index lock; call from any thread.
 """
@@ -19,24 +19,50 @@ Thread-safety: every method takes the index lock; call from any thread.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import KVTierError, KVTierUsageError
+from kvtier.backends.nvme_dir import (
+    INDEX_FILE,
+    LOCK_FILE,
+    STORE_FORMAT_VERSION,
+    DamagedStoreError,
+    NotAStoreError,
+    StoreLock,
+    StoreLockedError,
+    StoreReadOnlyError,
+    StoreVersionError,
+    check_store_dir,
+    check_store_entries,
+)
+from kvtier.backends.store_files import (
+    Modes,
+    check_no_symlink,
+    create_private_file,
+    set_mode,
+)
 
-#: Version of the store layout (slabs + index). Stores of a newer version are refused.
-STORE_FORMAT_VERSION = 1
-INDEX_FILE = "index.sqlite"
-LOCK_FILE = "lock"
-#: Files that may sit in a store directory; anything else there means it is not a store.
-_STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
+__all__ = [
+    "INDEX_FILE",
+    "LOCK_FILE",
+    "STORE_FORMAT_VERSION",
+    "DamagedStoreError",
+    "NotAStoreError",
+    "PageRow",
+    "RawRow",
+    "StoreIndex",
+    "StoreLock",
+    "StoreLockedError",
+    "StoreReadOnlyError",
+    "StoreVersionError",
+    "check_store_dir",
+    "check_store_entries",
+]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -60,20 +86,8 @@ CREATE TABLE IF NOT EXISTS quarantine (
 """
 
 
-class NotAStoreError(KVTierUsageError):
-    """The path exists but is not an NVMe store (and is not an empty directory)."""
-
-
-class StoreVersionError(KVTierUsageError):
-    """The store was written by a newer kvtier (format version too new)."""
-
-
-class StoreLockedError(KVTierError):
-    """Another process (or another open store object) holds the store."""
-
-
-class StoreReadOnlyError(KVTierError):
-    """The store directory cannot be written."""
+#: The raw columns of a ``pages`` row as SQLite returns them (validated before use).
+RawRow = tuple[object, ...]
 
 
 def _signed(u: int) -> int:
@@ -97,108 +111,6 @@ class PageRow:
     checksum: int
     namespace: str
     created: float
-
-
-def check_store_dir(root: Path, create: bool) -> bool:
-    """Check that ``root`` is a store directory; return whether it holds a store already.
-
-    With ``create``, a missing directory is created. Raises :class:`NotAStoreError` for a
-    file, or a directory with foreign content and no index; :class:`KVTierUsageError` for
-    a missing directory when not creating.
-    """
-    if root.exists() and not root.is_dir():
-        raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
-    if not root.exists():
-        if not create:
-            raise KVTierUsageError(f"no NVMe store at {root}: the directory does not exist")
-        try:
-            root.mkdir(parents=True)
-        except OSError as exc:
-            raise StoreReadOnlyError(f"cannot create store directory {root}: {exc}") from exc
-        return False
-    if (root / INDEX_FILE).exists():
-        return True
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in _STORE_FILES)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise NotAStoreError(
-            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
-            f"({shown}); pick an empty or new directory"
-        )
-    if not create:
-        raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
-    return False
-
-
-class StoreLock:
-    """Exclusive (writer) or shared (inspection) ``flock`` on ``<store>/lock``."""
-
-    def __init__(self, root: Path, exclusive: bool = True) -> None:
-        path = root / LOCK_FILE
-        self._fd = -1
-        if not exclusive:
-            # Readers only need to see a writer's lock; they may sit on read-only media.
-            try:
-                self._fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                return  # never opened for writing: nobody to exclude
-        try:
-            if self._fd < 0:
-                self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise StoreReadOnlyError(
-                    f"NVMe store directory {root} is read-only ({exc.strerror}); "
-                    "the store needs write access"
-                ) from exc
-            raise
-        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        try:
-            fcntl.flock(self._fd, op)
-        except BlockingIOError:
-            if exclusive and _only_readers(self._fd):
-                os.close(self._fd)
-                raise StoreLockedError(
-                    f"NVMe store {root} is being verified (kvtier inspect store --verify); "
-                    "open it once that is done"
-                ) from None
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise StoreLockedError(
-                f"NVMe store {root} is already open in another process or object "
-                f"(holder pid {holder}); "
-                + (
-                    "a store has one writer at a time"
-                    if exclusive
-                    else "--verify needs it closed (plain inspect works on a live store)"
-                )
-            ) from None
-        if exclusive:
-            try:
-                os.ftruncate(self._fd, 0)
-                os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-            except OSError as exc:
-                self.release()
-                raise StoreReadOnlyError(
-                    f"NVMe store directory {root} is not writable ({exc.strerror})"
-                ) from exc
-
-    def release(self) -> None:
-        """Drop the lock (closing the descriptor releases it)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _only_readers(fd: int) -> bool:
-    """Whether the lock on ``fd``'s file is held shared (by inspections), not by a writer:
-    then a shared lock can still be taken (and is dropped again at once)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
 
 
 def _connect_readonly(path: Path) -> sqlite3.Connection:
@@ -228,18 +140,34 @@ class StoreIndex:
         readonly: open for inspection only (``mode=ro``).
     """
 
-    def __init__(self, path: Path, readonly: bool = False) -> None:
+    def __init__(self, path: Path, readonly: bool = False, modes: Modes | None = None) -> None:
         self.path = path
         self._lock = threading.Lock()
+        #: Tables the file held when it was opened (before the schema was completed).
+        self.tables_at_open: frozenset[str] = frozenset()
         try:
             if readonly:
                 self._db = _connect_readonly(path)
             else:
+                # SQLite gives its -wal and -shm files the database file's modes, so the
+                # file is created private first; none of the three may be a symlink.
+                for suffix in ("", "-wal", "-shm"):
+                    check_no_symlink(path.with_name(path.name + suffix), path.parent)
+                create_private_file(path, modes or Modes(), path.parent)
+                for suffix in ("-wal", "-shm"):
+                    if (extra := path.with_name(path.name + suffix)).exists():
+                        set_mode(extra, (modes or Modes()).file)
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self.tables_at_open = frozenset(
+                str(r[0])
+                for r in self._db.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                ).fetchall()
+            )
+            if not readonly:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.executescript(_SCHEMA)
-            self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()
         except sqlite3.DatabaseError as exc:
             raise NotAStoreError(f"{path} is not a kvtier store index: {exc}") from exc
 
@@ -278,17 +206,71 @@ class StoreIndex:
     # -- pages -------------------------------------------------------------------------
 
     def load(self) -> tuple[list[PageRow], dict[int, str]]:
-        """Every committed page and every quarantined slot (with its reason)."""
+        """Every ``pages`` row whose columns have the right types, and every quarantined
+        slot (with its reason), as stored: for tools and tests. Opening a store checks
+        far more (:func:`~kvtier.backends.nvme_validate.check_index`)."""
+        pages: list[PageRow] = []
+        for _, k, s, sl, off, ln, c, ns, cr in self.raw_rows():
+            ints = (s, sl, off, ln, c)
+            if (
+                isinstance(k, bytes)
+                and all(isinstance(v, int) for v in ints)
+                and isinstance(ns, str)
+                and isinstance(cr, int | float)
+            ):
+                si, sli, offi, lni, ci = (int(v) for v in ints)  # type: ignore[call-overload]
+                pages.append(PageRow(k, si, sli, offi, lni, _unsigned(ci), ns, float(cr)))
+        quarantined = {int(s): str(r) for _, s, r in self.raw_quarantine() if isinstance(s, int)}
+        return pages, quarantined
+
+    def raw_rows(self) -> Iterator[RawRow]:
+        """Every ``pages`` row as stored: ``(rowid, key, slot, slab, offset, length,
+        checksum, namespace, created)``, unchecked (see :mod:`~kvtier.backends.nvme_validate`).
+        Streams from a cursor, so memory does not grow with the table."""
+        yield from self._stream(
+            "SELECT rowid, key, slot, slab, offset, length, checksum, namespace, created FROM pages"
+        )
+
+    def raw_quarantine(self) -> Iterator[RawRow]:
+        """Every ``quarantine`` row as stored: ``(rowid, slot, reason)``, unchecked."""
+        yield from self._stream("SELECT rowid, slot, reason FROM quarantine")
+
+    def _stream(self, sql: str) -> Iterator[RawRow]:
         with self._lock:
-            rows = self._db.execute(
-                "SELECT key, slot, slab, offset, length, checksum, namespace, created FROM pages"
-            ).fetchall()
-            quarantined = self._db.execute("SELECT slot, reason FROM quarantine").fetchall()
-        pages = [
-            PageRow(bytes(k), s, sl, off, ln, _unsigned(c), ns, cr)
-            for k, s, sl, off, ln, c, ns, cr in rows
-        ]
-        return pages, {int(s): str(r) for s, r in quarantined}
+            try:
+                cursor = self._db.execute(sql)
+                while batch := cursor.fetchmany(4096):
+                    yield from batch
+            except sqlite3.DatabaseError as exc:
+                raise DamagedStoreError(
+                    f"{self.path}: the index cannot be read ({exc}); rebuild it from the "
+                    f"slabs with 'kvtier inspect store {self.path.parent} --rebuild-index'"
+                ) from exc
+
+    def count(self, table: str) -> int:
+        """Rows of ``pages`` or ``quarantine``."""
+        assert table in ("pages", "quarantine")
+        with self._lock:
+            return int(self._db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+
+    def drop_rows(
+        self,
+        page_rowids: Sequence[int],
+        quarantine_rowids: Sequence[int],
+        quarantine: Iterable[tuple[int, bytes | None, str]],
+    ) -> None:
+        """Remove invalid ``pages`` and ``quarantine`` rows (by rowid) and quarantine the
+        slots given, in one transaction."""
+        now = time.time()
+        with self._tx() as db:
+            db.executemany("DELETE FROM pages WHERE rowid = ?", [(r,) for r in page_rowids])
+            db.executemany(
+                "DELETE FROM quarantine WHERE rowid = ?", [(r,) for r in quarantine_rowids]
+            )
+            db.executemany(
+                "INSERT OR REPLACE INTO quarantine (slot, key, reason, at) VALUES (?, ?, ?, ?)",
+                [(slot, key, reason, now) for slot, key, reason in quarantine],
+            )
 
     def insert(self, rows: Iterable[PageRow]) -> None:
         """Commit rows in one transaction (the group commit)."""
@@ -343,14 +325,20 @@ class StoreIndex:
     def summary(self) -> dict[str, object]:
         """Counts for inspection: pages, payload bytes, pages per namespace, quarantined."""
         with self._lock:
-            n, total = self._db.execute(
-                "SELECT count(*), coalesce(sum(length), 0) FROM pages"
-            ).fetchone()
-            per_ns = self._db.execute(
-                "SELECT namespace, count(*), sum(length) FROM pages GROUP BY namespace "
-                "ORDER BY namespace"
-            ).fetchall()
-            q = self._db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+            try:
+                n, total = self._db.execute(
+                    "SELECT count(*), coalesce(total(length), 0) FROM pages"
+                ).fetchone()
+                per_ns = self._db.execute(
+                    "SELECT namespace, count(*), total(length) FROM pages GROUP BY namespace "
+                    "ORDER BY namespace"
+                ).fetchall()
+                q = self._db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+            except sqlite3.DatabaseError as exc:
+                raise DamagedStoreError(
+                    f"{self.path}: the index cannot be read ({exc}); rebuild it from the "
+                    f"slabs with 'kvtier inspect store {self.path.parent} --rebuild-index'"
+                ) from exc
         return {
             "pages": int(n),
             "bytes": int(total),

@@ -1,11 +1,14 @@
 """Read-only inspection of an NVMe store directory: what it holds, and whether it is intact.
 
 :func:`inspect_store` never modifies the store (it opens the index read-only and the slab
-files ``O_RDONLY``) and never prints; ``kvtier inspect store`` renders its report. With
-``verify`` every committed page is read back and checked exactly as the store's ``get``
-checks it (header, key, namespace, length, payload checksum, index checksum); the bad ones
-are listed with their key, slab and offset. Verification takes a shared lock, so it
-refuses a store that a writer has open (a writer may reuse slots under it).
+files ``O_RDONLY | O_NOFOLLOW``) and never prints; ``kvtier inspect store`` renders its
+report. Every index row is checked as opening the store checks it
+(:func:`~kvtier.backends.nvme_validate.check_index`): invalid rows are counted and listed.
+With ``verify`` every committed page is also read back and checked exactly as the store's
+``get`` checks it (header, key, namespace, length, payload checksum, index checksum); the
+bad ones, and the invalid rows, are listed with their key, slab and offset. Verification
+takes a shared lock, so it refuses a store that a writer has open (a writer may reuse
+slots under it).
 """
 
 from __future__ import annotations
@@ -18,16 +21,17 @@ from typing import Any
 import numpy as np
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
-    STORE_FORMAT_VERSION,
+    DamagedStoreError,
     NotAStoreError,
     PageRow,
     StoreIndex,
     StoreLock,
-    StoreVersionError,
     check_store_dir,
 )
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_slabs import slab_path
+from kvtier.backends.nvme_validate import CheckedIndex, check_index, parse_meta, slab_files
+from kvtier.backends.store_files import Modes, open_private
 
 from kvtier.errors import IntegrityError
 from kvtier.pageformat import HEADER_SIZE, namespace_digest, verify_page
@@ -63,66 +67,100 @@ def inspect_store(
 
     Keys: ``path``, ``format_version``, ``page_bytes``, ``slot_bytes``, ``slots_per_slab``,
     ``capacity_pages``, ``pages``, ``bytes``, ``slabs``, ``slab_bytes_on_disk``, ``fill``
-    (pages / capacity), ``namespaces`` (label -> pages, bytes), ``quarantined``; with
-    ``verify`` also ``verified`` (pages checked) and ``bad`` (list of key, slab, offset,
-    reason). ``progress`` is called with the number of pages verified since its last call.
+    (pages / capacity), ``namespaces`` (label -> pages, bytes), ``quarantined``,
+    ``invalid_index_rows`` (rows opening the store would drop) and ``index_problems``
+    (the first of them); with ``verify`` also ``verified`` (rows checked) and ``bad``
+    (list of key, slab, offset, reason: damaged pages and invalid rows). ``progress`` is
+    called with the number of pages verified since its last call.
 
     Raises :class:`NotAStoreError` / :class:`KVTierUsageError` for a path that is not a
-    store, :class:`StoreVersionError` for a newer format, and
-    :class:`~kvtier.backends.nvme_index.StoreLockedError` when verifying a store that is
-    open for writing elsewhere.
+    store, :class:`DamagedStoreError` for an index that cannot be read (or is missing while
+    slabs are present), :class:`StoreVersionError` for a newer format,
+    :class:`~kvtier.backends.store_files.UnsafeStoreError` for a symlink inside the store,
+    and :class:`~kvtier.backends.nvme_index.StoreLockedError` when verifying a store that
+    is open for writing elsewhere.
     """
     root = Path(path)
     check_store_dir(root, create=False)
+    if not (root / INDEX_FILE).exists():
+        raise DamagedStoreError(
+            f"NVMe store {root} has slab files but no {INDEX_FILE}: opening the store "
+            f"rebuilds it, or run 'kvtier inspect store {root} --rebuild-index'"
+        )
     lock = StoreLock(root, exclusive=False) if verify else None
     try:
         index = StoreIndex(root / INDEX_FILE, readonly=True)
         try:
             meta = index.meta()
-            if "format_version" not in meta:
-                raise NotAStoreError(f"{root} is not an NVMe store: its index has no format record")
-            version = int(meta["format_version"])
-            if version > STORE_FORMAT_VERSION:
-                raise StoreVersionError(
-                    f"NVMe store {root} has format version {version}, newer than the "
-                    f"{STORE_FORMAT_VERSION} this kvtier reads; upgrade kvtier"
+            parsed = parse_meta(meta, root)
+            if parsed is None:
+                raise DamagedStoreError(
+                    f"NVMe store {root}: its index has no format record (emptied?); opening "
+                    f"the store rebuilds it from the slabs, or run 'kvtier inspect store "
+                    f"{root} --rebuild-index'"
                 )
-            layout = SlotLayout(int(meta["page_bytes"]), int(meta["slots_per_slab"]))
+            if "pages" not in index.tables_at_open:
+                raise DamagedStoreError(
+                    f"NVMe store {root}: its index has no pages table; opening the store "
+                    f"rebuilds it from the slabs, or run 'kvtier inspect store {root} "
+                    "--rebuild-index'"
+                )
+            layout = parsed.layout
             summary = index.summary()
-            rows = index.load()[0] if verify else []
+            sizes = slab_files(root)
+            extents = {
+                i: min(layout.slots_per_slab, size // layout.slot_bytes)
+                for i, size in sizes.items()
+            }
+            checked = check_index(index.raw_rows(), index.raw_quarantine(), layout, extents)
         finally:
             index.close()
-        slab_files = sorted((root / "slabs").glob("slab-*.dat"))
-        capacity = int(meta.get("capacity_pages", "0"))
+        capacity = parsed.capacity_pages or 0
         pages = int(summary["pages"])  # type: ignore[call-overload]
         report: dict[str, Any] = {
             "path": str(root),
-            "format_version": version,
+            "format_version": parsed.format_version,
             "page_bytes": layout.page_bytes,
             "slot_bytes": layout.slot_bytes,
             "slots_per_slab": layout.slots_per_slab,
             "capacity_pages": capacity,
             "pages": pages,
             "bytes": summary["bytes"],
-            "slabs": len(slab_files),
-            "slab_bytes_on_disk": sum(p.stat().st_size for p in slab_files),
+            "slabs": len(sizes),
+            "slab_bytes_on_disk": sum(sizes.values()),
             "fill": pages / capacity if capacity else None,
             "namespaces": summary["namespaces"],
             "quarantined": summary["quarantined"],
+            "invalid_index_rows": checked.bad_rows,
+            "index_problems": checked.problems,
         }
         if verify:
-            report["verified"] = len(rows)
-            report["bad"] = _verify_rows(root, layout, rows, progress)
+            report["verified"] = len(checked.rows) + checked.bad_rows
+            report["bad"] = _invalid_rows(checked, layout) + _verify_rows(
+                root, checked.rows, layout, progress
+            )
         return report
     finally:
         if lock is not None:
             lock.release()
 
 
+def _invalid_rows(checked: CheckedIndex, layout: SlotLayout) -> list[dict[str, Any]]:
+    """The invalid page rows listed by :func:`check_index`, as ``bad`` entries."""
+    out: list[dict[str, Any]] = []
+    for p in checked.problems:
+        if p["table"] != "pages":
+            continue
+        slot = p["slot"]
+        slab, offset = layout.locate(slot) if isinstance(slot, int) and slot >= 0 else (None, None)
+        out.append({"key": p["key"], "slab": slab, "offset": offset, "reason": p["reason"]})
+    return out
+
+
 def _verify_rows(
     root: Path,
-    layout: SlotLayout,
     rows: list[PageRow],
+    layout: SlotLayout,
     progress: Callable[[int], None] | None,
 ) -> list[dict[str, Any]]:
     bad: list[dict[str, Any]] = []
@@ -134,10 +172,12 @@ def _verify_rows(
             fd = fds.get(row.slab)
             if fd is None:
                 try:
-                    fd = fds[row.slab] = os.open(slab_path(root, row.slab), os.O_RDONLY)
+                    fd = fds[row.slab] = open_private(
+                        slab_path(root, row.slab), os.O_RDONLY, Modes(), root, fix_mode=False
+                    )
                 except OSError as exc:
                     fd = None
-                    reason = f"slab file unreadable: {exc.strerror}"
+                    reason = f"slab file unreadable: {exc.strerror or exc}"
             if fd is not None:
                 reason = verify_row(fd, row, buf)
             if reason is not None:
@@ -150,3 +190,6 @@ def _verify_rows(
         for fd in fds.values():
             os.close(fd)
     return bad
+
+
+__all__ = ["NotAStoreError", "inspect_store", "verify_row"]

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvtier.backends.nvme_layout import BLOCK, SlotLayout, aligned_empty
+from kvtier.backends.store_files import Modes, open_private, private_dir
 
 SLAB_DIR = "slabs"
 
@@ -28,7 +29,15 @@ def slab_path(root: Path, slab: int) -> Path:
     return root / SLAB_DIR / f"slab-{slab:05d}.dat"
 
 
-def probe_direct_io(directory: Path) -> tuple[str | None, bool]:
+def slab_index(name: str) -> int | None:
+    """The index of a slab file name (``slab-00003.dat`` -> 3), ``None`` for other names."""
+    if not (name.startswith("slab-") and name.endswith(".dat")):
+        return None
+    digits = name[len("slab-") : -len(".dat")]
+    return int(digits) if digits.isdigit() and digits.isascii() else None
+
+
+def probe_direct_io(directory: Path, modes: Modes | None = None) -> tuple[str | None, bool]:
     """Check O_DIRECT in ``directory``: ``(None, dsync)`` when it works, else
     ``(why not, False)``. ``dsync`` tells whether ``pwritev(..., RWF_DSYNC)`` works there
     too (each write durable on return: no separate ``fdatasync`` needed).
@@ -40,7 +49,8 @@ def probe_direct_io(directory: Path) -> tuple[str | None, bool]:
     probe = directory / ".direct-io-probe"
     buf = aligned_empty(BLOCK)
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+        fd = open_private(probe, flags, modes or Modes(), directory)
     except OSError as exc:
         return f"O_DIRECT open failed: {exc.strerror}", False
     try:
@@ -72,25 +82,33 @@ class SlabFiles:
             durable when it returns, so :meth:`sync` has nothing left to do.
     """
 
-    def __init__(self, root: Path, layout: SlotLayout, direct: bool, dsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        layout: SlotLayout,
+        direct: bool,
+        dsync: bool = False,
+        modes: Modes | None = None,
+    ) -> None:
         self.root = root
         self.layout = layout
         self.direct = direct
         self.dsync = direct and dsync
+        self.modes = modes or Modes()
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        if not (root / SLAB_DIR).is_dir():
-            (root / SLAB_DIR).mkdir()
+        # Private, and never a symlink (UnsafeStoreError): page data goes nowhere else.
+        if not private_dir(root / SLAB_DIR, self.modes, root, create=False):
+            private_dir(root / SLAB_DIR, self.modes, root)
             fsync_dir(root)
 
     def existing(self) -> list[int]:
         """Indices of the slab files present on disk."""
         out = []
         for p in (self.root / SLAB_DIR).glob("slab-*.dat"):
-            try:
-                out.append(int(p.stem.removeprefix("slab-")))
-            except ValueError:
-                continue
+            index = slab_index(p.name)
+            if index is not None:
+                out.append(index)
         return sorted(out)
 
     def fd(self, slab: int) -> int:
@@ -105,7 +123,7 @@ class SlabFiles:
             fd = self._fds.get(slab)
             if fd is None:
                 flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
-                fd = os.open(slab_path(self.root, slab), flags)
+                fd = open_private(slab_path(self.root, slab), flags, self.modes, self.root)
                 self._fds[slab] = fd
             return fd
 
@@ -127,7 +145,7 @@ class SlabFiles:
         with self._lock:
             fd = self._fds.get(slab)
             if fd is None:
-                fd = os.open(path, flags, 0o644)
+                fd = open_private(path, flags, self.modes, self.root)
                 self._fds[slab] = fd
         size = self.layout.slab_bytes
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError
 
@@ -30,6 +30,34 @@ def pipeline_pages(batch_pages: int, page_bytes: int) -> int:
     if batch_pages > 0:
         return batch_pages
     return max(1, min(AUTO_BATCH_MAX_PAGES, AUTO_BATCH_BYTES // page_bytes))
+
+
+@dataclass(frozen=True)
+class UrlParts:
+    """What the data path needs from a ``redis://`` URL (see :func:`url_parts`)."""
+
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+
+
+def url_parts(url: str) -> UrlParts:
+    """Host, port, database number (the path, ``/0`` by default) and credentials of a
+    URL already accepted by :func:`parse_options`. Raises :class:`ConfigError` for a
+    database that is not a non-negative integer."""
+    parts = urlsplit(url)
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise ConfigError(f"redis option 'url' must end in a database number, got {url!r}")
+    return UrlParts(
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or 6379,
+        db=int(path or 0),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -103,18 +131,31 @@ def _as_bool(name: str, value: Any) -> bool:
     raise ConfigError(f"redis option {name!r} must be a boolean, got {value!r}")
 
 
-def _as_number(name: str, value: Any, *, integer: bool, minimum: float) -> float:
+#: Upper bounds: a deadline or interval past a day, or a batch/concurrency past these,
+#: is a mistake (``inf`` would switch a deadline off), not a setting.
+MAX_SECONDS = 86400.0
+MAX_TTL_SECONDS = 10 * 365 * 86400.0
+MAX_BATCH_PAGES = 1 << 16
+MAX_INFLIGHT = 1024
+
+
+def _as_number(
+    name: str, value: Any, *, integer: bool, minimum: float, maximum: float = MAX_SECONDS
+) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"redis option {name!r} must be a number, got {value!r}")
     try:
         num = int(value) if integer else float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         kind = "an integer" if integer else "a number"
         raise ConfigError(f"redis option {name!r} must be {kind}, got {value!r}") from None
     if integer and isinstance(value, float) and value != int(value):
         raise ConfigError(f"redis option {name!r} must be an integer, got {value!r}")
-    if not num >= minimum:
-        raise ConfigError(f"redis option {name!r} must be >= {minimum}, got {value!r}")
+    if not minimum <= num <= maximum:  # also refuses nan and inf
+        raise ConfigError(
+            f"redis option {name!r} must be a finite number in [{minimum:g}, {maximum:g}], "
+            f"got {value!r}"
+        )
     return num
 
 
@@ -147,6 +188,7 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         raise ConfigError(f"redis option 'url' has a bad port: {url!r}") from None
     if not urlsplit(url).hostname or port is None:
         raise ConfigError(f"redis option 'url' must name a host and a port, got {url!r}")
+    url_parts(url)  # the database number
     prefix = raw.get("key_prefix", d.key_prefix)
     if not isinstance(prefix, str) or not prefix or _BAD_PREFIX.search(prefix):
         raise ConfigError(
@@ -157,7 +199,7 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
     ttl = (
         None
         if ttl_raw in (None, "", "none", 0, "0")
-        else _as_number("ttl_s", ttl_raw, integer=False, minimum=0.001)
+        else _as_number("ttl_s", ttl_raw, integer=False, minimum=0.001, maximum=MAX_TTL_SECONDS)
     )
     return RemoteOptions(
         url=url,
@@ -166,12 +208,20 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         ttl_s=ttl,
         batch_pages=int(
             _as_number(
-                "batch_pages", raw.get("batch_pages", d.batch_pages), integer=True, minimum=0
+                "batch_pages",
+                raw.get("batch_pages", d.batch_pages),
+                integer=True,
+                minimum=0,
+                maximum=MAX_BATCH_PAGES,
             )
         ),
         max_inflight=int(
             _as_number(
-                "max_inflight", raw.get("max_inflight", d.max_inflight), integer=True, minimum=1
+                "max_inflight",
+                raw.get("max_inflight", d.max_inflight),
+                integer=True,
+                minimum=1,
+                maximum=MAX_INFLIGHT,
             )
         ),
         op_timeout_s=_as_number(

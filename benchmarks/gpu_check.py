@@ -110,7 +110,7 @@ def run_conformance() -> dict[str, Any]:
 
 def pinned_pages(n: int, page: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """One pinned host buffer of ``n`` pages (random bytes) and a view per page."""
-    from kvtier.transfer.cuda_streams import pinned_host_array
+    from kvtier.cuda_streams import pinned_host_array
 
     buf = pinned_host_array(n * page)
     buf[:] = np.random.default_rng(0).integers(0, 256, buf.size, dtype=np.uint8)
@@ -418,7 +418,7 @@ def main() -> int:
     ap.add_argument("--copy-mib", type=int, default=512, help="bytes moved per copy test")
     args = ap.parse_args()
 
-    from kvtier.transfer.cuda_streams import cupy_unavailable_reason
+    from kvtier.cuda_streams import cupy_unavailable_reason
 
     reason = cupy_unavailable_reason()
     if reason is not None:

@@ -2,8 +2,8 @@
 
 Each repeat interleaves, on the same directory: kvtier's NVMe store (``put`` in batches,
 checksums, ``fdatasync`` + index commit per batch, then verified ``get``) and fio
-(libaio, O_DIRECT, iodepth 8, ``end_fsync``; the ``kvtier bench io`` disk baseline) on
-the same number of bytes. Medians over repeats are reported, plus the median of the
+(libaio, O_DIRECT, 2 jobs x iodepth 8, ``end_fsync``; the ``kvtier bench io`` disk
+baseline) on the same number of bytes. Medians over repeats are reported, plus the median of the
 per-repeat ratios (robust to the noise of a shared machine).
 
 Usage::
@@ -59,6 +59,24 @@ def make_pages(n: int, size: int, aligned: bool, seed: int) -> list[np.ndarray]:
     return out
 
 
+def time_phases(store: NvmeStore) -> dict[str, list[float]]:
+    """Wrap the store's write and commit steps to time them (``--phases``): seconds per
+    call of each, appended as the benchmark runs."""
+    spent: dict[str, list[float]] = {"write": [], "commit": []}
+    for phase, attr in (("write", "_write"), ("commit", "_commit")):
+        inner = getattr(store, attr)
+
+        async def timed(*args: Any, _inner: Any = inner, _phase: str = phase) -> Any:
+            start = time.perf_counter()
+            try:
+                return await _inner(*args)
+            finally:
+                spent[_phase].append(time.perf_counter() - start)
+
+        setattr(store, attr, timed)
+    return spent
+
+
 async def run_kvtier(
     store: NvmeStore, pages: list[np.ndarray], outs: list[np.ndarray], batch: int, tag: int
 ) -> tuple[float, float]:
@@ -83,7 +101,14 @@ async def run_kvtier(
 
 
 async def bench_size(
-    root: Path, size: int, total: int, repeats: int, batch_bytes: int, aligned: bool
+    root: Path,
+    size: int,
+    total: int,
+    repeats: int,
+    batch_bytes: int,
+    aligned: bool,
+    io_threads: int | None = None,
+    phases: bool = False,
 ) -> dict[str, Any]:
     n = max(8, total // size)
     batch = min(n, max(8, batch_bytes // size))  # at least 8 pages: the bench io default
@@ -95,7 +120,9 @@ async def bench_size(
     kr: list[float] = []
     fw: list[float] = []
     fr: list[float] = []
-    async with NvmeStore(page_bytes=size, capacity_pages=n, path=store_dir) as store:
+    threads = {} if io_threads is None else {"io_threads": io_threads}
+    async with NvmeStore(page_bytes=size, capacity_pages=n, path=store_dir, **threads) as store:
+        spent = time_phases(store) if phases else None
         for rep in range(-1, repeats):  # -1: warm-up (slab allocation, first touch)
             w, r = await run_kvtier(store, pages, outs, batch, rep + 1)
             base = await fio_io(root / "fio-baseline.dat", size, n)
@@ -105,14 +132,18 @@ async def bench_size(
                 fw.append(base.nbytes / base.write_seconds / 1e9)
                 fr.append(base.nbytes / base.read_seconds / 1e9)
         direct = store.direct
-        threads = store.io_threads
+        used_threads = store.io_threads
+        if spent is not None:  # the warm-up's calls are in too: shares, not totals
+            total_s = sum(spent["write"]) + sum(spent["commit"])
+            share = {k: sum(v) / total_s for k, v in spent.items()}
+            per_commit_ms = 1e3 * statistics.median(spent["commit"])
     shutil.rmtree(store_dir, ignore_errors=True)
     med = statistics.median
     return {
         "page_bytes": size,
         "pages": n,
         "batch_pages": batch,
-        "io_threads": threads,
+        "io_threads": used_threads,
         "direct_io": direct,
         "aligned_buffers": aligned,
         "kvtier_write_gbps": med(kw),
@@ -124,6 +155,7 @@ async def bench_size(
         "write_ratio_paired_median": med(a / b for a, b in zip(kw, fw, strict=True)),
         "read_ratio_paired_median": med(a / b for a, b in zip(kr, fr, strict=True)),
         "samples": {"kvtier_write": kw, "kvtier_read": kr, "fio_write": fw, "fio_read": fr},
+        **({"phase_share": share, "commit_ms_median": per_commit_ms} if spent is not None else {}),
     }
 
 
@@ -137,6 +169,10 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--unaligned", action="store_true")
+    ap.add_argument(
+        "--io-threads", type=int, default=None, help="the store's io_threads (pages in flight)"
+    )
+    ap.add_argument("--phases", action="store_true", help="time the store's write and commit steps")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if shutil.which("fio") is None:
@@ -151,6 +187,8 @@ def main() -> None:
                 args.repeats,
                 parse_size(args.batch_bytes),
                 not args.unaligned,
+                args.io_threads,
+                args.phases,
             )
         )
         for s in args.sizes.split(",")
@@ -169,6 +207,12 @@ def main() -> None:
             f"{r['fio_read_gbps']:>6.2f} {r['read_ratio']:>7.2f}  "
             f"({r['write_ratio_paired_median']:.2f}/{r['read_ratio_paired_median']:.2f})"
         )
+        if "phase_share" in r:
+            print(
+                f"{'':>8} write steps {r['phase_share']['write'] * 100:.0f} %, commits "
+                f"{r['phase_share']['commit'] * 100:.0f} % of put time; median commit "
+                f"{r['commit_ms_median']:.1f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_g
 from rich.markup import escape
 
 from kvtier import registry
-from kvtier.bench.io import IOBenchParams, bench_io, default_tiers
+from kvtier.bench.io import IOBenchParams, bench_io, check_workdir, default_tiers
 from kvtier.config import format_size, parse_size
 from kvtier.errors import KVTierError, KVTierUsageError
 
@@ -49,6 +49,11 @@ def _render(data: dict[str, Any]) -> None:
     for r in data["tiers"]:
         line = f"baseline of {r['tier']}: {r['baseline_method']}"
         console.print(line, highlight=False, markup=False)
+        for name, o in r.get("other_baselines", {}).items():
+            line = (f"  also {name}: write {o['write_gbps']:.2f} GB/s (ratio "
+                    f"{o['write_ratio']:.2f}), read {o['read_gbps']:.2f} GB/s (ratio "
+                    f"{o['read_ratio']:.2f})")  # fmt: skip
+            console.print(line, highlight=False, markup=False)
     for skip in data["skipped"]:
         console.print(f"skipped {skip['tier']}: {skip['reason']}", highlight=False, markup=False)
     for bad in data["failed"]:
@@ -99,6 +104,8 @@ def bench_io_command(
     baseline on the same memory, directory or server, in the same run."""
 
     def body() -> None:
+        if directory is not None:
+            check_workdir(directory)  # before measuring anything
         params = IOBenchParams(
             page_bytes=parse_size(page_size, "--page-size"),
             pages=pages,
@@ -137,4 +144,4 @@ def bench_io_command(
             names_failed = ", ".join(f["tier"] for f in failed)
             raise fail(f"bench io failed on {names_failed}", EXIT_FAILURE)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

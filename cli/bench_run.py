@@ -9,7 +9,16 @@ from typing import Annotated, Any
 import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.bench_speculative import run_speculative_cli
-from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, run_guarded, table
+from kvtier.cli.output import (
+    EXIT_FAILURE,
+    console,
+    emit,
+    fail,
+    progress,
+    render_config,
+    run_guarded,
+    table,
+)
 
 from kvtier.bench.live import bench_run
 from kvtier.bench.speculative import SpeculativeParams
@@ -22,6 +31,7 @@ _SPEC_DEFAULTS = SpeculativeParams()
 
 
 def _render(data: dict[str, Any]) -> None:
+    render_config(data["config"])
     tiers = [t["name"] for t in data["config"]["tiers"]]
     rate = data["hit_rate_by_tier"]
     hits = data["hits_by_tier"]
@@ -121,18 +131,33 @@ def bench_run_command(
         ),
     ] = "chat",
     steps: Annotated[
-        int, typer.Option("--steps", help="speculative: decode steps per sequence.")
-    ] = _SPEC_DEFAULTS.steps,
+        int | None,
+        typer.Option(
+            "--steps", help=f"speculative: decode steps per sequence [{_SPEC_DEFAULTS.steps}]."
+        ),
+    ] = None,
     draft_tokens: Annotated[
-        int, typer.Option("--draft-tokens", help="speculative: tokens proposed per step.")
-    ] = _SPEC_DEFAULTS.draft_tokens,
+        int | None,
+        typer.Option(
+            "--draft-tokens",
+            help=f"speculative: tokens proposed per step [{_SPEC_DEFAULTS.draft_tokens}].",
+        ),
+    ] = None,
     accept_rate: Annotated[
-        float,
-        typer.Option("--accept-rate", help="speculative: probability each draft token passes."),
-    ] = _SPEC_DEFAULTS.accept_rate,
+        float | None,
+        typer.Option(
+            "--accept-rate",
+            help="speculative: probability each draft token passes "
+            f"[{_SPEC_DEFAULTS.accept_rate}].",
+        ),
+    ] = None,
     fork_every: Annotated[
-        int, typer.Option("--fork-every", help="speculative: fork every N steps (0: never).")
-    ] = _SPEC_DEFAULTS.fork_every,
+        int | None,
+        typer.Option(
+            "--fork-every",
+            help=f"speculative: fork every N steps, 0: never [{_SPEC_DEFAULTS.fork_every}].",
+        ),
+    ] = None,
     predictor: Annotated[
         str,
         typer.Option(
@@ -152,13 +177,26 @@ def bench_run_command(
     def body() -> None:
         if workload not in ("chat", "speculative"):
             raise KVTierUsageError(f"--workload must be chat or speculative, got {workload!r}")
+        speculative_only = {
+            "--steps": steps,
+            "--draft-tokens": draft_tokens,
+            "--accept-rate": accept_rate,
+            "--fork-every": fork_every,
+        }
+        if workload == "chat":
+            given = [flag for flag, value in speculative_only.items() if value is not None]
+            if given:
+                raise KVTierUsageError(
+                    f"{', '.join(given)} only apply to --workload speculative "
+                    "(the chat workload has no speculative steps)"
+                )
         if workload == "speculative":
             spec_params = SpeculativeParams(
                 sequences=sessions,
-                steps=steps,
-                draft_tokens=draft_tokens,
-                accept_rate=accept_rate,
-                fork_every=fork_every,
+                steps=_SPEC_DEFAULTS.steps if steps is None else steps,
+                draft_tokens=_SPEC_DEFAULTS.draft_tokens if draft_tokens is None else draft_tokens,
+                accept_rate=_SPEC_DEFAULTS.accept_rate if accept_rate is None else accept_rate,
+                fork_every=_SPEC_DEFAULTS.fork_every if fork_every is None else fork_every,
                 seed=seed,
             )
             run_speculative_cli(
@@ -220,4 +258,4 @@ def bench_run_command(
         if data["mismatches"]:
             raise fail(f"{data['mismatches']} pages read back with wrong bytes", EXIT_FAILURE)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

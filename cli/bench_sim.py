@@ -3,34 +3,37 @@
 Prints, per policy and capacity: the prefix hit rate per tier and in total, Belady MIN's
 ceiling at the same total capacity, pages per link, and modeled TTFT and throughput on a
 hardware profile. ``--json`` prints one JSON object; ``--plot`` draws hit rate against
-capacity with MIN and LRU as reference lines.
+capacity with MIN and LRU as reference lines (checked before the replay: the directory
+must exist, the suffix must be a format matplotlib writes).
 
-``--suite`` runs the policy suite instead (:mod:`kvtier.sim.suite`): every workload x
-capacity x policy of the chosen half, a table of hit rate, share of MIN and the default
-policy's gain over the best classic policy, and (``--plot``) one figure of it.
+``--suite`` runs the policy suite instead (:mod:`kvtier.sim.suite`, ``cli/bench_suite.py``):
+every workload x capacity x policy of the chosen half, a table of hit rate, share of MIN
+and the default policy's gain over the best classic policy, and (``--plot``) one figure.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import bench_app
+from kvtier.cli.bench_suite import render_suite, run_suite_cli
 from kvtier.cli.output import console, emit, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
-from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
-from kvtier.policy.base import AdmissionPolicy
+from kvtier.policy.admission import admission_names, make_admission
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy
 from kvtier.policy.prefetch import LookaheadPredictor
 from kvtier.sim.belady import belady_min
 from kvtier.sim.cost import evaluate
 from kvtier.sim.hardware import profile
 from kvtier.sim.replay import WRITE_POLICIES, make_tiers, replay
-from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, plot_suite, run_suite, suite_traces
+from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, plot_suite
 from kvtier.sim.trace import Trace, read_mooncake
 from kvtier.sim.workloads import WORKLOADS, workload
 from kvtier.spec import preset
@@ -43,13 +46,15 @@ def parse_capacity(text: str, distinct: int) -> int:
     """``"1%"`` or ``"0.01"`` (a share of distinct blocks) or ``"2000"`` (pages)."""
     t = text.strip()
     try:
-        if t.endswith("%"):
-            return max(1, int(float(t[:-1]) / 100 * distinct))
-        v = float(t)
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
         raise KVTierUsageError(f"bad capacity {text!r}: use 1%, 0.01 or a page count") from None
-    if v <= 0:
-        raise KVTierUsageError(f"capacity must be > 0, got {text!r}")
+    if not math.isfinite(v) or v <= 0:
+        raise KVTierUsageError(f"capacity must be a finite number > 0, got {text!r}")
+    if t.endswith("%"):
+        if v > 1e6:
+            raise KVTierUsageError(f"capacity {text!r} is beyond reason")
+        return max(1, int(v * distinct))
     if v < 1:
         return max(1, int(v * distinct))
     if v != int(v):
@@ -57,13 +62,58 @@ def parse_capacity(text: str, distinct: int) -> int:
     return int(v)
 
 
-def make_admission(name: str) -> AdmissionPolicy:
-    """The admission policy ``name`` (``reuse`` or ``frequency``) for selective writes."""
-    if name == "reuse":
-        return ReusePredictor()
-    if name == "frequency":
-        return FrequencyAdmission()
-    raise KVTierUsageError(f"unknown admission policy {name!r}; known: frequency, reuse")
+def check_args(
+    requests: int | None,
+    block_tokens: int,
+    tier_scale: float,
+    tiers: list[str],
+    admission: str,
+    capacities: list[str],
+    plot_file: Path | None,
+) -> None:
+    """Refuse meaningless arguments before any work (a replay can take minutes):
+    :class:`KVTierUsageError` naming the option."""
+    if requests is not None and requests < 1:
+        raise KVTierUsageError(f"--requests must be >= 1, got {requests}")
+    if block_tokens < 1:
+        raise KVTierUsageError(f"--block-tokens must be >= 1, got {block_tokens}")
+    if not math.isfinite(tier_scale) or tier_scale <= 0:
+        raise KVTierUsageError(f"--tier-scale must be a finite number > 0, got {tier_scale}")
+    if not tiers or len(set(tiers)) != len(tiers):
+        raise KVTierUsageError(f"--tiers must name distinct tiers, got {','.join(tiers)!r}")
+    if admission not in admission_names():
+        known = ", ".join(admission_names())
+        raise KVTierUsageError(
+            f"--admission: unknown admission policy {admission!r}; known: {known}"
+        )
+    for c in capacities:
+        parse_capacity(c, 1)
+    if plot_file is not None:
+        check_plot_path(plot_file)
+
+
+def check_plot_path(path: Path) -> None:
+    """The plot can be written there: the directory exists and is writable, and the file
+    type is one matplotlib writes (by the suffix)."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise KVTierUsageError(f"--plot: directory {parent} does not exist")
+    if path.is_dir():
+        raise KVTierUsageError(f"--plot: {path} is a directory")
+    if not os.access(parent, os.W_OK):
+        raise KVTierUsageError(f"--plot: directory {parent} is not writable")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix not in kinds:
+        raise KVTierUsageError(
+            f"--plot: cannot write a {suffix or 'suffix-less'} file; use one of "
+            f"{', '.join(sorted(kinds))}"
+        )
 
 
 def _load(trace: Path | None, name: str | None, requests: int | None, block_tokens: int) -> Trace:
@@ -87,10 +137,15 @@ def run_sim(
     show_progress: bool,
     admission: str = "reuse",
     prefetch: str | None = None,
+    codecs: dict[str, str] | None = None,
     hints: bool = False,
 ) -> dict[str, Any]:
-    """Run every (policy, capacity) pair and return the report as plain data. With
-    ``hints``, the trace's engine hints reach hint-aware policies."""
+    """Run every (policy, capacity) pair and return the report as plain data.
+
+    ``codecs`` maps tier names to a codec: that tier holds, in the bytes its uncoded
+    capacity takes, as many pages as the live cache would (:func:`codec_page_factors`).
+    With ``hints``, the trace's engine hints reach hint-aware policies.
+    """
     for p in policies:
         if p not in EVICTION_POLICIES:
             known = ", ".join(sorted(EVICTION_POLICIES))
@@ -101,6 +156,7 @@ def run_sim(
         raise KVTierUsageError(f"unknown write policy {write_policy!r}; known: {WRITE_POLICIES}")
     hw = profile(hardware)
     spec = preset(model)
+    factors = codec_page_factors(codecs or {}, tier_names, spec)
     distinct = tr.distinct_blocks()
     blocks = [r.blocks for r in tr.requests]
     runs: list[dict[str, Any]] = []
@@ -109,22 +165,20 @@ def run_sim(
         for cap_text in capacities:
             top = parse_capacity(cap_text, distinct)
             caps = [top] + [int(top * tier_scale**i) for i in range(1, len(tier_names))]
+            caps = [max(1, int(c * f)) for c, f in zip(caps, factors, strict=True)]
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
-                adm = (
-                    {i: make_admission(admission) for i in range(1, len(caps))}
-                    if write_policy == "selective"
-                    else None
-                )
-                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names, adm)
+                adm = make_admission(admission) if write_policy == "selective" else None
+                tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names)
                 predictor = LookaheadPredictor() if prefetch == "lookahead" else None
                 res = replay(
                     tr,
                     tiers,
-                    write_policy,  # type: ignore[arg-type]
+                    write_policy,
                     predictor=predictor,
                     progress=adv,
+                    admission=adm,
                     hints=hints,
                 )
                 secs = time.perf_counter() - t0
@@ -167,51 +221,89 @@ def run_sim(
         "admission": admission if write_policy == "selective" else None,
         "prefetch": prefetch,
         "hints": hints and bool(tr.hints),
+        "codecs": dict(codecs or {}),
+        "codec_page_factors": dict(zip(tier_names, factors, strict=True)),
         "runs": runs,
     }
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    """Hit rate vs capacity per policy, with MIN (and LRU) as reference lines."""
+def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any) -> list[float]:
+    """Per tier, pages held per page of uncoded capacity: ``page_bytes / slot_bytes`` of its
+    codec (``fp8-e4m3`` about 2; a lossless codec slightly under 1, since capacity counts
+    a raw page plus the frame), 1 without a codec."""
+    from kvtier.codec import NO_CODEC, make_codec, slot_bytes
+
+    unknown = sorted(set(codecs) - set(tier_names))
+    if unknown:
+        raise KVTierUsageError(f"--codec names tier(s) {unknown}; tiers are {tier_names}")
+    out = []
+    for name in tier_names:
+        codec = codecs.get(name, NO_CODEC)
+        if codec == NO_CODEC:
+            out.append(1.0)
+            continue
+        out.append(spec.page_bytes / slot_bytes(make_codec(codec, spec)))
+    return out
+
+
+def make_figure(report: dict[str, Any]) -> Any:
+    """The hit-rate-vs-capacity figure of a report (a matplotlib ``Figure``).
+
+    Capacity (log axis) is labelled in percent of the distinct blocks; the hit rate axis
+    starts at 0; the reference lines (Belady MIN, LRU) are drawn under the policies, thin
+    and translucent, so no policy is hidden; the legend sits outside the plot area; the
+    title names the trace, model, hardware, tiers and write policy.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.add_subplot()
     by_pol: dict[str, list[tuple[float, float]]] = {}
     mins: dict[float, float] = {}
     for r in report["runs"]:
         by_pol.setdefault(r["policy"], []).append((r["capacity_share"], r["hit_rate"]))
         mins[r["capacity_share"]] = r["min_hit_rate"]
     xs = sorted(mins)
-    ax.plot(xs, [mins[x] for x in xs], "k--", lw=2, label="Belady MIN (ceiling)")
+    ax.plot(xs, [mins[x] for x in xs], "k--", lw=1.2, alpha=0.7, zorder=1,
+            label="Belady MIN (ceiling)")  # fmt: skip
+    if "lru" in by_pol:
+        pts = sorted(by_pol["lru"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="gray", ls=":", lw=1.5,
+                alpha=0.8, marker="x", zorder=2, label="LRU (reference)")  # fmt: skip
     for pol, pts in by_pol.items():
         if pol == "lru":
             continue
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
-    if "lru" in by_pol:  # the reference line, drawn last so no policy hides it
-        pts = sorted(by_pol["lru"])
-        ax.plot(
-            [p[0] for p in pts],
-            [p[1] for p in pts],
-            color="gray",
-            ls=":",
-            lw=3,
-            marker="x",
-            ms=8,
-            label="LRU (reference)",
-        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.8, zorder=3,
+                label=pol)  # fmt: skip
     ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (share of distinct blocks, all tiers)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x * 100:g}%"))
+    if xs:
+        ax.set_xticks(xs)
+    ax.set_xlabel("cache capacity, all tiers (% of distinct blocks)")
     ax.set_ylabel("prefix hit rate")
-    ax.set_title(f"{report['trace']}: {report['requests']} requests, {report['refs']} block refs")
+    top = max([1e-9, *mins.values(), *(h for pts in by_pol.values() for _, h in pts)])
+    ax.set_ylim(0, min(1.0, top * 1.1) if top < 0.95 else 1.0)
+    tiers = " > ".join(report.get("tiers") or [])
+    ax.set_title(
+        f"{report['trace']}: {report['requests']} requests, {report['refs']} block refs\n"
+        f"{report['model']} on {report['hardware']}; tiers {tiers}; "
+        f"{report['write_policy']}",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Write :func:`make_figure` of ``report`` to ``path`` (format by suffix)."""
+    make_figure(report).savefig(path, dpi=110)
 
 
 def _render(report: dict[str, Any]) -> None:
@@ -256,90 +348,6 @@ def _render(report: dict[str, Any]) -> None:
     )
 
 
-def _render_suite(report: dict[str, Any]) -> None:
-    pols = report["policies"]
-    default = report["default"]
-    rows = []
-    for r in report["rows"]:
-        rates = r["hit_rate"]
-        best = r.get("best_classic")
-        rows.append(
-            [
-                r["workload"],
-                r["half"],
-                f"{r['capacity'] * 100:g}%",
-                r["capacity_pages"],
-                *[rates[p] for p in pols],
-                r["min_hit_rate"],
-                r["of_min"].get(default),
-                best or "",
-                f"{r['gain']:+.4f}" if "gain" in r else "",
-            ]
-        )
-    console.print(
-        table(
-            "policy suite: prefix hit rate per workload and capacity (one tier)",
-            [
-                "workload",
-                "half",
-                "cap",
-                "pages",
-                *pols,
-                "MIN",
-                f"{default} of MIN",
-                "best classic",
-                "gain",
-            ],
-            rows,
-        )
-    )
-    for half, s in report["summary"].items():
-        console.print(
-            f"{half}: {s['cells']} cells, {default} ahead of the best classic in {s['ahead']}, "
-            f"level in {s['level']}, behind in {s['behind']}; mean gain {s['mean_gain']:+.4f}, "
-            f"smallest {s['min_gain']:+.4f}"
-        )
-
-
-def _suite(
-    half: str,
-    requests: int | None,
-    trace: Path | None,
-    policies: list[str] | None,
-    capacities: list[str] | None,
-    show_progress: bool,
-) -> dict[str, Any]:
-    pols = policies or DEFAULT_POLICIES
-    for p in pols:
-        if p not in EVICTION_POLICIES:
-            raise KVTierUsageError(
-                f"unknown policy {p!r}; known: {', '.join(sorted(EVICTION_POLICIES))}"
-            )
-    shares = [_share(c) for c in capacities] if capacities else None
-    traces = suite_traces(half, requests or 4000, trace)
-    kwargs: dict[str, Any] = {"policies": pols}
-    if shares is not None:
-        kwargs["capacities"] = shares
-    n = len(traces) * len(shares or [0, 0, 0, 0])
-    with progress(show_progress, "suite", n) as adv:
-        report = run_suite(traces, progress=adv, **kwargs)
-    report["half"] = half
-    report["requests"] = requests or 4000
-    report["trace"] = str(trace) if trace is not None else None
-    return report
-
-
-def _share(text: str) -> float:
-    t = text.strip()
-    try:
-        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-    except ValueError:
-        raise KVTierUsageError(f"bad suite capacity {text!r}: use 1% or 0.01") from None
-    if not 0 < v <= 1:
-        raise KVTierUsageError(f"suite capacities are shares in (0, 1], got {text!r}")
-    return v
-
-
 @bench_app.command("sim")
 def sim(
     trace: Annotated[Path | None, typer.Option(help="Mooncake-format JSONL trace")] = None,
@@ -373,6 +381,10 @@ def sim(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
     plot_file: Annotated[Path | None, typer.Option("--plot", help="write a PNG plot")] = None,
     show_progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    codec: Annotated[
+        list[str] | None,
+        typer.Option(help="TIER=CODEC: that tier's bytes hold pages encoded so (repeat)"),
+    ] = None,
 ) -> None:
     """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model.
     With --suite: the policy suite (--trace adds the Mooncake trace's two halves)."""
@@ -381,14 +393,32 @@ def sim(
         if suite:
             if workload_name is not None:
                 raise KVTierUsageError("--suite picks its own workloads: drop --workload")
-            rep = _suite(half, requests, trace, policy, capacity, show_progress)
+            if plot_file is not None:
+                check_plot_path(plot_file)
+            rep = run_suite_cli(half, requests, trace, policy, capacity, show_progress)
             if plot_file is not None:
                 plot_suite(rep, plot_file)
                 rep["plot"] = str(plot_file)
-            emit(rep, as_json, _render_suite)
+            emit(rep, as_json, render_suite)
             return
-        tr = _load(trace, workload_name, requests, block_tokens)
         names = [t.strip() for t in tiers.split(",") if t.strip()]
+        check_args(
+            requests,
+            block_tokens,
+            tier_scale,
+            names,
+            admission,
+            capacity or ["1%", "5%", "10%"],
+            plot_file,
+        )
+        codecs: dict[str, str] = {}
+        for item in codec or []:
+            tier_name, eq, codec_name = item.partition("=")
+            if not eq or not tier_name or not codec_name:
+                raise KVTierUsageError(f"--codec {item!r}: use TIER=CODEC, e.g. nvme=fp8-e4m3")
+            codecs[tier_name] = codec_name
+        codec_page_factors(codecs, names, preset(model))  # bad tier or codec names: now
+        tr = _load(trace, workload_name, requests, block_tokens)
         report = run_sim(
             tr,
             policy or DEFAULT_POLICIES,
@@ -401,6 +431,7 @@ def sim(
             show_progress,
             admission,
             prefetch,
+            codecs,
             hints,
         )
         if plot_file is not None:
@@ -408,4 +439,4 @@ def sim(
             report["plot"] = str(plot_file)
         emit(report, as_json, _render)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

@@ -9,13 +9,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, table
+from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, render_config, table
 
 from kvtier.bench.speculative import SpeculativeParams, bench_speculative
 from kvtier.config import format_size, load_config, parse_size
 
 
 def _render(data: dict[str, Any]) -> None:
+    render_config(data["config"])
     rate = data["accept_rate_observed"]
     console.print(
         table(

@@ -33,4 +33,4 @@ def inspect_backends(
     ] = False,
 ) -> None:
     """List the tier backends found through the ``kvtier.backends`` entry-point group."""
-    run_guarded(lambda: emit(backends_report(), as_json, _render))
+    run_guarded(lambda: emit(backends_report(), as_json, _render), as_json)

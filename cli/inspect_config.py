@@ -1,26 +1,44 @@
-"""``kvtier inspect config``: the resolved configuration and where each value came from."""
+"""``kvtier inspect config``: the resolved configuration, where each value came from, and
+whether it is valid (``--check``: whether each tier opens and works)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import inspect_app
-from kvtier.cli.output import console, emit, run_guarded, table
+from kvtier.cli.output import (
+    EXIT_FAILURE,
+    console,
+    emit,
+    err_console,
+    fail,
+    run_guarded,
+    size,
+    table,
+)
 
 from kvtier.config import load_config
+from kvtier.tier_check import check_tiers, create_backend
 
 
-def config_report(path: Path | None) -> dict[str, Any]:
+def config_report(path: Path | None, check: bool = False) -> dict[str, Any]:
     """The resolved config of ``path`` (or ``$KVTIER_CONFIG``, or the embedded default)
-    with ``KVTIER_*`` overrides applied.
+    with ``KVTIER_*`` overrides applied, validated down to each backend's options.
 
     Returns ``{"config": <file-shaped dict>, "values": [{"key", "value", "source"}, ...],
-    "sources": {key: source}}``; a source is ``default``, ``file:PATH``, ``python`` or
-    ``env:NAME``. Raises :class:`~kvtier.errors.ConfigError` naming a bad key or value.
+    "sources": {key: source}}`` plus, with ``check``, ``"checks": [{tier, backend, ok,
+    step, error}, ...]`` (each tier opened and probed). A source is ``default``,
+    ``file:PATH``, ``python`` or ``env:NAME``. Raises
+    :class:`~kvtier.errors.ConfigError` (or the registry's errors) naming a bad key, value,
+    backend or backend option.
     """
     resolved = load_config(path)
+    config = resolved.config
+    for i in range(len(config.tiers)):
+        create_backend(config, i)  # unknown backend, unknown or missing option: raises
     # Model fields filled in from a preset carry no source of their own: they come from
     # wherever the preset was chosen.
     preset_source = resolved.sources.get("model.preset", "default")
@@ -29,16 +47,32 @@ def config_report(path: Path | None) -> dict[str, Any]:
         if key.startswith("model.") and key not in resolved.sources and preset_source != "default":
             source = f"preset from {preset_source}"
         values.append({"key": key, "value": value, "source": source})
-    return {
-        "config": resolved.config.to_dict(),
+    report: dict[str, Any] = {
+        "config": config.to_dict(),
         "values": values,
         "sources": dict(resolved.sources),
     }
+    if check:
+        report["checks"] = [c.to_dict() for c in asyncio.run(check_tiers(config))]
+    return report
+
+
+def _cell(key: str, value: Any) -> Any:
+    """Sizes in binary units, other values as they are."""
+    if key.endswith((".capacity", "_bytes")) and isinstance(value, int):
+        return size(value)
+    return value
 
 
 def _render(data: dict[str, Any]) -> None:
-    rows = [(v["key"], v["value"], v["source"]) for v in data["values"]]
+    rows = [(v["key"], _cell(v["key"], v["value"]), v["source"]) for v in data["values"]]
     console.print(table("kvtier config", ["key", "value", "source"], rows))
+    if "checks" in data:
+        checks = [
+            (c["tier"], c["backend"], "ok" if c["ok"] else f"failed at {c['step']}", c["error"])
+            for c in data["checks"]
+        ]
+        console.print(table("tier checks", ["tier", "backend", "result", "why"], checks))
 
 
 @inspect_app.command("config")
@@ -49,10 +83,35 @@ def inspect_config(
             "--config", "-c", help="TOML file (default: $KVTIER_CONFIG, else the embedded default)."
         ),
     ] = None,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Also open each tier and store, read back and delete a probe page "
+            "(reachable, authenticated, writable); exits 1 naming each tier that fails. "
+            "Creates a store directory that does not exist yet, as starting a cache would.",
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
     """Show the resolved configuration (default < file < KVTIER_* environment) and the
-    source of every value."""
-    run_guarded(lambda: emit(config_report(config), as_json, _render))
+    source of every value, after validating it down to each backend's options (exit 2
+    naming what is wrong)."""
+    failed: list[str] = []
+
+    def body() -> None:
+        data = config_report(config, check)
+        failed.extend(
+            f"{c['tier']} ({c['backend']}) failed at {c['step']}: {c['error']}"
+            for c in data.get("checks", [])
+            if not c["ok"]
+        )
+        emit(data, as_json, _render)
+
+    run_guarded(body, as_json)
+    if failed:
+        for line in failed[:-1]:
+            err_console.print(f"error: {line}", highlight=False, markup=False, soft_wrap=True)
+        raise fail(failed[-1], EXIT_FAILURE)

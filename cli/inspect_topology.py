@@ -133,4 +133,4 @@ def inspect_topology(
         )
         emit(data, as_json, _render)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

@@ -1,9 +1,17 @@
 """Output conventions shared by every command.
 
-* ``--json``: exactly one JSON object on stdout, nothing else there (logs go to stderr).
-* otherwise: rich tables on stdout, progress bars on stderr.
-* exit codes: 0 success, 1 failure (:class:`~kvtier.errors.KVTierError`), 2 usage error
-  (:class:`~kvtier.errors.KVTierUsageError`, bad options).
+* ``--json``: exactly one JSON object on stdout, nothing else there (logs go to stderr);
+  a command that fails prints ``{"error": {"message", "type", "exit_code"}}`` there
+  instead (the message also goes to stderr).
+* otherwise: rich tables on stdout, progress bars on stderr. When stdout is not a terminal
+  (a pipe or a file) tables keep their natural width instead of being cut to 80 columns
+  (``$COLUMNS`` is not applied there), and messages are never hard-wrapped (a long path
+  stays on one line).
+* cells: sizes in binary units (:func:`size`), floats to 3 significant digits without
+  exponents, counts with thousands separators.
+* exit codes: 0 success, 1 failure (:class:`~kvtier.errors.KVTierError`, an ``OSError``,
+  anything unexpected), 2 usage error (:class:`~kvtier.errors.KVTierUsageError`, bad
+  options). No command ends with a traceback.
 """
 
 from __future__ import annotations
@@ -15,18 +23,39 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtier.errors import KVTierError, KVTierUsageError
+from kvtier.spec import KVSpec
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-console = Console()
-err_console = Console(stderr=True)
+#: Width of output that does not go to a terminal: wide enough for any table.
+PIPE_WIDTH = 1000
+
+
+class _Console(Console):
+    """A console whose width, when its stream is not a terminal, is :data:`PIPE_WIDTH`
+    rather than 80 columns (or ``$COLUMNS``, which describes a terminal, not a pipe)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        real = super().size
+        if self.is_terminal:
+            return real
+        return ConsoleDimensions(PIPE_WIDTH, real.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 
 def _default(obj: Any) -> Any:
@@ -66,12 +95,30 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
 
 
 def fmt(value: Any) -> str:
-    """Compact human form of a cell value."""
+    """Compact human form of a cell value: floats to 3 significant digits (no exponent),
+    large numbers with thousands separators."""
     if value is None:
         return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:.3g}"
+        if value != value or value in (float("inf"), float("-inf")):
+            return str(value)
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.1e}"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10000 else str(value)
     return str(value)
+
+
+def size(nbytes: Any) -> str:
+    """A byte count in binary units (``512.0 MiB``); other values as :func:`fmt`."""
+    if isinstance(nbytes, int | float) and not isinstance(nbytes, bool):
+        from kvtier.config import format_size
+
+        return format_size(int(nbytes))
+    return fmt(nbytes)
 
 
 @contextmanager
@@ -96,15 +143,70 @@ def progress(
 
 def fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
     """Print ``message`` on stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
-def run_guarded(fn: Callable[[], None]) -> None:
-    """Run a command body, mapping kvtier errors to messages and exit codes 2 / 1."""
+def json_error(message: str, kind: str, code: int) -> None:
+    """Print the JSON error object of a failed ``--json`` command on stdout."""
+    error = {"message": message, "type": kind, "exit_code": code}
+    sys.stdout.write(dumps({"error": error}) + "\n")
+    sys.stdout.flush()
+
+
+def _describe(exc: BaseException) -> tuple[str, int]:
+    """(message, exit code) for an exception a command let through."""
+    if isinstance(exc, KVTierUsageError):
+        return str(exc), EXIT_USAGE
+    if isinstance(exc, KVTierError):
+        return str(exc), EXIT_FAILURE
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}", EXIT_FAILURE
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130
+    return (
+        f"unexpected {type(exc).__name__}: {exc} (a kvtier bug: please report it with the "
+        "command that caused it)",
+        EXIT_FAILURE,
+    )
+
+
+def run_guarded(fn: Callable[[], None], as_json: bool = False) -> None:
+    """Run a command body, mapping errors to a message (and, with ``as_json``, a JSON
+    error object on stdout) and exit codes 2 (usage) / 1 (anything else)."""
     try:
         fn()
-    except KVTierUsageError as exc:
-        raise fail(str(exc), EXIT_USAGE) from None
-    except KVTierError as exc:
-        raise fail(str(exc), EXIT_FAILURE) from None
+    except typer.Exit:
+        raise
+    except (Exception, KeyboardInterrupt) as exc:
+        message, code = _describe(exc)
+        if as_json:
+            json_error(message, type(exc).__name__, code)
+        raise fail(message, code) from None
+
+
+def render_config(config: dict[str, Any], disk_dir: str | None = None) -> None:
+    """The configuration a run used: model, page size, and each tier's backend, capacity
+    (bytes and pages), watermarks and directory."""
+    model = config["model"]
+    page = KVSpec(**model).page_bytes
+    rows = []
+    for t in config["tiers"]:
+        path = t["options"].get("path") or t["options"].get("url") or "-"
+        rows.append(
+            (
+                t["name"],
+                t["backend"],
+                size(t["capacity"]),
+                fmt(t["capacity"] // page if page else None),
+                f"{t['high_watermark']:.0%} / {t['low_watermark']:.0%}",
+                path,
+            )
+        )
+    title = (
+        f"configuration: {model['name']}, {model['page_tokens']}-token pages of "
+        f"{size(page)} ({model['dtype']}), {config['pipeline']['write_policy']}"
+    )
+    cols = ["tier", "backend", "capacity", "pages", "high / low", "where"]
+    console.print(table(title, cols, rows))

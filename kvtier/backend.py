@@ -59,6 +59,21 @@ class BackendKind(StrEnum):
     STORE = "store"
 
 
+class Medium(StrEnum):
+    """Where a backend's bytes live; links are chosen per (source, destination) medium.
+
+    ``host`` and ``device`` are memory (arenas), ``file`` a local file system or block
+    device, ``network`` a remote server. A backend that says nothing is ``host`` (an
+    arena) or ``store`` (a store of unknown kind).
+    """
+
+    HOST = "host"
+    DEVICE = "device"
+    FILE = "file"
+    NETWORK = "network"
+    STORE = "store"
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Space taken by :meth:`Backend.reserve` for one key, not yet visible.
@@ -76,6 +91,9 @@ class Reservation:
     handle: int
     present: bool = False
     view: np.ndarray | None = None
+
+
+_UINT8 = np.dtype(np.uint8)
 
 
 def check_buffer(buf: Any, page_bytes: int, what: str = "buffer") -> np.ndarray:
@@ -111,7 +129,11 @@ def check_buffers(
     """Validate a batch of page buffers against the number of keys it goes with."""
     if len(bufs) != count:
         raise KVTierUsageError(f"got {len(bufs)} buffers for {count} keys")
-    out = [check_buffer(b, page_bytes, f"buffer {i}") for i, b in enumerate(bufs)]
+    # Fast path for what callers pass almost always (pages of an arena or of a batch
+    # array): no per-buffer label is formatted unless a buffer is wrong.
+    out = [b if type(b) is np.ndarray and b.dtype is _UINT8 and b.ndim == 1
+           and b.nbytes == page_bytes and b.flags.c_contiguous
+           else check_buffer(b, page_bytes, f"buffer {i}") for i, b in enumerate(bufs)]  # fmt: skip
     if writable:
         for i, arr in enumerate(out):
             if not arr.flags.writeable:
@@ -133,6 +155,8 @@ class Backend(ABC):
 
     #: Arena or store.
     kind: ClassVar[BackendKind]
+    #: Where the bytes live (links are registered per medium pair).
+    medium: ClassVar[Medium]
     #: Default number of worker threads for blocking work.
     default_io_threads: ClassVar[int] = 4
     #: Other processes may commit pages here behind this process's back (a remote pool
@@ -166,8 +190,11 @@ class Backend(ABC):
                 f"({page_bytes} bytes), got {capacity_pages!r} pages"
             )
         threads = self.default_io_threads if io_threads is None else io_threads
-        if threads < 1:
-            raise KVTierUsageError(f"io_threads must be >= 1, got {threads}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+            raise ConfigError(
+                f"{type(self).__name__}: io_threads must be an integer >= 1 (at most 1024), "
+                f"got {threads!r}"
+            )
         self.page_bytes = page_bytes
         self.capacity_pages = capacity_pages
         self.io_threads = threads
@@ -327,6 +354,7 @@ class ArenaBackend(Backend):
     """
 
     kind: ClassVar[BackendKind] = BackendKind.ARENA
+    medium: ClassVar[Medium] = Medium.HOST
 
     @abstractmethod
     def slot_of(self, key: PageKey) -> int | None:
@@ -344,6 +372,56 @@ class ArenaBackend(Backend):
 
 
 class StoreBackend(Backend):
-    """A key -> blob store (NVMe, remote pool)."""
+    """A key -> blob store (NVMe, remote pool).
+
+    **Variable-length blobs (optional).** A store whose :attr:`variable_length` is true
+    also keeps blobs shorter than ``page_bytes``: :meth:`write_blobs` takes them (1 to
+    ``page_bytes`` bytes each) in place of :meth:`write`, and :meth:`get_sized` reads them
+    back with their length. Its page header records that length and its checksum covers
+    exactly those bytes; plain :meth:`get` still serves only whole ``page_bytes`` pages (a
+    shorter blob is a miss there). A codec-wrapped tier (:mod:`kvtier.codec.store`) uses
+    this to move and keep only a compressed page's bytes.
+    """
 
     kind: ClassVar[BackendKind] = BackendKind.STORE
+    medium: ClassVar[Medium] = Medium.STORE
+
+    #: Whether :meth:`write_blobs` / :meth:`get_sized` keep blobs shorter than a page.
+    variable_length: ClassVar[bool] = False
+
+    async def write_blobs(
+        self, reservations: Sequence[Reservation], blobs: Sequence[Any]
+    ) -> list[bool]:
+        """Like :meth:`write`, for blobs of 1 to ``page_bytes`` bytes on a store with
+        :attr:`variable_length`; other stores take only whole pages (:meth:`write`)."""
+        if not self.variable_length:
+            return await self.write(reservations, blobs)
+        raise NotImplementedError(f"{type(self).__name__} declares variable_length "
+                                  "but does not implement write_blobs")  # fmt: skip
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        """Read each committed blob into the start of ``out[i]`` (``page_bytes`` long);
+        its length, or ``None`` for a miss. Stores without :attr:`variable_length` hold
+        whole pages only, so a hit is ``page_bytes``."""
+        got = await self.get(keys, out)
+        return [self.page_bytes if hit else None for hit in got]
+
+
+def check_blobs(blobs: Sequence[Any], count: int, max_bytes: int) -> list[np.ndarray]:
+    """Validate a batch of variable-length blobs: 1-D C-contiguous uint8, 1 to
+    ``max_bytes`` bytes each, one per key; :class:`KVTierUsageError` names the bad one."""
+    if len(blobs) != count:
+        raise KVTierUsageError(f"got {len(blobs)} blobs for {count} keys")
+    out: list[np.ndarray] = []
+    for i, blob in enumerate(blobs):
+        try:
+            n = blob.nbytes if isinstance(blob, np.ndarray) else memoryview(blob).nbytes
+        except TypeError:
+            raise KVTierUsageError(
+                f"blob {i} must be a numpy uint8 array or a bytes-like object, "
+                f"got {type(blob).__name__}"
+            ) from None
+        if not 1 <= n <= max_bytes:
+            raise KVTierUsageError(f"blob {i} holds {n} bytes; a blob holds 1 to {max_bytes}")
+        out.append(check_buffer(blob, n, f"blob {i}"))
+    return out

@@ -24,33 +24,36 @@ dtype, size, key); a tier that fails at run time degrades to misses (``False`` r
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 import numpy as np
 
-from kvtier import registry
-from kvtier.backend import ArenaBackend, Backend, Reservation, check_buffer
+from kvtier.backend import Backend, Reservation
+from kvtier.cache_hooks import CacheHooks, CacheObserver
+from kvtier.cache_input import PageInput, check_key, check_keys, check_parents, namespace_label
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
-from kvtier.errors import CapacityError, ConfigError, KVTierError, KVTierUsageError
+from kvtier.errors import (
+    KVTierError,
+    KVTierUsageError,
+    TierOpenError,
+)
 from kvtier.index.directory import Directory
-from kvtier.index.prefix_tree import LeafFirstPolicy, PrefixTree
-from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
+from kvtier.index.prefix_tree import PrefixTree
+from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.log import configure_logging, get_logger
 from kvtier.metrics import CacheMetrics
+from kvtier.policy.admission import make_admission
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
-from kvtier.policy.hints import hint_target, make_hint
-from kvtier.spec import KVSpec, canonical_dtype
-from kvtier.transfer.links import Priority
+from kvtier.policy.hints import make_hint
+from kvtier.policy.leaf_first import LeafFirstPolicy
+from kvtier.spec import KVSpec
 from kvtier.transfer.pipeline import LoadResult, Pipeline, PrefetchResult
 from kvtier.transfer.tier import Tier
-
-if TYPE_CHECKING:
-    from kvtier.observers import CacheObserver
 
 __all__ = ["KVCache", "LoadResult", "LookupResult", "PrefetchResult", "StoreResult"]
 
@@ -79,25 +82,6 @@ class LookupResult:
     keys: list[PageKey]
     tiers: list[str]
     cached_tokens: int
-
-
-def _check_key(key: Any, what: str, optional: bool = False) -> PageKey:
-    """``key`` as a page key, or :class:`KVTierUsageError` naming ``what``."""
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        raise KVTierUsageError(
-            f"{what} must be a {KEY_BYTES}-byte page key{' or None' if optional else ''}, "
-            f"got {type(key).__name__}"
-            f"{' of ' + str(len(key)) + ' bytes' if isinstance(key, bytes) else ''}"
-        )
-    return PageKey(key)
-
-
-def _check_keys(keys: Sequence[Any], what: str = "keys") -> list[PageKey]:
-    if isinstance(keys, bytes | bytearray | str):
-        raise KVTierUsageError(
-            f"{what} must be a sequence of page keys, not a single {type(keys).__name__}"
-        )
-    return [_check_key(k, f"{what}[{i}]") for i, k in enumerate(keys)]
 
 
 class KVCache:
@@ -132,28 +116,23 @@ class KVCache:
         self.spec: KVSpec = self.config.spec
         self.namespace: Namespace = self.config.namespace
         self.metrics = CacheMetrics()
+        self._input = PageInput(self.spec)
         self.directory = Directory([t.name for t in self.config.tiers])
         #: Radix tree over the committed pages of every tier, kept in step with the
         #: directory through its listeners.
         self.prefix_tree = PrefixTree([t.name for t in self.config.tiers])
         self.prefix_tree.attach(self.directory)
         self.tiers: list[Tier] = []
+        #: Tiers that could not open and were skipped (``on_open_error = "skip"``): name ->
+        #: the reason. The cache runs without them.
+        self.skipped_tiers: dict[str, str] = {}
         self._pipeline: Pipeline | None = None
-        self._state = "new"  # -> open -> closing -> closed
+        self._state = "new"  # -> starting -> open -> closing -> closed
         self._closed = asyncio.Event()
         self._configure_log = configure_log
-        # -- observers, hints, the clock (issue 15) --
-        self._observers: list[CacheObserver] = []
-        self._targets: list[Any] | None = None
-        self._hints_total = self.metrics.counter(
-            "hints_total", "Engine hints received, by kind", ["kind"]
-        )
-        self._want_whatif = whatif
-        self._want_predictor = predictor
-        if predictor is not None:
-            from kvtier.prefetcher import check_predictor
-
-            check_predictor(predictor)
+        #: Engine hints and observers (:mod:`kvtier.cache_hooks`; ``hooks.observers``).
+        self.hooks = CacheHooks(self.metrics, lambda: [t.policy for t in self.tiers])
+        self.hooks.want(whatif, predictor)
 
     @classmethod
     async def open(
@@ -191,20 +170,9 @@ class KVCache:
     # -- lifecycle -----------------------------------------------------------------------
 
     def _make_backend(self, i: int) -> Backend:
-        tc = self.config.tiers[i]
-        try:
-            return registry.create(
-                tc.backend,
-                page_bytes=self.spec.page_bytes,
-                capacity_pages=tc.capacity_pages(self.spec.page_bytes),
-                **tc.options,
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-        except TypeError as exc:
-            raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-        except KVTierUsageError as exc:
-            raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
+        from kvtier.tier_check import create_backend
+
+        return create_backend(self.config, i)
 
     def _eviction_policy(self, i: int) -> EvictionPolicy:
         """Tier ``i``'s configured policy, offering only prefix-tree leaves when
@@ -218,29 +186,73 @@ class KVCache:
 
     async def start(self) -> None:
         """Create and open the backends, recover persistent tiers into the directory and
-        start the pipeline. Idempotent while open; a closed cache cannot restart."""
-        if self._state == "open":
-            return
-        if self._state in ("closing", "closed"):
-            raise KVTierUsageError(f"KVCache is {self._state}; create a new one")
-        if self._configure_log:
-            configure_logging(self.config.log_format, self.config.log_level)
-        backends = [self._make_backend(i) for i in range(len(self.config.tiers))]
-        opened: list[Backend] = []
+        start the pipeline. Raises :class:`KVTierUsageError` when the cache was started
+        already (it is open, starting or closed: create a new one).
+
+        A tier whose backend cannot open fails the start (:class:`TierOpenError` naming
+        the tier and why) or, with ``on_open_error = "skip"`` (the default below the top
+        tier), is logged as an error and left out: the cache runs on the other tiers and
+        :attr:`skipped_tiers` says why."""
+        if self._state != "new":
+            what = {"open": "already open", "starting": "already starting"}
+            raise KVTierUsageError(
+                f"KVCache is {what.get(self._state, self._state)}; create a new one "
+                "(start() runs once)"
+            )
+        self._state = "starting"
         try:
-            for b in backends:
-                await b.open()
-                opened.append(b)
+            await self._start()
         except BaseException:
-            for b in reversed(opened):
+            if self._state == "starting":
+                self._state = "new"
+            raise
+
+    async def _open_backends(self) -> list[tuple[int, Backend]]:
+        """Construct and open every tier's backend; skip (log, record) those whose open
+        fails when their tier says so. Returns the opened ones with their tier index."""
+        backends = [self._make_backend(i) for i in range(len(self.config.tiers))]
+        opened: list[tuple[int, Backend]] = []
+        try:
+            for i, b in enumerate(backends):
+                tc = self.config.tiers[i]
+                try:
+                    await b.open()
+                except Exception as exc:
+                    if tc.on_open_error != "skip":
+                        raise TierOpenError.of(tc.name, tc.backend, exc) from exc
+                    self.skipped_tiers[tc.name] = f"{type(exc).__name__}: {exc}"
+                    _log.error(
+                        "tier skipped: it cannot open",
+                        tier=tc.name,
+                        backend=tc.backend,
+                        error=str(exc),
+                        error_type=type(exc).__name__,
+                    )
+                    continue
+                opened.append((i, b))
+        except BaseException:
+            for _, b in reversed(opened):
                 await b.close()
             raise
+        return opened
+
+    async def _start(self) -> None:
+        if self._configure_log:
+            configure_logging(self.config.log_format, self.config.log_level)
+        opened = await self._open_backends()
+        if self.skipped_tiers:  # the cache runs on the tiers that opened
+            self.config = dataclasses.replace(
+                self.config, tiers=[self.config.tiers[i] for i, _ in opened]
+            )
+            names = [t.name for t in self.config.tiers]
+            self.directory = Directory(names)
+            self.prefix_tree = PrefixTree(names)
+            self.prefix_tree.attach(self.directory)
+        backends = [b for _, b in opened]
         self.tiers = [
             Tier(i, tc, b, self._eviction_policy(i))
             for i, (tc, b) in enumerate(zip(self.config.tiers, backends, strict=True))
         ]
-        from kvtier.config import make_admission
-
         self._pipeline = Pipeline(
             self.tiers,
             self.directory,
@@ -249,24 +261,18 @@ class KVCache:
             admission=make_admission(self.config.admission, **self.config.admission_params),
             batch_pages=self.config.batch_pages,
             max_inflight_per_link=self.config.max_inflight_per_link,
+            background_eviction=self.config.background_eviction,
         )
         self._state = "open"
         for tier in self.tiers:
             self.metrics.used.set(0, tier.name)
             self.metrics.capacity.set(tier.capacity_pages, tier.name)
         try:
-            recovered = await self._recover()
+            recovered = await self._pipeline.recover()
         except BaseException:
             await self.close()  # cancelled while indexing: do not leave backends open
             raise
-        if self._want_whatif:
-            from kvtier.observers import WhatIfObserver
-
-            self.attach(WhatIfObserver(self))
-        if self._want_predictor is not None:
-            from kvtier.prefetcher import LivePrefetcher
-
-            self.attach(LivePrefetcher(self, self._want_predictor))
+        self.hooks.start(self)  # what-if sizing, the live predictor (when asked for)
         _log.info(
             "kvtier cache open",
             model=self.spec.name,
@@ -274,27 +280,8 @@ class KVCache:
             page_bytes=self.spec.page_bytes,
             tiers=[t.describe() for t in self.tiers],
             recovered_pages=recovered,
+            skipped_tiers=self.skipped_tiers or None,
         )
-
-    async def _recover(self) -> int:
-        """Index pages persistent stores already hold (e.g. after a restart)."""
-        total = 0
-        for tier in self.tiers:
-            if tier.is_arena:
-                continue
-            try:
-                keys = await tier.backend.keys()
-            except Exception as exc:
-                tier.record_failure("recover", 0, exc)
-                continue
-            for k in keys:
-                if self.directory.state(k, tier.name) is None:
-                    self.directory.reserve(k, tier.name)
-                    self.directory.commit(k, tier.name)
-                    tier.policy.on_insert(k)
-                    total += 1
-            self.metrics.used.set(self.directory.used(tier.name), tier.name)
-        return total
 
     async def close(self) -> None:
         """Finish or cancel pipeline work, write dirty pages down per the write policy,
@@ -304,15 +291,14 @@ class KVCache:
         if self._state == "closing":
             await self._closed.wait()
             return
+        if self._state == "starting":
+            raise KVTierUsageError("KVCache is starting: await start() before closing it")
         if self._state != "open":
             self._state = "closed"
             return
         assert self._pipeline is not None
         self._state = "closing"
-        for obs in list(self._observers):
-            aclose = getattr(obs, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        await self.hooks.aclose()
         try:
             await self._pipeline.close()
         except BaseException:
@@ -330,113 +316,13 @@ class KVCache:
             self._closed.set()
             _log.info("kvtier cache closed", metrics=self.metrics.snapshot()["tiers"])
 
-    # -- input checking ------------------------------------------------------------------
-
-    def _rows(self, pages: Any, n: int, what: str, writable: bool = False) -> list[np.ndarray]:
-        """``pages`` as ``n`` 1-D uint8 page views (no copy where the layout allows)."""
-        spec = self.spec
-        pb = spec.page_bytes
-        shape_hint = (
-            f"[{n}, {pb}] uint8 or [{n}, {', '.join(map(str, spec.page_shape))}] {spec.dtype}"
-        )
-        if isinstance(pages, list | tuple):
-            if len(pages) != n:
-                raise KVTierUsageError(f"{what}: got {len(pages)} pages for {n} keys")
-            return [self._one_row(p, f"{what}[{i}]", writable) for i, p in enumerate(pages)]
-        arr = self._as_numpy(pages, what, writable)
-        if arr.dtype == np.uint8 and arr.ndim == 2:
-            if arr.shape != (n, pb):
-                raise KVTierUsageError(
-                    f"{what}: shape {tuple(arr.shape)} does not match {shape_hint}"
-                )
-        else:
-            expected = (n, *spec.page_shape)
-            if tuple(arr.shape) != expected:
-                raise KVTierUsageError(
-                    f"{what}: shape {tuple(arr.shape)} does not match {shape_hint}"
-                )
-            arr = arr.view(np.uint8).reshape(n, pb)
-        return list(arr)
-
-    def _one_row(self, page: Any, what: str, writable: bool) -> np.ndarray:
-        """One page buffer as a 1-D uint8 view: bytes-like, flat uint8, or page_shape."""
-        if isinstance(page, bytes | bytearray | memoryview):
-            row = check_buffer(page, self.spec.page_bytes, what)
-        else:
-            arr = self._as_numpy(page, what, writable)
-            if arr.dtype != np.uint8 or arr.ndim != 1:
-                if tuple(arr.shape) != self.spec.page_shape:
-                    raise KVTierUsageError(
-                        f"{what}: shape {tuple(arr.shape)} is neither [{self.spec.page_bytes}] "
-                        f"uint8 nor the page shape {list(self.spec.page_shape)}"
-                    )
-                arr = arr.view(np.uint8).reshape(-1)
-            row = check_buffer(arr, self.spec.page_bytes, what)
-        if writable and not row.flags.writeable:
-            raise KVTierUsageError(f"{what} must be writable to receive a page")
-        return row
-
-    def _as_numpy(self, obj: Any, what: str, writable: bool) -> np.ndarray:
-        """A C-contiguous numpy view of a numpy array or CPU torch tensor, dtype-checked."""
-        if type(obj).__module__.startswith("torch"):
-            import torch
-
-            if not isinstance(obj, torch.Tensor):
-                raise KVTierUsageError(f"{what}: unsupported type {type(obj).__name__}")
-            if obj.device.type != "cpu":
-                raise KVTierUsageError(
-                    f"{what}: tensor is on {obj.device}; kvtier's facade takes CPU tensors"
-                )
-            if obj.dtype != torch.uint8:
-                self._check_dtype(str(obj.dtype), what)
-            if not obj.is_contiguous():
-                if writable:
-                    raise KVTierUsageError(f"{what}: output tensor must be contiguous")
-                obj = obj.contiguous()
-            flat: np.ndarray = obj.detach().reshape(-1).view(torch.uint8).numpy()
-            # keep the logical shape for the checks, in bytes along the last axis
-            shape = tuple(obj.shape)
-            if obj.dtype == torch.uint8:
-                return flat.reshape(shape)
-            return _ByteRows(flat, shape, obj.element_size()).array()
-        if not isinstance(obj, np.ndarray):
-            raise KVTierUsageError(
-                f"{what}: expected a numpy array, a CPU torch tensor or a list of page "
-                f"buffers, got {type(obj).__name__}"
-            )
-        if not obj.dtype.isnative:  # its bytes are not the spec dtype's bytes
-            raise KVTierUsageError(
-                f"{what}: dtype {obj.dtype.str} is not in native byte order; convert it "
-                f"first (.astype({obj.dtype.name!r}))"
-            )
-        if obj.dtype != np.uint8:
-            self._check_dtype(obj.dtype.name, what)
-        if not obj.flags.c_contiguous:
-            if writable:
-                raise KVTierUsageError(f"{what}: output array must be C-contiguous")
-            obj = np.ascontiguousarray(obj)
-        if writable and not obj.flags.writeable:
-            raise KVTierUsageError(f"{what}: output array must be writable")
-        return np.asarray(obj)
-
-    def _check_dtype(self, name: str, what: str) -> None:
-        try:
-            dtype = canonical_dtype(name)
-        except KVTierUsageError:
-            dtype = name
-        if dtype != self.spec.dtype:
-            raise KVTierUsageError(
-                f"{what}: dtype {name} does not match the model's KV dtype {self.spec.dtype} "
-                f"(pass the spec dtype, or raw uint8 page bytes)"
-            )
-
     # -- the API -------------------------------------------------------------------------
 
     def page_keys(
         self, tokens: Sequence[int] | np.ndarray, parent: PageKey = ROOT_KEY
     ) -> list[PageKey]:
         """Keys of every full page of ``tokens`` in this cache's namespace."""
-        return page_keys(tokens, self.namespace, _check_key(parent, "parent"))
+        return page_keys(tokens, self.namespace, check_key(parent, "parent"))
 
     async def store(
         self, tokens: Sequence[int] | np.ndarray, pages: Any, parent: PageKey = ROOT_KEY
@@ -448,7 +334,7 @@ class KVCache:
         :class:`KVTierUsageError` for a wrong shape, dtype or count.
         """
         keys = self.page_keys(tokens, parent)
-        rows = self._rows(pages, len(keys), "pages")
+        rows = self._input.rows(pages, len(keys), "pages")
         parents: list[PageKey | None] = [parent, *keys[:-1]] if keys else []
         stored = await self.pipeline.store(keys, rows, parents, self.namespace.label)
         return StoreResult(keys, stored)
@@ -461,32 +347,10 @@ class KVCache:
         namespace: Namespace | str | None = None,
     ) -> list[bool]:
         """Store pages under explicit keys (``True`` where committed in the top tier)."""
-        ks = _check_keys(keys)
-        rows = self._rows(pages, len(ks), "pages")
-        pars: list[PageKey | None] = [None] * len(ks)
-        if parents is not None:
-            if isinstance(parents, bytes | bytearray | str):
-                raise KVTierUsageError(
-                    f"parents must be a sequence of page keys, not a single "
-                    f"{type(parents).__name__}"
-                )
-            if len(parents) != len(ks):
-                raise KVTierUsageError(f"parents: got {len(parents)} for {len(ks)} keys")
-            pars = [
-                None if p is None else _check_key(p, f"parents[{i}]", optional=True)
-                for i, p in enumerate(parents)
-            ]
-        if isinstance(namespace, Namespace):
-            label = namespace.label
-        elif namespace is None:
-            label = self.namespace.label
-        elif isinstance(namespace, str):
-            label = namespace
-        else:
-            raise KVTierUsageError(
-                f"namespace must be a Namespace, a label string or None, got "
-                f"{type(namespace).__name__}"
-            )
+        ks = check_keys(keys)
+        rows = self._input.rows(pages, len(ks), "pages")
+        pars = check_parents(parents, len(ks))
+        label = namespace_label(namespace, self.namespace)
         return await self.pipeline.store(ks, rows, pars, label)
 
     async def lookup(
@@ -496,75 +360,33 @@ class KVCache:
         highest tier of each page. No page bytes move; past the pages this process knows,
         tiers on shared backends (a remote pool) are asked whether other processes stored
         the rest, and what they hold is indexed so that :meth:`load` finds it."""
-        self.pipeline  # noqa: B018 - raises when not open
+        pipe = self.pipeline  # raises when not open
+        label = self.namespace.label
         keys = self.page_keys(tokens, parent)
         found: list[PageKey] = []
         tiers: list[str] = []
         for attempt in range(2):
             for k in keys[len(found) :]:
-                tier = next(
-                    (t.name for t in self.tiers if self.directory.is_committed(k, t.name)), None
-                )
+                # an evicting page is still readable: a load pins it and it stays put
+                tier = self.directory.locate(k)
                 if tier is None:
                     break
                 found.append(k)
                 tiers.append(tier)
             rest = keys[len(found) :]
-            if attempt or not rest or not await self._index_shared(rest, parent, found):
+            prev = found[-1] if found else parent
+            if attempt or not rest or not await pipe.index_shared(rest, prev, label):
                 break
-        if self._observers or self._hint_targets():
-            self._observe_lookup(keys, tiers)
+        self.hooks.on_lookup(keys, tiers)
         return LookupResult(found, tiers, len(found) * self.spec.page_tokens)
 
-    # -- hints and observers (issue 15) ------------------------------------------------
+    # -- hints and observers (kvtier/cache_hooks.py) ------------------------------------
 
     def attach(self, observer: CacheObserver) -> Callable[[], None]:
-        """Tell ``observer`` about every lookup, hint and clock tick from now on (see
-        :mod:`kvtier.observers`); its ``stats()`` appear in :meth:`stats` under its
-        ``name``. Returns a function that detaches it. Raises
-        :class:`KVTierUsageError` for a name already attached or used by ``stats()``."""
-        name = getattr(observer, "name", None)
-        if (
-            not isinstance(name, str)
-            or name in ("tiers", "metrics")
-            or any(o.name == name for o in self._observers)
-        ):
-            raise KVTierUsageError(f"cannot attach an observer named {name!r}")
-        self._observers.append(observer)
-
-        def detach() -> None:
-            if observer in self._observers:
-                self._observers.remove(observer)
-
-        return detach
-
-    def _hint_targets(self) -> list[Any]:
-        """The tiers' hint-aware policies (found once: policies never change)."""
-        if self._targets is None:
-            self._targets = [a for t in self.tiers if (a := hint_target(t.policy)) is not None]
-        return self._targets
-
-    def _call_observers(self, what: str, *args: Any) -> None:
-        for obs in list(self._observers):
-            hook = getattr(obs, what, None)
-            if hook is None:
-                continue  # optional hook (on_load)
-            try:
-                hook(*args)
-            except Exception as exc:  # an observer never breaks the cache
-                _log.warning("observer failed; detached", observer=obs.name, error=repr(exc))
-                self._observers.remove(obs)
-
-    def _tick(self) -> float:
-        now = time.monotonic()
-        for target in self._hint_targets():
-            target.on_time(now)
-        self._call_observers("on_time", now)
-        return now
-
-    def _observe_lookup(self, keys: Sequence[PageKey], tiers: Sequence[str]) -> None:
-        self._tick()
-        self._call_observers("on_lookup", keys, tiers)
+        """Tell ``observer`` about every lookup, load, hint and clock tick from now on;
+        its ``stats()`` appear in :meth:`stats` under its ``name`` (see
+        :meth:`kvtier.cache_hooks.CacheHooks.attach`). Returns a function that detaches it."""
+        return self.hooks.attach(observer)
 
     def hint(self, kind: str, keys: Sequence[PageKey], value: float | None = None) -> None:
         """Tell the cache what the engine knows about ``keys`` (see
@@ -575,47 +397,7 @@ class KVCache:
         others ignore it. Raises :class:`KVTierUsageError` for an unknown kind, a bad
         value or a key that is not a page key."""
         self.pipeline  # noqa: B018 - raises when not open
-        h = make_hint(kind, _check_keys(keys, "hint keys"), value)
-        self._hints_total.inc(h.kind)
-        now = self._tick()
-        for target in self._hint_targets():
-            target.on_hint(h, now)
-        self._call_observers("on_hint", h, now)
-
-    async def _index_shared(
-        self, keys: list[PageKey], parent: PageKey, before: list[PageKey]
-    ) -> int:
-        """Index the leading run of ``keys`` that shared tiers hold but the directory does
-        not know (committed there by another process). Returns how many were indexed; a
-        tier that fails to answer is skipped (a miss, as always)."""
-        shared = [t for t in self.tiers if t.backend.shared]
-        if not shared:
-            return 0
-        holder: list[Tier | None] = [None] * len(keys)
-        for tier in shared:
-            try:
-                hits = await tier.backend.contains(keys)
-            except Exception as exc:
-                tier.record_failure("lookup", len(keys), exc)
-                continue
-            for i, hit in enumerate(hits):
-                if hit and holder[i] is None:
-                    holder[i] = tier
-        added = 0
-        prev = before[-1] if before else parent
-        for k, owner in zip(keys, holder, strict=True):
-            if owner is None:
-                break
-            if self.directory.state(k, owner.name) is None:  # may have changed meanwhile
-                self.directory.reserve(k, owner.name, self.namespace.label, prev)
-                self.directory.commit(k, owner.name)
-                owner.policy.on_insert(k, prev)
-                added += 1
-            prev = k
-        if added:
-            for tier in shared:
-                self.metrics.used.set(self.directory.used(tier.name), tier.name)
-        return added
+        self.hooks.hint(make_hint(kind, check_keys(keys, "hint keys"), value))
 
     async def reserve_private(
         self, keys: Sequence[PageKey], namespace: str = ""
@@ -628,46 +410,25 @@ class KVCache:
         Raises :class:`KVTierUsageError` when the top tier is not an arena or a key is
         already known, and :class:`~kvtier.errors.CapacityError` when room cannot be made
         (what fills the tier is pinned or reserved)."""
-        pipe = self.pipeline
-        top = pipe.top
-        ks = _check_keys(keys)
-        if not isinstance(top.backend, ArenaBackend):
-            raise KVTierUsageError(
-                f"private slots need an arena top tier; {top.name!r} is a {top.backend.kind}"
-            )
-        if len(set(ks)) != len(ks) or any(self.directory.get(k) is not None for k in ks):
-            raise KVTierUsageError("private slot keys must be distinct and not yet known")
-        if not ks:
-            return []
-        if not await pipe.make_room(top, len(ks), Priority.FETCH):
-            raise CapacityError(f"tier {top.name!r}: no room for {len(ks)} private slots")
-        for k in ks:
-            self.directory.reserve(k, top.name, namespace)
-        top.claimed -= len(ks)  # the claim became directory reservations
-        try:
-            res = await top.backend.reserve(ks, namespace)
-        except BaseException:
-            for k in ks:
-                self.directory.abort(k, top.name)
-            raise
-        got = [r for r in res if r is not None]
-        if len(got) < len(ks):
-            await top.backend.abort(got)
-            for k in ks:
-                self.directory.abort(k, top.name)
-            raise CapacityError(
-                f"tier {top.name!r} could give only {len(got)} of {len(ks)} private slots"
-            )
-        return got
+        return await self.pipeline.reserve_private(check_keys(keys), namespace)
 
     async def release_private(self, reservations: Sequence[Reservation]) -> None:
         """Give back slots taken by :meth:`reserve_private` (their bytes are dropped)."""
-        top = self.pipeline.top
-        await top.backend.abort(list(reservations))
-        for r in reservations:
-            if self.directory.get(r.key) is not None:
-                self.directory.abort(r.key, top.name)
-        top.notify()
+        await self.pipeline.release_private(reservations)
+
+    async def demote(self, tier: str, keys: Sequence[PageKey]) -> list[PageKey]:
+        """Move ``keys`` out of the tier named ``tier`` now, as eviction would: each page is
+        written to the tier below unless a lower tier holds it already or the write policy
+        drops it (the last tier drops pages). Pages the tier does not hold are ignored.
+
+        Returns the pages that stay in ``tier`` (their write-down failed, or the backend
+        failed to delete them). Raises :class:`KVTierUsageError` for an unknown tier name
+        or a pinned key (before moving anything).
+        """
+        pipe = self.pipeline
+        if not isinstance(tier, str):
+            raise KVTierUsageError(f"tier must be a tier name, got {type(tier).__name__}")
+        return await pipe.demote(pipe.tier(tier), check_keys(keys))
 
     async def load(self, keys: Sequence[PageKey], pin: bool = True) -> LoadResult:
         """Bring ``keys`` to the top tier in one batched pass.
@@ -676,9 +437,8 @@ class KVCache:
         stay valid meanwhile. Raises :class:`~kvtier.errors.CapacityError` when the pages
         cannot fit because the top tier is pinned full.
         """
-        result = await self.pipeline.load(ks := _check_keys(keys), pin)
-        if self._observers:
-            self._call_observers("on_load", ks)
+        result = await self.pipeline.load(ks := check_keys(keys), pin)
+        self.hooks.on_load(ks)
         return result
 
     def release(self, keys: Sequence[PageKey]) -> Any:
@@ -689,24 +449,24 @@ class KVCache:
         that both sync and async call sites type-check). Raises
         :class:`KVTierUsageError` for a key that is not pinned (released twice).
         """
-        self.pipeline.release(_check_keys(keys))
+        self.pipeline.release(check_keys(keys))
         return _Done()
 
     async def read(self, keys: Sequence[PageKey], out: Any) -> list[bool]:
         """Copy each page's bytes into ``out`` (a writable ``[n, page_bytes]`` uint8 or
         ``[n, *page_shape]`` array/tensor, or a list of buffers). ``False`` is a miss;
         pages read back from stores are checksum-verified."""
-        ks = _check_keys(keys)
-        rows = self._rows(out, len(ks), "out", writable=True)
+        ks = check_keys(keys)
+        rows = self._input.rows(out, len(ks), "out", writable=True)
         return await self.pipeline.read(ks, rows)
 
     async def prefetch(self, keys: Sequence[PageKey], deadline_s: float) -> PrefetchResult:
         """Move ``keys`` toward the top tier; returns what arrived within ``deadline_s``."""
-        return await self.pipeline.prefetch(_check_keys(keys), deadline_s)
+        return await self.pipeline.prefetch(check_keys(keys), deadline_s)
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
         """Remove ``keys`` from every tier (pinned keys raise); returns pages removed."""
-        return await self.pipeline.delete(_check_keys(keys))
+        return await self.pipeline.delete(check_keys(keys))
 
     async def flush(self) -> int:
         """Finish background write-downs and write dirty memory-tier pages down."""
@@ -724,11 +484,12 @@ class KVCache:
             except KVTierError as exc:
                 info["backend_stats"] = {"error": str(exc)}
             tiers.append(info)
-        out: dict[str, Any] = {"tiers": tiers}
-        for obs in list(self._observers):
-            out[obs.name] = obs.stats()
-        out["metrics"] = self.metrics.snapshot()
-        return out
+        return {
+            "tiers": tiers,
+            "skipped_tiers": dict(self.skipped_tiers),
+            **self.hooks.stats(),
+            "metrics": self.metrics.snapshot(),
+        }
 
 
 class _Done:
@@ -737,19 +498,3 @@ class _Done:
     def __await__(self) -> Generator[None, None, None]:
         return
         yield  # pragma: no cover - makes this a generator
-
-
-class _ByteRows:
-    """Reinterpret a flat byte buffer of a typed tensor with the tensor's logical shape,
-    the last axis in bytes (so shape checks against page_shape still work)."""
-
-    def __init__(self, flat: np.ndarray, shape: tuple[int, ...], itemsize: int) -> None:
-        self.flat = flat
-        self.shape = shape
-        self.itemsize = itemsize
-
-    def array(self) -> np.ndarray:
-        if not self.shape:
-            return self.flat
-        dtype = np.dtype(f"V{self.itemsize}")
-        return self.flat.view(dtype).reshape(self.shape)

@@ -39,3 +39,25 @@ class TierIOError(KVTierError):
 
 class IntegrityError(KVTierError):
     """Bytes read back do not match the checksum they were written with."""
+
+
+class TierOpenError(KVTierError):
+    """A tier's backend could not open (``on_open_error = "fail"``); names the tier,
+    its backend and the cause (also chained as ``__cause__``)."""
+
+    def __init__(self, message: str, tier: str = "", backend: str = "") -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.backend = backend
+
+    @classmethod
+    def of(cls, tier: str, backend: str, exc: BaseException) -> TierOpenError:
+        """The error for tier ``tier`` whose open raised ``exc``: a usage error when the
+        cause is one (a path that is not a store...), else a failure."""
+        kind = TierOpenUsageError if isinstance(exc, KVTierUsageError) else TierOpenError
+        reason = str(exc) or type(exc).__name__
+        return kind(f"tier {tier!r} (backend {backend!r}) cannot open: {reason}", tier, backend)
+
+
+class TierOpenUsageError(TierOpenError, KVTierUsageError):
+    """:class:`TierOpenError` caused by a usage error (e.g. a path that is not a store)."""

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from kvtier.config import KVTierConfig
 from kvtier.keys import PageKey
+from kvtier.metrics import CacheMetrics
+from kvtier.policy.admission import make_admission
+from kvtier.policy.eviction import make_policy
 from kvtier.policy.hints import Hint
 from kvtier.sim.whatif import FACTORS, TierModel, WhatIf
-
-if TYPE_CHECKING:
-    from kvtier.cache import KVCache
+from kvtier.transfer.tier import Tier
 
 
 @runtime_checkable
@@ -48,6 +50,22 @@ class CacheObserver(Protocol):
         """What the observer reports (plain data)."""
 
 
+class SizedCache(Protocol):
+    """What :class:`WhatIfObserver` reads of the cache (a :class:`~kvtier.cache.KVCache`)."""
+
+    @property
+    def config(self) -> KVTierConfig:
+        """The configuration (tiers, policies, write policy)."""
+
+    @property
+    def tiers(self) -> Sequence[Tier]:
+        """The open tiers, top first."""
+
+    @property
+    def metrics(self) -> CacheMetrics:
+        """Where the gauges go."""
+
+
 class WhatIfObserver:
     """What-if sizing of a live cache (see :mod:`kvtier.sim.whatif`). A tier is modelled
     at its high watermark (what it holds once it has made room), with its configured
@@ -65,14 +83,11 @@ class WhatIfObserver:
 
     def __init__(
         self,
-        cache: KVCache,
+        cache: SizedCache,
         factors: Sequence[float] = FACTORS,
         mini_pages: int = 4096,
         publish_every: int = 64,
     ) -> None:
-        from kvtier.config import make_admission
-        from kvtier.policy.eviction import make_policy
-
         cfg = cache.config
         models = []
         for i, (tc, tier) in enumerate(zip(cfg.tiers, cache.tiers, strict=True)):

@@ -56,8 +56,25 @@ def _bytes_view(data: BytesLike) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+#: Prefix of the label that stands for a namespace known only by its digest (a page whose
+#: index row was rebuilt from its header): ``digest:`` + 32 hex digits. No namespace label
+#: has this form (every label holds an ``@``).
+DIGEST_LABEL_PREFIX = "digest:"
+
+
+def digest_label(digest: bytes) -> str:
+    """The label of a namespace known only by its 16-byte ``digest``."""
+    return DIGEST_LABEL_PREFIX + bytes(digest).hex()
+
+
 def namespace_digest(label: str) -> bytes:
-    """16-byte digest of a namespace label (equal to ``Namespace.digest``)."""
+    """16-byte digest of a namespace label (equal to ``Namespace.digest``); for a
+    :func:`digest_label`, the digest it carries."""
+    if label.startswith(DIGEST_LABEL_PREFIX) and len(label) == len(DIGEST_LABEL_PREFIX) + 32:
+        try:
+            return bytes.fromhex(label[len(DIGEST_LABEL_PREFIX) :])
+        except ValueError:
+            pass
     return xxhash.xxh3_128_digest(label.encode())
 
 

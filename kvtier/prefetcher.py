@@ -28,16 +28,17 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from kvtier.errors import KVTierUsageError
+from kvtier.index.directory import Directory
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
+from kvtier.metrics import CacheMetrics
 from kvtier.policy.hints import Hint
 from kvtier.policy.prefetch import LookaheadPredictor
-
-if TYPE_CHECKING:
-    from kvtier.cache import KVCache
+from kvtier.transfer.pipeline import PrefetchResult
+from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.prefetcher")
 
@@ -49,6 +50,25 @@ def check_predictor(name: str) -> None:
     """Raise :class:`KVTierUsageError` unless ``name`` is one of :data:`PREDICTORS`."""
     if name not in PREDICTORS:
         raise KVTierUsageError(f"unknown predictor {name!r}; known: {', '.join(PREDICTORS)}")
+
+
+class PrefetchTarget(Protocol):
+    """What :class:`LivePrefetcher` uses of the cache (a :class:`~kvtier.cache.KVCache`)."""
+
+    @property
+    def tiers(self) -> Sequence[Tier]:
+        """The open tiers, top first."""
+
+    @property
+    def metrics(self) -> CacheMetrics:
+        """Where the counters go."""
+
+    @property
+    def directory(self) -> Directory:
+        """Where every page is (the predictor listens to it)."""
+
+    async def prefetch(self, keys: Sequence[PageKey], deadline_s: float) -> PrefetchResult:
+        """Move ``keys`` toward the top tier within ``deadline_s``."""
 
 
 class LivePrefetcher:
@@ -68,7 +88,7 @@ class LivePrefetcher:
 
     def __init__(
         self,
-        cache: KVCache,
+        cache: PrefetchTarget,
         predictor: str = "prefix",
         deadline_s: float = 0.05,
         max_inflight: int = 4,

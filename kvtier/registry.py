@@ -4,12 +4,17 @@ Built-in backends register through the same entry-point group as third-party plu
 (see ``pyproject.toml``). Discovery never raises: a backend whose module fails to import
 (missing package, no GPU) or whose :meth:`~kvtier.backend.Backend.unavailable_reason`
 says it cannot run is listed as unavailable, with the reason.
+
+When two distributions register the same name, kvtier's own (built-in) registration wins,
+else the first in distribution-name order, and a warning names both (once per name and
+process): a plugin can never silently replace a built-in tier.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,6 +22,11 @@ from kvtier.backend import Backend
 from kvtier.errors import BackendUnavailableError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "kvtier.backends"
+#: The distribution whose registrations are the built-ins.
+BUILTIN_DISTRIBUTION = "kvtier"
+
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -43,8 +53,36 @@ class BackendInfo:
         return asdict(self)
 
 
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return str(dist.metadata["Name"]) if dist is not None else ""
+
+
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    """One entry point per name, sorted by name: for a name registered twice, the built-in
+    (or else the first distribution by name), with a warning naming the others."""
+    by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        by_name.setdefault(ep.name, []).append(ep)
+    chosen: list[importlib.metadata.EntryPoint] = []
+    for name, eps in sorted(by_name.items()):
+        distinct = {(ep.value, _dist_name(ep)) for ep in eps}
+        ranked = sorted(eps, key=lambda e: (_dist_name(e) != BUILTIN_DISTRIBUTION, _dist_name(e)))
+        chosen.append(ranked[0])
+        if len(distinct) > 1 and name not in _warned:
+            _warned.add(name)
+            others = ", ".join(
+                f"{e.value} ({_dist_name(e) or 'unknown distribution'})" for e in ranked[1:]
+            )
+            _log.warning(
+                "backend name %r is registered more than once: using %s (%s), ignoring %s; "
+                "a plugin must register a name of its own",
+                name,
+                ranked[0].value,
+                _dist_name(ranked[0]) or "unknown distribution",
+                others,
+            )
+    return chosen
 
 
 def _load_target(target: str) -> type[Backend]:
@@ -87,9 +125,7 @@ def discover() -> list[BackendInfo]:
         eps = _entry_points()
     except Exception:  # a broken metadata file must not break discovery
         return []
-    for ep in eps:
-        if ep.name in infos:
-            continue  # first registration wins; duplicates are shadowed
+    for ep in eps:  # one per name: duplicates were resolved (and warned about) there
         infos[ep.name] = _describe(ep.name, ep.value, _origin(ep))
     return list(infos.values())
 

@@ -1,4 +1,11 @@
-"""Slot bookkeeping shared by the memory arenas (DRAM, HBM).
+"""Slot bookkeeping: the one slot book of the arenas (DRAM, HBM) and the NVMe store.
+
+:class:`FreeSlots` hands out free slots and takes them back, holding back a slot freed
+while a copy still reads or writes it until that copy has really ended (its worker thread
+returned, not merely its awaiting task cancelled): otherwise a late copy could overwrite a
+new page or read a reused slot. It serves a fixed slot space (an arena: last freed first)
+and a growing one (the NVMe store's slab files: lowest first, new slots past the highest
+ever used). :class:`SlotBook` builds an arena's book on it.
 
 An arena holds ``capacity`` page slots. :class:`SlotBook` tracks which key is committed
 in which slot, which slots are reserved (taken, written, not yet visible) and which are
@@ -11,9 +18,74 @@ copies. The contract it serves is :mod:`kvtier.backend`'s two-phase put.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 
 from kvtier.keys import PageKey
+
+
+class FreeSlots:
+    """The free slots of a slot space, with slots under a copy held back until it ends.
+
+    Args:
+        free: the slots free at first.
+        lowest_first: hand out the lowest free slot (a heap); else the last freed one
+            (``free`` is then handed out from its end).
+        next_new: for a growing space, the first slot never used: when no freed slot is
+            left, :meth:`take` hands out this one and counts up (``None``: a fixed space,
+            :meth:`take` answers ``None`` when nothing is free).
+    """
+
+    def __init__(
+        self, free: Iterable[int] = (), *, lowest_first: bool = False, next_new: int | None = None
+    ) -> None:
+        self._free = list(free)
+        self._lowest = lowest_first
+        if lowest_first:
+            heapq.heapify(self._free)
+        self.next_new = next_new
+        self._busy: dict[int, int] = {}  # slot -> copies in flight
+        self._draining: set[int] = set()  # freed while busy: free once idle
+
+    def take(self) -> int | None:
+        """A free slot (see the class docstring), or ``None`` when a fixed space is full."""
+        if self._free:
+            return heapq.heappop(self._free) if self._lowest else self._free.pop()
+        if self.next_new is None:
+            return None
+        slot = self.next_new
+        self.next_new += 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        """``slot`` is free; handed out again once no copy into or out of it is running."""
+        if self._busy.get(slot):
+            self._draining.add(slot)
+        elif self._lowest:
+            heapq.heappush(self._free, slot)
+        else:
+            self._free.append(slot)
+
+    def begin_io(self, slots: Iterable[int]) -> None:
+        """Mark ``slots`` as being copied into or out of (pair with :meth:`end_io`, called
+        when the copy has really finished)."""
+        for slot in slots:
+            self._busy[slot] = self._busy.get(slot, 0) + 1
+
+    def end_io(self, slots: Iterable[int]) -> None:
+        """Copies of ``slots`` ended; slots released meanwhile become free."""
+        for slot in slots:
+            left = self._busy.pop(slot, 1) - 1
+            if left > 0:
+                self._busy[slot] = left
+            elif slot in self._draining:
+                self._draining.discard(slot)
+                self.release(slot)
+
+    @property
+    def draining(self) -> int:
+        """Released slots still under a copy."""
+        return len(self._draining)
 
 
 class SlotBook:
@@ -23,10 +95,8 @@ class SlotBook:
         self.capacity = capacity
         self.committed: dict[PageKey, int] = {}
         self.reserved: dict[int, PageKey] = {}
-        # Popped from the end: slot 0 is handed out first.
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._busy: dict[int, int] = {}  # slot -> copies in flight
-        self._draining: set[int] = set()  # freed while busy: free once idle
+        # handed out from the end: slot 0 first
+        self._free = FreeSlots(range(capacity - 1, -1, -1))
 
     def slot_of(self, key: PageKey) -> int | None:
         """The slot of a committed key, or ``None``."""
@@ -38,9 +108,9 @@ class SlotBook:
         slot = self.committed.get(key)
         if slot is not None:
             return slot, True
-        if not self._free:
+        slot = self._free.take()
+        if slot is None:
             return None
-        slot = self._free.pop()
         self.reserved[slot] = key
         return slot, False
 
@@ -58,7 +128,7 @@ class SlotBook:
             return False
         del self.reserved[slot]
         if key in self.committed:
-            self._free.append(slot)
+            self._free.release(slot)
         else:
             self.committed[key] = slot
         return True
@@ -79,32 +149,22 @@ class SlotBook:
         return True
 
     def _release(self, slot: int) -> None:
-        if self._busy.get(slot):
-            self._draining.add(slot)
-        else:
-            self._free.append(slot)
+        self._free.release(slot)
 
     def begin_io(self, slots: Sequence[int]) -> None:
         """Mark ``slots`` as being copied into or out of (pair with :meth:`end_io`, called
         when the copy has really finished)."""
-        for slot in slots:
-            self._busy[slot] = self._busy.get(slot, 0) + 1
+        self._free.begin_io(slots)
 
     def end_io(self, slots: Iterable[int]) -> None:
         """Copies of ``slots`` ended; slots released meanwhile become free."""
-        for slot in slots:
-            left = self._busy.pop(slot, 1) - 1
-            if left > 0:
-                self._busy[slot] = left
-            elif slot in self._draining:
-                self._draining.discard(slot)
-                self._free.append(slot)
+        self._free.end_io(slots)
 
     def used(self) -> int:
         """Slots committed, reserved, or released but still under a copy."""
-        return len(self.committed) + len(self.reserved) + len(self._draining)
+        return len(self.committed) + len(self.reserved) + self._free.draining
 
     @property
     def draining(self) -> int:
         """Released slots still under a copy."""
-        return len(self._draining)
+        return self._free.draining

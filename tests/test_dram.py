@@ -13,11 +13,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvtier.backends import dram
-from kvtier.backends.dram import DramArena, _split_pairs
+from kvtier.backends import dram, dram_memory
+from kvtier.backends.dram import DramArena, split_pairs
 
 from kvtier.backend import BackendClosedError
 from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.health import LogOnce
 from kvtier.keys import PageKey
 from kvtier.testing.model import backend_state_machine
 
@@ -51,8 +52,8 @@ async def test_refused_mlock_is_logged_once_and_the_arena_still_works(
 ) -> None:
     if torch.cuda.is_available():
         pytest.skip("pinned through CUDA here; mlock is not used")
-    monkeypatch.setattr(dram, "_try_mlock", lambda addr, n: "mlock refused: EPERM (test)")
-    monkeypatch.setattr(dram, "_mlock_refusal_logged", False)
+    monkeypatch.setattr(dram, "try_mlock", lambda addr, n: "mlock refused: EPERM (test)")
+    monkeypatch.setattr(dram, "LOGGED", LogOnce())
     caplog.set_level(logging.WARNING, logger="kvtier.backends.dram")
     for _ in range(2):
         async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
@@ -66,7 +67,7 @@ async def test_refused_mlock_is_logged_once_and_the_arena_still_works(
 
 async def test_real_mlock_refusal_is_reported() -> None:
     """mlock of an unmapped range fails (ENOMEM): the helper reports it, never raises."""
-    reason = dram._try_mlock(0, mmap.PAGESIZE)
+    reason = dram.try_mlock(0, mmap.PAGESIZE)
     assert reason is not None and "refused" in reason
 
 
@@ -101,14 +102,14 @@ async def test_write_of_the_reserved_view_skips_the_copy() -> None:
 
 async def test_one_executor_hop_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     async with DramArena(page_bytes=PAGE, capacity_pages=8) as arena:
-        hops: list[int] = []  # one executor job per _copy_pairs call
-        real = dram._copy_pairs
+        hops: list[int] = []  # one executor job per copy_pairs call
+        real = dram.copy_pairs
 
         def counting(pairs: Any) -> None:
             hops.append(len(pairs))
             real(pairs)
 
-        monkeypatch.setattr(dram, "_copy_pairs", counting)
+        monkeypatch.setattr(dram, "copy_pairs", counting)
         keys, data = _keys(6), _pages(6)
         assert await arena.put(keys, data) == [True] * 6
         assert len(hops) == 1
@@ -136,14 +137,14 @@ async def test_large_batches_are_split_across_threads_and_stay_correct() -> None
 def test_split_pairs_covers_every_byte_once(sizes: list[int], parts: int) -> None:
     src = [np.arange(s, dtype=np.uint32).astype(np.uint8) for s in sizes]
     dst = [np.zeros(s, dtype=np.uint8) for s in sizes]
-    groups = _split_pairs(list(zip(dst, src, strict=True)), parts)
+    groups = split_pairs(list(zip(dst, src, strict=True)), parts)
     for group in groups:
         for d, s in group:
             assert d.nbytes == s.nbytes and not d.any()  # no byte copied twice
             d[:] = s
     assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
     total = sum(sizes)
-    assert len(groups) <= max(1, -(-total // dram._MIN_PIECE_BYTES), parts) + 1
+    assert len(groups) <= max(1, -(-total // dram_memory.MIN_PIECE_BYTES), parts) + 1
 
 
 async def test_slot_is_stable_while_committed_and_reused_after_delete() -> None:
@@ -221,18 +222,19 @@ async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monke
     from kvtier.backends import dram as dram_module
 
     gate = threading.Event()
-    real = dram_module._copy_pairs
+    real = dram_module.copy_pairs
 
     def held_copy(pairs):  # the first copy blocks until the test lets it go
         gate.wait(10)
         real(pairs)
 
-    async with DramArena(page_bytes=PAGE, capacity_pages=1) as arena:
+    big = dram_module.INLINE_COPY_MAX_BYTES  # a batch this large goes to a worker thread
+    async with DramArena(page_bytes=big, capacity_pages=1) as arena:
         a, b = _keys(2)
-        data = _pages(2)
+        data = _pages(2, big)
         (res,) = await arena.reserve([a])
         assert res is not None
-        monkeypatch.setattr(dram_module, "_copy_pairs", held_copy)
+        monkeypatch.setattr(dram_module, "copy_pairs", held_copy)
         writing = asyncio.create_task(arena.write([res], [data[0]]))
         await asyncio.sleep(0.05)  # the copy thread is now inside held_copy
         writing.cancel()
@@ -241,7 +243,7 @@ async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monke
         await arena.abort([res])
         assert arena.used_pages() == 1 and arena.stats()["draining_pages"] == 1
         assert await arena.reserve([b]) == [None]  # the slot is still under the old copy
-        monkeypatch.setattr(dram_module, "_copy_pairs", real)
+        monkeypatch.setattr(dram_module, "copy_pairs", real)
         gate.set()
         for _ in range(200):  # the slot frees once the thread returned
             if arena.used_pages() == 0:
@@ -249,7 +251,7 @@ async def test_slot_of_a_cancelled_write_is_not_reused_until_the_copy_ends(monke
             await asyncio.sleep(0.01)
         assert arena.used_pages() == 0
         assert await arena.put([b], data[1:]) == [True]
-        out = np.zeros(PAGE, np.uint8)
+        out = np.zeros(big, np.uint8)
         assert await arena.get([b], [out]) == [True]
         assert np.array_equal(out, data[1])
 
@@ -260,15 +262,16 @@ async def test_a_cancelled_put_gives_its_slots_back_once_the_copy_ends(monkeypat
     from kvtier.backends import dram as dram_module
 
     gate = threading.Event()
-    real = dram_module._copy_pairs
+    real = dram_module.copy_pairs
 
     def held_copy(pairs):
         gate.wait(10)
         real(pairs)
 
-    async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
-        monkeypatch.setattr(dram_module, "_copy_pairs", held_copy)
-        putting = asyncio.create_task(arena.put(_keys(2), _pages(2)))
+    big = dram_module.INLINE_COPY_MAX_BYTES
+    async with DramArena(page_bytes=big, capacity_pages=2) as arena:
+        monkeypatch.setattr(dram_module, "copy_pairs", held_copy)
+        putting = asyncio.create_task(arena.put(_keys(2), _pages(2, big)))
         await asyncio.sleep(0.05)
         putting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -280,3 +283,33 @@ async def test_a_cancelled_put_gives_its_slots_back_once_the_copy_ends(monkeypat
             await asyncio.sleep(0.01)
         assert arena.used_pages() == 0  # no reservation leaked
         assert await arena.keys() == []
+
+
+async def test_small_batches_copy_on_the_loop_and_large_ones_on_worker_threads(
+    monkeypatch,
+) -> None:
+    """A batch under INLINE_COPY_MAX_BYTES is copied without an executor hop; a larger one
+    goes to the copy threads. Both land byte-exact."""
+    import threading
+
+    from kvtier.backends import dram as dram_module
+
+    threads: list[str] = []
+    real = dram_module.copy_pairs
+
+    def recording_copy(pairs):
+        threads.append(threading.current_thread().name)
+        real(pairs)
+
+    monkeypatch.setattr(dram_module, "copy_pairs", recording_copy)
+    small = dram_module.INLINE_COPY_MAX_BYTES // 4
+    async with DramArena(page_bytes=small, capacity_pages=8, io_threads=2) as arena:
+        keys, data = _keys(8), _pages(8, small)
+        assert await arena.put(keys[:3], data[:3]) == [True] * 3  # 3/4 of the limit: inline
+        assert threads == [threading.current_thread().name]
+        assert arena.stats()["inline_copies"] == 3
+        assert await arena.put(keys[3:], data[3:]) == [True] * 5  # 5/4 of it: a worker
+        assert len(threads) == 2 and threads[1] != threading.current_thread().name
+        out = [np.zeros(small, np.uint8) for _ in keys]
+        assert await arena.get(keys, out) == [True] * 8
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))

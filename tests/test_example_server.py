@@ -25,7 +25,8 @@ pytest.importorskip("aiohttp", reason="aiohttp is not installed")
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_DIR = ROOT / "examples" / "server"
-TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+#: The header and first 60 rows of the Azure conversation trace (see tests/data/README.md).
+TRACE = ROOT / "tests" / "data" / "azure_llm_2023_conv_head60.csv"
 sys.path.insert(0, str(SERVER_DIR))
 import load_client  # noqa: E402
 
@@ -160,7 +161,6 @@ def test_two_conversations_hit_the_cache_and_match_uncached(server: Server) -> N
     assert "kvtier cache closed" in out and "stopped" in out
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
 def test_plan_follows_the_azure_trace() -> None:
     rows = load_client.read_trace(TRACE, 6)
     plans = load_client.plan(2, 3, TRACE, 0.5, 16, 48, 16, 0)

@@ -24,9 +24,9 @@ from kvtier.backends.hbm import HbmArena
 
 from kvtier import registry
 from kvtier.backend import Reservation
+from kvtier.cuda_streams import EventPoller, SlotOrdering, cupy_unavailable_reason
 from kvtier.errors import BackendUnavailableError, ConfigError, KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
-from kvtier.transfer.cuda_streams import EventPoller, SlotOrdering, cupy_unavailable_reason
 
 GPU_REASON = cupy_unavailable_reason()
 gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"needs a CUDA GPU: {GPU_REASON}")
@@ -410,7 +410,7 @@ def standin_cupy(monkeypatch):
     """Install the stand-in as ``cupy`` and clear the cached availability answer."""
     import sys
 
-    from kvtier.transfer import cuda_streams
+    from kvtier import cuda_streams
 
     def install(read_delay_s: float = 0.0) -> types.ModuleType:
         mod = _standin_cupy(read_delay_s)

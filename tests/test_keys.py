@@ -110,7 +110,7 @@ def test_keys_are_stable_across_processes(hashseed: str) -> None:
         ("kv_dtype", "float8_e4m3fn"),
         ("page_tokens", 32),
         ("rank", 1),
-        ("layout_version", 2),
+        ("layout_version", 3),
     ],
 )
 def test_every_namespace_field_separates_keys(field: str, other: object) -> None:
@@ -159,3 +159,14 @@ def test_bad_parent_is_rejected() -> None:
 def test_bad_namespace_fields_are_named(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(KVTierUsageError, match=match):
         Namespace(**kwargs)  # type: ignore[arg-type]
+
+
+def test_private_keys_are_new_each_time_and_kept_apart_by_tag() -> None:
+    from kvtier.keys import KEY_BYTES, PrivateKeys
+
+    a, b = PrivateKeys(b"\xfftest-aaaa"), PrivateKeys(b"\xfetest-bbbb")
+    keys = [*a.take(3), b.next()]
+    assert len(set(keys)) == 4 and all(len(k) == KEY_BYTES for k in keys)
+    assert all(a.owns(k) for k in keys[:3]) and not a.owns(keys[3]) and b.owns(keys[3])
+    with pytest.raises(KVTierUsageError, match="10 bytes"):
+        PrivateKeys(b"short")

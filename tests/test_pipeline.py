@@ -1,21 +1,26 @@
 """Pipeline behaviour under pressure, on real tiers (DramArena over FileStores in tmp dirs).
 
 Covers: round trips through every tier, spill and return with identical bytes,
-watermarks after every store, pins under pressure, a pinned-full tier (CapacityError,
-no deadlock), prefetch deadlines, cancellation, batching (one backend call per batch),
-bounded in-flight work per link, the link gate's priorities, write policies, and close.
+watermarks after every store (with and without the background evictor), pins under
+pressure, a pinned-full tier (CapacityError, no deadlock), batching (one backend call per
+batch), bounded in-flight work per link, the link gate's priorities, write policies,
+concurrent stores of the same pages, pins released twice, failing reservations and
+deletes. Prefetches: tests/test_prefetch.py; room: tests/test_room.py; cancellation:
+tests/test_cancellation.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 from cache_kit import (
     PAGE,
     CountingFileStore,
+    DeleteFailingFileStore,
     SlowFileStore,
     config,
     sequence,
@@ -24,12 +29,11 @@ from cache_kit import (
 
 from kvtier.cache import KVCache
 from kvtier.config import register_admission
-from kvtier.errors import CapacityError
-from kvtier.index.directory import PageState
-from kvtier.index.prefix_tree import LeafFirstPolicy
+from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.keys import ROOT_KEY
 from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.eviction import LRUKPolicy
+from kvtier.policy.leaf_first import LeafFirstPolicy
 from kvtier.transfer.links import Priority, PriorityGate
 
 
@@ -84,10 +88,14 @@ async def test_round_trip_through_every_tier(tmp_path):
             assert links[name]["bytes"] == links[name]["pages"] * PAGE
 
 
-async def test_spill_under_pressure_returns_identical_bytes(tmp_path):
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+async def test_spill_under_pressure_returns_identical_bytes(tmp_path, background):
     rng = np.random.default_rng(2)
-    async with _open(config(tmp_path, dram_pages=8, file_pages=512)) as cache:
+    cfg = config(tmp_path, dram_pages=8, file_pages=512, background_eviction=background)
+    async with _open(cfg) as cache:
         seqs = await _store_many(cache, rng, 12, 4)  # 48 pages over an 8-page DRAM
+        if background:
+            await cache.pipeline.drain()  # the evict queue catches up
         assert cache.directory.used("dram") <= cache.tiers[0].high_pages
         for _, data, keys in seqs:
             out = np.zeros_like(data)
@@ -99,15 +107,29 @@ async def test_spill_under_pressure_returns_identical_bytes(tmp_path):
         assert snap["tiers"]["dram"]["evicted_pages"] > 0
 
 
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
 @pytest.mark.parametrize("policy", ["write-through", "write-back", "selective"])
-async def test_watermarks_hold_after_every_store(tmp_path, policy):
+async def test_watermarks_hold_after_every_store(tmp_path, policy, background):
+    """Without the background evictor a store returns with the top tier at or below its
+    high watermark; with it, the tier never exceeds its capacity and is back at or below
+    the watermark once the evict queue has run."""
     rng = np.random.default_rng(3)
-    cfg = config(tmp_path, dram_pages=10, file_pages=40, write_policy=policy, batch_pages=3)
+    cfg = config(
+        tmp_path,
+        dram_pages=10,
+        file_pages=40,
+        write_policy=policy,
+        batch_pages=3,
+        background_eviction=background,
+    )
     async with _open(cfg) as cache:
         top, low = cache.tiers
         for _ in range(30):
             tokens, data = sequence(rng, int(rng.integers(1, 6)))
             await cache.store(tokens, data)
+            assert cache.directory.used("dram") <= top.capacity_pages
+            if background:
+                await cache.pipeline.drain()
             assert cache.directory.used("dram") <= top.high_pages
             cache.directory.check_invariants()
         await cache.flush()
@@ -150,82 +172,6 @@ async def test_pinned_full_tier_raises_capacity_error_without_deadlock(tmp_path)
         assert all((await cache.store(other, other_data)).stored)
 
 
-async def test_prefetch_deadline_returns_what_arrived(tmp_path):
-    SlowFileStore.delay_s = 0.6
-    cfg = config(
-        tmp_path,
-        dram_pages=32,
-        file_pages=256,
-        file_backend="cache_kit:SlowFileStore",
-        batch_pages=2,
-        max_inflight_per_link=1,
-    )
-    rng = np.random.default_rng(6)
-    async with _open(cfg) as cache:
-        tokens, data = sequence(rng, 6)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        hot = keys[:2]
-        cold = keys[2:]
-        # evict the cold ones from DRAM only (they are in the file tier after the flush),
-        # so they must come up from the slow store
-        top = cache.tiers[0]
-        await cache.pipeline._evict_shielded(top, cold)
-        assert all(_tier_of(cache, k) == "file" for k in cold)
-
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        result = await cache.prefetch(keys, deadline_s=0.1)
-        took = loop.time() - t0
-        assert took < 0.5  # one slow read takes 0.6 s: the deadline was honoured
-        assert set(result.arrived) == set(hot)
-        assert set(result.late) == set(cold)
-        assert result.missing == []
-        await cache.pipeline.drain()  # late pages still land, in the background
-        assert all(cache.directory.is_committed(k, "dram") for k in cold)
-        out = np.zeros_like(data)
-        assert all(await cache.read(keys, out))
-        assert np.array_equal(out, data)
-
-
-async def test_cancelled_prefetch_keeps_partial_progress_and_nothing_half_visible(tmp_path):
-    SlowFileStore.delay_s = 0.15
-    cfg = config(
-        tmp_path,
-        dram_pages=32,
-        file_pages=256,
-        file_backend="cache_kit:SlowFileStore",
-        batch_pages=1,
-        max_inflight_per_link=1,
-        write_policy="write-through",
-    )
-    rng = np.random.default_rng(7)
-    async with _open(cfg) as cache:
-        tokens, data = sequence(rng, 6)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
-        assert all(_tier_of(cache, k) == "file" for k in keys)
-
-        task = asyncio.create_task(cache.prefetch(keys, deadline_s=10))
-        await asyncio.sleep(0.2)  # first batch done, second one running
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await cache.pipeline.drain()
-        d = cache.directory
-        d.check_invariants()
-        up = [k for k in keys if d.is_committed(k, "dram")]
-        assert 1 <= len(up) < len(keys)  # partial progress kept, the rest never started
-        assert d.count("dram", PageState.RESERVED) == 0  # nothing half-visible
-        assert cache.tiers[0].backend.used_pages() == d.used("dram")
-        out = np.zeros((len(up), PAGE), dtype=np.uint8)
-        assert all(await cache.read(up, out))
-        expected = np.stack([data[keys.index(k)] for k in up])
-        assert np.array_equal(out, expected)
-        assert cache.metrics.snapshot()["prefetch"]["cancelled"] > 0
-
-
 async def test_one_backend_call_per_batch(tmp_path):
     CountingFileStore.calls.clear()
     cfg = config(
@@ -242,7 +188,7 @@ async def test_one_backend_call_per_batch(tmp_path):
         await cache.flush()  # write-through of 48 pages in batches of 16
         assert CountingFileStore.calls["write"] == 3
         keys = cache.page_keys(tokens)
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys[:32])
+        await cache.demote("dram", keys[:32])
         loaded = await cache.load(keys[:32])
         assert loaded.missing == []
         assert CountingFileStore.calls["get"] == 2
@@ -264,7 +210,7 @@ async def test_inflight_bounded_per_link(tmp_path):
         tokens, data = sequence(rng, 16)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
-        await cache.pipeline._evict_shielded(cache.tiers[0], keys)
+        await cache.demote("dram", keys)
         loaded = await cache.load(keys)
         assert loaded.missing == []
         assert SlowFileStore.max_concurrent == 2
@@ -392,33 +338,6 @@ async def test_close_drains_and_write_back_flushes_dirty_pages(tmp_path):
             assert np.array_equal(out, data)
 
 
-async def test_close_cancels_unstarted_prefetches_and_leaves_no_task(tmp_path):
-    SlowFileStore.delay_s = 0.25
-    cfg = config(
-        tmp_path,
-        dram_pages=32,
-        file_pages=256,
-        file_backend="cache_kit:SlowFileStore",
-        batch_pages=1,
-        max_inflight_per_link=1,
-    )
-    rng = np.random.default_rng(12)
-    cache = _open(cfg)
-    await cache.start()
-    tokens, data = sequence(rng, 8)
-    keys = (await cache.store(tokens, data)).keys
-    await cache.flush()
-    await cache.pipeline._evict_shielded(cache.tiers[0], keys)
-    result = await cache.prefetch(keys, deadline_s=0.0)
-    assert len(result.late) == len(keys)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    await cache.close()
-    assert loop.time() - t0 < 1.0  # 8 slow batches would take 2 s: most were cancelled
-    current = asyncio.current_task()
-    assert [t for t in asyncio.all_tasks() if t is not current] == []
-
-
 @pytest.mark.parametrize("policy", ["write-through", "write-back"])
 async def test_concurrent_engine_tasks_keep_every_page_intact(tmp_path, policy):
     """Many tasks store, load (pinned), read, prefetch and release overlapping sequences
@@ -498,3 +417,96 @@ async def test_pages_moved_down_keep_their_namespace_label(tmp_path):
     report = inspect_store(tmp_path / "file")
     assert moved > 0
     assert report["namespaces"] == {label: {"pages": moved, "bytes": report["bytes"]}}
+
+
+def _open_2(cfg: dict[str, Any]) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+async def test_concurrent_stores_of_the_same_pages_both_report_them_stored(tmp_path: Path):
+    """Two requests sharing a prompt store the same pages at once: the page is committed
+    once, and both callers are told it is stored (keys are content addresses)."""
+    rng = np.random.default_rng(21)
+    async with _open_2(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 4)
+        a, b = await asyncio.gather(cache.store(tokens, data), cache.store(tokens, data))
+        assert a.stored == [True] * 4
+        assert b.stored == [True] * 4
+        out = np.zeros_like(data)
+        assert all(await cache.read(a.keys, out))
+        assert np.array_equal(out, data)
+        cache.directory.check_invariants()
+
+
+async def test_releasing_more_pins_than_taken_is_a_usage_error_that_changes_nothing(
+    tmp_path: Path,
+):
+    rng = np.random.default_rng(23)
+    async with _open_2(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 2)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys)  # one pin each
+        with pytest.raises(KVTierUsageError, match=r"holds 1 pin\(s\), released 2 times"):
+            cache.release([keys[0], keys[0]])
+        assert all(cache.directory.is_pinned(k) for k in keys)  # nothing was released
+        cache.release(keys)
+        assert not any(cache.directory.is_pinned(k) for k in keys)
+        cache.directory.check_invariants()
+
+
+async def test_reserve_failing_for_one_namespace_group_leaks_no_space(tmp_path: Path):
+    """A batch moving pages of two namespace labels reserves per label; when the second
+    reserve raises, the first group's reservations are given back to the backend."""
+    cfg = config(
+        tmp_path,
+        dram_pages=16,
+        file_pages=64,
+        file_backend="cache_kit:LabelFailingFileStore",
+        write_policy="write-back",
+    )
+    rng = np.random.default_rng(24)
+    async with _open_2(cfg) as cache:
+        good_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
+        bad_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
+        pages = rng.integers(0, 256, size=(3, PAGE), dtype=np.uint8)
+        assert all(await cache.store_pages(good_keys, pages, namespace="good"))
+        assert all(await cache.store_pages(bad_keys, pages, namespace="bad"))
+        written = await cache.flush()  # one batch: "good" reserves, then "bad" raises
+        file_tier = cache.tiers[1]
+        assert written == 0
+        assert cache.directory.used("file") == 0
+        assert file_tier.backend.used_pages() == 0  # no reservation left behind
+        cache.directory.check_invariants()
+
+
+async def test_pages_whose_delete_fails_stay_indexed(tmp_path: Path):
+    """An eviction (or a delete) whose backend delete fails must not forget pages the
+    backend still holds: they stay readable, and the directory keeps agreeing with the
+    backend's occupancy (forgotten pages would count against its capacity forever)."""
+    DeleteFailingFileStore.failing = False
+    cfg = config(
+        tmp_path,
+        dram_pages=16,
+        file_pages=64,
+        file_backend="cache_kit:DeleteFailingFileStore",
+    )
+    rng = np.random.default_rng(32)
+    async with _open_2(cfg) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        top, file_tier = cache.tiers
+        await cache.demote(top.name, keys)
+        d = cache.directory
+        DeleteFailingFileStore.failing = True
+        stuck = await cache.demote(file_tier.name, keys)  # the last tier: drop
+        assert set(stuck) == set(keys)
+        assert await cache.delete(keys[:2]) == 0
+        assert d.used("file") == file_tier.backend.used_pages() == 4
+        out = np.zeros_like(data)
+        assert all(await cache.read(keys, out))
+        assert np.array_equal(out, data)
+        DeleteFailingFileStore.failing = False
+        assert await cache.delete(keys) == 4
+        assert d.used("file") == file_tier.backend.used_pages() == 0
+        d.check_invariants()

@@ -11,7 +11,7 @@ import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
-from kvtier.policy.density import HitDensityPolicy, _bucket, _bucket_start
+from kvtier.policy.density import HitDensityPolicy, bucket, bucket_start
 from kvtier.policy.eviction import LRUPolicy, make_policy
 from kvtier.sim.replay import make_tiers, replay
 from kvtier.sim.workloads import workload
@@ -42,8 +42,8 @@ def test_registered_and_bad_parameters() -> None:
 
 def test_age_buckets_partition_ages() -> None:
     for age in range(0, 20000):
-        b = _bucket(age)
-        assert _bucket_start(b) <= age < _bucket_start(b + 1)
+        b = bucket(age)
+        assert bucket_start(b) <= age < bucket_start(b + 1)
 
 
 def test_cold_start_is_lru() -> None:

@@ -54,7 +54,7 @@ async def test_prefix_prediction_moves_a_lookups_pages_up_and_counts_them(tmp_pa
         await _settle(cache)
         found = await cache.lookup(first)
         assert len(found.keys) == 4 and "disk" in found.tiers  # some pages are below
-        pred = next(o for o in cache._observers if isinstance(o, LivePrefetcher))
+        pred = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
         await asyncio.gather(*pred._tasks)  # the prefetch the lookup started
         assert all(cache.directory.is_committed(k, "dram") for k in found.keys)
         await cache.load(found.keys)
@@ -75,7 +75,7 @@ async def test_prefetched_pages_evicted_unused_are_wasted(tmp_path: Path) -> Non
             await cache.store(_tokens(seq, 4), np.ones((4, 512), dtype=np.uint8))
         await _settle(cache)
         found = await cache.lookup(first)
-        pred = next(o for o in cache._observers if isinstance(o, LivePrefetcher))
+        pred = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
         await asyncio.gather(*pred._tasks)
         for seq in (5, 6, 7, 8):  # the engine never loads them; new pages push them out
             await cache.store(_tokens(seq, 4), np.ones((4, 512), dtype=np.uint8))
@@ -98,7 +98,7 @@ async def test_lookahead_prefetches_pages_that_followed_before(tmp_path: Path) -
         keys = cache.page_keys(doc)
         head = doc[: 2 * PAGE_TOKENS]  # a request reading the document's first two pages
         await cache.lookup(head)
-        pred = next(o for o in cache._observers if isinstance(o, LivePrefetcher))
+        pred = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
         await asyncio.gather(*pred._tasks)
         assert cache.stats()["predictor"]["pages"]["issued"] > 0
         assert cache.directory.is_committed(keys[2], "dram")  # the page after the head

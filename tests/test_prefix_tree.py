@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -11,6 +12,7 @@ from kvtier.errors import KVTierUsageError
 from kvtier.index.directory import Directory
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
+from kvtier.spec import KVSpec
 
 NS = Namespace("test-model", page_tokens=4)
 TIERS = ["dram", "disk", "remote"]
@@ -195,12 +197,10 @@ TestPrefixTreeModel.settings = settings(max_examples=60, stateful_step_count=40,
 async def _evictions_with_children(tmp_path, leaf_first: bool) -> tuple[int, int]:
     """Store a 40-page chain into a 20-page DRAM tier of a real KVCache; count DRAM
     evictions of a page whose child was still in DRAM at that moment."""
-    import numpy as np
 
     from kvtier.cache import KVCache
     from kvtier.config import KVTierConfig, TierConfig
-    from kvtier.index.prefix_tree import LeafFirstPolicy
-    from kvtier.spec import KVSpec
+    from kvtier.policy.leaf_first import LeafFirstPolicy
 
     spec = KVSpec(1, 1, 8, "float16", 4, name="leaf")
     pb = spec.page_bytes
@@ -261,11 +261,9 @@ async def test_leaf_first_policy_never_evicts_a_parent_before_its_child(tmp_path
 async def test_leaf_first_moves_ancestors_down_when_only_a_pinned_leaf_is_left(tmp_path) -> None:
     """A DRAM tier full of the ancestors of one pinned page still makes room (they move
     down: the prefix stays cached) instead of refusing with CapacityError."""
-    import numpy as np
 
     from kvtier.cache import KVCache
     from kvtier.config import KVTierConfig, TierConfig
-    from kvtier.spec import KVSpec
 
     spec = KVSpec(1, 1, 8, "float16", 4, name="leaf")
     pb = spec.page_bytes
@@ -290,3 +288,15 @@ async def test_leaf_first_moves_ancestors_down_when_only_a_pinned_leaf_is_left(t
         assert found.keys == stored.keys  # every ancestor still cached (some on disk)
         assert "disk" in found.tiers
         cache.release(stored.keys[-1:])
+
+
+NS_2 = Namespace("review-model", page_tokens=4)
+
+
+def test_prefix_tree_insert_with_a_bad_key_keeps_counts_true() -> None:
+    tree = PrefixTree(["dram", "disk"])
+    keys = page_keys(list(range(12)), NS_2)
+    with pytest.raises(KVTierUsageError, match="16 bytes"):
+        tree.insert([keys[0], keys[1], PageKey(b"short")], "dram")
+    # whatever the tree kept, its per-tier count agrees with its pages
+    assert tree.pages_in("dram") == sum(1 for _, tiers in tree.items() if "dram" in tiers)

@@ -203,3 +203,36 @@ def test_create_checks_options() -> None:
         registry.create("dram", page_bytes=4096, capacity_pages=0)
     with pytest.raises(ConfigError, match="path"):
         registry.create("file", page_bytes=4096, capacity_pages=2)
+
+
+@pytest.fixture
+def shadowing_plugin(tmp_path: Path) -> Iterator[None]:
+    """A distribution that registers the built-in names ``nvme`` and ``dram`` (installed
+    on sys.path as a real dist-info, found by discovery like any plugin)."""
+    info = tmp_path / "aaa_shadow-1.0.dist-info"  # sorts before "kvtier"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: aaa-shadow\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[kvtier.backends]\n"
+        "nvme = kvtier.backends.filestore:FileStore\n"
+        "dram = kvtier.backends.filestore:FileStore\n"
+    )
+    registry._warned.clear()
+    yield from _on_path(tmp_path)
+    registry._warned.clear()
+
+
+@pytest.mark.usefixtures("shadowing_plugin")
+def test_a_plugin_cannot_silently_shadow_a_builtin(caplog: pytest.LogCaptureFixture) -> None:
+    from kvtier.backends.nvme import NvmeStore
+
+    with caplog.at_level("WARNING", logger="kvtier.registry"):
+        assert registry.resolve("nvme") is NvmeStore  # the built-in wins
+        assert registry.resolve("dram") is DramArena
+        infos = _by_name()
+    assert infos["nvme"].target == "kvtier.backends.nvme:NvmeStore"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    for name in ("nvme", "dram"):
+        hits = [w for w in warnings if f"backend name {name!r} is registered more than once" in w]
+        assert len(hits) == 1, warnings  # once per name and process
+        assert "aaa-shadow" in hits[0] and "kvtier.backends.filestore:FileStore" in hits[0]

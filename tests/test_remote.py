@@ -418,3 +418,34 @@ async def test_one_round_trip_put_keeps_another_clients_page(valkey: RedisServer
         out = [np.zeros(PAGE, np.uint8)]
         assert await b.get(key, out) == [True]
         np.testing.assert_array_equal(out[0], first[0])
+
+
+def test_a_redirected_value_is_checked_like_one_from_the_data_path() -> None:
+    """Values fetched through redis-py after a cluster redirection: a short blob is a hit
+    of its length only when sized; a whole page either way; a header alone never."""
+    from kvtier.backends.remote_datapath import Fetched, GetItem, byte_view
+    from kvtier.backends.remote_replies import check_value
+
+    from kvtier.pageformat import encode_header
+
+    key = bytes(range(16))
+    blob = np.arange(100, dtype=np.uint8)
+    page = np.arange(PAGE, dtype=np.uint32).astype(np.uint8)
+
+    def check(value: bytes | None, sized: bool) -> tuple[Any, np.ndarray]:
+        out = np.zeros(PAGE, np.uint8)
+        return check_value(GetItem(b"n", key, byte_view(out)), value, sized), out
+
+    short = blob.tobytes() + encode_header(key, "", blob)
+    (outcome, _, n), out = check(short, sized=True)
+    assert (outcome, n) == (Fetched.HIT, 100) and np.array_equal(out[:100], blob)
+    assert not out[100:].any()
+    (outcome, problem, _), out = check(short, sized=False)
+    assert outcome is Fetched.BAD and "expected 4160" in problem and not out.any()
+    whole = page.tobytes() + encode_header(key, "", page)
+    for sized in (True, False):
+        (outcome, _, n), out = check(whole, sized)
+        assert (outcome, n) == (Fetched.HIT, PAGE) and np.array_equal(out, page)
+    (outcome, problem, _), _ = check(encode_header(key, "", blob[:0]), sized=True)
+    assert outcome is Fetched.BAD and "up to" in problem
+    assert check(None, sized=True)[0] == (Fetched.ABSENT, "", 0)

@@ -293,7 +293,7 @@ def test_retry_interval_option_is_checked() -> None:
 
 
 def test_health_lets_one_probe_through_per_interval_and_backs_off(monkeypatch) -> None:
-    from kvtier.backends import remote_health
+    from kvtier import health as remote_health
 
     now = [100.0]
     monkeypatch.setattr(remote_health.time, "monotonic", lambda: now[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,10 @@ def test_cli_bench_run_speculative_json(tmp_path: Path) -> None:
     args = ["bench", "run", "--workload", "speculative", "--model", "tiny", "--sessions", "3"]
     args += ["--steps", "4", "--accept-rate", "0.5", "--fork-every", "2", "--json"]
     args += ["--nvme-dir", str(tmp_path / "disk")]
-    result = CliRunner().invoke(get_app(), args)
+    try:
+        result = CliRunner().invoke(get_app(), args)
+    finally:  # the kept disk tier preallocates a 1 GiB slab: do not leave it in /tmp
+        shutil.rmtree(tmp_path / "disk", ignore_errors=True)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["workload"] == "speculative" and data["steps"] == 4 and data["forks"] == 2
@@ -98,3 +102,11 @@ def test_cli_bench_run_speculative_json(tmp_path: Path) -> None:
         get_app(), ["bench", "run", "--workload", "speculative", "--accept-rate", "2"]
     )
     assert bad.exit_code == 2 and "accept_rate" in bad.output
+
+
+@pytest.mark.parametrize("rate", ["0.5", None, True])
+def test_speculative_accept_rate_of_the_wrong_type_is_named(rate: object) -> None:
+    from kvtier.bench.speculative import SpeculativeParams
+
+    with pytest.raises(KVTierUsageError, match="accept_rate must be a number"):
+        SpeculativeParams(accept_rate=rate)  # type: ignore[arg-type]

@@ -271,7 +271,8 @@ class SequencesModel(RuleBasedStateMachine):
             self.verified_keys.update(page_keys(verified, self.mgr.namespace))
         d = self.cache.directory
         for tier in ("dram", "disk"):
-            committed = set(d.keys_in(tier))
+            # visible pages (committed, or being evicted by the evict queue)
+            committed = set(d.keys_in(tier, PageState.COMMITTED, PageState.EVICTING))
             in_tree = {k for k, tiers in self.tree.items() if tier in tiers}
             assert committed == in_tree
             # nothing unverified was ever stored (keys of verified prefixes only)

@@ -47,6 +47,10 @@ def config(model: LlamaForCausalLM, store: Path, dram_pages: int) -> dict[str, A
     return {
         "model": spec.to_dict(),
         "namespace": {"model_id": "test-llama-random", "revision": "seed1234"},
+        # evictions finish before the next forward, so pages really go to NVMe and come
+        # back (with the background evictor, a load may keep a page that is still being
+        # written down in DRAM: tests/test_room.py)
+        "pipeline": {"background_eviction": False},
         "tiers": [
             {"name": "dram", "backend": "dram", "capacity": spec.page_bytes * dram_pages},
             {

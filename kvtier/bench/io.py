@@ -68,12 +68,28 @@ class IOBenchParams:
                 raise KVTierUsageError(
                     f"bench io: {name} must be a positive integer, got {value!r}"
                 )
+        from kvtier.backends.dram import available_memory
+
+        # The pages, the read buffers and an arena tier's own buffer are all in memory.
+        need = 3 * self.pages * self.page_bytes
+        have = available_memory()
+        if have is not None and need > have:
+            from kvtier.config import format_size
+
+            raise KVTierUsageError(
+                f"bench io: {self.pages} pages of {format_size(self.page_bytes)} need about "
+                f"{format_size(need)} of memory (pages, read buffers, an arena); "
+                f"{format_size(have)} is available: lower --pages or --page-size"
+            )
 
 
 @dataclass(frozen=True)
 class TierIOResult:
     """The figures of one backend. Rates in GB/s (1e9 bytes per second), medians over
-    repeats; ratios are medians of the per-repeat ratios kvtier / baseline."""
+    repeats; ratios are medians of the per-repeat ratios kvtier / baseline.
+    ``other_baselines`` has, per further baseline measured beside the main one (e.g.
+    ``redis.asyncio`` beside the C client), its ``write_gbps``, ``read_gbps``,
+    ``write_ratio`` and ``read_ratio`` computed the same way."""
 
     tier: str
     kind: str
@@ -91,6 +107,7 @@ class TierIOResult:
     verified_pages: int
     mismatches: int
     samples: dict[str, list[float]] = field(default_factory=dict)
+    other_baselines: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,6 +234,18 @@ async def bench_backend(
     kr = _gbps(nbytes, statistics.median(kv_r))
     bw = statistics.median(_gbps(s.nbytes, s.write_seconds) for s in base)
     br = statistics.median(_gbps(s.nbytes, s.read_seconds) for s in base)
+    others: dict[str, dict[str, float]] = {}
+    for other in base[-1].others:
+        pairs = [s.others[other] for s in base if other in s.others]
+        if len(pairs) != len(base):
+            continue  # not measured in every repeat: no paired ratio
+        alt = [BaselineSample(other, w, r, base[0].nbytes) for w, r in pairs]
+        others[other] = {
+            "write_gbps": statistics.median(_gbps(s.nbytes, s.write_seconds) for s in alt),
+            "read_gbps": statistics.median(_gbps(s.nbytes, s.read_seconds) for s in alt),
+            "write_ratio": _paired_ratio(nbytes, kv_w, alt, write=True),
+            "read_ratio": _paired_ratio(nbytes, kv_r, alt, write=False),
+        }
     return TierIOResult(
         tier=name,
         kind=str(cls.kind),
@@ -239,6 +268,7 @@ async def bench_backend(
             "baseline_write_s": [s.write_seconds for s in base],
             "baseline_read_s": [s.read_seconds for s in base],
         },
+        other_baselines=others,
     )
 
 
@@ -267,6 +297,20 @@ def default_tiers() -> tuple[list[str], list[dict[str, str]]]:
     return names, skipped
 
 
+def check_workdir(path: Path) -> None:
+    """``--dir`` must be an existing, writable directory: the bench creates only its own
+    scratch directories inside it (and removes them), never the directory itself.
+    Raises :class:`KVTierUsageError` naming what is wrong."""
+    if "\x00" in str(path):
+        raise KVTierUsageError(f"--dir {str(path)!r} contains a NUL byte")
+    if not path.exists():
+        raise KVTierUsageError(f"--dir {path} does not exist: create it first")
+    if not path.is_dir():
+        raise KVTierUsageError(f"--dir {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise KVTierUsageError(f"--dir {path} is not writable")
+
+
 async def bench_io(
     tiers: Sequence[str],
     params: IOBenchParams,
@@ -281,7 +325,7 @@ async def bench_io(
         raise KVTierUsageError("bench io: no tier to measure")
     parent = str(params.workdir) if params.workdir is not None else None
     if params.workdir is not None:
-        params.workdir.mkdir(parents=True, exist_ok=True)
+        check_workdir(params.workdir)
     results = []
     for name in tiers:
         with tempfile.TemporaryDirectory(prefix="kvtier-bench-io-", dir=parent) as tmp:

@@ -21,8 +21,8 @@ from typing import Any
 from kvtier import registry
 from kvtier.backend import ArenaBackend
 from kvtier.bench.workload import ChatParams, ChatWorkload, footprint
-from kvtier.config import KVTierConfig, ResolvedConfig, load_config
-from kvtier.errors import ConfigError
+from kvtier.config import KVTierConfig, ResolvedConfig, format_size, load_config
+from kvtier.errors import ConfigError, KVTierError, KVTierUsageError
 
 #: Backends that keep pages in a local directory (option ``path``).
 DISK_BACKENDS = ("nvme", "file")
@@ -97,7 +97,65 @@ def run_config(
                     tier["name"] = backend
             tier["backend"] = backend
             tier["options"]["path"] = str(disk_dir)
+    for tier in raw["tiers"]:  # a benchmark measures the tiers it was given, all of them
+        tier["on_open_error"] = "fail"
     return load_config(raw, env={}).config
+
+
+def check_top_capacity(config: KVTierConfig, params: ChatParams) -> None:
+    """Refuse, before anything runs, a top tier smaller than what one wave of concurrent
+    turns pins at once (:attr:`~kvtier.bench.workload.Footprint.min_top_pages`), saying
+    the minimum. Raises :class:`KVTierUsageError`."""
+    spec = config.spec
+    top = config.tiers[0]
+    have = top.capacity_pages(spec.page_bytes)
+    need = footprint(params, spec.page_tokens).min_top_pages
+    if have < need:
+        raise KVTierUsageError(
+            f"top tier {top.name!r}: {format_size(top.capacity_bytes)} holds {have} pages of "
+            f"{format_size(spec.page_bytes)} ({spec.name}), but this workload loads up to "
+            f"{need} pages at once ({params.concurrency} concurrent turns): give it at least "
+            f"{format_size(need * spec.page_bytes)} (--dram-capacity), or lower --sessions, "
+            "--turns, --turn-tokens or --concurrency"
+        )
+
+
+def tier_health(cache: Any) -> dict[str, dict[str, Any]]:
+    """Per tier of an opened (or closed) cache: whether it ended healthy, and the
+    backend's own outage record when it keeps one (``down``, ``down_reason``,
+    ``failed_batches``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tier in cache.tiers:
+        try:
+            stats = tier.backend.stats()
+        except Exception:  # stats are best effort
+            stats = {}
+        out[tier.name] = {
+            "healthy": tier.healthy,
+            "down": bool(stats.get("down")),
+            "down_reason": stats.get("down_reason"),
+            "failed_batches": stats.get("failed_batches", 0),
+        }
+    return out
+
+
+def check_tiers_reached(
+    metrics: dict[str, Any], tiers: list[str], health: dict[str, dict[str, Any]] | None = None
+) -> None:
+    """Fail a run in which a tier below the top was unreachable throughout: it failed
+    (pages, batches, or it ended unhealthy) and never stored a page. Raises
+    :class:`KVTierError` naming it and, when known, why."""
+    for name in tiers[1:]:
+        t = metrics.get("tiers", {}).get(name, {})
+        h = (health or {}).get(name, {})
+        failed = int(t.get("failed_pages", 0) or 0)
+        broken = failed or not h.get("healthy", True) or h.get("down") or h.get("failed_batches")
+        if broken and not t.get("stored_pages"):
+            why = f": {h['down_reason']}" if h.get("down_reason") else " (see the log)"
+            raise KVTierError(
+                f"tier {name!r} was unreachable for the whole run: no page was stored there "
+                f"({failed} pages failed){why}"
+            )
 
 
 @dataclass(frozen=True)
@@ -151,7 +209,9 @@ async def run_live(
         out = report.to_dict()
         if predictor is not None:
             out["predictor"] = cache.stats()["predictor"]
-    return out, cache.metrics.snapshot()
+    metrics = cache.metrics.snapshot()
+    metrics["tier_health"] = tier_health(cache)
+    return out, metrics
 
 
 async def bench_run(
@@ -178,6 +238,9 @@ async def bench_run(
         pages = default_top_pages(params, cfg.spec.page_tokens, cfg.batch_pages)
         top_capacity = pages * cfg.spec.page_bytes
     kept = disk_dir is not None
+    check_top_capacity(
+        run_config(base, model=model, top_capacity=top_capacity, disk_dir=None), params
+    )
     tmp = None if kept else Path(tempfile.mkdtemp(prefix="kvtier-bench-run-"))
     directory = disk_dir if disk_dir is not None else tmp
     try:
@@ -188,4 +251,5 @@ async def bench_run(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    check_tiers_reached(metrics, [t.name for t in config.tiers], metrics.pop("tier_health"))
     return RunResult(workload, metrics, config.to_dict(), str(directory), kept)

@@ -32,12 +32,15 @@ import numpy as np
 import torch
 
 from kvtier.attention import torch_dtype
-from kvtier.bench.live import RunResult, run_config
+from kvtier.bench.live import RunResult, check_tiers_reached, run_config, tier_health
 from kvtier.config import ResolvedConfig
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey, page_keys
 from kvtier.sequences import PageCache, SequenceManager
 from kvtier.spec import KVSpec
+
+#: Upper bound of every integer parameter (a token count beyond it is a mistake).
+_MAX_PARAM = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,19 @@ class SpeculativeParams:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise KVTierUsageError(f"speculative workload: {name} must be >= 0, got {v!r}")
+        for name in ("sequences", "chunk_tokens", "draft_tokens", "max_live", "fault_batch",
+                     "prompt_tokens", "steps", "fork_every"):  # fmt: skip
+            v = getattr(self, name)
+            if v > _MAX_PARAM:  # token streams are allocated: keep them within memory
+                raise KVTierUsageError(
+                    f"speculative workload: {name} must be at most {_MAX_PARAM:,}, got {v:,}"
+                )
         if isinstance(self.accept_rate, bool) or not isinstance(self.accept_rate, int | float):
             raise KVTierUsageError(
                 f"speculative workload: accept_rate must be a number in [0, 1], "
                 f"got {self.accept_rate!r}"
             )
-        if not 0.0 <= self.accept_rate <= 1.0:
+        if not 0.0 <= self.accept_rate <= 1.0:  # also refuses nan
             raise KVTierUsageError(
                 f"speculative workload: accept_rate must lie in [0, 1], got {self.accept_rate}"
             )
@@ -344,7 +354,9 @@ async def bench_speculative(
         async with KVCache(config) as cache:
             report = await run_speculative(cache, params, on_step)
         metrics = cache.metrics.snapshot()
+        health = tier_health(cache)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    check_tiers_reached(metrics, [t.name for t in config.tiers], health)
     return RunResult(report, metrics, config.to_dict(), str(directory), kept)

@@ -46,6 +46,10 @@ def page_content(key: bytes, page_bytes: int) -> np.ndarray:
     return base.view(np.uint8)[:page_bytes]
 
 
+#: Most tokens a chat workload may generate (its streams are built up front, 8 bytes each).
+MAX_WORKLOAD_TOKENS = 1 << 25
+
+
 @dataclass(frozen=True)
 class ChatParams:
     """Shape of the chat workload.
@@ -92,6 +96,14 @@ class ChatParams:
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
                 raise KVTierUsageError(f"bench run: {name} must be 0 <= min <= max, got {(lo, hi)}")
+        # The token streams are generated up front: refuse what would not fit in memory.
+        per_session = self.turns * (self.user_tokens[1] + self.reply_tokens[1])
+        total = self.sessions * per_session + self.system_prompts * self.system_tokens
+        if total > MAX_WORKLOAD_TOKENS:
+            raise KVTierUsageError(
+                f"bench run: the workload would hold up to {total:,} tokens "
+                f"(sessions x turns x tokens per turn); at most {MAX_WORKLOAD_TOKENS:,}"
+            )
 
 
 def conversation_tokens(params: ChatParams) -> list[list[tuple[np.ndarray, np.ndarray]]]:
@@ -125,10 +137,21 @@ class Footprint:
         max_wave_pages: most pages one wave of concurrent turns holds at once (every
             session's whole context after its turn: pinned prefix plus new pages), an upper
             bound of what the top tier must fit at a time.
+        max_wave_cached_pages: most pages one wave of concurrent turns loads and pins at
+            once: each session's whole context before its turn (the cached prefix).
     """
 
     working_set_pages: int
     max_wave_pages: int
+    max_wave_cached_pages: int = 0
+
+    @property
+    def min_top_pages(self) -> int:
+        """Top-tier pages the run needs at least: what one wave of concurrent turns loads
+        and pins at once (:attr:`max_wave_cached_pages`). Below it a load cannot find
+        room (measured: the documented 4-session, 3-turn llama3-8b run needs 78 pages
+        and runs with 78, not with 76)."""
+        return max(1, self.max_wave_cached_pages)
 
 
 def footprint(params: ChatParams, page_tokens: int) -> Footprint:
@@ -136,20 +159,24 @@ def footprint(params: ChatParams, page_tokens: int) -> Footprint:
     convo = conversation_tokens(params)
     lengths = [0] * params.sessions
     per_turn: list[list[int]] = []
+    cached: list[list[int]] = []
     for turn in range(params.turns):
+        cached.append([n // page_tokens for n in lengths])
         for s in range(params.sessions):
             user, reply = convo[s][turn]
             lengths[s] += len(user) + len(reply)
         per_turn.append([n // page_tokens for n in lengths])
+    step = params.concurrency
     waves = [
-        sum(pages[i : i + params.concurrency])
-        for pages in per_turn
-        for i in range(0, params.sessions, params.concurrency)
+        sum(pages[i : i + step]) for pages in per_turn for i in range(0, params.sessions, step)
+    ]
+    cached_waves = [
+        sum(pages[i : i + step]) for pages in cached for i in range(0, params.sessions, step)
     ]
     shared = params.system_tokens // page_tokens
     sessions_used = min(params.sessions, params.system_prompts)
     working = shared * sessions_used + sum(n // page_tokens - shared for n in lengths)
-    return Footprint(working, max(waves))
+    return Footprint(working, max(waves), max(cached_waves))
 
 
 def _closed(bounds: tuple[int, int]) -> tuple[int, int]:

@@ -1,17 +1,8 @@
 """Block tables: per sequence, logical page number -> page, with forks and versions.
 
-This module is pure bookkeeping on the event-loop thread: it never touches a backend and
-never awaits. It decides which pages a sequence points to, when a page must be copied,
-and when a page may be published or freed; the caller (:mod:`kvtier.sequences`) moves
-the bytes.
-
-Pages
-    A :class:`Page` is either *working* (it holds a slot of the working pool: the top
-    tier's memory that running sequences write into) or *published* (full, verified,
-    stored in the cache under its content key; its working slot is given back, once no
-    sequence holding it unverified could still cut inside it and need its bytes). Working
-    pages are private: they are never in the directory, never written down the
-    hierarchy.
+Pure bookkeeping on the event-loop thread (pages and the working pool are in
+:mod:`kvtier.index.pages`): it decides which pages a sequence points to, when a page must
+be copied, published or freed; the caller (:mod:`kvtier.sequences`) moves the bytes.
 
 Reference counts and copy-on-write
     Every holder of a page counts: each block table that points to it and each snapshot
@@ -22,11 +13,10 @@ Reference counts and copy-on-write
     stays in the cache (the prefix cache keeps it for reuse until evicted).
 
 Versions (speculative decoding)
-    :meth:`BlockTables.snapshot` records a table (holding its pages);
-    :meth:`BlockTables.rollback` restores it exactly and drops every page written since;
-    :meth:`BlockTables.commit` accepts what was written since (optionally only the first
-    ``keep`` tokens). Versions form a stack per sequence: rolling back or committing a
-    version consumes it and every newer one. Tokens past the oldest live snapshot are
+    ``snapshot`` records a table (holding its pages); ``rollback`` restores it exactly and
+    drops every page written since; ``commit`` accepts what was written since (optionally
+    only the first ``keep`` tokens). Versions form a stack per sequence: rolling back or
+    committing a version consumes it and every newer one. Tokens past the oldest live snapshot are
     *unverified*: pages holding any are never reported by :meth:`BlockTables.publishable`.
 """
 
@@ -34,186 +24,42 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.index.pages import (
+    PAD_SLOT,
+    BlockTable,
+    Page,
+    PageWrite,
+    SequenceFinishedError,
+    SequenceLengthError,
+    SlotPool,
+    UnknownSequenceError,
+    Version,
+    VersionError,
+    check_int,
+    check_token_ids,
+    pack_slots,
+)
 from kvtier.keys import PageKey
 
-#: Value of an unused entry in a packed block table.
-PAD_SLOT = -1
-
-
-class UnknownSequenceError(KVTierUsageError):
-    """A sequence id that was never created."""
-
-
-class SequenceFinishedError(KVTierUsageError):
-    """An operation on a finished (freed) sequence."""
-
-
-class VersionError(KVTierUsageError):
-    """A version that does not exist for this sequence or was already consumed."""
-
-
-class SequenceLengthError(KVTierUsageError):
-    """An append would take a sequence past its configured maximum length."""
-
-
-class Page:
-    """One page a block table points to. See the module docstring.
-
-    Attributes:
-        pid: unique id, stable for the page's life.
-        slot: working-pool slot, or :data:`PAD_SLOT` once published.
-        key: content key once published, else ``None``.
-        filled: tokens written (the same for every holder).
-        refs: holders (tables and snapshots).
-    """
-
-    __slots__ = ("filled", "key", "pid", "refs", "slot")
-
-    def __init__(self, pid: int, slot: int) -> None:
-        self.pid = pid
-        self.slot = slot
-        self.key: PageKey | None = None
-        self.filled = 0
-        self.refs = 0
-
-    @property
-    def published(self) -> bool:
-        return self.key is not None
-
-    def __repr__(self) -> str:
-        where = f"key={self.key.hex()[:8]}" if self.key else f"slot={self.slot}"
-        return f"Page({self.pid}, {where}, filled={self.filled}, refs={self.refs})"
-
-
-class SlotPool:
-    """The working pool: a fixed set of slot ids handed out and given back.
-
-    Raises :class:`CapacityError` when empty, naming the pool size.
-    """
-
-    def __init__(self, slots: Iterable[int]) -> None:
-        self._all = list(slots)
-        if len(set(self._all)) != len(self._all):
-            raise KVTierUsageError("SlotPool: duplicate slot ids")
-        self._free = list(reversed(self._all))
-        self._used: set[int] = set()
-
-    @property
-    def capacity(self) -> int:
-        return len(self._all)
-
-    @property
-    def in_use(self) -> int:
-        return len(self._used)
-
-    def used(self) -> frozenset[int]:
-        return frozenset(self._used)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise CapacityError(
-                f"working pool exhausted: all {len(self._all)} slots hold pages of live "
-                "sequences (free or finish sequences, or give the pool more slots)"
-            )
-        slot = self._free.pop()
-        self._used.add(slot)
-        return slot
-
-    def free(self, slot: int) -> None:
-        if slot not in self._used:
-            raise KVTierUsageError(f"SlotPool: slot {slot} is not allocated")
-        self._used.remove(slot)
-        self._free.append(slot)
-
-
-@dataclass
-class _Version:
-    vid: int
-    num_tokens: int
-    pages: list[Page]
-
-
-@dataclass
-class BlockTable:
-    """The table of one sequence (read it; change it only through :class:`BlockTables`).
-
-    Attributes:
-        seq_id: the sequence.
-        pages: logical page number -> page.
-        tokens: token ids, ``num_tokens`` of them.
-        versions: live snapshots, oldest first.
-    """
-
-    seq_id: int
-    pages: list[Page] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    versions: list[_Version] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def verified_tokens(self) -> int:
-        """Tokens before the oldest live snapshot (all of them without one)."""
-        return self.versions[0].num_tokens if self.versions else len(self.tokens)
-
-    def live_versions(self) -> list[int]:
-        return [v.vid for v in self.versions]
-
-
-@dataclass(frozen=True)
-class PageWrite:
-    """A copy the caller performs: ``count`` tokens from ``src_start`` of the appended
-    chunk into page ``page`` (working slot ``slot``) at token offset ``offset``."""
-
-    page: Page
-    slot: int
-    offset: int
-    src_start: int
-    count: int
-
-
-def _check_int(value: Any, what: str) -> int:
-    """``value`` as an int (numpy integers accepted); :class:`KVTierUsageError` naming
-    ``what`` for anything else (bools, floats, strings, ``None``)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise KVTierUsageError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
-def check_token_ids(tokens: Any) -> list[int]:
-    """Token ids as a list of ints; :class:`KVTierUsageError` for the wrong dtype/shape.
-
-    Accepts a list or tuple of Python ints, or a 1-D numpy array / torch tensor of an
-    integer dtype. Floats, bools and values outside ``[0, 2**32)`` are rejected.
-    """
-    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise KVTierUsageError(f"token ids must be 1-D, got shape {tokens.shape}")
-        if tokens.dtype.kind not in "iu":
-            raise KVTierUsageError(f"token ids must have an integer dtype, got {tokens.dtype}")
-        out = [int(t) for t in tokens.tolist()]
-    elif isinstance(tokens, list | tuple):
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int | np.integer):
-                raise KVTierUsageError(f"token ids must be integers, got {type(t).__name__} {t!r}")
-        out = [int(t) for t in tokens]
-    else:
-        raise KVTierUsageError(
-            f"token ids must be a list, numpy array or torch tensor, got {type(tokens).__name__}"
-        )
-    if out and (min(out) < 0 or max(out) > 0xFFFFFFFF):
-        raise KVTierUsageError("token ids must lie in [0, 2**32)")
-    return out
+__all__ = [
+    "PAD_SLOT",
+    "BlockTable",
+    "BlockTables",
+    "Page",
+    "PageWrite",
+    "SequenceFinishedError",
+    "SequenceLengthError",
+    "SlotPool",
+    "UnknownSequenceError",
+    "VersionError",
+    "check_token_ids",
+    "pack_slots",
+]
 
 
 class BlockTables:
@@ -410,7 +256,7 @@ class BlockTables:
         child = BlockTable(next(self._seq_ids), list(src.pages), list(src.tokens))
         self._ref(child.pages)
         for v in src.versions:
-            child.versions.append(_Version(v.vid, v.num_tokens, list(v.pages)))
+            child.versions.append(Version(v.vid, v.num_tokens, list(v.pages)))
             self._ref(v.pages)
         self._tables[child.seq_id] = child
         return child.seq_id
@@ -435,7 +281,7 @@ class BlockTables:
     def snapshot(self, seq_id: int) -> int:
         """Record the table before a speculative step; returns the version id."""
         table = self.table(seq_id)
-        v = _Version(next(self._vids), table.num_tokens, list(table.pages))
+        v = Version(next(self._vids), table.num_tokens, list(table.pages))
         self._ref(v.pages)
         table.versions.append(v)
         return v.vid
@@ -495,7 +341,7 @@ class BlockTables:
         """The version's index and the token count to cut to (``None``: no cut)."""
         i = self._version_index(table, vid, "commit")
         since = table.num_tokens - table.versions[i].num_tokens
-        if keep is None or _check_int(keep, "commit keep") == since:
+        if keep is None or check_int(keep, "commit keep") == since:
             return i, None
         if not 0 <= keep <= since:
             raise KVTierUsageError(
@@ -566,7 +412,7 @@ class BlockTables:
                 f"sequence {seq_id} has live versions {table.live_versions()}: commit or "
                 "roll them back before truncating"
             )
-        num_tokens = _check_int(num_tokens, "truncate num_tokens")
+        num_tokens = check_int(num_tokens, "truncate num_tokens")
         if not 0 <= num_tokens <= table.num_tokens:
             raise KVTierUsageError(
                 f"truncate to {num_tokens!r} tokens: must lie in [0, {table.num_tokens}]"
@@ -652,14 +498,3 @@ class BlockTables:
                 for p in v.pages:
                     out[p.pid] = p
         return out
-
-
-def pack_slots(rows: Sequence[Sequence[int]], max_pages: int) -> np.ndarray:
-    """Pack per-sequence slot lists into an int32 ``[len(rows), max_pages]`` array,
-    padded with :data:`PAD_SLOT`."""
-    out = np.full((len(rows), max_pages), PAD_SLOT, dtype=np.int32)
-    for i, row in enumerate(rows):
-        if len(row) > max_pages:
-            raise KVTierUsageError(f"row {i} has {len(row)} pages, more than {max_pages}")
-        out[i, : len(row)] = row
-    return out

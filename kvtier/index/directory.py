@@ -49,9 +49,10 @@ class DirectoryListener(Protocol):
         """``key`` left ``tier`` (evicted, deleted or failed)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
-    """What the directory knows of one page."""
+    """What the directory knows of one page (``__slots__``: one per page, so its size
+    is the directory's memory per page)."""
 
     key: PageKey
     namespace: str = ""
@@ -152,7 +153,17 @@ class Directory:
     def count(self, tier: str, *states: PageState) -> int:
         """Pages of ``tier`` in any of ``states`` (all states when none given)."""
         counts = self._counts[self._check_tier(tier)]
-        return sum(counts[s] for s in (states or tuple(PageState)))
+        if not states:
+            return sum(counts.values())
+        return sum(counts[s] for s in states)
+
+    def evicting(self, tier: str) -> int:
+        """Pages of ``tier`` whose eviction is under way."""
+        return self._counts[self._check_tier(tier)][PageState.EVICTING]
+
+    def reserved(self, tier: str) -> int:
+        """Pages reserved in ``tier`` (being written, not yet visible)."""
+        return self._counts[self._check_tier(tier)][PageState.RESERVED]
 
     def used(self, tier: str) -> int:
         """Pages occupying space in ``tier`` (reserved, committed or evicting)."""

@@ -11,8 +11,8 @@ each tier holds, so the questions the eviction side asks are O(1):
   the topmost tier that holds it;
 * :meth:`PrefixTree.is_leaf` — whether a page may leave a tier without stranding a
   descendant (leaves are evicted before their ancestors: a page is useless without its
-  prefix); :meth:`PrefixTree.evictable` wraps it as the filter an
-  :class:`~kvtier.policy.base.EvictionPolicy` takes.
+  prefix); :meth:`PrefixTree.evictable` wraps it as the filter an eviction policy's
+  ``victims`` takes (:class:`kvtier.policy.leaf_first.LeafFirstPolicy` builds on it).
 
 A node whose page left every tier but which still has cached descendants stays as a
 *hollow* node (it ends every match that reaches it) and disappears with its last
@@ -30,7 +30,6 @@ from typing import Any
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import KEY_BYTES, ROOT_KEY, PageKey
-from kvtier.policy.base import EvictionPolicy
 
 
 @dataclass(frozen=True)
@@ -263,6 +262,29 @@ class PrefixTree:
         node = self._nodes.get(key)
         return None if node is None else node.parent
 
+    def parent(self, key: PageKey) -> PageKey | None:
+        """The parent page of ``key`` (``None``: a first page, unknown, or not cached)."""
+        node = self._nodes.get(key)
+        return None if node is None else node.parent
+
+    def links(self, key: PageKey, tier: str) -> tuple[int, int, PageKey | None, bool] | None:
+        """What leaf-first eviction needs of ``key`` in one call: (children ``tier`` holds,
+        children cached anywhere, its parent, whether ``tier`` is the only tier holding
+        it); ``None`` for a page the tree does not know."""
+        node = self._nodes.get(key)
+        if node is None:
+            return None
+        t = self._tier_index(tier)
+        here = (node.child_tiers >> (_FIELD * t)) & _FIELD_MASK
+        return here, node.children, node.parent, node.mask == 1 << t
+
+    def children_in(self, key: PageKey, tier: str) -> int:
+        """How many child pages of ``key`` ``tier`` holds."""
+        node = self._nodes.get(key)
+        if node is None:
+            return 0
+        return (node.child_tiers >> (_FIELD * self._tier_index(tier))) & _FIELD_MASK
+
     def is_leaf(self, key: PageKey, tier: str | None = None) -> bool:
         """Whether ``key`` has no child page cached in ``tier`` (any tier when ``None``).
 
@@ -280,7 +302,7 @@ class PrefixTree:
     def evictable(
         self, tier: str | None = None, also: Callable[[PageKey], bool] | None = None
     ) -> Callable[[PageKey], bool]:
-        """A filter for :meth:`EvictionPolicy.victims`: leaves of ``tier`` (see
+        """A filter for an eviction policy's ``victims``: leaves of ``tier`` (see
         :meth:`is_leaf`), further restricted by ``also`` (e.g. "not pinned")."""
         if tier is not None:
             self._tier_index(tier)
@@ -343,54 +365,3 @@ class PrefixTree:
                 listener.on_commit(key, tier)
         unsubscribe: Callable[[], None] = directory.subscribe(listener)
         return unsubscribe
-
-
-class LeafFirstPolicy(EvictionPolicy):
-    """Wraps a tier's eviction policy so that it only offers leaves of the prefix tree.
-
-    A page whose child page is still held by the tier is never a victim there (for the
-    last tier, where eviction drops the page from the hierarchy, no child may be held
-    anywhere). The inner policy still orders the leaves (LRU, LRU-K...). Every hook is
-    passed through; the tree itself is fed by the directory (:meth:`PrefixTree.attach`).
-
-    Args:
-        inner: the policy choosing among leaves.
-        tree: the prefix tree of the cache.
-        tier: the tier this policy serves.
-        last: whether ``tier`` is the lowest (eviction drops pages).
-    """
-
-    def __init__(self, inner: EvictionPolicy, tree: PrefixTree, tier: str, last: bool) -> None:
-        tree._tier_index(tier)
-        self.inner = inner
-        self.tree = tree
-        self.tier = tier
-        self.last = last
-        self.name = f"leaf-first({inner.name})"  # type: ignore[misc]
-
-    def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
-        self.inner.on_insert(key, parent)
-
-    def on_access(self, key: PageKey) -> None:
-        self.inner.on_access(key)
-
-    def on_remove(self, key: PageKey) -> None:
-        self.inner.on_remove(key)
-
-    def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        tier = None if self.last else self.tier
-        is_leaf = self.tree.is_leaf
-        return self.inner.victims(n, lambda k: is_leaf(k, tier) and evictable(k))
-
-    def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        """Victims for when :meth:`victims` offers none and the tier would otherwise
-        refuse room: in a tier above the last, ancestors too (eviction moves them down,
-        so their prefix stays cached); none in the last tier (dropping an ancestor would
-        orphan its descendants)."""
-        return [] if self.last else self.inner.victims(n, evictable)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.inner

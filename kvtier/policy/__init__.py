@@ -1,14 +1,18 @@
 """Policies: what should be where (eviction, admission, prefetch, write).
 
 Importing this package (or any module in it) registers every built-in eviction policy
-with :func:`kvtier.policy.eviction.register_policy` and the admission policies for
-selective write-through with :func:`kvtier.config.register_admission`, so config can name
-them (``eviction = "session"``, ``admission = "reuse"``).
+with :func:`kvtier.policy.eviction.register_policy`, so config can name them
+(``eviction = "session"``). Admission policies for selective write-through are
+registered in :mod:`kvtier.policy.admission` (``admission = "reuse"``).
 """
 
-from kvtier.config import register_admission
 from kvtier.policy.adaptive import AdaptivePolicy
-from kvtier.policy.admission import FrequencyAdmission, ReusePredictor
+from kvtier.policy.admission import (
+    FrequencyAdmission,
+    ReusePredictor,
+    make_admission,
+    register_admission,
+)
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.density import HitDensityPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy, register_policy
@@ -29,8 +33,6 @@ for _cls in (
     HintedPolicy,
 ):
     register_policy(_cls.name, _cls)
-for _adm in (FrequencyAdmission, ReusePredictor):
-    register_admission(_adm.name, _adm)
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -44,6 +46,8 @@ __all__ = [
     "S3FIFOPolicy",
     "SessionPolicy",
     "TwoClassPolicy",
+    "make_admission",
     "make_policy",
+    "register_admission",
     "register_policy",
 ]

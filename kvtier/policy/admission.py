@@ -9,18 +9,21 @@
   before, or its parent (the page before it in its sequence) was reused. The live pipeline
   asks it before writing a page down; the replay asks it the same way.
 
-Both are deterministic (xxhash of the key, never Python's salted ``hash``).
+Both are deterministic (xxhash of the key, never Python's salted ``hash``). The module
+also holds the registry of admission policies by config name (:func:`make_admission`,
+:func:`register_admission`), used by the configuration, the cache and ``kvtier bench sim``.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import xxhash
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import AdmissionPolicy
+from kvtier.policy.base import AdmissionPolicy, AdmitAll
 
 
 class CountMinSketch:
@@ -102,3 +105,45 @@ class ReusePredictor(AdmissionPolicy):
 
     def admit(self, key: PageKey) -> bool:
         return self.sketch.estimate(key) >= 2 or self._reused_parents.estimate(key) >= 1
+
+
+# -- the registry: admission policies by config name --------------------------------------
+
+#: Admission policies by config name (``pipeline.admission``); add with
+#: :func:`register_admission`.
+ADMISSION_POLICIES: dict[str, Callable[..., AdmissionPolicy]] = {
+    AdmitAll.name: AdmitAll,
+    FrequencyAdmission.name: FrequencyAdmission,
+    ReusePredictor.name: ReusePredictor,
+}
+
+
+def register_admission(name: str, factory: Callable[..., AdmissionPolicy]) -> None:
+    """Make an :class:`~kvtier.policy.base.AdmissionPolicy` selectable by ``name``."""
+    ADMISSION_POLICIES[name] = factory
+
+
+def make_admission(name: str, **params: Any) -> AdmissionPolicy:
+    """Build the admission policy ``name`` with ``params``.
+
+    Raises:
+        ConfigError: unknown name (the message lists the known ones) or bad parameters.
+    """
+    try:
+        factory = ADMISSION_POLICIES[name]
+    except KeyError:
+        known = ", ".join(sorted(ADMISSION_POLICIES))
+        raise ConfigError(
+            f"pipeline.admission: unknown admission policy {name!r}; known: {known}"
+        ) from None
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise ConfigError(
+            f"pipeline.admission_params: bad parameters for {name!r}: {exc}"
+        ) from None
+
+
+def admission_names() -> list[str]:
+    """Names of the registered admission policies, sorted."""
+    return sorted(ADMISSION_POLICIES)

@@ -12,6 +12,14 @@ the tier calls :meth:`EvictionPolicy.on_remove` for what it really removed.
 
 An :class:`AdmissionPolicy` decides whether a page enters a tier at all (selective
 write-through, TinyLFU-style filters).
+
+**Optional hook: one preference order.** A policy whose ``victims(n, evictable)`` is
+always the first ``n`` keys of a single order that ``evictable`` accepts (LRU, LRU-K) may
+expose that order as ``ordered_keys()`` (an iterator over every tracked key, best victim
+first). Wrappers that filter victims structurally can then walk the order once instead of
+calling ``victims`` again and again: :class:`~kvtier.policy.leaf_first.LeafFirstPolicy`
+uses it to take a chain tail-first in one pass (without it, every call rescans the
+ancestors that precede each leaf in the order, quadratic in the chain length).
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ class EvictionPolicy(ABC):
 
     #: Name used in config (``eviction = "lru"``).
     name: ClassVar[str]
+    #: Whether the policy keeps a page's parent in the tier while the page is there
+    #: (leaf-first eviction): room made for a batch then never evicts a parent of a page
+    #: in the batch.
+    keeps_parents: ClassVar[bool] = False
 
     @abstractmethod
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
@@ -46,6 +58,18 @@ class EvictionPolicy(ABC):
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Up to ``n`` distinct resident keys to evict, best victim first, each accepted
         by ``evictable``. Fewer when not enough pages are evictable."""
+
+    def should_keep(self, key: PageKey) -> bool:
+        """Whether a victim should stay after all, asked just before it leaves the tier
+        (its eviction ran in the background meanwhile). Leaf-first: it gained a child in
+        the tier. ``False`` by default."""
+        return False
+
+    def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        """Victims for when :meth:`victims` offers none and the tier would otherwise refuse
+        room: pages the policy would rather keep but may give up (leaf-first eviction
+        offers ancestors here). None by default."""
+        return []
 
     @abstractmethod
     def __len__(self) -> int:

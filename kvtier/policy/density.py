@@ -57,7 +57,7 @@ from kvtier.policy.base import EvictionPolicy
 _SUB = 4
 
 
-def _bucket(age: int) -> int:
+def bucket(age: int) -> int:
     """Logarithmic age bucket: exact below 8, then ``_SUB`` buckets per doubling."""
     if age < 8:
         return max(age, 0)
@@ -65,7 +65,8 @@ def _bucket(age: int) -> int:
     return 8 + (e - 3) * _SUB + ((age - (1 << e)) * _SUB >> e)
 
 
-def _bucket_start(b: int) -> int:
+def bucket_start(b: int) -> int:
+    """The smallest age of bucket ``b`` (the inverse of :func:`bucket`)."""
     if b < 8:
         return b
     e, s = divmod(b - 8, _SUB)
@@ -107,9 +108,9 @@ class HitDensityPolicy(EvictionPolicy):
         self.clock = 0
         n_cls = 2 * max_refs  # (use count) x (has had a child page)
         self._n_cls = n_cls
-        self._n_buckets = _bucket(1 << 40) + 1
+        self._n_buckets = bucket(1 << 40) + 1
         nb = self._n_buckets
-        self._widths = [_bucket_start(b + 1) - _bucket_start(b) for b in range(nb)]
+        self._widths = [bucket_start(b + 1) - bucket_start(b) for b in range(nb)]
         #: Per class: pages by last reference, oldest first (value: last reference time).
         self._lists: list[OrderedDict[PageKey, int]] = [OrderedDict() for _ in range(n_cls)]
         self._cls: dict[PageKey, int] = {}
@@ -141,16 +142,16 @@ class HitDensityPolicy(EvictionPolicy):
         if refs < 1 or age < 0:
             raise KVTierUsageError(f"density: need refs >= 1 and age >= 0, got {refs}, {age}")
         cls = self._class(min(refs - 1, self.max_refs - 1), parented)
-        return self._table[cls][min(_bucket(age), self._n_buckets - 1)]
+        return self._table[cls][min(bucket(age), self._n_buckets - 1)]
 
     def _record(self, hist: list[list[float]], cls: int, age: int) -> None:
-        hist[cls][min(_bucket(age), self._n_buckets - 1)] += 1.0
+        hist[cls][min(bucket(age), self._n_buckets - 1)] += 1.0
 
     def refresh(self) -> None:
         """Recompute the density tables from the histograms now (the policy also does
         this by itself every quarter capacity of insertions)."""
         widths = self._widths
-        top = min(_bucket(self.clock) + 1, self._n_buckets)  # no age exceeds the clock
+        top = min(bucket(self.clock) + 1, self._n_buckets)  # no age exceeds the clock
         for cls in range(self._n_cls):
             reuses, censored = self._reuses[cls], self._censored[cls]
             table = self._table[cls]
@@ -283,7 +284,7 @@ class HitDensityPolicy(EvictionPolicy):
                 if head is None:
                     continue
                 age = self.clock - head[1]
-                cand = (self._table[cls][min(_bucket(age), self._n_buckets - 1)], -age, cls)
+                cand = (self._table[cls][min(bucket(age), self._n_buckets - 1)], -age, cls)
                 if best is None or cand < best:
                     best = cand
             if best is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
@@ -37,6 +37,11 @@ class LRUPolicy(EvictionPolicy):
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         return first_evictable(iter(self._order), n, evictable)
+
+    def ordered_keys(self) -> Iterator[PageKey]:
+        """Every tracked key, best victim first (``victims`` takes the first evictable
+        ones of this order): the optional hook described in :mod:`kvtier.policy.base`."""
+        return iter(self._order)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -165,6 +170,17 @@ class LRUKPolicy(EvictionPolicy):
         for item in popped:  # victims() removes nothing: on_remove does
             heapq.heappush(heap, item)
         return out
+
+    def ordered_keys(self) -> Iterator[PageKey]:
+        """Every resident key, best victim first (``victims`` takes the first evictable
+        ones of this order): pages with fewer than K references in LRU order, then the
+        others by their K-th most recent reference (the hot part is ordered only if the
+        iteration gets there). See :mod:`kvtier.policy.base`."""
+        yield from self._cold
+        hot = [item for item in self._hot if self._valid(*item)]
+        heapq.heapify(hot)
+        while hot:  # one valid entry per hot page: its current K-th reference
+            yield heapq.heappop(hot)[1]
 
     def __len__(self) -> int:
         return len(self._resident)

@@ -20,8 +20,11 @@ suite can show what a textbook simulator gets on the same traffic:
 Request semantics are those of :mod:`kvtier.sim.replay` (and of a live cache): a
 request's prefix hits are counted when it arrives (the leading run of resident blocks),
 then its resident blocks are referenced in order, then its missed blocks are admitted in
-order; the running request's blocks are never evicted. :func:`reference_prefix_hits`
-returns the prefix hits, which equal the replay's when the policy is textbook-correct.
+order. What the engine pins is never evicted while the request runs: its cached prefix
+(it loaded it) and the blocks it stores (one batch: none is the victim of another);
+a resident block past the prefix is referenced but not pinned, as in the live cache.
+:func:`reference_prefix_hits` returns the prefix hits, which equal the replay's when the
+policy is textbook-correct and every request fits in the cache.
 
 Speed is secondary (heaps, no clever structures): fine for tests and single runs.
 """
@@ -289,7 +292,6 @@ def reference_prefix_hits(
                 break
             n += 1
         out.append(n)
-        pinned = set(req)
         seen: set[Hashable] = set()
         missed: list[Hashable] = []
         for b in req:
@@ -300,6 +302,7 @@ def reference_prefix_hits(
                 cache.hit(b)
             else:
                 missed.append(b)
+        pinned = set(req[:n]) | set(missed)  # the loaded prefix and the stored batch
         for b in missed:
             cache.admit(b, pinned)
     return out

@@ -14,14 +14,20 @@ Readers:
 * :func:`read_azure_arrivals` - the Azure LLM inference CSVs (arrival times and lengths
   only, no prefix information): used as arrival processes for synthetic workloads.
 
-Both raise :class:`~kvtier.errors.KVTierUsageError` naming the file and line of a bad row.
+Both read plain or gzip-compressed files (``.gz``, recognised by content) and raise
+:class:`~kvtier.errors.KVTierUsageError` naming the file and line of a bad row, and for a
+file that is missing, not a file, not UTF-8 text, or holds no request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import gzip
+import io
 import json
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -154,6 +160,39 @@ def _int_field(row: dict[str, object], name: str, where: str) -> int:
     return value
 
 
+@contextlib.contextmanager
+def open_trace(path: str | Path, what: str = "trace") -> Iterator[io.TextIOBase]:
+    """``path`` opened as UTF-8 text, through gzip when it is compressed (by its first
+    bytes, whatever its name). Errors while reading (not UTF-8, a broken gzip stream)
+    become :class:`KVTierUsageError` naming the file."""
+    p = Path(path)
+    if "\x00" in str(p):
+        raise KVTierUsageError(f"{what} path {str(p)!r} contains a NUL byte")
+    if not p.is_file():
+        raise KVTierUsageError(
+            f"{what} file not found: {p}" if not p.exists() else f"{what} {p} is not a file"
+        )
+    try:
+        with p.open("rb") as raw:
+            compressed = raw.read(2) == b"\x1f\x8b"
+        opener = gzip.open if compressed else open
+        with opener(p, "rb") as binary, io.TextIOWrapper(binary, "utf-8", newline="") as text:
+            yield text
+    except UnicodeDecodeError as exc:
+        raise KVTierUsageError(f"{what} {p} is not UTF-8 text (byte {exc.start})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise KVTierUsageError(f"{what} {p}: broken gzip data: {exc}") from None
+    except OSError as exc:
+        raise KVTierUsageError(f"{what} {p} cannot be read: {exc.strerror or exc}") from None
+
+
+def _trace_name(p: Path) -> str:
+    name = p.name
+    for suffix in (".gz", ".jsonl", ".json", ".csv"):
+        name = name.removesuffix(suffix)
+    return name or p.name
+
+
 def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None = None) -> Trace:
     """Read a Mooncake-format JSONL trace.
 
@@ -165,12 +204,10 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
     ill-typed field, or timestamps that go backwards (naming the line).
     """
     p = Path(path)
-    if not p.is_file():
-        raise KVTierUsageError(f"trace file not found: {p}")
     rows: list[tuple[float, int, int, list[int]]] = []
     hint_rows: list[tuple[int, float, Hint]] = []
     last_ts = -1.0
-    with p.open() as fh:
+    with open_trace(p) as fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(rows) >= limit:
                 break
@@ -205,8 +242,10 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
                 raise KVTierUsageError(f"{where}: timestamps must not decrease")
             last_ts = t_s
             rows.append((t_s, n_in, n_out, ids))
+    if not rows:
+        raise KVTierUsageError(f"trace {p} holds no request (empty file?)")
     hints = [TraceHint(b, t, h) for b, t, h in hint_rows if b < len(rows)]
-    return Trace(p.stem, block_tokens, requests_from_ids(rows, block_tokens), hints)
+    return Trace(_trace_name(p), block_tokens, requests_from_ids(rows, block_tokens), hints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +264,8 @@ def read_azure_arrivals(path: str | Path, limit: int | None = None) -> list[Arri
     missing file, a wrong header or an unparsable row (naming the line).
     """
     p = Path(path)
-    if not p.is_file():
-        raise KVTierUsageError(f"arrival trace not found: {p}")
     out: list[Arrival] = []
-    with p.open(newline="") as fh:
+    with open_trace(p, "arrival trace") as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
         if header is None or [h.strip() for h in header[:3]] != [

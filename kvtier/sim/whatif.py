@@ -4,8 +4,8 @@ For every tier ``i`` and every capacity factor ``f`` (by default -50, -25, +25, 
 +100 %, plus the current size), a *miniature hierarchy* replays the requests the cache
 sees: tiers ``0..i`` with tier ``i`` at ``f`` times its capacity, the same eviction and
 admission policies (fresh objects of the configured kinds) and the same write policy,
-driven by :class:`kvtier.sim.replay.Replayer`, the engine of ``kvtier bench sim``. So at
-sampling rate 1 an estimate *is* a replay at that capacity.
+driven by :class:`kvtier.sim.replayer.Replayer` (the live planner's decisions), the engine
+of ``kvtier bench sim``. So at sampling rate 1 an estimate *is* a replay at that capacity.
 
 To stay cheap, each tier's miniatures see a spatial sample of the pages (SHARDS,
 Waldspurger et al., FAST'15): a page is kept when a hash of its key falls below
@@ -38,7 +38,8 @@ from kvtier.keys import PageKey
 from kvtier.policy.base import AdmissionPolicy, EvictionPolicy
 from kvtier.policy.hints import Hint, hint_target
 from kvtier.policy.shadow import key_hash
-from kvtier.sim.replay import WRITE_POLICIES, Replayer, SimTier
+from kvtier.policy.write import WRITE_POLICIES
+from kvtier.sim.replayer import Replayer, SimTier
 
 #: Capacity factors reported besides the current size: -50, -25, +25, +50, +100 %.
 FACTORS: tuple[float, ...] = (0.5, 0.75, 1.25, 1.5, 2.0)
@@ -59,7 +60,8 @@ def factor_label(f: float) -> str:
 class TierModel:
     """What the estimator needs of one tier: its name, capacity in pages, and factories
     of fresh eviction (and, below the top with the selective write policy, admission)
-    policy objects of the configured kinds."""
+    policy objects of the configured kinds. As in the live pipeline, one admission
+    policy decides every write-down of a hierarchy: the first lower tier's factory."""
 
     name: str
     capacity: int
@@ -87,13 +89,14 @@ class _Group:
         self.factors = list(factors)
         self.capacity = tiers[-1].capacity
         self.replayers: list[Replayer] = []
+        admission = next((t.admission for t in tiers[1:] if t.admission is not None), None)
         for f in self.factors:
             sims = []
             for j, t in enumerate(tiers):
                 cap = t.capacity * (f if j == len(tiers) - 1 else 1.0) * rate
-                adm = t.admission() if t.admission is not None and j > 0 else None
-                sims.append(SimTier(t.name, max(round(cap), 1), t.policy(), adm))
-            self.replayers.append(Replayer(sims, write_policy))
+                sims.append(SimTier(t.name, max(round(cap), 1), t.policy()))
+            adm = admission() if admission is not None else None
+            self.replayers.append(Replayer(sims, write_policy, admission=adm))
         self.hits = [0] * len(self.factors)
         self.refs = 0
         self.all_refs = 0  # every reference, sampled or not

@@ -23,6 +23,7 @@ from kvtier.testing.conformance import (
     CaseSkipped,
     ConformanceError,
     ConformanceReport,
+    PageSource,
     check_backend,
     conformance_cases,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "CaseSkipped",
     "ConformanceError",
     "ConformanceReport",
+    "PageSource",
     "check_backend",
     "conformance_cases",
 ]

@@ -1,13 +1,12 @@
 """The conformance cases: one function per rule of :mod:`kvtier.backend`'s contract.
 
 Each case gets a :class:`CaseContext`, opens a fresh (emptied) backend through it, and
-fails with :class:`~kvtier.testing.conformance.ConformanceError` saying what broke.
+fails with :class:`~kvtier.testing.kit.ConformanceError` saying what broke.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import sys
@@ -20,59 +19,8 @@ import numpy as np
 from kvtier.backend import ArenaBackend, Backend, BackendClosedError, Reservation
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
-from kvtier.testing.conformance import (
-    BackendFactory,
-    Case,
-    CaseSkipped,
-    ConformanceError,
-    build,
-)
-
-#: Cases that fill a backend skip it when it holds more pages than this.
-MAX_FILL_PAGES = 4096
-#: Holding the event loop this long in one stretch is tolerated (see loop_not_blocked).
-LOOP_HOLD_FLOOR_S = 0.005
-
-
-def expect(cond: object, what: str) -> None:
-    """Fail the running case with ``what`` unless ``cond`` holds."""
-    if not cond:
-        raise ConformanceError(what)
-
-
-class CaseContext:
-    """What a case works with: fresh backends, random pages and keys, and cleanup."""
-
-    def __init__(self, factory: BackendFactory, *, persistent: bool) -> None:
-        self.factory = factory
-        self.persistent = persistent
-        self.rng = np.random.default_rng(20251129)
-        self._open: list[Backend] = []
-
-    async def backend(self, *, clear: bool = True) -> Backend:
-        """A new backend from the factory, opened, and emptied unless ``clear=False``."""
-        b = await build(self.factory)
-        await b.open()
-        self._open.append(b)
-        if clear:
-            old = await b.keys()
-            if old:
-                await b.delete(old)
-            expect(await b.keys() == [], "keys() not empty after deleting every key")
-        return b
-
-    async def cleanup(self) -> None:
-        """Close every backend the case opened (errors here are not the case's)."""
-        for b in self._open:
-            with contextlib.suppress(Exception):
-                await b.close()
-        self._open.clear()
-
-    def keys(self, n: int) -> list[PageKey]:
-        return [PageKey(self.rng.bytes(16)) for _ in range(n)]
-
-    def pages(self, n: int, page_bytes: int) -> list[np.ndarray]:
-        return [self.rng.integers(0, 256, page_bytes, dtype=np.uint8) for _ in range(n)]
+from kvtier.testing.case import LOOP_HOLD_FLOOR_S, MAX_FILL_PAGES, Case, CaseContext, expect
+from kvtier.testing.kit import CaseSkipped, ConformanceError, build
 
 
 def _empty(b: Backend, n: int) -> list[np.ndarray]:

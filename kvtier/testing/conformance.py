@@ -26,113 +26,40 @@ case starts by deleting every key the backend holds**: point it at scratch space
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from kvtier.backend import Backend
+from kvtier.testing.case import Case
+from kvtier.testing.cases import CASES
+from kvtier.testing.kit import (
+    DEFAULT_CASE_TIMEOUT_S,
+    BackendFactory,
+    CaseResult,
+    CaseSkipped,
+    ConformanceError,
+    ConformanceReport,
+    PageSource,
+    build,
+)
 
-#: A zero-argument callable returning an unopened backend (or an awaitable of one).
-BackendFactory = Callable[[], Backend | Awaitable[Backend]]
-
-#: Seconds one case may take before it counts as a hang.
-DEFAULT_CASE_TIMEOUT_S = 30.0
-
-
-class ConformanceError(AssertionError):
-    """A backend broke a rule of the contract; the message names the case(s) and why."""
-
-
-class CaseSkipped(Exception):
-    """Raised inside a case that does not apply to the backend (with the reason)."""
-
-
-@dataclass(frozen=True)
-class CaseResult:
-    """The outcome of one case that did not fail."""
-
-    name: str
-    skipped: bool
-    detail: str
-    seconds: float
-
-
-@dataclass(frozen=True)
-class ConformanceReport:
-    """What :func:`check_backend` ran: passed and skipped cases, and the time it took."""
-
-    backend: str
-    passed: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def cases_run(self) -> int:
-        return len(self.passed)
-
-
-async def build(factory: BackendFactory) -> Backend:
-    """Call the factory and check it gave an unopened backend."""
-    made = factory()
-    backend = await made if inspect.isawaitable(made) else made
-    if not isinstance(backend, Backend):
-        raise ConformanceError(f"factory returned {type(backend).__name__}, not a kvtier Backend")
-    return backend
-
-
-@dataclass(frozen=True)
-class Case:
-    """One rule of the contract, checked against a fresh backend.
-
-    Attributes:
-        name: short identifier (used as the pytest id).
-        rule: the rule checked, in one sentence.
-        fn: the check; receives a :class:`~kvtier.testing.cases.CaseContext`.
-    """
-
-    name: str
-    rule: str
-    fn: Callable[..., Awaitable[None]]
-
-    def __str__(self) -> str:
-        return self.name
-
-    async def run(
-        self,
-        factory: BackendFactory,
-        *,
-        persistent: bool = False,
-        timeout_s: float = DEFAULT_CASE_TIMEOUT_S,
-    ) -> CaseResult:
-        """Run this case; raises :class:`ConformanceError` naming it when it fails."""
-        from kvtier.testing.cases import CaseContext
-
-        start = time.perf_counter()
-        ctx = CaseContext(factory, persistent=persistent)
-        try:
-            await asyncio.wait_for(self.fn(ctx), timeout_s)
-        except CaseSkipped as exc:
-            return CaseResult(self.name, True, str(exc), time.perf_counter() - start)
-        except ConformanceError as exc:
-            raise ConformanceError(f"{self.name}: {exc}") from exc
-        except TimeoutError:
-            raise ConformanceError(
-                f"{self.name}: did not finish within {timeout_s:g} s (a hang?)"
-            ) from None
-        except Exception as exc:
-            raise ConformanceError(f"{self.name}: unexpected {exc!r}") from exc
-        finally:
-            await ctx.cleanup()
-        return CaseResult(self.name, False, self.rule, time.perf_counter() - start)
+__all__ = [
+    "DEFAULT_CASE_TIMEOUT_S",
+    "BackendFactory",
+    "Case",
+    "CaseResult",
+    "CaseSkipped",
+    "ConformanceError",
+    "ConformanceReport",
+    "PageSource",
+    "build",
+    "check_backend",
+    "conformance_cases",
+]
 
 
 def conformance_cases() -> list[Case]:
     """Every case of the suite, in order (arena-only and persistence cases skip
     themselves where they do not apply)."""
-    from kvtier.testing.cases import CASES
-
     return list(CASES)
 
 
@@ -142,10 +69,12 @@ async def check_backend(
     persistent: bool = False,
     cases: Sequence[Case] | None = None,
     timeout_s: float = DEFAULT_CASE_TIMEOUT_S,
+    pages: PageSource | None = None,
 ) -> ConformanceReport:
     """Run the whole suite (or ``cases``) against backends from ``factory``.
 
-    ``persistent=True`` adds the check that committed pages survive close and reopen.
+    ``persistent=True`` adds the check that committed pages survive close and reopen;
+    ``pages`` replaces the random pages the cases store (see :data:`PageSource`).
     Returns the report when every case passed or skipped; otherwise raises
     :class:`ConformanceError` listing each failed case with its reason.
     """
@@ -157,7 +86,9 @@ async def check_backend(
     failures: list[str] = []
     for case in cases if cases is not None else conformance_cases():
         try:
-            result = await case.run(factory, persistent=persistent, timeout_s=timeout_s)
+            result = await case.run(
+                factory, persistent=persistent, timeout_s=timeout_s, pages=pages
+            )
         except ConformanceError as exc:
             failures.append(str(exc))
             continue

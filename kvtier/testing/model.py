@@ -24,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier.backend import Backend, Reservation
 from kvtier.keys import PageKey
-from kvtier.testing.conformance import BackendFactory, ConformanceError, build
+from kvtier.testing.kit import BackendFactory, ConformanceError, build
 
 T = TypeVar("T")
 

@@ -1,114 +1,152 @@
-"""Links: batched page movers between two tiers, and the priority gate bounding them.
+"""Links: batched page movers between two tiers, chosen per (source, destination) medium.
 
-A :class:`Link` moves a batch of pages from a source tier to space already reserved in a
-destination tier, choosing the copy path by the kinds of the two backends:
+A :class:`Link` moves a batch of pages from a source tier into space already reserved in
+a destination tier. How the bytes reach the destination depends on where they live
+(:class:`~kvtier.backend.Medium`), so the first step is a *reader* registered per medium
+pair (:func:`register_link`); the destination's ``write`` is the second step. Built in:
 
-* arena -> any: the destination writes straight from the source's slot views (zero-copy
-  on the source side);
-* store -> arena: the store reads straight into the reserved slot views (the arena's
-  ``write`` then skips the copy);
-* store -> store: through staging buffers allocated per batch.
+* ``host`` arena -> anything: the destination writes straight from the source's slot
+  views (zero-copy on the source side);
+* a store or a ``device`` arena -> a ``host`` arena: the source reads straight into the
+  reserved slot views (the arena's ``write`` then skips the copy);
+* ``file`` -> ``device`` (the GPUDirect Storage path): a store that reads into device
+  memory (``reads_to_device``) fills the reserved device slots directly; others read into
+  one host staging buffer per batch;
+* anything else: through host staging buffers allocated per batch.
 
 Each backend call covers the whole batch (one executor hop per batch, never per page).
-Every transfer reports pages, bytes and seconds to the metrics, so bandwidth per link
-comes free. A link never raises for I/O trouble: failures are per-page ``False`` results
-and the failing tier is marked (logged once per outage).
-
-The :class:`PriorityGate` bounds the batches in flight on a link and hands free slots to
-waiters by priority: demand fetch, then prefetch, then eviction / write-down.
+:meth:`Link.transfer` returns a :class:`TransferResult` carrying pages, bytes and seconds,
+and records them in the metrics, so bandwidth per link comes free. A link never raises
+for I/O trouble: failures are per-page ``False`` results and the failing tier is marked
+(logged once per outage). :class:`~kvtier.transfer.gate.PriorityGate` bounds the batches
+in flight on each link.
 """
 
 from __future__ import annotations
 
-import asyncio
-import heapq
-import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from enum import IntEnum
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvtier.backend import Reservation
+from kvtier.backend import ArenaBackend, Backend, Medium, Reservation
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.metrics import CacheMetrics
+from kvtier.transfer.gate import QUEUE_NAMES, Priority, PriorityGate
 from kvtier.transfer.tier import Tier
 
+__all__ = [
+    "QUEUE_NAMES",
+    "Link",
+    "Priority",
+    "PriorityGate",
+    "Reader",
+    "TransferResult",
+    "reader_for",
+    "register_link",
+]
 
-class Priority(IntEnum):
-    """Queue priorities: lower runs first."""
+#: Reads a batch out of ``src`` for reservations of ``dst``: one buffer per page (``None``
+#: where the source does not give it). Raises for a call that failed as a whole.
+Reader = Callable[
+    [Backend, Backend, Sequence[PageKey], Sequence[Reservation]], Awaitable[list[Any | None]]
+]
 
-    FETCH = 0
-    PREFETCH = 1
-    EVICT = 2
-
-
-QUEUE_NAMES = {Priority.FETCH: "fetch", Priority.PREFETCH: "prefetch", Priority.EVICT: "evict"}
+_READERS: dict[tuple[str, str], Reader] = {}
 
 
-class PriorityGate:
-    """At most ``slots`` holders at once; waiters are served lowest priority value first
-    (FIFO within a priority). Cancel-safe: a waiter cancelled after being granted a slot
-    gives it back."""
+def register_link(src_medium: str, dst_medium: str, reader: Reader) -> None:
+    """Use ``reader`` for batches from a ``src_medium`` backend to a ``dst_medium`` one
+    (``"*"`` as the destination matches any). The most specific pair wins: (source
+    medium, destination medium), then (source kind, destination medium), then (source
+    kind, destination kind), then (source kind, ``"*"``); kinds are ``arena``/``store``."""
+    _READERS[(str(src_medium), str(dst_medium))] = reader
 
-    def __init__(self, slots: int, metrics: CacheMetrics | None = None) -> None:
-        if slots < 1:
-            raise KVTierUsageError(f"a link needs at least one slot in flight, got {slots}")
-        self.slots = slots
-        self.active = 0
-        self._heap: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
-        self._metrics = metrics
-        self._depth = dict.fromkeys(Priority, 0)
 
-    def depth(self, priority: Priority | None = None) -> int:
-        """Waiters queued (at ``priority``, or all)."""
-        if priority is None:
-            return sum(self._depth.values())
-        return self._depth[priority]
+def reader_for(src: Backend, dst: Backend) -> Reader:
+    """The reader registered for this pair of backends (see :func:`register_link`)."""
+    for pair in (
+        (str(src.medium), str(dst.medium)),
+        (str(src.kind), str(dst.medium)),
+        (str(src.kind), str(dst.kind)),
+        (str(src.kind), "*"),
+    ):
+        reader = _READERS.get(pair)
+        if reader is not None:
+            return reader
+    return _staged
 
-    def _gauge(self, priority: Priority, delta: int) -> None:
-        self._depth[priority] += delta
-        if self._metrics is not None:
-            self._metrics.queue_depth.add(delta, QUEUE_NAMES[priority])
 
-    async def acquire(self, priority: Priority) -> None:
-        if self.active < self.slots and not self._heap:
-            self.active += 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (int(priority), next(self._seq), fut))
-        self._gauge(priority, +1)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted just as we were cancelled: pass it on
-            else:
-                fut.cancel()
-                self._gauge(priority, -1)
-            raise
+async def _from_slots(
+    src: Backend, dst: Backend, keys: Sequence[PageKey], res: Sequence[Reservation]
+) -> list[Any | None]:
+    """A host arena's slot views, no copy."""
+    assert isinstance(src, ArenaBackend)
+    out: list[Any | None] = []
+    for key in keys:
+        slot = src.slot_of(key)
+        out.append(src.view(slot) if slot is not None else None)
+    return out
 
-    def release(self) -> None:
-        while self._heap:
-            prio, _, fut = heapq.heappop(self._heap)
-            if fut.cancelled():
-                continue
-            self._gauge(Priority(prio), -1)
-            fut.set_result(None)  # the slot passes straight to the waiter
-            return
-        self.active -= 1
 
-    @asynccontextmanager
-    async def slot(self, priority: Priority) -> AsyncIterator[None]:
-        await self.acquire(priority)
-        try:
-            yield
-        finally:
-            self.release()
+async def _into_views(
+    src: Backend, dst: Backend, keys: Sequence[PageKey], res: Sequence[Reservation]
+) -> list[Any | None]:
+    """Read straight into the reservations' host views when they all have one."""
+    if not all(r.view is not None for r in res):
+        return await _staged(src, dst, keys, res)
+    targets: list[Any] = [r.view for r in res]
+    got = await src.get(keys, targets)
+    return [t if hit else None for t, hit in zip(targets, got, strict=True)]
+
+
+async def _staged(
+    src: Backend, dst: Backend, keys: Sequence[PageKey], res: Sequence[Reservation]
+) -> list[Any | None]:
+    """Read into host staging buffers allocated for this batch."""
+    staging = np.empty((len(keys), dst.page_bytes), dtype=np.uint8)
+    targets = list(staging)
+    got = await src.get(keys, targets)
+    return [t if hit else None for t, hit in zip(targets, got, strict=True)]
+
+
+async def _file_to_device(
+    src: Backend, dst: Backend, keys: Sequence[PageKey], res: Sequence[Reservation]
+) -> list[Any | None]:
+    """The GPUDirect Storage path: a store that reads into device memory
+    (``reads_to_device = True``) fills the reserved device slots directly; any other store
+    goes through one host staging buffer (the device arena's ``write`` copies it up)."""
+    device_view = getattr(dst, "device_view", None)
+    if not getattr(src, "reads_to_device", False) or device_view is None:
+        return await _staged(src, dst, keys, res)
+    targets: list[Any] = [device_view(r.handle) for r in res]
+    got = await src.get(keys, targets)
+    return [t if hit else None for t, hit in zip(targets, got, strict=True)]
+
+
+register_link(Medium.HOST, "*", _from_slots)
+register_link("arena", "*", _from_slots)
+register_link(Medium.DEVICE, Medium.HOST, _into_views)
+register_link(Medium.DEVICE, "*", _staged)
+register_link("store", Medium.HOST, _into_views)
+register_link(Medium.FILE, Medium.DEVICE, _file_to_device)
+register_link("store", "store", _staged)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What one batch moved: per-page results, and the bytes and seconds it took."""
+
+    ok: list[bool]
+    bytes: int
+    seconds: float
+
+    @property
+    def pages(self) -> int:
+        return sum(self.ok)
 
 
 class Link:
@@ -127,50 +165,34 @@ class Link:
         self.name = f"{src.name}->{dst.name}"
         self.metrics = metrics
         self.gate = PriorityGate(max_inflight, metrics)
+        self.reader = reader_for(src.backend, dst.backend)
 
     async def transfer(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation]
-    ) -> list[bool]:
-        """Copy each page into its reservation (``write``, not commit); per-page results.
+    ) -> TransferResult:
+        """Copy each page into its reservation (``write``, not commit).
 
         Never raises for I/O failures (they are ``False`` and mark the tier that failed);
         usage errors (wrong buffers) propagate, since they are bugs.
         """
         n = len(keys)
         if n == 0:
-            return []
+            return TransferResult([], 0, 0.0)
         page_bytes = self.dst.backend.page_bytes
         start = time.perf_counter()
         ok = [False] * n
-        bufs: list[Any] = [None] * n
-        readable = [False] * n
+        bufs: list[Any | None] = [None] * n
         try:
-            if self.src.is_arena:
-                arena = self.src.arena
-                for i, key in enumerate(keys):
-                    slot = arena.slot_of(key)
-                    if slot is not None:
-                        bufs[i] = arena.view(slot)
-                        readable[i] = True
-            else:
-                if self.dst.is_arena and all(r.view is not None for r in reservations):
-                    targets: list[Any] = [r.view for r in reservations]
-                else:
-                    staging = np.empty((n, page_bytes), dtype=np.uint8)
-                    targets = list(staging)
-                got = await self.src.backend.get(keys, targets)
-                for i, hit in enumerate(got):
-                    if hit:
-                        bufs[i] = targets[i]
-                        readable[i] = True
-                self._health(self.src, "get", n - sum(got), n)
+            bufs = await self.reader(self.src.backend, self.dst.backend, keys, reservations)
+            if not self.src.is_arena:
+                self._health(self.src, "get", sum(b is None for b in bufs), n)
         except KVTierUsageError:
             raise
         except Exception as exc:  # a failing tier is a miss, never a crash
             self.src.record_failure("get", n, exc)
             self.metrics.failed.inc(self.src.name, by=n)
-            readable = [False] * n
-        idx = [i for i in range(n) if readable[i]]
+            bufs = [None] * n
+        idx = [i for i in range(n) if bufs[i] is not None]
         if idx:
             try:
                 written = await self.dst.backend.write(
@@ -185,11 +207,11 @@ class Link:
                 self.dst.record_failure("write", len(idx), exc)
                 self.metrics.failed.inc(self.dst.name, by=len(idx))
         moved = sum(ok)
-        seconds = time.perf_counter() - start
-        self.metrics.record_transfer(self.name, moved, moved * page_bytes, seconds)
+        result = TransferResult(ok, moved * page_bytes, time.perf_counter() - start)
+        self.metrics.record_transfer(self.name, moved, result.bytes, result.seconds)
         if moved < n:
             self.metrics.link_failed.inc(self.name, by=n - moved)
-        return ok
+        return result
 
     def _health(self, tier: Tier, op: str, failed: int, total: int) -> None:
         if failed:

@@ -1,22 +1,25 @@
-"""A tier: one backend instance with its capacity, watermarks and eviction policy.
+"""A tier at run time: one opened backend with its limits, eviction policy and health.
 
-The :class:`Tier` holds what the pipeline needs to decide about one level of the
-hierarchy; it moves no bytes itself. Page counts come from the directory (the single
-source of truth); ``claimed`` counts room promised to batches that have not reserved yet,
-so two batches never count the same free slot. Health tracking turns a failing backend
-into one warning per outage (and one info line on recovery), not one line per page.
+The :class:`Tier` holds what the mover needs about one level of the hierarchy; it moves
+no bytes and decides nothing (the planner decides from its limits and policy). Page
+counts come from the directory (the single source of truth); ``claimed`` counts room
+promised to batches that have not reserved yet, so two batches never count the same free
+slot. Health tracking turns a failing backend into one warning per outage (and one info
+line on recovery), not one line per page.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
 from kvtier.config import TierConfig
+from kvtier.health import Outage
+from kvtier.index.directory import Directory, PageState
+from kvtier.keys import PageKey
 from kvtier.log import get_logger
+from kvtier.plan.limits import TierLimits
 from kvtier.policy.base import EvictionPolicy
 
 _log = get_logger("kvtier.tier")
@@ -31,12 +34,13 @@ class Tier:
         config: the tier's configuration.
         backend: the backend instance (opened by the cache).
         policy: its eviction policy.
-        capacity_pages: pages the backend can hold.
-        high_pages: past this many pages, eviction starts (at least 1).
-        low_pages: eviction brings the tier down to this many pages.
+        limits: capacity and watermarks in pages (also as ``capacity_pages``,
+            ``high_pages``, ``low_pages``).
         claimed: pages of room promised to batches that have not reserved them yet.
         reserving: pages the pipeline has reserved here and not yet committed or aborted
             (reservations taken outside the pipeline are not counted: they are held).
+        leaving: evicting pages the evictor has decided to drop from here (see
+            :meth:`stays`).
     """
 
     def __init__(
@@ -51,17 +55,34 @@ class Tier:
         self.config = config
         self.backend = backend
         self.policy = policy
-        self.capacity_pages = backend.capacity_pages
-        self.high_pages = max(1, math.floor(config.high_watermark * self.capacity_pages + 1e-9))
-        self.low_pages = min(
-            self.high_pages, max(0, math.floor(config.low_watermark * self.capacity_pages + 1e-9))
+        self.limits = TierLimits.of(
+            backend.capacity_pages, config.high_watermark, config.low_watermark
         )
         self.claimed = 0
         self.reserving = 0
-        self.healthy = True
-        self.outage_started: float | None = None
-        self.outage_failures = 0
+        self.leaving: set[PageKey] = set()
+        self.outage = Outage()
         self._waiters: list[asyncio.Future[None]] = []
+
+    def stays(self, key: PageKey, directory: Directory) -> bool:
+        """Whether ``key``, being evicted from this tier, will still be here for a load
+        that pins it now (the evictor has not yet decided it leaves)."""
+        return directory.state(key, self.name) is PageState.EVICTING and key not in self.leaving
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages the backend can hold."""
+        return self.limits.capacity
+
+    @property
+    def high_pages(self) -> int:
+        """Past this many pages eviction starts."""
+        return self.limits.high
+
+    @property
+    def low_pages(self) -> int:
+        """Eviction brings the tier down to this many pages."""
+        return self.limits.low
 
     @property
     def is_arena(self) -> bool:
@@ -98,12 +119,14 @@ class Tier:
 
     # -- health --------------------------------------------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """Whether no outage is open (the last call that reached the backend worked)."""
+        return self.outage.healthy
+
     def record_failure(self, op: str, pages: int, cause: Any = None) -> None:
         """A call failed for ``pages`` pages; logs a warning only when an outage starts."""
-        self.outage_failures += pages
-        if self.healthy:
-            self.healthy = False
-            self.outage_started = time.monotonic()
+        if self.outage.failed(pages):
             _log.warning(
                 "tier failing: its pages are treated as misses",
                 tier=self.name,
@@ -114,17 +137,12 @@ class Tier:
 
     def record_success(self) -> None:
         """A call moved pages again; logs once when an outage ends."""
-        if not self.healthy:
-            took = time.monotonic() - (self.outage_started or time.monotonic())
+        ended = self.outage.succeeded()
+        if ended is not None:
+            took, failed = ended
             _log.info(
-                "tier recovered",
-                tier=self.name,
-                outage_s=round(took, 3),
-                failed_pages=self.outage_failures,
+                "tier recovered", tier=self.name, outage_s=round(took, 3), failed_pages=failed
             )
-            self.healthy = True
-            self.outage_started = None
-            self.outage_failures = 0
 
     def describe(self) -> dict[str, Any]:
         """Plain-data summary (for inspection)."""

@@ -15,8 +15,10 @@
   segment disappears when it closes).
 
 Clients' transfer engines (the pool's and every store's) listen on all interfaces on
-ports of their choosing; Mooncake 0.3.13 has no setting to bind TCP transfers to one
-address (``MC_RDMA_BIND_ADDRESS`` covers RDMA only).
+ports of their choosing (an RPC listener and the TCP transport's): Mooncake 0.3.13 has no
+setting to bind them to one address (``MC_RDMA_BIND_ADDRESS`` covers RDMA only,
+``MC_TCP_BIND_ADDRESS`` does not move the listeners, ``MC_LEGACY_RPC_PORT_BINDING=1``
+breaks the TCP handshake). Everything else this deployment starts listens on 127.0.0.1.
 
 Leaving the ``with`` block stops both (SIGTERM, then SIGKILL).
 """

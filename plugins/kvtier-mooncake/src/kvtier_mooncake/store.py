@@ -12,7 +12,10 @@ page that failed verification forever. Uncommitted pages exist only in this proc
 
 **Removal and leases.** A read grants a lease (the master's ``default_kv_lease_ttl``,
 10 s by default) during which removal fails. :meth:`MooncakeStore.delete` retries such
-keys until ``op_timeout_s``; what is still leased then answers ``False``.
+keys until ``op_timeout_s``; what is still leased then answers ``False``. A read that
+outlasts its lease (``LEASE_EXPIRED``: a slow transfer under load) is retried once in the
+same hop, under a new lease; if it fails again it is a miss and the page is *kept* (only
+``OBJECT_NOT_FOUND`` means a page is gone).
 
 **Listing.** Mooncake cannot list keys, so :meth:`keys` answers the keys this process
 committed that still exist; pages do not survive a reopen in the index (they may still be
@@ -36,10 +39,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-from kvtier.backends.remote_health import Health
 
-from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.backend import Medium, Reservation, StoreBackend, check_buffers
 from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
+from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
 
@@ -54,6 +57,9 @@ OBJECT_ALREADY_EXISTS = -705
 #: A read that outlasted its lease fails with this: the lease must exceed the slowest
 #: batch transfer (``read_pages`` pages), or large pages on a slow link are misses.
 LEASE_EXPIRED = -707
+#: Prefix of a read problem that says nothing about the page (an error code other than
+#: OBJECT_NOT_FOUND, e.g. an expired lease twice): a miss that keeps the page.
+TRANSIENT = "transient:"
 
 #: Copies out of the read slots at least this large run on the executor (design invariant
 #: 7); smaller ones run inline, where an executor hop would cost more than the copy.
@@ -138,6 +144,8 @@ class MooncakeStore(StoreBackend):
     ``op_timeout_s``.
     """
 
+    medium: ClassVar[Medium] = Medium.NETWORK
+
     default_io_threads: ClassVar[int] = 2
     shared: ClassVar[bool] = True  # one pool, many servers
     #: Pause between removal attempts of keys still under a read lease.
@@ -167,6 +175,7 @@ class MooncakeStore(StoreBackend):
         self._hops: set[asyncio.Task[Any]] = set()  # executor calls not finished yet
         self.health = Health(f"mooncake://{self.options['master']}", log)
         self.checksum_failures = 0
+        self.transient_read_failures = 0
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -588,6 +597,8 @@ class MooncakeStore(StoreBackend):
                         ok[i] = True
                     elif problem == "absent":
                         self._committed.discard(keys[i])
+                    elif problem.startswith(TRANSIENT):  # a miss; the page stays
+                        self.transient_read_failures += 1
                     else:
                         self.checksum_failures += 1
                         log.warning("mooncake page %s failed verification: %s",
@@ -603,15 +614,29 @@ class MooncakeStore(StoreBackend):
         """Fetch ``keys`` into the first read slots and verify them (worker thread): per
         key ``None`` when the slot holds the verified page, else ``"absent"`` or what
         failed verification."""
-        got = client.batch_get_into(
-            [self.name(k) for k in keys],
-            [reads.ptr(j) for j in range(len(keys))],
-            [self._slot_bytes] * len(keys),
+        got = list(
+            client.batch_get_into(
+                [self.name(k) for k in keys],
+                [reads.ptr(j) for j in range(len(keys))],
+                [self._slot_bytes] * len(keys),
+            )
         )
+        expired = [j for j, code in enumerate(got) if code == LEASE_EXPIRED]
+        if expired:  # a transfer outlived its lease: once more, under a new lease
+            again = client.batch_get_into(
+                [self.name(keys[j]) for j in expired],
+                [reads.ptr(j) for j in expired],
+                [self._slot_bytes] * len(expired),
+            )
+            for j, code in zip(expired, again, strict=True):
+                got[j] = code
         problems: list[str | None] = []
         for j, key in enumerate(keys):
-            if got[j] < 0:
+            if got[j] == OBJECT_NOT_FOUND:
                 problems.append("absent")
+                continue
+            if got[j] < 0:
+                problems.append(f"{TRANSIENT}{got[j]}")
                 continue
             slot = reads.view(j)
             try:
@@ -687,7 +712,10 @@ class MooncakeStore(StoreBackend):
             master=self.options["master"],
             outages=self.health.outages,
             failed_batches=self.health.failed_batches,
+            down=self.health.down,
+            down_reason=self.health.reason,
             checksum_failures=self.checksum_failures,
+            transient_read_failures=self.transient_read_failures,
         )
         return out
 

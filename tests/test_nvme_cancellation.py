@@ -1,4 +1,4 @@
-"""Review findings on the NVMe store: I/O that outlives a cancelled caller.
+"""The NVMe store under cancellation: I/O that outlives a cancelled caller.
 
 A worker thread cannot be stopped: when a caller of ``write``/``get``/``put`` is cancelled,
 the page I/O it started keeps running. These tests hold such I/O on a gate (the real
@@ -205,26 +205,6 @@ async def test_a_reserve_cancelled_while_its_slab_is_made_takes_no_space(
         assert await s.put([key(3), key(4)], [page(3), page(4)]) == [True, True]
 
 
-async def test_pages_of_a_missing_slab_file_are_dropped_and_can_be_stored_again(
-    tmp_path: Path,
-) -> None:
-    from kvtier.backends.nvme_slabs import slab_path
-
-    root = tmp_path / "s"
-    opts: dict[str, object] = {"slab_bytes": 2 * (PAGE + BLOCK), "engine": "posix"}
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=8, path=root, **opts) as s:  # type: ignore[arg-type]
-        assert all(await s.put([key(i) for i in range(4)], [page(i) for i in range(4)]))
-    slab_path(root, 1).unlink()  # slots 2 and 3 lived there
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=8, path=root, **opts) as s:  # type: ignore[arg-type]
-        outs = [np.empty(PAGE, np.uint8) for _ in range(4)]
-        assert await s.get([key(i) for i in range(4)], outs) == [True, True, False, False]
-        # Gone for good: not reported present, so the page can be stored again.
-        assert await s.contains([key(2), key(3)]) == [False, False]
-        assert await s.put([key(2)], [page(2)]) == [True]
-        assert await s.get([key(2)], outs[:1]) == [True]
-        np.testing.assert_array_equal(outs[0], page(2))
-
-
 async def test_a_cancelled_open_releases_the_store(tmp_path: Path) -> None:
     s = NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s", engine="posix")
     real_open = s._open_blocking
@@ -267,65 +247,3 @@ async def test_a_cancelled_close_leaves_the_store_open_and_closable(tmp_path: Pa
     await s.close()
     async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=tmp_path / "s") as again:
         assert await again.keys() == [key(1)]
-
-
-async def test_a_writer_shut_out_by_a_verify_is_told_so(tmp_path: Path) -> None:
-    from kvtier.backends.nvme_index import StoreLock
-
-    root = tmp_path / "s"
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
-        await s.put([key(1)], [page(1)])
-    verifying = StoreLock(root, exclusive=False)  # what inspect store --verify holds
-    try:
-        with pytest.raises(StoreLockedError, match=r"being verified.*--verify") as info:
-            await NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root).open()
-        assert "holder pid" not in str(info.value)  # that pid is the last writer, long gone
-    finally:
-        verifying.release()
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
-        assert await s.keys() == [key(1)]
-
-
-async def test_a_new_slab_files_directory_entry_is_made_durable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Data made durable in a file whose name is not is lost on power loss: creating a
-    slab syncs the directory that holds it before any page in it can be committed."""
-    import os
-
-    synced: list[int] = []
-    real_fsync = os.fsync
-
-    def recording_fsync(fd: int) -> None:
-        synced.append(os.fstat(fd).st_ino)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording_fsync)
-    root = tmp_path / "s"
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=4, path=root) as s:
-        assert await s.put([key(1)], [page(1)]) == [True]
-    assert (root / "slabs").stat().st_ino in synced
-    assert root.stat().st_ino in synced  # where the slabs directory itself was made
-
-
-async def test_slots_of_a_failed_delete_still_count_against_capacity(tmp_path: Path) -> None:
-    import sqlite3
-
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=2, path=tmp_path / "s") as s:
-        assert await s.put([key(1), key(2)], [page(1), page(2)]) == [True, True]
-        assert s._index is not None
-        real_delete = s._index.delete
-
-        def failing_delete(keys: object) -> None:
-            raise sqlite3.OperationalError("disk I/O error")
-
-        s._index.delete = failing_delete  # type: ignore[method-assign]
-        assert await s.delete([key(1)]) == [True]
-        s._index.delete = real_delete  # type: ignore[method-assign]
-        # The row is still on disk and its slot still taken (until reopen): full.
-        assert s.used_pages() == 2
-        assert await s.put([key(3)], [page(3)]) == [False]
-        assert s.layout is not None
-        assert len(list((tmp_path / "s" / "slabs").iterdir())) * s.layout.slots_per_slab <= 2
-    async with NvmeStore(page_bytes=PAGE, capacity_pages=2, path=tmp_path / "s") as s:
-        assert sorted(await s.keys()) == [key(1), key(2)]  # the delete never reached disk

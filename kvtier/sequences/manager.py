@@ -1,41 +1,12 @@
-"""The sequence manager an inference engine drives: block tables on top of a KVCache.
-
-One :class:`SequenceManager` serves one namespace (one model's KV). It owns a *working
-pool*: slots of the cache's top tier (an arena) reserved at open under private keys,
-never committed, so the directory counts them as used but no lookup, eviction or
-write-down ever sees them. Running sequences write their KV there. A page is stored in
-the cache (published: visible to lookups, free to move down the hierarchy) only once it
-is full and verified, and its working slot then goes back to the pool. Hence the
-speculative-decoding guarantee: unverified tokens never leave the working pool, and a
-rollback frees them by giving their slots back.
-
-Operations (all checked; bad input raises a :class:`~kvtier.errors.KVTierUsageError`
-subclass naming the problem):
-
-* :meth:`create`, :meth:`adopt_prefix` (start from the longest cached prefix),
-  :meth:`append` (tokens + their KV; chunked prefill is a series of
-  appends: every full verified page is stored right away, so it may move down while
-  later chunks run), :meth:`fork` (copy-on-write), :meth:`free`;
-* :meth:`snapshot` / :meth:`rollback` / :meth:`commit` (see
-  :mod:`kvtier.index.block_table`);
-* :meth:`ensure_resident`: one batched load of every stored page the sequences need into
-  the top tier, pinned until :meth:`release`; returns the packed int32 table. A page no
-  tier can give back raises :class:`PageFaultError` naming it (nothing stays pinned, no
-  partial table is returned); no room for the pages (all pinned) raises
-  :class:`~kvtier.errors.CapacityError`.
-
-:class:`VersionedGroup` keeps several managers (a target model and its draft model, each
-with its own cache and namespace) in step: one snapshot, rollback or commit covers all.
-"""
+"""The sequence manager: block tables of one namespace on top of a KVCache (see
+:mod:`kvtier.sequences`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,108 +21,19 @@ from kvtier.index.block_table import (
     SlotPool,
     check_token_ids,
 )
-from kvtier.index.directory import Directory
-from kvtier.keys import KEY_BYTES, ROOT_KEY, Namespace, PageKey, page_keys
+from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.log import get_logger
+from kvtier.sequences.types import (
+    WORKING_KEYS,
+    WORKING_NAMESPACE,
+    PageCache,
+    PageFaultError,
+    ResidentBatch,
+    SequenceStats,
+)
 from kvtier.spec import KVSpec
 
 _log = get_logger("kvtier.sequences")
-
-#: Namespace label recorded for working-pool reservations (visible in the directory).
-WORKING_NAMESPACE = "kvtier-working-pool"
-_WORKING_TAG = b"\xffkvtier-wk"  # private keys: tag + counter; never a content hash prefix
-
-
-class PageCache(Protocol):
-    """What the manager needs of :class:`kvtier.cache.KVCache` (the facade satisfies it)."""
-
-    spec: KVSpec
-    namespace: Namespace
-    directory: Directory
-
-    @property
-    def tiers(self) -> Sequence[Any]:
-        """Tiers, top first; each has ``name`` and ``backend``."""
-
-    def release(self, keys: Sequence[PageKey]) -> Any:
-        """Unpin keys pinned by :meth:`load` (the result may be awaited)."""
-
-    async def store_pages(
-        self,
-        keys: Sequence[PageKey],
-        pages: Any,
-        parents: Sequence[PageKey | None] | None = None,
-    ) -> list[bool]:
-        """Store pages under explicit keys in the top tier."""
-
-    async def lookup(self, tokens: Any) -> Any:
-        """The longest cached prefix of ``tokens`` (``.keys``)."""
-
-    async def load(self, keys: Sequence[PageKey], pin: bool = True) -> Any:
-        """Bring keys to the top tier (``.slots``, ``.missing``), pinned."""
-
-    async def reserve_private(
-        self, keys: Sequence[PageKey], namespace: str = ""
-    ) -> list[Reservation]:
-        """Top-tier slots never committed (making room per policy); ``CapacityError``
-        when there is none."""
-
-    async def release_private(self, reservations: Sequence[Reservation]) -> None:
-        """Give slots taken by :meth:`reserve_private` back."""
-
-
-class PageFaultError(TierIOError):
-    """Pages a sequence needs could not be brought back to the top tier.
-
-    Attributes:
-        missing: for each sequence id, the logical page numbers that are lost (the engine
-            recomputes them, e.g. after :meth:`SequenceManager.truncate`).
-    """
-
-    def __init__(self, missing: dict[int, list[int]]) -> None:
-        self.missing = missing
-        detail = "; ".join(f"sequence {s}: pages {pages}" for s, pages in missing.items())
-        super().__init__(f"page fault could not bring back {detail}")
-
-
-@dataclass
-class ResidentBatch:
-    """What :meth:`SequenceManager.ensure_resident` hands out.
-
-    The table stays valid (its slots pinned or held by the working pool) until
-    :meth:`SequenceManager.release`, as long as these sequences are not changed meanwhile
-    (an append, rollback, commit, truncate or free may reuse working slots).
-
-    Attributes:
-        seq_ids: the sequences, in table row order.
-        block_table: int32 ``[len(seq_ids), max_pages]`` of top-tier slots, padded -1.
-        seq_lens: tokens of each sequence.
-        pinned: stored keys pinned for this batch (given back by ``release``).
-    """
-
-    seq_ids: list[int]
-    block_table: np.ndarray
-    seq_lens: list[int]
-    pinned: list[PageKey] = field(default_factory=list)
-    released: bool = False
-
-
-@dataclass
-class SequenceStats:
-    """Counters of one manager (plain data)."""
-
-    pages_published: int = 0
-    publish_failures: int = 0
-    pages_adopted: int = 0
-    rollbacks: int = 0
-    pages_discarded: int = 0
-    cow_copies: int = 0
-    resident_calls: int = 0
-    pages_loaded: int = 0
-    fault_errors: int = 0
-
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
 
 class SequenceManager:
@@ -164,8 +46,6 @@ class SequenceManager:
         working_pages: slots of the top tier reserved for running sequences.
         max_tokens: longest sequence allowed (``None``: unbounded).
     """
-
-    _key_counter = itertools.count(1)
 
     def __init__(self, cache: PageCache, working_pages: int, max_tokens: int | None = None) -> None:
         if isinstance(working_pages, bool) or not isinstance(working_pages, int):
@@ -207,10 +87,7 @@ class SequenceManager:
         return self
 
     async def _reserve_pool(self) -> None:
-        keys = [
-            PageKey(_WORKING_TAG + next(self._key_counter).to_bytes(KEY_BYTES - 10, "big"))
-            for _ in range(self.working_pages)
-        ]
+        keys = [WORKING_KEYS.next() for _ in range(self.working_pages)]
         try:
             got = await self.cache.reserve_private(keys, WORKING_NAMESPACE)
         except CapacityError as exc:
@@ -516,131 +393,3 @@ class SequenceManager:
             raise AssertionError(
                 f"working slots in use {sorted(tables.pool.used())} != held {sorted(used)}"
             )
-
-
-class VersionedGroup:
-    """Several managers (e.g. ``{"target": ..., "draft": ...}``) versioned together.
-
-    Sequence ids are the group's own; each maps to one sequence per manager. Every
-    operation applies to all managers; a version covers all of them.
-    """
-
-    def __init__(self, managers: Mapping[str, SequenceManager]) -> None:
-        if not managers:
-            raise KVTierUsageError("VersionedGroup needs at least one manager")
-        self.managers = dict(managers)
-        self._seqs: dict[int, dict[str, int]] = {}
-        self._versions: dict[tuple[int, int], dict[str, int]] = {}
-        self._ids = itertools.count(1)
-
-    def _members(self, seq_id: int) -> dict[str, int]:
-        try:
-            return self._seqs[seq_id]
-        except (KeyError, TypeError):
-            raise KVTierUsageError(f"unknown sequence id {seq_id!r} in this group") from None
-
-    def create(self) -> int:
-        gid = next(self._ids)
-        self._seqs[gid] = {name: m.create() for name, m in self.managers.items()}
-        return gid
-
-    def member(self, seq_id: int, name: str) -> int:
-        """The id of ``seq_id`` in manager ``name``."""
-        return self._members(seq_id)[name]
-
-    async def append(self, seq_id: int, tokens: Any, kv: Mapping[str, Any]) -> None:
-        """Append ``tokens`` to every member, ``kv[name]`` being manager ``name``'s KV.
-
-        All-or-nothing across managers: bad input or a full working pool in any of them
-        raises before any changes (every manager's lock is held from check to write)."""
-        members = self._members(seq_id)
-        if set(kv) != set(members):
-            raise KVTierUsageError(f"kv must be given for {sorted(members)}, got {sorted(kv)}")
-        work = [(self.managers[name], s, kv[name]) for name, s in members.items()]
-        async with self._all_locked():
-            ready = [(m, s, *m._prepare_append(s, tokens, k)) for m, s, k in work]
-            for m, s, ids, t in ready:
-                m._write_append(s, ids, t)
-            for m, s, _, _ in ready:
-                await m._publish(s)
-
-    def fork(self, seq_id: int) -> int:
-        members = self._members(seq_id)
-        gid = next(self._ids)
-        self._seqs[gid] = {name: self.managers[name].fork(s) for name, s in members.items()}
-        for (g, v), per in list(self._versions.items()):
-            if g == seq_id:
-                self._versions[(gid, v)] = dict(per)
-        return gid
-
-    def snapshot(self, seq_id: int) -> int:
-        members = self._members(seq_id)
-        per = {name: self.managers[name].snapshot(s) for name, s in members.items()}
-        vid = next(self._ids)
-        self._versions[(seq_id, vid)] = per
-        return vid
-
-    @contextlib.asynccontextmanager
-    async def _all_locked(self) -> AsyncIterator[None]:
-        """Hold every manager's lock, so that checks and changes across managers are not
-        interleaved with other operations (all-or-nothing group operations)."""
-        locks = {id(m): m._lock for m in self.managers.values()}
-        async with contextlib.AsyncExitStack() as stack:
-            for key in sorted(locks):  # one global order: no deadlock between groups
-                await stack.enter_async_context(locks[key])
-            yield
-
-    def _version(self, seq_id: int, version: int) -> dict[str, int]:
-        per = self._versions.get((seq_id, version))
-        if per is None:
-            raise KVTierUsageError(
-                f"version {version!r} of sequence {seq_id} is not live (already committed "
-                "or rolled back, or never taken)"
-            )
-        return per
-
-    def _take(self, seq_id: int, version: int) -> dict[str, int]:
-        per = self._version(seq_id, version)
-        # consuming a version consumes every newer one of the same sequence
-        for g, v in [k for k in self._versions if k[0] == seq_id and k[1] >= version]:
-            del self._versions[(g, v)]
-        return per
-
-    async def rollback(self, seq_id: int, version: int) -> int:
-        """Roll every manager back to the version, with no await in between (a group
-        snapshot never sees some managers rolled back and others not)."""
-        members = self._members(seq_id)
-        async with self._all_locked():
-            per = self._take(seq_id, version)
-            return sum(
-                self.managers[name]._rollback_tables(s, per[name]) for name, s in members.items()
-            )
-
-    async def commit(self, seq_id: int, version: int, keep: int | None = None) -> int:
-        """Commit the version in every manager. All-or-nothing: what any manager would
-        raise (a bad ``keep``, no working slot for a copy) is raised before any commits,
-        and every table is committed before the first store is awaited (a group snapshot
-        never sees some managers committed and others not)."""
-        members = self._members(seq_id)
-        async with self._all_locked():
-            per = self._version(seq_id, version)
-            for name, s in members.items():
-                self.managers[name].tables.check_commit(s, per[name], keep)
-            self._take(seq_id, version)
-            freed = sum(
-                self.managers[name]._commit_tables(s, per[name], keep)
-                for name, s in members.items()
-            )
-            for name, s in members.items():
-                await self.managers[name]._publish(s)
-        return freed
-
-    async def free(self, seq_id: int) -> int:
-        members = self._members(seq_id)
-        del self._seqs[seq_id]
-        for key in [k for k in self._versions if k[0] == seq_id]:
-            del self._versions[key]
-        freed = 0
-        for name, s in members.items():
-            freed += await self.managers[name].free(s)
-        return freed

@@ -1,0 +1,198 @@
+"""The NVMe store's directory: what may be in it, its identity checks, the errors that
+name what is wrong with it, and the single-writer lock (``fcntl.flock`` on
+``<store>/lock``). :mod:`kvtier.backends.nvme_index` re-exports all of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from kvtier.backends.store_files import (
+    Modes,
+    StorePathError,
+    UnsafeStoreError,
+    check_no_symlink,
+    check_path_text,
+    describe_os_error,
+    make_store_root,
+    open_private,
+    set_mode,
+)
+
+from kvtier.errors import KVTierError, KVTierUsageError
+
+#: Version of the store layout (slabs + index). Stores of a newer version are refused.
+STORE_FORMAT_VERSION = 1
+INDEX_FILE = "index.sqlite"
+LOCK_FILE = "lock"
+#: Files that may sit in a store directory; anything else there means it is not a store.
+_STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
+
+
+class NotAStoreError(KVTierUsageError):
+    """The path exists but is not an NVMe store (and is not an empty directory)."""
+
+
+class StoreVersionError(KVTierUsageError):
+    """The store was written by a newer kvtier (format version too new)."""
+
+
+class StoreLockedError(KVTierError):
+    """Another process (or another open store object) holds the store."""
+
+
+class StoreReadOnlyError(KVTierError):
+    """The store directory cannot be written."""
+
+
+class DamagedStoreError(KVTierError):
+    """The store's index or metadata is damaged beyond what opening repairs by itself
+    (the message says how to rebuild it from the slabs)."""
+
+
+def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> bool:
+    """Check that ``root`` is a store directory; return whether it holds a store already.
+
+    With ``create``, a missing directory (and missing parents) is created private
+    (``modes.dir``, ``0700`` by default). Raises :class:`NotAStoreError` for a file, or a
+    directory with foreign content and no index; :class:`KVTierUsageError` for a missing
+    directory when not creating; :class:`~kvtier.backends.store_files.UnsafeStoreError`
+    when one of the store's own entries (index, its WAL/SHM, lock, slabs) is a symlink or
+    of the wrong type; :class:`~kvtier.backends.store_files.StorePathError` for a path the
+    OS refuses (NUL byte, name too long...).
+    """
+    root = check_path_text(root, "NVMe store")
+    modes = modes or Modes()
+    try:
+        exists = root.exists()
+        if exists and not root.is_dir():
+            raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
+    except OSError as exc:
+        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
+    if not exists:
+        if not create:
+            raise KVTierUsageError(f"no NVMe store at {root}: the directory does not exist")
+        try:
+            make_store_root(root, modes, "NVMe store")
+        except StorePathError as exc:
+            if isinstance(exc.__cause__, OSError) and exc.__cause__.errno in (
+                errno.EROFS,
+                errno.EACCES,
+                errno.EPERM,
+            ):
+                raise StoreReadOnlyError(
+                    f"cannot create store directory {root}: {exc.__cause__.strerror}"
+                ) from exc
+            raise
+        return False
+    check_store_entries(root)
+    if create:
+        set_mode(root, modes.dir)
+    if (root / INDEX_FILE).exists():
+        return True
+    try:
+        names = [p.name for p in root.iterdir()]
+    except OSError as exc:
+        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
+    foreign = sorted(n for n in names if n not in _STORE_FILES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise NotAStoreError(
+            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
+            f"({shown}); pick an empty or new directory"
+        )
+    if not create and not (root / "slabs").is_dir():
+        raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
+    return False
+
+
+def check_store_entries(root: Path) -> None:
+    """Refuse a store whose own files or directories are symlinks or of the wrong type:
+    :class:`~kvtier.backends.store_files.UnsafeStoreError` names the entry."""
+    for name in (INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE):
+        check_no_symlink(root / name, root)
+    if check_no_symlink(root / "slabs", root, want="dir"):
+        try:
+            entries = list(os.scandir(root / "slabs"))
+        except OSError as exc:
+            raise StorePathError(f"NVMe store {root}: slabs: {describe_os_error(exc)}") from exc
+        for entry in entries:
+            if entry.name.startswith("slab-"):
+                check_no_symlink(Path(entry.path), root)
+
+
+class StoreLock:
+    """Exclusive (writer) or shared (inspection) ``flock`` on ``<store>/lock``."""
+
+    def __init__(self, root: Path, exclusive: bool = True, modes: Modes | None = None) -> None:
+        path = root / LOCK_FILE
+        modes = modes or Modes()
+        self._fd = -1
+        if not exclusive:
+            # Readers only need to see a writer's lock; they may sit on read-only media.
+            try:
+                self._fd = open_private(path, os.O_RDONLY, modes, root, fix_mode=False)
+            except FileNotFoundError:
+                return  # never opened for writing: nobody to exclude
+        try:
+            if self._fd < 0:
+                self._fd = open_private(path, os.O_RDWR | os.O_CREAT, modes, root)
+        except UnsafeStoreError:
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise StoreReadOnlyError(
+                    f"NVMe store directory {root} is read-only ({exc.strerror}); "
+                    "the store needs write access"
+                ) from exc
+            raise
+        op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        try:
+            fcntl.flock(self._fd, op)
+        except BlockingIOError:
+            if exclusive and _only_readers(self._fd):
+                os.close(self._fd)
+                raise StoreLockedError(
+                    f"NVMe store {root} is being verified (kvtier inspect store --verify); "
+                    "open it once that is done"
+                ) from None
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise StoreLockedError(
+                f"NVMe store {root} is already open in another process or object "
+                f"(holder pid {holder}); "
+                + (
+                    "a store has one writer at a time"
+                    if exclusive
+                    else "--verify needs it closed (plain inspect works on a live store)"
+                )
+            ) from None
+        if exclusive:
+            try:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as exc:
+                self.release()
+                raise StoreReadOnlyError(
+                    f"NVMe store directory {root} is not writable ({exc.strerror})"
+                ) from exc
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _only_readers(fd: int) -> bool:
+    """Whether the lock on ``fd``'s file is held shared (by inspections), not by a writer:
+    then a shared lock can still be taken (and is dropped again at once)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True

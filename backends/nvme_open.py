@@ -1,0 +1,230 @@
+"""Opening an NVMe store's files: the sequence behind :meth:`NvmeStore.open`.
+
+:func:`open_store` (blocking; run on a worker thread) checks the directory (private
+modes, no symlinks: :mod:`~kvtier.backends.store_files`), takes the writer's lock, opens
+the index, checks its meta record and every row (:mod:`~kvtier.backends.nvme_validate`),
+and returns what the store needs to run. It repairs what it can, loudly:
+
+* an index that is missing, empty or has lost its ``pages`` table while slab files are
+  present is **rebuilt from the slabs** (:mod:`~kvtier.backends.nvme_rebuild`), with a
+  warning, instead of silently starting an empty store over the old slabs;
+* invalid index rows are dropped and their slots quarantined, each logged as an error
+  (the first :data:`~kvtier.backends.nvme_validate.MAX_LISTED`, then a count).
+
+What it cannot repair it refuses with an error that names it: an index file that is not a
+database (:class:`~kvtier.backends.nvme_index.NotAStoreError`), a meta record that does
+not parse (:class:`~kvtier.backends.nvme_index.DamagedStoreError`), a symlink
+(:class:`~kvtier.backends.store_files.UnsafeStoreError`). Everything taken is released
+when it raises.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.backends.nvme_index import (
+    INDEX_FILE,
+    STORE_FORMAT_VERSION,
+    PageRow,
+    StoreIndex,
+    StoreLock,
+    check_store_dir,
+)
+from kvtier.backends.nvme_layout import SlotLayout
+from kvtier.backends.nvme_rebuild import (
+    RebuildResult,
+    has_slab_data,
+    infer_layout,
+    remove_index_files,
+    scan_slabs,
+    write_index,
+)
+from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io
+from kvtier.backends.nvme_validate import (
+    MAX_LISTED,
+    check_index,
+    free_slots,
+    parse_meta,
+    slab_extents,
+)
+from kvtier.backends.store_files import Modes
+
+from kvtier.errors import ConfigError
+from kvtier.log import get_logger
+
+
+def _log() -> Any:
+    return get_logger("kvtier.backends.nvme")
+
+
+@dataclass
+class OpenedStore:
+    """Everything :func:`open_store` took and found."""
+
+    lock: StoreLock
+    index: StoreIndex
+    layout: SlotLayout
+    slabs: SlabFiles
+    direct: bool
+    direct_reason: str | None
+    rows: list[PageRow]
+    quarantined: dict[int, str]
+    free: list[int]
+    hwm: int
+    ready_slabs: set[int]
+    rebuilt: RebuildResult | None
+    dropped_rows: int
+
+    def close(self) -> None:
+        """Release what was taken (when the caller fails after :func:`open_store`)."""
+        self.slabs.close()
+        self.index.close()
+        self.lock.release()
+
+
+def open_store(
+    root: Path,
+    *,
+    page_bytes: int,
+    slab_bytes: int,
+    capacity_pages: int,
+    engine: str,
+    direct_io: bool | str,
+    modes: Modes,
+) -> OpenedStore:
+    """Open (creating, repairing or rebuilding) the store at ``root``; see the module
+    docstring. Raises the store errors named there and :class:`ConfigError` (page size
+    differs from the store's, O_DIRECT required but refused)."""
+    check_store_dir(root, create=True, modes=modes)
+    lock = StoreLock(root, exclusive=True, modes=modes)
+    index: StoreIndex | None = None
+    slabs: SlabFiles | None = None
+    try:
+        index = StoreIndex(root / INDEX_FILE, modes=modes)
+        index, layout, rebuilt = _meta_or_rebuild(
+            root, index, page_bytes, slab_bytes, capacity_pages, modes
+        )
+        index.set_meta({"capacity_pages": capacity_pages, "engine": engine})
+        reason: str | None = "disabled by option"
+        direct, dsync = False, False
+        if direct_io is not False:
+            reason, dsync = probe_direct_io(root, modes)
+            if reason is not None and direct_io is True:
+                raise ConfigError(f"nvme: direct_io=true but {root} refuses it: {reason}")
+            direct = reason is None
+        slabs = SlabFiles(root, layout, direct, dsync=direct and dsync, modes=modes)
+        extents = slab_extents(root, layout)
+        checked = check_index(index.raw_rows(), index.raw_quarantine(), layout, extents)
+        if checked.bad_rows:
+            _report_bad_rows(root, index, checked)
+        used = [r.slot for r in checked.rows] + list(checked.quarantined)
+        free, hwm = free_slots(used, layout, extents)
+        ready = {i for i, n in extents.items() if n >= layout.slots_per_slab}
+    except BaseException:
+        if slabs is not None:
+            slabs.close()
+        if index is not None:
+            index.close()
+        lock.release()
+        raise
+    return OpenedStore(
+        lock,
+        index,
+        layout,
+        slabs,
+        direct,
+        reason,
+        checked.rows,
+        checked.quarantined,
+        free,
+        hwm,
+        ready,
+        rebuilt,
+        checked.bad_rows,
+    )
+
+
+def _meta_or_rebuild(
+    root: Path,
+    index: StoreIndex,
+    page_bytes: int,
+    slab_bytes: int,
+    capacity_pages: int,
+    modes: Modes,
+) -> tuple[StoreIndex, SlotLayout, RebuildResult | None]:
+    """The store's layout from its meta record; a new meta record for a new store; or a
+    rebuilt index when the old one lost its record or its pages but slabs hold data."""
+    meta = parse_meta(index.meta(), root)
+    lost_pages = meta is not None and "pages" not in index.tables_at_open
+    lost_record = meta is None and index.count("pages") > 0
+    if meta is not None and meta.layout.page_bytes != page_bytes:
+        raise ConfigError(
+            f"NVMe store {root} holds pages of {meta.layout.page_bytes} bytes, not "
+            f"{page_bytes}: use another directory for this page size"
+        )
+    if meta is not None and not lost_pages:
+        return index, meta.layout, None
+    if not has_slab_data(root) and not lost_record:
+        if meta is None:  # a new store
+            layout = SlotLayout.for_page(page_bytes, slab_bytes, capacity_pages)
+            index.set_meta(
+                {
+                    "format_version": STORE_FORMAT_VERSION,
+                    "page_bytes": page_bytes,
+                    "slot_bytes": layout.slot_bytes,
+                    "slots_per_slab": layout.slots_per_slab,
+                    "created": time.time(),
+                }
+            )
+            return index, layout, None
+        return index, meta.layout, None  # lost an empty pages table: nothing was lost
+    why = (
+        "has lost its pages table"
+        if lost_pages
+        else "has pages but no format record"
+        if lost_record
+        else "is missing or empty"
+    )
+    layout = meta.layout if meta is not None else infer_layout(root, page_bytes)
+    _log().warning(
+        "nvme.index_rebuilding",
+        path=str(root),
+        reason=f"the index {why} but slab files are present: rebuilding it from the slabs",
+    )
+    result = scan_slabs(root, layout)
+    index.close()
+    remove_index_files(root)
+    index = StoreIndex(root / INDEX_FILE, modes=modes)
+    write_index(index, result, capacity_pages, None)
+    _log().warning(
+        "nvme.index_rebuilt",
+        path=str(root),
+        pages=len(result.rows),
+        damaged_slots=result.damaged_slots,
+        duplicate_slots=result.duplicate_slots,
+        seconds=round(result.seconds, 3),
+    )
+    return index, layout, result
+
+
+def _report_bad_rows(root: Path, index: StoreIndex, checked: Any) -> None:
+    """Log each bad row (the first few) and drop them from the index; a failure to drop
+    them is logged (they are ignored either way)."""
+    for problem in checked.problems:
+        _log().error("nvme.index_row_quarantined", path=str(root), **problem)
+    if checked.bad_rows > MAX_LISTED:
+        _log().error(
+            "nvme.index_rows_quarantined",
+            path=str(root),
+            rows=checked.bad_rows,
+            listed=MAX_LISTED,
+        )
+    try:
+        index.drop_rows(
+            checked.bad_page_rowids, checked.bad_quarantine_rowids, checked.new_quarantine
+        )
+    except Exception as exc:
+        _log().error("nvme.index_repair_failed", path=str(root), error=str(exc))

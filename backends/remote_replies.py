@@ -1,0 +1,113 @@
+"""Replies of the remote store's server, item by item: the marker of an item that got no
+reply, what counts as a failed item, a value checked into page bytes, page names, and a
+deadline for control commands (see :mod:`kvtier.backends.remote`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import IntegrityError
+from kvtier.keys import KEY_BYTES, PageKey
+from kvtier.pageformat import HEADER_SIZE, verify_page
+
+from .remote_datapath import (
+    Fetched,
+    GetItem,
+)
+from .remote_wire import ReplyError
+
+
+class NoReply:
+    """Marks an item whose batch failed or was skipped (``None`` is a real reply)."""
+
+    def __repr__(self) -> str:
+        return "NO_REPLY"
+
+
+NO_REPLY: Any = NoReply()
+
+
+@dataclass
+class Pending:
+    """A reservation between ``reserve`` and ``commit``/``abort``."""
+
+    key: PageKey
+    namespace: str
+    value: np.ndarray | None = None  # payload + header, filled by write()
+    size: int = 0  # payload bytes in value (page_bytes, or less from write_blobs())
+
+
+def describe(exc: BaseException | ReplyError) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def failed(reply: Any) -> bool:
+    """A per-item failure: no reply, a server error, or an exception object."""
+    return reply is NO_REPLY or isinstance(reply, ReplyError | BaseException)
+
+
+def as_reply(reply: Any) -> Any:
+    """A redis-py pipeline reply in the data path's terms (errors become ReplyError)."""
+    if isinstance(reply, BaseException) and not is_connection_error(reply):
+        return ReplyError(str(reply))
+    return reply
+
+
+def check_value(item: GetItem, value: Any, sized: bool) -> Any:
+    """Verify a value fetched through redis-py (after a redirection) and copy it into the
+    item's buffer; the same outcomes as :func:`fetch_pages` (``sized``: a blob of 1 to
+    ``len(item.out)`` bytes)."""
+    if isinstance(value, BaseException):
+        return as_reply(value)
+    if value is None:
+        return (Fetched.ABSENT, "", 0)
+    view, largest = memoryview(value), item.out.nbytes
+    size = len(view) - HEADER_SIZE
+    try:
+        if not (0 < size <= largest if sized else size == largest):
+            raise IntegrityError(f"stored value is {len(view)} bytes, expected "
+                                 f"{'up to ' if sized else ''}{largest + HEADER_SIZE}")  # fmt: skip
+        verify_page(view[size:], item.key, view[:size])
+    except IntegrityError as exc:
+        return (Fetched.BAD, str(exc), 0)
+    item.out[:size] = view[:size]
+    return (Fetched.HIT, "", size)
+
+
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def is_connection_error(reply: Any) -> bool:
+    global _CONNECTION_ERRORS
+    if not isinstance(reply, BaseException):
+        return False
+    if not _CONNECTION_ERRORS:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+    return isinstance(reply, _CONNECTION_ERRORS)
+
+
+def parse_page_name(name: bytes, prefix: bytes) -> PageKey | None:
+    """The key of ``<prefix>{<32 hex>}``, or ``None`` for anything else."""
+    if not name.startswith(prefix) or len(name) != len(prefix) + 2 * KEY_BYTES + 1:
+        return None
+    if not name.endswith(b"}"):
+        return None
+    try:
+        return PageKey(bytes.fromhex(name[len(prefix) : -1].decode()))
+    except ValueError:
+        return None
+
+
+async def with_deadline(aw: Awaitable[None], seconds: float) -> None:
+    async with asyncio.timeout(seconds):
+        await aw

@@ -1,0 +1,196 @@
+"""Input checking of the facade: page keys, parents, namespaces and page buffers.
+
+Everything :class:`~kvtier.cache.KVCache` takes from an engine passes through here first:
+a key that is not a 16-byte page key, a page buffer of the wrong shape, dtype, byte order
+or count, an output buffer that cannot be written, a tensor on a GPU; each raises
+:class:`~kvtier.errors.KVTierUsageError` naming what was wrong (``pages[3]: shape ...``)
+before anything changes. Page buffers come out as 1-D uint8 views (no copy where the
+layout allows), which is what the pipeline and the backends take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.backend import check_buffer
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import KEY_BYTES, Namespace, PageKey
+from kvtier.spec import KVSpec, canonical_dtype
+
+
+def check_key(key: Any, what: str, optional: bool = False) -> PageKey:
+    """``key`` as a page key, or :class:`KVTierUsageError` naming ``what``."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise KVTierUsageError(
+            f"{what} must be a {KEY_BYTES}-byte page key{' or None' if optional else ''}, "
+            f"got {type(key).__name__}"
+            f"{' of ' + str(len(key)) + ' bytes' if isinstance(key, bytes) else ''}"
+        )
+    return PageKey(key)
+
+
+def check_keys(keys: Sequence[Any], what: str = "keys") -> list[PageKey]:
+    """``keys`` as a list of page keys, or :class:`KVTierUsageError` naming the bad one."""
+    if isinstance(keys, bytes | bytearray | str | memoryview):
+        raise KVTierUsageError(
+            f"{what} must be a sequence of page keys, not a single {type(keys).__name__}"
+        )
+    if not isinstance(keys, Sequence | np.ndarray) and not hasattr(keys, "__iter__"):
+        raise KVTierUsageError(f"{what} must be a sequence of page keys, got {type(keys).__name__}")
+    return [check_key(k, f"{what}[{i}]") for i, k in enumerate(keys)]
+
+
+def check_parents(parents: Sequence[Any] | None, n: int) -> list[PageKey | None]:
+    """The parent of each of ``n`` pages (``None`` entries allowed; all ``None`` when
+    ``parents`` is), or :class:`KVTierUsageError` naming the bad one."""
+    if parents is None:
+        return [None] * n
+    if isinstance(parents, bytes | bytearray | str):
+        raise KVTierUsageError(
+            f"parents must be a sequence of page keys, not a single {type(parents).__name__}"
+        )
+    if len(parents) != n:
+        raise KVTierUsageError(f"parents: got {len(parents)} for {n} keys")
+    return [
+        None if p is None else check_key(p, f"parents[{i}]", optional=True)
+        for i, p in enumerate(parents)
+    ]
+
+
+def namespace_label(namespace: Namespace | str | None, default: Namespace) -> str:
+    """The label of ``namespace`` (``default`` when ``None``); :class:`KVTierUsageError`
+    for anything but a :class:`~kvtier.keys.Namespace`, a label string or ``None``."""
+    if isinstance(namespace, Namespace):
+        return namespace.label
+    if namespace is None:
+        return default.label
+    if isinstance(namespace, str):
+        return namespace
+    raise KVTierUsageError(
+        f"namespace must be a Namespace, a label string or None, got {type(namespace).__name__}"
+    )
+
+
+class PageInput:
+    """Page buffers in and out of a cache of ``spec``, checked and viewed as uint8 rows."""
+
+    def __init__(self, spec: KVSpec) -> None:
+        self.spec = spec
+
+    def rows(self, pages: Any, n: int, what: str, writable: bool = False) -> list[np.ndarray]:
+        """``pages`` as ``n`` 1-D uint8 page views (no copy where the layout allows)."""
+        spec = self.spec
+        pb = spec.page_bytes
+        shape_hint = (
+            f"[{n}, {pb}] uint8 or [{n}, {', '.join(map(str, spec.page_shape))}] {spec.dtype}"
+        )
+        if isinstance(pages, list | tuple):
+            if len(pages) != n:
+                raise KVTierUsageError(f"{what}: got {len(pages)} pages for {n} keys")
+            return [self.one_row(p, f"{what}[{i}]", writable) for i, p in enumerate(pages)]
+        arr = self.as_numpy(pages, what, writable)
+        if arr.dtype == np.uint8 and arr.ndim == 2:
+            if arr.shape != (n, pb):
+                raise KVTierUsageError(
+                    f"{what}: shape {tuple(arr.shape)} does not match {shape_hint}"
+                )
+        else:
+            expected = (n, *spec.page_shape)
+            if tuple(arr.shape) != expected:
+                raise KVTierUsageError(
+                    f"{what}: shape {tuple(arr.shape)} does not match {shape_hint}"
+                )
+            arr = arr.view(np.uint8).reshape(n, pb)
+        return list(arr)
+
+    def one_row(self, page: Any, what: str, writable: bool) -> np.ndarray:
+        """One page buffer as a 1-D uint8 view: bytes-like, flat uint8, or page_shape."""
+        if isinstance(page, bytes | bytearray | memoryview):
+            row = check_buffer(page, self.spec.page_bytes, what)
+        else:
+            arr = self.as_numpy(page, what, writable)
+            if arr.dtype != np.uint8 or arr.ndim != 1:
+                if tuple(arr.shape) != self.spec.page_shape:
+                    raise KVTierUsageError(
+                        f"{what}: shape {tuple(arr.shape)} is neither [{self.spec.page_bytes}] "
+                        f"uint8 nor the page shape {list(self.spec.page_shape)}"
+                    )
+                arr = arr.view(np.uint8).reshape(-1)
+            row = check_buffer(arr, self.spec.page_bytes, what)
+        if writable and not row.flags.writeable:
+            raise KVTierUsageError(f"{what} must be writable to receive a page")
+        return row
+
+    def as_numpy(self, obj: Any, what: str, writable: bool) -> np.ndarray:
+        """A C-contiguous numpy view of a numpy array or CPU torch tensor, dtype-checked."""
+        if type(obj).__module__.startswith("torch"):
+            import torch
+
+            if not isinstance(obj, torch.Tensor):
+                raise KVTierUsageError(f"{what}: unsupported type {type(obj).__name__}")
+            if obj.device.type != "cpu":
+                raise KVTierUsageError(
+                    f"{what}: tensor is on {obj.device}; kvtier's facade takes CPU tensors"
+                )
+            if obj.dtype != torch.uint8:
+                self.check_dtype(str(obj.dtype), what)
+            if not obj.is_contiguous():
+                if writable:
+                    raise KVTierUsageError(f"{what}: output tensor must be contiguous")
+                obj = obj.contiguous()
+            flat: np.ndarray = obj.detach().reshape(-1).view(torch.uint8).numpy()
+            # keep the logical shape for the checks, in bytes along the last axis
+            shape = tuple(obj.shape)
+            if obj.dtype == torch.uint8:
+                return flat.reshape(shape)
+            return ByteRows(flat, shape, obj.element_size()).array()
+        if not isinstance(obj, np.ndarray):
+            raise KVTierUsageError(
+                f"{what}: expected a numpy array, a CPU torch tensor or a list of page "
+                f"buffers, got {type(obj).__name__}"
+            )
+        if not obj.dtype.isnative:  # its bytes are not the spec dtype's bytes
+            raise KVTierUsageError(
+                f"{what}: dtype {obj.dtype.str} is not in native byte order; convert it "
+                f"first (.astype({obj.dtype.name!r}))"
+            )
+        if obj.dtype != np.uint8:
+            self.check_dtype(obj.dtype.name, what)
+        if not obj.flags.c_contiguous:
+            if writable:
+                raise KVTierUsageError(f"{what}: output array must be C-contiguous")
+            obj = np.ascontiguousarray(obj)
+        if writable and not obj.flags.writeable:
+            raise KVTierUsageError(f"{what}: output array must be writable")
+        return np.asarray(obj)
+
+    def check_dtype(self, name: str, what: str) -> None:
+        """A dtype (by name) must be the spec's KV dtype."""
+        try:
+            dtype = canonical_dtype(name)
+        except KVTierUsageError:
+            dtype = name
+        if dtype != self.spec.dtype:
+            raise KVTierUsageError(
+                f"{what}: dtype {name} does not match the model's KV dtype {self.spec.dtype} "
+                f"(pass the spec dtype, or raw uint8 page bytes)"
+            )
+
+
+class ByteRows:
+    """Reinterpret a flat byte buffer of a typed tensor with the tensor's logical shape,
+    the last axis in bytes (so shape checks against page_shape still work)."""
+
+    def __init__(self, flat: np.ndarray, shape: tuple[int, ...], itemsize: int) -> None:
+        self.flat = flat
+        self.shape = shape
+        self.itemsize = itemsize
+
+    def array(self) -> np.ndarray:
+        if not self.shape:
+            return self.flat
+        dtype = np.dtype(f"V{self.itemsize}")
+        return self.flat.view(dtype).reshape(self.shape)

@@ -1,0 +1,94 @@
+"""Resolving a configuration: the embedded default, then a source (a TOML file, a dict
+or a :class:`~kvtier.config.model.KVTierConfig`), then the environment."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvtier.config.defaults import ENV_CONFIG_FILE, default_raw
+from kvtier.config.model import KVTierConfig, ResolvedConfig, to_raw, validate_raw
+from kvtier.config.raw import apply_env, check_shape, merge, record
+from kvtier.errors import ConfigError
+
+_MAX_CONFIG_BYTES = 16 << 20
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The TOML table in ``path``; :class:`ConfigError` for a file that is missing,
+    unreadable, not UTF-8 text (binary, UTF-16) or not TOML."""
+    if "\x00" in str(path):
+        raise ConfigError(f"config file path {str(path)!r} contains a NUL byte")
+    try:
+        with path.open("rb") as f:
+            if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {str(path)!r} is larger than 16 MiB")
+            data = f.read()
+        return tomllib.loads(data.decode("utf-8-sig"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (binary, or UTF-16?): cannot decode "
+            f"byte {exc.start}; save it as UTF-8 TOML"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {reason}") from None
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | KVTierConfig | ResolvedConfig | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedConfig:
+    """Resolve a configuration from the default, a source and the environment.
+
+    Args:
+        source: a TOML file path, a file-shaped dict, a :class:`KVTierConfig`, an already
+            resolved config (returned as-is), or ``None`` (then ``$KVTIER_CONFIG`` if set,
+            else the embedded default).
+        env: environment to read ``KVTIER_*`` overrides from (default ``os.environ``; pass
+            ``{}`` to ignore the environment).
+
+    Raises:
+        ConfigError: unknown key, bad value, capacity below one page, unreadable file.
+    """
+    if isinstance(source, ResolvedConfig):
+        return source
+    env = os.environ if env is None else env
+    raw = default_raw()
+    sources: dict[str, str] = {}
+    record(sources, raw, "default")
+    layer: Mapping[str, Any] | None = None
+    origin = "python"
+    if source is None and env.get(ENV_CONFIG_FILE):
+        source = Path(env[ENV_CONFIG_FILE])
+        origin = f"env:{ENV_CONFIG_FILE}"
+    if isinstance(source, str | Path):
+        path = Path(source)
+        layer = read_file(path)
+        origin = f"file:{path}" if origin == "python" else f"{origin}={path}"
+    elif isinstance(source, KVTierConfig):
+        layer = to_raw(source)
+    elif isinstance(source, Mapping):
+        layer = source
+    elif source is not None:
+        raise ConfigError(
+            f"config source must be a path, dict or KVTierConfig, got {type(source).__name__}"
+        )
+    if layer is not None:
+        check_shape(layer, origin)
+        merge(raw, layer, sources, origin)
+    apply_env(raw, env, sources)
+    check_shape(raw, "the environment")
+    return ResolvedConfig(validate_raw(raw, sources), sources)
+
+
+def default_config() -> KVTierConfig:
+    """The embedded default configuration (no file, no environment)."""
+    return load_config(None, env={}).config

@@ -1,0 +1,197 @@
+"""The raw (file-shaped) layer of the configuration: which sections and keys exist,
+merging a layer into another while recording where each value came from, and the
+``KVTIER_*`` environment layer. Everything here works on plain dicts; typing and
+validation happen in :mod:`kvtier.config.model`.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.config.defaults import ENV_PREFIX
+from kvtier.errors import ConfigError
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "preset", "num_layers", "num_kv_heads", "head_dim", "dtype", "page_tokens", "mla", "name",
+    ),
+    "namespace": ("model_id", "revision", "rank"),
+    "pipeline": (
+        "write_policy", "admission", "admission_params", "batch_pages", "max_inflight_per_link",
+        "leaf_first", "background_eviction",
+    ),
+    "log": ("format", "level"),
+}  # fmt: skip
+TIER_KEYS: tuple[str, ...] = (
+    "name",
+    "backend",
+    "capacity",
+    "high_watermark",
+    "low_watermark",
+    "eviction",
+    "eviction_params",
+    "options",
+    "on_open_error",
+    "codec",
+    "codec_params",
+)
+#: Keys whose values are free-form tables passed through (their inner keys are not checked here).
+OPEN_TABLES = ("admission_params", "eviction_params", "options", "codec_params")
+
+
+def flatten(raw: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of ``raw`` (``tiers[i].key`` for tier tables)."""
+    out: list[tuple[str, Any]] = []
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k == "tiers" and not prefix and isinstance(v, list):
+            for i, tier in enumerate(v):
+                out.extend(flatten(tier, f"tiers[{i}]") if isinstance(tier, Mapping) else [])
+        elif isinstance(v, Mapping) and v:
+            out.extend(flatten(v, key))
+        else:
+            out.append((key, v))
+    return out
+
+
+def record(sources: dict[str, str], raw: Mapping[str, Any], origin: str, prefix: str = "") -> None:
+    """Note ``origin`` as the source of every leaf of ``raw``."""
+    for key, _ in flatten(raw, prefix):
+        sources[key] = origin
+
+
+def check_shape(raw: Any, origin: str) -> None:
+    """Reject unknown sections and keys, naming them and where they came from."""
+    where = f" (from {origin})"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"configuration must be a table/dict, got {type(raw).__name__}{where}")
+    for section, body in raw.items():
+        if section == "tiers":
+            if not isinstance(body, list):
+                raise ConfigError(f"tiers: must be a list of tables{where}")
+            for i, tier in enumerate(body):
+                if not isinstance(tier, Mapping):
+                    raise ConfigError(f"tiers[{i}]: must be a table{where}")
+                for k in tier:
+                    if k not in TIER_KEYS:
+                        raise ConfigError(
+                            f"tiers[{i}].{k}: unknown key{where}; known: {', '.join(TIER_KEYS)}"
+                        )
+            continue
+        if section not in SECTIONS:
+            known = ", ".join([*SECTIONS, "tiers"])
+            raise ConfigError(f"{section}: unknown section{where}; known: {known}")
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"{section}: must be a table{where}")
+        for k in body:
+            if k not in SECTIONS[section]:
+                raise ConfigError(
+                    f"{section}.{k}: unknown key{where}; known: {', '.join(SECTIONS[section])}"
+                )
+
+
+def merge(
+    base: dict[str, Any], over: Mapping[str, Any], sources: dict[str, str], origin: str
+) -> None:
+    """Merge ``over`` into ``base`` (a given tier list replaces the default one)."""
+    for section, body in over.items():
+        if section == "tiers":
+            for key in [k for k in sources if k.startswith("tiers[")]:
+                del sources[key]
+            base["tiers"] = copy.deepcopy(list(body))
+            for i, tier in enumerate(body):
+                record(sources, tier, origin, f"tiers[{i}]")
+            continue
+        target = base.setdefault(section, {})
+        if section == "model" and body:
+            # A model given anew replaces the default preset unless it names one itself.
+            explicit = "preset" not in body and any(k != "name" for k in body)
+            if explicit and sources.get("model.preset", "default") == "default":
+                target.pop("preset", None)
+                sources.pop("model.preset", None)
+        for k, v in body.items():
+            target[k] = copy.deepcopy(v)
+            if isinstance(v, Mapping) and v:
+                record(sources, v, origin, f"{section}.{k}")
+            else:
+                sources[f"{section}.{k}"] = origin
+
+
+def _parse_env_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _env_layer(
+    env: Mapping[str, str], tiers: list[dict[str, Any]]
+) -> list[tuple[str, list[str], Any]]:
+    """(variable, path, value) for each ``KVTIER_A__B`` variable, in sorted order."""
+    out: list[tuple[str, list[str], Any]] = []
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        if any(not p for p in parts):
+            raise ConfigError(f"{name}: malformed variable name (empty level)")
+        out.append((name, parts, _parse_env_value(env[name])))
+    return out
+
+
+def apply_env(raw: dict[str, Any], env: Mapping[str, str], sources: dict[str, str]) -> None:
+    """Apply every ``KVTIER_A__B`` variable of ``env`` to ``raw``, recording its source."""
+    for name, parts, value in _env_layer(env, raw.get("tiers", [])):
+        origin = f"env:{name}"
+        section = parts[0]
+        if section == "tiers":
+            if len(parts) < 3:
+                raise ConfigError(f"{name}: use KVTIER_TIERS__<name or index>__<key>")
+            ref, key, rest = parts[1], parts[2], parts[3:]
+            tiers = raw.setdefault("tiers", [])
+            idx = _tier_index(tiers, ref, name)
+            if key not in TIER_KEYS:
+                raise ConfigError(
+                    f"{name}: tiers[{idx}].{key} is not a tier key; known: {', '.join(TIER_KEYS)}"
+                )
+            if rest and key not in OPEN_TABLES:
+                raise ConfigError(f"{name}: tiers[{idx}].{key} is not a table")
+            target = tiers[idx]
+            path = [key, *rest]
+            dotted = f"tiers[{idx}]." + ".".join(path)
+        else:
+            if section not in SECTIONS:
+                known = ", ".join([*SECTIONS, "tiers"])
+                raise ConfigError(f"{name}: unknown section {section!r}; known: {known}")
+            if len(parts) < 2:
+                raise ConfigError(f"{name}: use KVTIER_{section.upper()}__<key>")
+            key, rest = parts[1], parts[2:]
+            if key not in SECTIONS[section]:
+                raise ConfigError(
+                    f"{name}: {section}.{key} is not a key; known: {', '.join(SECTIONS[section])}"
+                )
+            if rest and key not in OPEN_TABLES:
+                raise ConfigError(f"{name}: {section}.{key} is not a table")
+            target = raw.setdefault(section, {})
+            path = [key, *rest]
+            dotted = f"{section}." + ".".join(path)
+        for p in path[:-1]:
+            target = target.setdefault(p, {})
+        target[path[-1]] = value
+        sources[dotted] = origin
+
+
+def _tier_index(tiers: list[dict[str, Any]], ref: str, var: str) -> int:
+    if ref.isdigit():
+        idx = int(ref)
+        if idx >= len(tiers):
+            raise ConfigError(f"{var}: no tier at index {idx} (there are {len(tiers)})")
+        return idx
+    for i, tier in enumerate(tiers):
+        if str(tier.get("name", "")).lower() == ref:
+            return i
+    names = ", ".join(str(t.get("name")) for t in tiers) or "none"
+    raise ConfigError(f"{var}: no tier named {ref!r}; tiers: {names}")

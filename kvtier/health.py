@@ -1,0 +1,200 @@
+"""Health bookkeeping shared by tiers, backends and plugins: say a failure once.
+
+A failing device or server fails every page it is asked for; logging each would bury the
+one line that matters. Three helpers keep logs to one line per episode:
+
+* :class:`LogOnce` answers whether a cause is new (log it) or was seen (only count it);
+* :class:`Outage` tracks one outage at a time: the first failure after a healthy period
+  opens it (log a warning), the first success closes it (log that it ended and how long
+  it lasted);
+* :class:`Health` is the outage tracker of a remote store, with fail-fast probing and
+  refused-write episodes. Plugins (the Mooncake store) use it as the built-in
+  ``redis`` store does.
+
+All of them are owned by the event-loop thread (no locks). Public: third-party backends
+may import this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+#: Seconds without a refused write after which the next refusal is logged again.
+REFUSAL_QUIET_S = 60.0
+#: Largest multiple of ``retry_interval_s`` between two probes of a server that is down.
+MAX_BACKOFF = 32
+
+
+class LogOnce:
+    """Causes already logged: :meth:`first` is ``True`` only the first time a cause is
+    seen (log it then; count every time)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def first(self, cause: str) -> bool:
+        """Whether ``cause`` is seen for the first time (and remember it)."""
+        if cause in self._seen:
+            return False
+        self._seen.add(cause)
+        return True
+
+    def __contains__(self, cause: object) -> bool:
+        return cause in self._seen
+
+
+class Outage:
+    """One outage at a time: opened by the first failure, closed by the first success.
+
+    Attributes:
+        since: monotonic start of the current outage, ``None`` while healthy.
+        failures: failures counted in the current outage (pages or batches, as the
+            caller counts).
+        outages: outages opened so far.
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.failures = 0
+        self.outages = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.since is None
+
+    def failed(self, count: int = 1) -> bool:
+        """Count a failure; ``True`` when it opens an outage (log a warning then)."""
+        self.failures += count
+        if self.since is not None:
+            return False
+        self.since = time.monotonic()
+        self.outages += 1
+        return True
+
+    def succeeded(self) -> tuple[float, int] | None:
+        """A call worked: ``(seconds, failures)`` of the outage this closes (log it), or
+        ``None`` when there was none."""
+        if self.since is None:
+            return None
+        took = time.monotonic() - self.since
+        failures = self.failures
+        self.since = None
+        self.failures = 0
+        return took, failures
+
+
+@dataclass
+class Health:
+    """Outage state and counters of one remote store.
+
+    A store reports every failed batch (:meth:`failed`) and every batch that reached the
+    server (:meth:`succeeded`). The first failure after a healthy period logs one warning
+    and opens an outage; later failures only count; the first success after it logs one
+    line saying the server is back and how long it was gone.
+
+    A server that answers but refuses writes (out of memory with ``maxmemory-policy
+    noeviction``) is not an outage: reads still work, and refusals come and go with every
+    page written or deleted. :meth:`refused` logs the first refusal and then stays quiet
+    until :data:`REFUSAL_QUIET_S` pass without one.
+
+    With a ``retry_interval_s`` above 0, an outage also fails fast: :meth:`may_send` lets
+    one probe batch through per interval (doubling after each failed probe, up to
+    :data:`MAX_BACKOFF` times the interval) and answers ``False`` for everything else, so
+    calls miss at once instead of each waiting for a deadline.
+
+    Attributes:
+        name: what to call the server in log lines (its URL, no credentials).
+        logger: where the lines go.
+        outages: outages seen so far.
+        failed_batches: batches that failed (timeout, connection, server error).
+        refused_writes: pages the server refused to store (out of memory).
+        down_since: monotonic start of the current outage, ``None`` when healthy.
+    """
+
+    name: str
+    logger: logging.Logger
+    retry_interval_s: float = 0.0
+    outages: int = 0
+    failed_batches: int = 0
+    refused_writes: int = 0
+    down_since: float | None = None
+    skipped_batches: int = 0
+    _reason: str = field(default="", repr=False)
+    _last_refusal: float | None = field(default=None, repr=False)
+    _backoff: float = field(default=0.0, repr=False)
+    _next_probe: float = field(default=0.0, repr=False)
+    _probing: bool = field(default=False, repr=False)
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the store is down (the error that opened the outage), ``None`` when up."""
+        return self._reason if self.down_since is not None else None
+
+    def may_send(self) -> bool:
+        """Whether a batch may go to the server now. Always while healthy or when fail-fast
+        is off; during an outage only the one probe of each interval (the caller then
+        reports :meth:`failed`, :meth:`succeeded` or :meth:`probe_abandoned`)."""
+        if self.down_since is None or self.retry_interval_s <= 0:
+            return True
+        if self._probing or time.monotonic() < self._next_probe:
+            self.skipped_batches += 1
+            return False
+        self._probing = True
+        return True
+
+    def probe_abandoned(self) -> None:
+        """The probe let through by :meth:`may_send` was not sent after all."""
+        self._probing = False
+
+    def _schedule_probe(self, backoff: float) -> None:
+        self._backoff = backoff
+        self._next_probe = time.monotonic() + backoff
+        self._probing = False
+
+    def failed(self, reason: str) -> None:
+        """Record a failed batch; log only when this opens an outage. The first failure
+        schedules the first probe; a failed probe doubles the wait for the next one
+        (other batches of the same wave failing change nothing)."""
+        self.failed_batches += 1
+        if self.down_since is None:
+            self._schedule_probe(self.retry_interval_s)
+        elif self._probing:
+            self._schedule_probe(min(self._backoff * 2, self.retry_interval_s * MAX_BACKOFF))
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            self.outages += 1
+            self._reason = reason
+            self.logger.warning(
+                "remote store %s unavailable (%s); its pages count as misses until it is back",
+                self.name,
+                reason,
+            )
+
+    def succeeded(self) -> None:
+        """Record a batch that reached the server; log when this ends an outage."""
+        self._probing = False
+        if self.down_since is not None:
+            gone = time.monotonic() - self.down_since
+            self.down_since = None
+            self.logger.warning(
+                "remote store %s is back after %.1f s (%s)", self.name, gone, self._reason
+            )
+
+    def refused(self, pages: int, reason: str) -> None:
+        """Record pages the server refused to store; log only the first refusal of an
+        episode (one that follows :data:`REFUSAL_QUIET_S` seconds without refusals)."""
+        self.refused_writes += pages
+        now = time.monotonic()
+        if self._last_refusal is None or now - self._last_refusal > REFUSAL_QUIET_S:
+            self.logger.warning(
+                "remote store %s refuses writes (%s); pages that do not fit are not stored",
+                self.name,
+                reason,
+            )
+        self._last_refusal = now

@@ -1,0 +1,155 @@
+"""Pieces of the transformers integration (:mod:`kvtier.integrations.transformers`):
+constants, errors, counters, the model-to-spec helper, token-id checking, and what a
+:class:`~kvtier.integrations.hf_cache.KVTierCache` needs of its bridge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from kvtier.attention import torch_dtype
+from kvtier.backend import ArenaBackend
+from kvtier.cache import KVCache
+from kvtier.errors import KVTierUsageError, TierIOError
+from kvtier.keys import PrivateKeys
+from kvtier.spec import KVSpec, canonical_dtype
+
+T = TypeVar("T")
+
+#: Namespace label of working-slot reservations (visible in the directory, never looked up).
+WORKING_NAMESPACE = "kvtier-transformers-working"
+#: Private keys of the working pages (see :class:`~kvtier.keys.PrivateKeys`).
+WORKING_KEYS = PrivateKeys(b"\xfekvtier-hf")
+#: Deadline of the prefetch that :meth:`KVTierCache.load_prefix` starts (seconds).
+PREFIX_PREFETCH_DEADLINE_S = 30.0
+
+
+class PrefixLostError(TierIOError):
+    """Published pages of a running sequence could not be brought back from any tier
+    (every tier holding them failed or they failed verification). The sequence must be
+    recomputed; :attr:`pages` names the logical page numbers lost."""
+
+    def __init__(self, pages: list[int]) -> None:
+        self.pages = pages
+        super().__init__(f"kvtier could not bring back pages {pages} of this sequence")
+
+
+#: Background prefetches started by caches (a reference until each is done); touched on
+#: cache loops only.
+BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+class BridgeLike(Protocol):
+    """What a cache needs of its bridge (:class:`~kvtier.integrations.transformers.
+    KVTierBridge`): the open cache, its loop and the top-tier arena as one tensor."""
+
+    cache: KVCache
+    spec: KVSpec
+    top_tier: str
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the cache's loop and wait for its result."""
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """The whole top-tier arena as ``[capacity, *page_shape]``."""
+
+
+def spec_for_model(
+    config: Any, page_tokens: int = 16, dtype: str | torch.dtype | None = None, name: str = ""
+) -> KVSpec:
+    """The :class:`KVSpec` of a transformers decoder config (``LlamaConfig`` and alike).
+
+    ``dtype`` defaults to the config's ``torch_dtype``/``dtype`` (float32 when unset).
+    Raises :class:`KVTierUsageError` when the config lacks a field kvtier needs.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        layers = int(text.num_hidden_layers)
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    except AttributeError as exc:
+        raise KVTierUsageError(f"model config lacks a field kvtier needs: {exc}") from None
+    if dtype is None:
+        # transformers 5 names it dtype (reading the old torch_dtype only warns)
+        dtype = getattr(text, "dtype", None) or "float32"
+    return KVSpec(
+        layers,
+        kv_heads,
+        head_dim,
+        canonical_dtype(str(dtype)),
+        page_tokens,
+        name=name or str(getattr(text, "model_type", "model")),
+    )
+
+
+def arena_pages(arena: ArenaBackend, spec: KVSpec) -> torch.Tensor:
+    """One typed tensor over every slot of ``arena`` (slots must be contiguous and equally
+    spaced, which a memory arena guarantees); raises :class:`KVTierUsageError` otherwise."""
+    cap = arena.capacity_pages
+    first = arena.view(0)
+    base = first.ctypes.data
+    if cap > 1 and arena.view(cap - 1).ctypes.data != base + (cap - 1) * spec.page_bytes:
+        raise KVTierUsageError("the top-tier arena's slots are not one contiguous buffer")
+    whole = np.lib.stride_tricks.as_strided(first, shape=(cap * spec.page_bytes,), strides=(1,))
+    t = torch.from_numpy(whole)
+    return t.view(torch_dtype(spec)).view(cap, *spec.page_shape)
+
+
+@dataclass
+class KVTierCacheStats:
+    """Counters of one :class:`KVTierCache` (plain data).
+
+    Attributes:
+        prefix_tokens: tokens found in kvtier by :meth:`KVTierCache.load_prefix`.
+        computed_tokens: tokens whose KV this cache received from the model.
+        pages_published: full pages stored in kvtier.
+        forwards: forward passes run.
+        faulted_pages: pages that were not in the top tier when a forward needed them.
+    """
+
+    prefix_tokens: int = 0
+    computed_tokens: int = 0
+    pages_published: int = 0
+    forwards: int = 0
+    faulted_pages: int = 0
+
+
+async def quietly(coro: Coroutine[Any, Any, Any]) -> None:
+    """Await a background prefetch; its failure only means the first load faults."""
+    with contextlib.suppress(Exception):
+        await coro
+
+
+def token_list(input_ids: Any) -> list[int]:
+    """Token ids from a ``[1, n]`` / ``[n]`` tensor, array or sequence of ints."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise KVTierUsageError(
+                    f"KVTierCache holds one sequence; got a batch of {input_ids.shape[0]}"
+                )
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point:
+            raise KVTierUsageError(
+                f"input_ids must be integer [1, n] or [n], got {input_ids.dtype} "
+                f"{list(input_ids.shape)}"
+            )
+        return [int(t) for t in input_ids.tolist()]
+    if isinstance(input_ids, np.ndarray):
+        return token_list(torch.from_numpy(np.asarray(input_ids)))
+    if isinstance(input_ids, Sequence) and not isinstance(input_ids, str | bytes):
+        out = []
+        for i, t in enumerate(input_ids):
+            if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                raise KVTierUsageError(f"input_ids[{i}] must be an int, got {t!r}")
+            out.append(int(t))
+        return out
+    raise KVTierUsageError(f"input_ids must be a tensor or a list of ints, got {type(input_ids)}")

@@ -1,0 +1,207 @@
+"""What a vLLM engine's pages are: the :class:`~kvtier.spec.KVSpec`, the namespace and
+the kvtier configuration a worker opens.
+
+* **Geometry** comes from the KV tensors vLLM registered (:class:`~.paged.PagedKV`): one
+  page = one vLLM block (``page_tokens = block_size``) across every attention layer;
+  ``num_kv_heads`` is this rank's share of the heads.
+* **Namespace**: ``model_id`` is the kvtier config's ``namespace.model_id`` when set, else
+  vLLM's model (name or path); ``revision`` is the config's when set, else vLLM's
+  ``--revision``, else, for a local directory, a fingerprint of its weights (config file,
+  file names and sizes, and 64 KiB samples of each weight file: two checkpoints at one
+  path do not share pages), else ``main``. Always appended to ``model_id``: the attention
+  backend (the byte arrangement inside a block) and the tensor/pipeline parallel sizes;
+  ``rank`` is ``pp_rank * tp_size + tp_rank``. So pages of another model, revision, KV
+  dtype, block size, backend, parallel layout or rank never mix.
+* **Tiers, pipeline, log** come from the user's kvtier configuration (a file, an inline
+  table, ``$KVTIER_CONFIG`` or the embedded default, then ``KVTIER_*`` variables); a
+  ``[model]`` section there is ignored (the engine's geometry wins; a warning says so when
+  it differs).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from kvtier.config import ENV_CONFIG_FILE, ResolvedConfig, load_config
+from kvtier.errors import ConfigError
+from kvtier.log import get_logger
+from kvtier.spec import KVSpec, canonical_dtype
+
+from .paged import PagedKV
+from .settings import ConnectorSettings
+
+_log = get_logger("kvtier.vllm.identity")
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLES = 16
+_SAMPLE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class ParallelPlace:
+    """Where one worker sits in the engine's parallel layout."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+def parallel_place(vllm_config: Any, worker: bool) -> ParallelPlace:
+    """This process's place (ranks are read from vLLM's process groups in a worker)."""
+    pc = vllm_config.parallel_config
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    tp_rank = pp_rank = 0
+    if worker and tp_size * pp_size > 1:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank = int(get_tp_group().rank_in_group)
+        pp_rank = int(get_pp_group().rank_in_group)
+    return ParallelPlace(tp_size, pp_size, tp_rank, pp_rank, dp_rank)
+
+
+def weights_fingerprint(directory: Path) -> str | None:
+    """A short fingerprint of the model files in ``directory`` (``None`` if it is not a
+    directory or holds no weights). Reads the config files whole and 16 samples of 64 KiB
+    from each weight file, so it costs about a megabyte of reads per weight file."""
+    if not directory.is_dir():
+        return None
+    h = xxhash.xxh3_128()
+    weights = 0
+    for path in sorted(directory.iterdir()):
+        if not path.is_file():
+            continue
+        name = path.name
+        if name.endswith(".json"):
+            h.update(name.encode() + b"\0" + path.read_bytes())
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            size = path.stat().st_size
+            h.update(f"{name}\0{size}\0".encode())
+            with path.open("rb") as f:
+                for i in range(_SAMPLES):
+                    f.seek(max(0, size - _SAMPLE_BYTES) * i // max(1, _SAMPLES - 1))
+                    h.update(f.read(_SAMPLE_BYTES))
+            weights += 1
+    return f"weights-{h.hexdigest()[:16]}" if weights else None
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """kvtier's canonical name for a torch dtype."""
+    return canonical_dtype(str(dtype).removeprefix("torch."))
+
+
+def spec_for(paged: PagedKV, model: str) -> KVSpec:
+    """The page geometry of the registered tensors (content = K and V: 2 x head_dim)."""
+    if paged.content % 2:
+        raise ValueError(
+            f"KV content width {paged.content} is odd: not a K/V pair (MLA caches are not "
+            f"supported by the kvtier connector)"
+        )
+    return KVSpec(
+        num_layers=paged.num_layers,
+        num_kv_heads=paged.heads,
+        head_dim=paged.content // 2,
+        dtype=torch_dtype_name(paged.dtype),
+        page_tokens=paged.block_tokens,
+        name=model,
+    )
+
+
+def user_layer(settings: ConnectorSettings, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    """The user's kvtier configuration as a raw (file-shaped) table, and where it came
+    from: ``kvtier_config`` (a TOML path or an inline table), else ``$KVTIER_CONFIG``, else
+    nothing (the embedded default then applies)."""
+    source: str | dict[str, Any] | None = settings.kvtier_config
+    origin = "kv_connector_extra_config.kvtier_config"
+    if source is None and env.get(ENV_CONFIG_FILE):
+        source, origin = env[ENV_CONFIG_FILE], f"${ENV_CONFIG_FILE}"
+    if source is None:
+        return {}, "the embedded default"
+    if isinstance(source, dict):
+        return copy.deepcopy(source), origin
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"kvtier config file {source!r} ({origin}) cannot be read: {exc}"
+        ) from None
+    try:
+        return tomllib.loads(text), f"file:{source}"
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"kvtier config file {source!r} is not valid TOML: {exc}") from None
+
+
+def resolve(
+    settings: ConnectorSettings,
+    vllm_config: Any,
+    paged: PagedKV,
+    backend_name: str,
+    place: ParallelPlace,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedConfig:
+    """The configuration a worker's :class:`~kvtier.cache.KVCache` opens with: the user's
+    tiers, pipeline and log settings (``KVTIER_*`` variables still apply), the engine's
+    geometry and namespace."""
+    env = dict(os.environ if env is None else env)
+    layer, origin = user_layer(settings, env)
+    if not isinstance(layer, dict):
+        raise ConfigError(f"kvtier config ({origin}) must be a table")
+    mc = vllm_config.model_config
+    model = str(mc.model)
+    spec = spec_for(paged, model)
+    if layer.get("model"):
+        _log.warning(
+            "the [model] section of the kvtier config is ignored: the engine's KV geometry is used",
+            config_model=layer["model"],
+            engine_model=spec.to_dict(),
+        )
+    ns_user = dict(layer.get("namespace") or {})
+    for field in ("model_id", "revision"):
+        var = f"KVTIER_NAMESPACE__{field.upper()}"
+        if var in env:
+            ns_user[field] = env[var]
+    # the engine decides geometry and rank; the user's variables may not override them
+    env = {
+        k: v for k, v in env.items() if not k.startswith(("KVTIER_MODEL__", "KVTIER_NAMESPACE__"))
+    }
+    env.pop(ENV_CONFIG_FILE, None)
+    model_id = str(ns_user.get("model_id") or model)
+    revision = ns_user.get("revision") or getattr(mc, "revision", None)
+    revision = revision or weights_fingerprint(Path(model)) or "main"
+    layer["model"] = spec.to_dict()
+    layer["namespace"] = {
+        "model_id": f"{model_id}#vllm/{backend_name}/tp{place.tp_size}pp{place.pp_size}",
+        "revision": str(revision),
+        "rank": place.rank,
+    }
+    try:
+        return load_config(layer, env=env)
+    except ConfigError as exc:
+        raise ConfigError(f"kvtier config ({origin}): {exc}") from None
+
+
+def engine_id(vllm_config: Any) -> str:
+    """The id shared by one engine's scheduler and workers (distinct per engine)."""
+    eid = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+    return str(eid) if eid else f"pid{os.getppid()}"

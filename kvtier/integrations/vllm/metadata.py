@@ -1,0 +1,48 @@
+"""What the scheduler side tells the workers each step (pickled across processes).
+
+Token ids travel once: each request's ids reach the workers in :class:`TokenDelta` pieces
+(pages ``[first_page, first_page + len(tokens) // block_size)``), from which every worker
+derives its own page keys (its rank is part of its namespace). Loads and saves name pages
+by index into those keys and the vLLM block each page lives in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class TokenDelta:
+    """Token ids of pages ``[first_page, ...)`` of request ``req_id``."""
+
+    req_id: str
+    first_page: int
+    tokens: np.ndarray  # uint32, a whole number of pages
+
+
+@dataclass
+class PageRun:
+    """Pages ``[first_page, first_page + len(block_ids))`` of ``req_id``, one vLLM block
+    each."""
+
+    req_id: str
+    first_page: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's work for the workers."""
+
+    tokens: list[TokenDelta] = field(default_factory=list)
+    loads: list[PageRun] = field(default_factory=list)
+    saves: list[PageRun] = field(default_factory=list)
+    #: finished requests whose blocks vLLM holds until their saves were copied out
+    holds: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.tokens or self.loads or self.saves or self.holds)

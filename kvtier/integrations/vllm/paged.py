@@ -1,0 +1,140 @@
+"""vLLM's paged KV tensors seen as kvtier pages.
+
+vLLM (0.32) hands the worker one tensor per attention layer whose *logical* shape is
+``[num_blocks, kv_heads, block_size, content]`` (``content`` = K and V of one head and
+token, ``2 * head_dim``; the physical strides may differ per attention backend). One
+kvtier page is one vLLM block across every layer: for each layer, in layer order, the
+block's logical ``[kv_heads, block_size, content]`` elements, copied out as raw bytes. The
+bytes inside a block are the attention backend's own arrangement, which is why the
+backend's name is part of the namespace (pages of different backends never mix).
+
+:class:`PagedKV` gathers blocks into page rows (host memory) and scatters page rows back
+into blocks, one layer at a time so that loading can overlap attention. On a CUDA device
+the copies run on a side stream and each layer's scatter records an event that the compute
+stream waits on; on the CPU they are plain copies (torch releases the GIL inside them, so a
+helper thread can scatter layer ``L + 1`` while the model computes layer ``L``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtier.errors import KVTierUsageError
+
+
+class PagedKV:
+    """The layer tensors of one worker, in page (layer) order.
+
+    Args:
+        layers: per-layer tensors of logical shape ``[num_blocks, heads, tokens,
+            content]``, all of one shape, dtype and device.
+
+    Raises:
+        KVTierUsageError: no layers, or layers that differ in shape, dtype or device (a
+            hybrid or sliding-window model with mixed KV geometry), or a tensor that is not
+            4-D.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+        if not layers:
+            raise KVTierUsageError("the engine registered no KV cache tensors")
+        first = layers[0]
+        for i, t in enumerate(layers):
+            if t.dim() != 4:
+                raise KVTierUsageError(
+                    f"KV tensor of layer {i} has shape {tuple(t.shape)}; the kvtier connector "
+                    f"expects vLLM's [num_blocks, kv_heads, block_size, content] layout"
+                )
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise KVTierUsageError(
+                    f"KV tensors differ between layers (layer 0: {tuple(first.shape)} "
+                    f"{first.dtype} {first.device}; layer {i}: {tuple(t.shape)} {t.dtype} "
+                    f"{t.device}): models whose layers keep different KV geometry (hybrid, "
+                    f"mixed sliding-window) are not supported by the kvtier connector"
+                )
+        self.layers = list(layers)
+        self.num_blocks, self.heads, self.block_tokens, self.content = (int(d) for d in first.shape)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.block_shape = (self.heads, self.block_tokens, self.content)
+        self.layer_bytes = self.heads * self.block_tokens * self.content * first.element_size()
+        self.page_bytes = self.layer_bytes * len(self.layers)
+        self.cuda = self.device.type == "cuda"
+        self._stream: Any = torch.cuda.Stream(device=self.device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def host_buffer(self, pages: int) -> torch.Tensor:
+        """A ``[pages, page_bytes]`` uint8 host buffer (pinned when the KV is on a GPU)."""
+        return torch.empty((pages, self.page_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise KVTierUsageError(f"block id {b} outside [0, {self.num_blocks})")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> Any:
+        """Copy blocks ``block_ids`` of every layer into page rows ``out[:len(block_ids)]``.
+
+        Returns ``None`` when the copy is complete (CPU), or a CUDA event that completes
+        when it is (the copy runs on a side stream after the work already queued on the
+        current stream)."""
+        n = len(block_ids)
+        if n == 0:
+            return None
+        idx = self._index(block_ids)
+        lb = self.layer_bytes
+        if not self.cuda:
+            for i, kv in enumerate(self.layers):
+                blk = kv.index_select(0, idx)
+                out[:n, i * lb : (i + 1) * lb].copy_(blk.view(torch.uint8).reshape(n, lb))
+            return None
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for i, kv in enumerate(self.layers):
+                blk = kv.index_select(0, idx)
+                out[:n, i * lb : (i + 1) * lb].copy_(
+                    blk.view(torch.uint8).reshape(n, lb), non_blocking=True
+                )
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return event
+
+    def stage(self, src: torch.Tensor, pages: int) -> torch.Tensor:
+        """Page rows ready for :meth:`scatter_layer`: ``src`` itself on the CPU, a device
+        copy (one host-to-device transfer on the side stream) on a GPU."""
+        if not self.cuda:
+            return src
+        with torch.cuda.stream(self._stream):
+            return src[:pages].to(self.device, non_blocking=True)
+
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], staged: torch.Tensor) -> Any:
+        """Write layer ``layer`` of the staged page rows ``staged[:len(block_ids)]`` into
+        those blocks (``staged`` from :meth:`stage`).
+
+        Returns ``None`` (CPU, done) or a CUDA event the compute stream must wait on."""
+        n = len(block_ids)
+        if n == 0:
+            return None
+        idx = self._index(block_ids)
+        lb = self.layer_bytes
+        kv = self.layers[layer]
+        if not self.cuda:
+            part = staged[:n, layer * lb : (layer + 1) * lb].contiguous()
+            kv.index_copy_(0, idx, part.view(self.dtype).view(n, *self.block_shape))
+            return None
+        with torch.cuda.stream(self._stream):
+            part = staged[:n, layer * lb : (layer + 1) * lb].contiguous()
+            kv.index_copy_(0, idx, part.view(self.dtype).view(n, *self.block_shape))
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+        return event

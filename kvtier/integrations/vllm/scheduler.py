@@ -1,0 +1,259 @@
+"""The scheduler side of the kvtier connector (engine-core process).
+
+Per request it decides what the workers load and save, in whole vLLM blocks (one block =
+one kvtier page):
+
+* :meth:`SchedulerSide.match` (``get_num_new_matched_tokens``): asks the workers' lookup
+  service (:mod:`.lookup`) how many leading pages of the prompt kvtier holds in any tier
+  — this process, an earlier process (NVMe), other servers (the remote tier) — and answers
+  the part beyond vLLM's own prefix cache. At least one prompt token is always left to
+  compute. Answers are kept for :data:`ANSWER_TTL_S` so a request that waits for blocks is
+  not looked up every step.
+* :meth:`SchedulerSide.after_alloc` turns an accepted hit into a load of those pages into
+  the blocks vLLM allocated for them.
+* :meth:`SchedulerSide.build_meta` adds, per scheduled request, saves of the pages that
+  are full and verified after this step: prompt tokens as soon as their KV is written;
+  generated tokens only once accepted (speculative tokens never reach kvtier). Pages
+  kvtier already holds are not saved again.
+* :meth:`SchedulerSide.finished` saves the last full pages of a finished request and
+  holds its blocks (returns ``True``) until the workers copied them out; the workers
+  report that through ``get_finished``.
+
+Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only
+loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.log import get_logger
+
+from .identity import ParallelPlace, engine_id
+from .lookup import FLAG_PREFETCH, LookupAnswer, LookupClient, socket_path
+from .metadata import KVTierMetadata, PageRun, TokenDelta
+from .settings import ConnectorSettings
+from .stats import KVTierConnectorStats
+
+_log = get_logger("kvtier.vllm.scheduler")
+
+#: seconds a lookup answer is reused for the same request and prompt length
+ANSWER_TTL_S = 0.5
+
+
+@dataclass
+class _Request:
+    request: Any
+    answer: LookupAnswer | None = None
+    answered_at: float = 0.0
+    answered_pages: int = -1  # the page limit the answer was for
+    local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last match
+    saved_pages: int = 0  # pages [0, saved_pages) are in kvtier or being saved
+    sent_pages: int = 0  # pages whose token ids the workers have
+    loads: list[PageRun] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Scheduler-side state of one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        place: ParallelPlace,
+        runtime: Path,
+        loads: bool,
+        saves: bool,
+    ) -> None:
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.loads_enabled = loads
+        self.saves_enabled = saves
+        self.settings = settings
+        eid = engine_id(vllm_config)
+        paths = [socket_path(runtime, eid, place.dp_rank, r) for r in range(place.world)]
+        self.client = LookupClient(paths, settings.lookup_timeout_s)
+        self.kv_cache_manager: Any = None
+        self._reqs: dict[str, _Request] = {}
+        self._pending_loads: list[PageRun] = []
+        self._final_saves: list[PageRun] = []
+        self._final_tokens: list[TokenDelta] = []
+        self._holds: list[str] = []
+        self._stats = KVTierConnectorStats()
+        self._events: list[Any] = []
+        self._hit_tiers: dict[str, dict[str, int]] = {}
+        #: loads sent to the workers, by request, until their step's output came back
+        self._inflight_loads: dict[str, list[PageRun]] = {}
+
+    # -- lookup ------------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Request(request)
+        return st
+
+    def match(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens kvtier can give beyond ``num_computed_tokens`` (block-aligned)."""
+        st = self._state(request)
+        st.local_tokens = num_computed_tokens
+        limit = (int(request.num_tokens) - 1) // self.block_size  # keep >= 1 token to compute
+        if limit <= 0:
+            return 0
+        now = time.monotonic()
+        if st.answered_pages != limit or now - st.answered_at > ANSWER_TTL_S:
+            tokens = request.all_token_ids[: limit * self.block_size]
+            flags = FLAG_PREFETCH if self.loads_enabled and self.settings.prefetch_on_lookup else 0
+            self._stats.add("lookups", 1)
+            ans = self.client.lookup(tokens, flags)
+            if ans is None:
+                self._stats.add("lookup_errors", 1)
+            st.answer, st.answered_at, st.answered_pages = ans, now, limit
+        matched = min(st.answer.pages, limit) if st.answer is not None else 0
+        st.saved_pages = max(st.saved_pages, matched)
+        if not self.loads_enabled:
+            return 0
+        return max(0, matched * self.block_size - num_computed_tokens)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of an accepted hit into the request's new blocks."""
+        st = self._state(request)
+        if num_external_tokens <= 0 or not self.loads_enabled:
+            return
+        first = st.local_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        if count * self.block_size != num_external_tokens or st.local_tokens % self.block_size:
+            _log.warning(
+                "vLLM accepted a kvtier hit that is not block-aligned; loading whole blocks only",
+                request=request.request_id,
+                local_tokens=st.local_tokens,
+                external_tokens=num_external_tokens,
+            )
+        block_ids = list(blocks.get_block_ids()[0][first : first + count])
+        if len(block_ids) != count:
+            _log.warning("fewer blocks than pages to load", request=request.request_id)
+            count = len(block_ids)
+        if count <= 0:
+            return
+        run = PageRun(request.request_id, first, block_ids)
+        self._pending_loads.append(run)
+        st.saved_pages = max(st.saved_pages, first + count)
+        if st.answer is not None:
+            tiers = st.answer.tier_pages(first, count)
+            self._stats.add_hits({t: n * self.block_size for t, n in tiers.items()})
+            self._hit_tiers[request.request_id] = tiers
+
+    def hit_sources(self, request: Any) -> dict[tuple[str, str], int]:
+        """Tokens of the planned load of ``request`` by (tier name, backend kind)."""
+        st = self._reqs.get(request.request_id)
+        kinds = st.answer.kinds if st is not None and st.answer is not None else {}
+        return {
+            (tier, kinds.get(tier, "")): pages * self.block_size
+            for tier, pages in self._hit_tiers.get(request.request_id, {}).items()
+        }
+
+    # -- per step ----------------------------------------------------------------------
+
+    def _tokens_upto(self, st: _Request, end_page: int, meta: KVTierMetadata) -> None:
+        """Send the token ids of pages ``[st.sent_pages, end_page)`` to the workers."""
+        if end_page <= st.sent_pages:
+            return
+        bs = self.block_size
+        ids = np.asarray(st.request.all_token_ids[st.sent_pages * bs : end_page * bs])
+        meta.tokens.append(TokenDelta(st.request.request_id, st.sent_pages, ids.astype(np.uint32)))
+        st.sent_pages = end_page
+
+    def build_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        meta = KVTierMetadata()
+        for run in self._pending_loads:
+            st = self._reqs.get(run.req_id)
+            if st is None:
+                continue
+            self._tokens_upto(st, run.first_page + len(run.block_ids), meta)
+            meta.loads.append(run)
+            self._inflight_loads.setdefault(run.req_id, []).append(run)
+        self._pending_loads = []
+        if self.saves_enabled:
+            spec = scheduler_output.scheduled_spec_decode_tokens or {}
+            for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+                st = self._reqs.get(req_id)
+                if st is None:
+                    continue
+                req = st.request
+                verified = int(req.num_computed_tokens) + int(n_sched) - len(spec.get(req_id, ()))
+                full = min(verified, len(req.all_token_ids)) // self.block_size
+                if full <= st.saved_pages:
+                    continue
+                block_ids = self._block_ids(req_id)[st.saved_pages : full]
+                if len(block_ids) != full - st.saved_pages:
+                    continue
+                self._tokens_upto(st, full, meta)
+                meta.saves.append(PageRun(req_id, st.saved_pages, block_ids))
+                st.saved_pages = full
+        meta.tokens.extend(self._final_tokens)
+        meta.saves.extend(self._final_saves)
+        meta.holds = self._holds
+        self._final_tokens, self._final_saves, self._holds = [], [], []
+        return meta
+
+    def loads_reported(self, invalid_block_ids: set[int] | None) -> None:
+        """A step's output came back: a page whose load failed will be recomputed by vLLM,
+        so it (and every page after it) is saved again once recomputed."""
+        loads, self._inflight_loads = self._inflight_loads, {}
+        if not invalid_block_ids:
+            return
+        for req_id, runs in loads.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            for run in runs:
+                bad = [i for i, b in enumerate(run.block_ids) if b in invalid_block_ids]
+                if bad:
+                    st.saved_pages = min(st.saved_pages, run.first_page + bad[0])
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        if self.kv_cache_manager is None:
+            return []
+        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def finished(self, request: Any, block_ids: list[int]) -> bool:
+        """A request finished: save its last full pages; ``True`` holds its blocks until
+        the workers copied them out."""
+        st = self._reqs.pop(request.request_id, None)
+        self._hit_tiers.pop(request.request_id, None)
+        if st is None or not self.saves_enabled:
+            return False
+        kv_tokens = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
+        full = min(kv_tokens // self.block_size, len(block_ids))
+        if full <= st.saved_pages:
+            return False
+        scratch = KVTierMetadata()
+        self._tokens_upto(st, full, scratch)
+        self._final_tokens.extend(scratch.tokens)
+        self._final_saves.append(
+            PageRun(request.request_id, st.saved_pages, block_ids[st.saved_pages : full])
+        )
+        self._holds.append(request.request_id)
+        return True
+
+    # -- observability -----------------------------------------------------------------
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVTierConnectorStats()
+        return out
+
+    def add_events(self, events: list[Any]) -> None:
+        self._events.extend(events)
+
+    def take_events(self) -> list[Any]:
+        out, self._events = self._events, []
+        return out
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,481 @@
+"""The worker side of the kvtier connector (one per worker process / rank).
+
+The worker owns the :class:`~kvtier.cache.KVCache`, opened on a private event loop
+(:class:`~.loop_thread.LoopThread`) when vLLM registers its KV tensors, and serves the
+scheduler's lookups (:mod:`.lookup`). Per step:
+
+* **loads** (``start_load_kv`` -> ``wait_for_layer_load``): one batched ``KVCache.read``
+  of every page to load into a host buffer (checksums verified below DRAM), then a helper
+  thread scatters the pages into vLLM's blocks layer by layer; ``wait_for_layer_load(L)``
+  waits only for layer ``L``, so attention on the first layers runs while later layers are
+  still being written. A page kvtier cannot give (evicted since the lookup, a failed
+  checksum, a tier down) or a load past ``kvtier_load_timeout_s`` makes its block a load
+  error (``get_block_ids_with_load_errors``): vLLM recomputes it. Blocks are never written
+  after the forward gave up on them.
+* **saves** (``wait_for_save``): after the forward, the blocks to save are copied into a
+  host buffer (on a GPU: a side-stream copy that the next step's compute waits for) and
+  handed to ``KVCache.store_pages`` on the loop; the forward does not wait for kvtier.
+  Past ``kvtier_save_backlog_mib`` of saves in flight, new saves are dropped (counted): a
+  cache may forget, the engine must not slow down.
+* **holds**: a finished request whose last pages are saved this step is reported in
+  ``get_finished`` once its blocks were copied out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.cache import KVCache
+from kvtier.keys import ROOT_KEY, PageKey, page_keys
+from kvtier.log import get_logger
+
+from . import identity
+from .identity import ParallelPlace
+from .lookup import FLAG_PREFETCH, LookupAnswer, LookupServer, lookup_answer_runs, socket_path
+from .loop_thread import LoopThread
+from .metadata import KVTierMetadata, PageRun
+from .metrics_http import MetricsServer
+from .paged import PagedKV
+from .settings import ConnectorSettings
+from .stats import KVTierConnectorStats, KVTierKVEvents
+from .worker_parts import DirectoryEvents, LoadJob, layer_index
+
+_log = get_logger("kvtier.vllm.worker")
+
+#: deadline of the prefetch a lookup starts for pages below the top tier (seconds)
+LOOKUP_PREFETCH_DEADLINE_S = 10.0
+#: the most KV events kept between two reports (older ones are dropped)
+MAX_EVENTS = 100_000
+#: seconds ``shutdown`` waits for the cache to close
+CLOSE_TIMEOUT_S = 120.0
+
+
+class WorkerSide:
+    """Worker-side state of one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        place: ParallelPlace,
+        runtime: Path,
+        loads: bool,
+        saves: bool,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.settings = settings
+        self.place = place
+        self.runtime = runtime
+        self.loads_enabled = loads
+        self.saves_enabled = saves
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.loop: LoopThread | None = None
+        self.cache: KVCache | None = None
+        self.paged: PagedKV | None = None
+        self.layer_of: dict[str, int] = {}
+        self.metrics_port: int | None = None
+        self._lookup: LookupServer | None = None
+        self._metrics: MetricsServer | None = None
+        self._scatter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._keys: dict[str, list[PageKey]] = {}
+        self._load: LoadJob | None = None
+        self._load_errors: set[int] = set()
+        self._acks: list[tuple[str, Any]] = []
+        self._pending_gathers: list[Any] = []
+        self._backlog = 0
+        self._stats = KVTierConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._events: collections.deque[Any] = collections.deque(maxlen=MAX_EVENTS)
+        self._stores: set[concurrent.futures.Future[None]] = set()
+        self._prefetches: set[asyncio.Task[Any]] = set()
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Open the cache for the registered tensors and start the lookup service."""
+        names = sorted(kv_caches, key=lambda n: (layer_index(n), n))
+        self.layer_of = {n: i for i, n in enumerate(names)}
+        self.paged = PagedKV([kv_caches[n] for n in names])
+        backend = self._backend_name(names[0])
+        resolved = identity.resolve(
+            self.settings, self.vllm_config, self.paged, backend, self.place
+        )
+        self.loop = LoopThread(f"kvtier-vllm-r{self.place.rank}")
+        self.cache = self.loop.run(self._open(resolved), timeout=CLOSE_TIMEOUT_S)
+        _log.info(
+            "kvtier connector worker ready",
+            rank=self.place.rank,
+            namespace=self.cache.namespace.label,
+            page_bytes=self.cache.spec.page_bytes,
+            layers=self.paged.num_layers,
+            lookup_socket=str(self._lookup.path) if self._lookup else None,
+            metrics_port=self.metrics_port,
+        )
+
+    def _backend_name(self, layer: str) -> str:
+        ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
+        module = ctx.get(layer)
+        backend = getattr(module, "attn_backend", None)
+        try:
+            return str(backend.get_name()) if backend is not None else "unknown"
+        except Exception:
+            return "unknown"
+
+    async def _open(self, resolved: Any) -> KVCache:
+        cache = KVCache(resolved)
+        await cache.start()
+        try:
+            cache.directory.subscribe(DirectoryEvents(self.block_size, self._events))
+            path = socket_path(
+                self.runtime,
+                identity.engine_id(self.vllm_config),
+                self.place.dp_rank,
+                self.place.rank,
+            )
+            self._lookup = LookupServer(path, self._answer)
+            await self._lookup.start()
+            if self.settings.metrics_port is not None:
+                port = self.settings.metrics_port
+                self._metrics = MetricsServer(
+                    cache.metrics.to_prometheus,
+                    self.settings.metrics_host,
+                    port + self.place.rank if port else 0,
+                )
+                self.metrics_port = await self._metrics.start()
+        except BaseException:
+            await cache.close()
+            raise
+        return cache
+
+    def _prefetch_done(self, task: asyncio.Task[Any]) -> None:
+        self._prefetches.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.warning("kvtier lookup prefetch failed", error=repr(task.exception()))
+
+    async def _answer(self, tokens: np.ndarray, flags: int) -> LookupAnswer:
+        """The lookup service: leading pages of ``tokens`` kvtier holds, by tier."""
+        cache = self.cache
+        assert cache is not None
+        hit = await cache.lookup(tokens)
+        kinds = {t.name: t.backend.kind.value for t in cache.tiers}
+        if flags & FLAG_PREFETCH and hit.keys:
+            top = cache.tiers[0].name
+            below = [k for k, t in zip(hit.keys, hit.tiers, strict=True) if t != top]
+            if below:
+                task = asyncio.ensure_future(cache.prefetch(below, LOOKUP_PREFETCH_DEADLINE_S))
+                self._prefetches.add(task)
+                task.add_done_callback(self._prefetch_done)
+        return LookupAnswer(len(hit.keys), lookup_answer_runs(hit.tiers), kinds)
+
+    # -- keys --------------------------------------------------------------------------
+
+    def _apply_tokens(self, meta: KVTierMetadata) -> None:
+        assert self.cache is not None
+        ns = self.cache.namespace
+        for d in meta.tokens:
+            keys = self._keys.setdefault(d.req_id, [])
+            if d.first_page != len(keys):
+                _log.error(
+                    "token ids out of step with the scheduler; this request's pages are skipped",
+                    request=d.req_id,
+                    have_pages=len(keys),
+                    got_from=d.first_page,
+                )
+                self._keys[d.req_id] = keys = []
+                continue
+            keys.extend(page_keys(d.tokens, ns, keys[-1] if keys else ROOT_KEY))
+
+    def _run_keys(self, run: PageRun) -> list[PageKey] | None:
+        keys = self._keys.get(run.req_id, [])
+        end = run.first_page + len(run.block_ids)
+        if end > len(keys):
+            return None
+        return keys[run.first_page : end]
+
+    # -- a step ------------------------------------------------------------------------
+
+    def fence_saves(self) -> None:
+        """Order every later write to vLLM's blocks after the copies out of them still in
+        flight (GPU: the compute stream waits on their events; CPU: copies are already
+        done). Called before a step can overwrite blocks: preempted requests' blocks are
+        reused at once."""
+        if self.paged is None or not self.paged.cuda or not self._pending_gathers:
+            return
+        stream = torch.cuda.current_stream(self.paged.device)
+        for ev in self._pending_gathers:
+            stream.wait_event(ev)
+        self._pending_gathers = [ev for ev in self._pending_gathers if not ev.query()]
+
+    def bind(self, meta: KVTierMetadata) -> None:
+        """Start of a step: learn token ids; plan this step's loads."""
+        if self.cache is None or self.paged is None:
+            return
+        self.fence_saves()
+        self._apply_tokens(meta)
+        self._load = None
+        if not (meta.loads and self.loads_enabled):
+            return
+        keys: list[PageKey] = []
+        blocks: list[int] = []
+        for run in meta.loads:
+            run_keys = self._run_keys(run)
+            if run_keys is None:
+                self._load_errors.update(run.block_ids)
+                continue
+            keys.extend(run_keys)
+            blocks.extend(run.block_ids)
+        if keys:
+            self._load = LoadJob(
+                keys,
+                blocks,
+                time.monotonic() + self.settings.load_timeout_s,
+                self.paged.num_layers,
+            )
+
+    def start_load(self) -> None:
+        job = self._load
+        if job is None or job.done is not None:
+            return
+        assert self.loop is not None and self.cache is not None and self.paged is not None
+        buffer = self.paged.host_buffer(len(job.keys))
+        started = time.perf_counter()
+        try:
+            read = self.loop.submit(self.cache.read(job.keys, buffer))
+        except Exception as exc:
+            _log.warning("kvtier load could not start; recomputing", error=repr(exc))
+            self._fail_load(job)
+            return
+        job.done = self._scatter.submit(self._scatter_job, job, read, buffer, started)
+
+    def _fail_load(self, job: LoadJob) -> None:
+        with job.lock:
+            job.cancelled = True
+            job.failed = set(job.blocks)
+        for ev in job.ready:
+            ev.set()
+
+    def _scatter_job(
+        self,
+        job: LoadJob,
+        read: concurrent.futures.Future[list[bool]],
+        buffer: torch.Tensor,
+        started: float,
+    ) -> None:
+        paged = self.paged
+        assert paged is not None
+        try:
+            try:
+                ok = read.result(max(0.0, job.deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                read.cancel()
+                _log.warning("kvtier load timed out; recomputing", pages=len(job.keys))
+                ok = [False] * len(job.keys)
+            seconds = time.perf_counter() - started
+            good = [i for i, g in enumerate(ok) if g]
+            bad = {job.blocks[i] for i, g in enumerate(ok) if not g}
+            with self._stats_lock:
+                self._stats.add("loaded_pages", len(good))
+                self._stats.add("load_bytes", len(good) * paged.page_bytes)
+                self._stats.add("load_seconds", seconds)
+                self._stats.add("load_errors", len(bad))
+            blocks = [job.blocks[i] for i in good]
+            staged = paged.stage(buffer, len(job.keys))
+            if len(good) < len(job.keys):
+                staged = staged.index_select(0, torch.tensor(good, device=staged.device))
+            for layer in range(job.layers):
+                with job.lock:
+                    if job.cancelled:
+                        break
+                    job.events[layer] = paged.scatter_layer(layer, blocks, staged)
+                job.ready[layer].set()
+            with job.lock:
+                if not job.cancelled:
+                    job.failed = bad
+        except Exception as exc:
+            _log.warning("kvtier load failed; recomputing", error=repr(exc))
+            with job.lock:
+                job.cancelled = True
+                job.failed = set(job.blocks)
+        finally:
+            for ev in job.ready:
+                ev.set()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until this step's loaded KV of ``layer_name`` is in place."""
+        job = self._load
+        if job is None:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        if job.done is None:
+            self.start_load()
+        if not job.ready[layer].wait(max(0.0, job.deadline - time.monotonic())):
+            _log.warning("kvtier load timed out in the forward; recomputing", layer=layer_name)
+            self._fail_load(job)
+            return
+        ev = job.events[layer]
+        if ev is not None:
+            torch.cuda.current_stream(self.paged.device if self.paged else None).wait_event(ev)
+
+    def _finish_load(self) -> None:
+        job, self._load = self._load, None
+        if job is None:
+            return
+        if job.done is None:  # never started (no forward): nothing was written
+            self._load_errors.update(job.blocks)
+            return
+        try:
+            job.done.result(max(1.0, job.deadline - time.monotonic()))
+        except Exception:
+            self._fail_load(job)
+        with job.lock:
+            job.cancelled = True  # nothing is written after this point
+            self._load_errors.update(job.failed)
+
+    def save(self, meta: KVTierMetadata) -> None:
+        """End of a step's forward: copy out blocks to save and hand them to kvtier."""
+        if self.cache is None or self.paged is None or self.loop is None:
+            return
+        runs = meta.saves if self.saves_enabled else []
+        keys: list[PageKey] = []
+        parents: list[PageKey | None] = []
+        blocks: list[int] = []
+        seen: set[PageKey] = set()
+        for run in runs:
+            run_keys = self._run_keys(run)
+            if run_keys is None:
+                continue
+            all_keys = self._keys[run.req_id]
+            for j, (k, block) in enumerate(zip(run_keys, run.block_ids, strict=True)):
+                if k in seen:  # two requests sharing a prefix block save it once
+                    continue
+                seen.add(k)
+                p = run.first_page + j
+                keys.append(k)
+                parents.append(all_keys[p - 1] if p else ROOT_KEY)
+                blocks.append(block)
+        gather_event = None
+        if keys:
+            nbytes = len(keys) * self.paged.page_bytes
+            with self._stats_lock:
+                full = self._backlog + nbytes > self.settings.save_backlog_bytes
+                if full:
+                    self._stats.add("saves_dropped", len(keys))
+                else:
+                    self._backlog += nbytes
+            if not full:
+                try:
+                    buffer = self.paged.host_buffer(len(keys))
+                    gather_event = self.paged.gather(blocks, buffer)
+                    store = self._store(keys, parents, buffer, nbytes, gather_event)
+                    fut = self.loop.submit(store)
+                except Exception as exc:  # a save that cannot start is a future miss
+                    _log.warning("kvtier save could not start", pages=len(keys), error=repr(exc))
+                    with self._stats_lock:
+                        self._backlog -= nbytes
+                        self._stats.add("save_failures", len(keys))
+                else:
+                    if gather_event is not None:
+                        self._pending_gathers.append(gather_event)
+                    self._stores.add(fut)
+                    fut.add_done_callback(self._stores.discard)
+        for req_id in meta.holds:
+            self._acks.append((req_id, gather_event))
+
+    async def _store(
+        self,
+        keys: list[PageKey],
+        parents: list[PageKey | None],
+        buffer: torch.Tensor,
+        nbytes: int,
+        gather_event: Any,
+    ) -> None:
+        cache = self.cache
+        assert cache is not None
+        started = time.perf_counter()
+        stored = 0
+        try:
+            if gather_event is not None:
+                await asyncio.get_running_loop().run_in_executor(None, gather_event.synchronize)
+            result = await cache.store_pages(keys, buffer, parents)
+            stored = sum(result)
+        except Exception as exc:
+            _log.warning("kvtier save failed", pages=len(keys), error=repr(exc))
+        finally:
+            with self._stats_lock:
+                self._backlog -= nbytes
+                self._stats.add("saved_pages", stored)
+                self._stats.add("save_bytes", stored * (nbytes // max(1, len(keys))))
+                self._stats.add("save_seconds", time.perf_counter() - started)
+                self._stats.add("save_failures", len(keys) - stored)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Held requests whose blocks were copied out; forget finished requests' keys."""
+        done: set[str] = set()
+        keep: list[tuple[str, Any]] = []
+        for req_id, ev in self._acks:
+            if ev is None or ev.query():
+                done.add(req_id)
+            else:
+                keep.append((req_id, ev))
+        self._acks = keep
+        for req_id in finished_req_ids:
+            self._keys.pop(req_id, None)
+        return done
+
+    def load_errors(self) -> set[int]:
+        self._finish_load()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVTierConnectorStats()
+        return out
+
+    def take_events(self) -> KVTierKVEvents | None:
+        if not self._events:
+            return None
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return KVTierKVEvents(events)
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Let saves in flight land, close the lookup service and the cache (dirty pages
+        are written down per the write policy), stop the loop."""
+        if self.loop is None:
+            return
+        loop, self.loop = self.loop, None
+        try:
+            concurrent.futures.wait(list(self._stores), timeout=CLOSE_TIMEOUT_S)
+            loop.run(self._close(), timeout=CLOSE_TIMEOUT_S)
+        except Exception as exc:
+            _log.warning("kvtier connector shutdown incomplete", error=repr(exc))
+        finally:
+            loop.stop()
+            self._scatter.shutdown(wait=False)
+
+    async def _close(self) -> None:
+        for task in list(self._prefetches):
+            task.cancel()
+        if self._lookup is not None:
+            await self._lookup.close()
+        if self._metrics is not None:
+            await self._metrics.close()
+        if self.cache is not None:
+            await self.cache.close()

@@ -1,0 +1,148 @@
+"""Reading a running cache's metrics back from its Prometheus endpoint.
+
+A process that embeds :class:`~kvtier.cache.KVCache` exposes ``cache.metrics.to_prometheus()``
+(text format 0.0.4, every name prefixed ``kvtier_``), e.g. on ``/metrics`` like the example
+server. :func:`scrape` fetches such an endpoint; :func:`parse_prometheus` reads the text;
+:func:`cache_stats` turns the series into the per-tier and per-link summary that
+``kvtier inspect stats`` shows: occupancy, hit rate, errors, link GB/s.
+
+Raises :class:`ScrapeError` (a :class:`~kvtier.errors.KVTierError`) naming the URL and the
+reason when the endpoint cannot be read or holds no kvtier metrics, and
+:class:`~kvtier.errors.KVTierUsageError` for a URL that is not ``http(s)://``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from typing import Any
+
+from kvtier.errors import KVTierError, KVTierUsageError
+
+PREFIX = "kvtier_"
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+class ScrapeError(KVTierError):
+    """A metrics endpoint could not be read, or holds no kvtier metrics."""
+
+
+Series = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def _unescape(value: str) -> str:
+    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+
+
+def _number(text: str) -> float:
+    if text in ("+Inf", "Inf"):
+        return math.inf
+    if text == "-Inf":
+        return -math.inf
+    return float(text)
+
+
+def parse_prometheus(text: str) -> Series:
+    """``{metric name: [(labels, value), ...]}`` of every sample line in ``text``
+    (comments and malformed lines are skipped)."""
+    out: Series = defaultdict(list)
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        name, _, labels, value = m.group(1), m.group(2), m.group(3) or "", m.group(4)
+        try:
+            number = _number(value)
+        except ValueError:
+            continue
+        out[name].append(({k: _unescape(v) for k, v in _LABEL.findall(labels)}, number))
+    return dict(out)
+
+
+def scrape(url: str, timeout_s: float = 5.0) -> str:
+    """The text at ``url`` (an ``http://`` or ``https://`` metrics endpoint)."""
+    if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 3600):
+        raise KVTierUsageError(
+            f"--timeout must be a number of seconds in (0, 3600], got {timeout_s}"
+        )
+    try:
+        parsed = urllib.parse.urlparse(url)
+        parsed.port  # noqa: B018 - raises for a bad port
+    except ValueError as exc:
+        raise KVTierUsageError(f"--url {url!r} is not a valid URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise KVTierUsageError(
+            f"--url must be an http(s) URL of a metrics endpoint, e.g. "
+            f"http://127.0.0.1:8080/metrics; got {url!r}"
+        )
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body: bytes = response.read(64 << 20)
+    except urllib.error.HTTPError as exc:
+        raise ScrapeError(f"cannot read metrics from {url}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ScrapeError(f"cannot read metrics from {url}: {reason}") from None
+    return body.decode("utf-8", errors="replace")
+
+
+def _by(series: Series, name: str, label: str) -> dict[str, float]:
+    return {labels.get(label, ""): value for labels, value in series.get(PREFIX + name, [])}
+
+
+def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
+    """Per tier ``used_pages``, ``capacity_pages``, ``occupancy``, ``hits``, ``misses``,
+    ``hit_rate``, ``stored_pages``, ``evicted_pages``, ``dropped_pages``,
+    ``failed_pages``; per link ``pages``, ``bytes``, ``seconds``, ``gb_per_s``,
+    ``failed_pages``; fetch latency count and mean; queue depths."""
+    if not any(name.startswith(PREFIX) for name in series):
+        raise ScrapeError(f"no kvtier metrics (names starting with {PREFIX!r}) at {source}")
+    fields = {
+        "used_pages": "used_pages",
+        "capacity_pages": "capacity_pages",
+        "hits": "hits_total",
+        "misses": "misses_total",
+        "stored_pages": "stored_pages_total",
+        "evicted_pages": "evicted_pages_total",
+        "dropped_pages": "dropped_pages_total",
+        "failed_pages": "failed_pages_total",
+    }
+    per_field = {k: _by(series, v, "tier") for k, v in fields.items()}
+    tiers: dict[str, dict[str, float | None]] = {}
+    for tier in sorted({t for values in per_field.values() for t in values}):
+        row: dict[str, float | None] = {k: per_field[k].get(tier, 0.0) for k in fields}
+        cap, used = row["capacity_pages"] or 0.0, row["used_pages"] or 0.0
+        looked = (row["hits"] or 0.0) + (row["misses"] or 0.0)
+        row["occupancy"] = used / cap if cap else None
+        row["hit_rate"] = (row["hits"] or 0.0) / looked if looked else None
+        tiers[tier] = row
+    link_fields = {
+        "pages": "link_pages_total",
+        "bytes": "link_bytes_total",
+        "seconds": "link_seconds_total",
+        "failed_pages": "link_failed_pages_total",
+    }
+    per_link = {k: _by(series, v, "link") for k, v in link_fields.items()}
+    links: dict[str, dict[str, float | None]] = {}
+    for link in sorted({lk for values in per_link.values() for lk in values}):
+        lrow: dict[str, float | None] = {k: per_link[k].get(link, 0.0) for k in link_fields}
+        secs, nbytes = lrow["seconds"] or 0.0, lrow["bytes"] or 0.0
+        lrow["gb_per_s"] = nbytes / secs / 1e9 if secs > 0 else None
+        links[link] = lrow
+    count = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_count", []))
+    total = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_sum", []))
+    return {
+        "source": source,
+        "tiers": tiers,
+        "links": links,
+        "queues": _by(series, "queue_depth", "queue"),
+        "fetch_latency_s": {"count": count, "mean": total / count if count else None},
+    }

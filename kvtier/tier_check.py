@@ -1,0 +1,146 @@
+"""Checking a configuration's tiers without running a cache: ``kvtier inspect config``.
+
+* :func:`create_backend` builds tier ``i``'s backend (not opened) exactly as
+  :class:`~kvtier.cache.KVCache` does, so every backend name and option is validated:
+  an unknown backend, an unknown option or a missing required one (``nvme`` without
+  ``path``) raises, naming the tier; so is its codec (``tiers[i].codec``).
+* :func:`check_tiers` (``--check``) also opens each tier and stores, reads back and
+  deletes one probe page (:func:`probe_page`) under a random key: the tier is reachable,
+  authenticated and writable, and returns what it stored (a tier with a lossy codec: the
+  codec's rounding of it, :meth:`~kvtier.codec.store.CodecStore.round_trip`). Like
+  starting a cache, opening a store creates its directory when missing. Each tier gets a
+  :class:`TierCheck` saying what failed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.backend import Backend
+from kvtier.codec import tiers as codec_tiers
+from kvtier.codec.scaled import INPUT_DTYPES, np_dtype
+from kvtier.codec.store import CodecStore
+from kvtier.codec.tiers import TierCodecError
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.spec import KVSpec
+
+
+def create_backend(config: KVTierConfig, i: int) -> Backend:
+    """Tier ``i``'s backend, constructed (not opened); a tier with a codec gets its store
+    wrapped in a :class:`~kvtier.codec.store.CodecStore` (by
+    :func:`kvtier.codec.tiers.create_backend`).
+    Raises :class:`ConfigError` for a bad option or codec and the registry's errors for an
+    unknown or unavailable backend, each naming the tier (``tiers[1] (nvme, backend
+    'nvme')``, ``tiers[1].codec (nvme)``)."""
+    tc = config.tiers[i]
+    try:
+        return codec_tiers.create_backend(
+            tc.backend,
+            spec=config.spec,
+            capacity_bytes=tc.capacity_bytes,
+            options=tc.options,
+            codec=tc.codec,
+            codec_params=tc.codec_params,
+        )
+    except TierCodecError as exc:
+        raise ConfigError(f"tiers[{i}].codec ({tc.name}): {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
+    except TypeError as exc:
+        raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
+    except KVTierUsageError as exc:
+        raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
+
+
+def probe_page(spec: KVSpec) -> np.ndarray:
+    """A random page (``page_bytes`` uint8) that every tier can store: finite values for a
+    float KV dtype (a lossy codec refuses NaN and infinities, which random bytes hold),
+    random bytes otherwise."""
+    rng = np.random.default_rng()
+    if spec.dtype in INPUT_DTYPES:
+        values = rng.standard_normal(spec.page_bytes // spec.dtype_size, dtype=np.float32)
+        return values.astype(np_dtype(spec.dtype)).view(np.uint8)
+    return rng.integers(0, 256, spec.page_bytes, dtype=np.uint8)
+
+
+@dataclass
+class TierCheck:
+    """The outcome of checking one tier.
+
+    Attributes:
+        tier / backend: the tier's name and backend.
+        ok: opened, stored, read back and deleted a probe page.
+        step: the step that failed (``create``, ``open``, ``write``, ``read``, ``delete``).
+        error: why, in words.
+    """
+
+    tier: str
+    backend: str
+    ok: bool = False
+    step: str | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _why(backend: Backend, default: str) -> str:
+    """A failure reason from the backend's stats when it keeps one."""
+    try:
+        stats = backend.stats()
+    except Exception:  # stats are best effort here
+        return default
+    reason = stats.get("down_reason") or stats.get("last_error")
+    return f"{default}: {reason}" if reason else default
+
+
+async def check_tier(config: KVTierConfig, i: int) -> TierCheck:
+    """Create, open, probe (store, read back, delete one page) and close tier ``i``."""
+    tc = config.tiers[i]
+    result = TierCheck(tc.name, tc.backend)
+    try:
+        backend = create_backend(config, i)
+    except Exception as exc:
+        result.step, result.error = "create", str(exc)
+        return result
+    try:
+        await backend.open()
+    except Exception as exc:
+        result.step, result.error = "open", f"{type(exc).__name__}: {exc}"
+        return result
+    try:
+        key = PageKey(os.urandom(16))
+        page = probe_page(config.spec)
+        # a lossy codec gives back its own rounding of the page, not the page
+        want = backend.round_trip(page) if isinstance(backend, CodecStore) else page
+        if await backend.put([key], [page]) != [True]:
+            result.step = "write"
+            result.error = _why(backend, "a probe page could not be stored (full, unreachable?)")
+            return result
+        out = np.empty(config.spec.page_bytes, np.uint8)
+        if await backend.get([key], [out]) != [True] or not np.array_equal(out, want):
+            result.step = "read"
+            result.error = _why(backend, "the probe page did not read back intact")
+            return result
+        if await backend.delete([key]) != [True]:
+            result.step, result.error = "delete", _why(backend, "the probe page was not deleted")
+            return result
+        result.ok = True
+        return result
+    except Exception as exc:
+        result.step = result.step or "probe"
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    finally:
+        await backend.close()
+
+
+async def check_tiers(config: KVTierConfig) -> list[TierCheck]:
+    """:func:`check_tier` for every tier, top first (one at a time)."""
+    return [await check_tier(config, i) for i in range(len(config.tiers))]

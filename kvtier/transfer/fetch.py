@@ -1,0 +1,208 @@
+"""Demand fetches: bring pages to the top tier now (``load``) or copy them out (``read``).
+
+One demand fetch (:meth:`Fetcher.load`), step by step:
+
+1. every requested key is pinned (attention will read it), then counted: a hit in the
+   highest tier holding it, a miss in every tier above (the planner's
+   :meth:`~kvtier.plan.planner.Planner.note_lookup`);
+2. pages not in the top tier are grouped by the tier to read them from (the planner's
+   :meth:`~kvtier.plan.planner.Planner.source`) and cut into batches; each batch runs as a
+   job at fetch priority: claim room in the top tier (first come first served; victims go
+   to the evict queue), a link slot, reserve, copy, commit;
+3. a page that failed in one tier is tried in the next tier holding it; one being moved
+   by someone else is waited for;
+4. the top tier is trimmed back under its high watermark, sparing the fetched pages, and
+   the caller gets each page's slot (or learns it is missing: recompute it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.keys import PageKey
+from kvtier.transfer.batch import purge_vanished
+from kvtier.transfer.gate import Priority
+from kvtier.transfer.mover import Job, Mover
+from kvtier.transfer.moves import Moves
+from kvtier.transfer.results import LoadResult
+from kvtier.transfer.tier import Tier
+
+
+class Fetcher:
+    """Demand fetches over ``mover`` with batches from ``moves``."""
+
+    def __init__(self, mover: Mover, moves: Moves) -> None:
+        self.mover = mover
+        self.moves = moves
+
+    def count_lookup(self, key: PageKey, holder: int | None = None) -> None:
+        """Hits/misses per tier for one requested page: a hit in the first tier holding
+        it (``holder`` when known: a page being evicted), a miss in every tier above (all
+        tiers when none does). The admission policy sees every reference (frequency
+        filters count here)."""
+        hit = self.mover.planner.note_lookup(key, holder)
+        metrics = self.mover.metrics
+        for t in self.mover.tiers:
+            if t.index == hit:
+                metrics.hits.inc(t.name)
+                return
+            metrics.misses.inc(t.name)
+
+    async def load(self, keys: Sequence[PageKey], pin: bool = True) -> LoadResult:
+        """Bring ``keys`` to the top tier in one batched pass; pins each (until release)
+        when ``pin``. Raises :class:`CapacityError` when they cannot all fit."""
+        mover = self.mover
+        planner = mover.planner
+        top = mover.top
+        d = mover.directory
+        uniq = list(dict.fromkeys(keys))
+        if len(uniq) > top.capacity_pages:
+            raise CapacityError(
+                f"cannot load {len(uniq)} distinct pages into tier {top.name!r}, which holds "
+                f"{top.capacity_pages} pages"
+            )
+        started = time.perf_counter()
+        for k in keys:
+            d.pin(k)
+        # pinned before the evictor decided: a page being evicted from the top tier stays
+        # there (its write-down is not waited for)
+        here = {k for k in uniq if top.stays(k, d)}
+        wait = [k for k in uniq if k not in here]
+        ok = False
+        try:
+            await mover.settle(wait, [top])
+            for k in uniq:
+                self.count_lookup(k, top.index if k in here else None)
+            failed: dict[PageKey, set[str]] = {k: set() for k in uniq}
+            wanted = frozenset(uniq)
+            for _round in range(2 * len(mover.tiers) + 2):
+                await mover.settle(wait, [top])  # fetched or evicted by someone else
+                need = [k for k in wait if not d.is_committed(k, top.name)]
+                groups: dict[int, list[PageKey]] = {}
+                moving: list[PageKey] = []
+                for k in need:
+                    src = planner.source(k, failed[k])
+                    if src is not None:
+                        groups.setdefault(src, []).append(k)
+                    elif mover.moving(k):
+                        moving.append(k)  # on its way between lower tiers: wait for it
+                if not groups:
+                    if not moving:
+                        break
+                    await mover.settle(moving)
+                    continue
+                jobs: list[tuple[list[PageKey], Tier, Job]] = []
+                for idx, group in groups.items():
+                    src_tier = mover.tiers[idx]
+                    for batch in mover.planner.batches(top.index, group):
+                        job = self.moves.launch(
+                            src_tier, top, batch, Priority.FETCH, protect=wanted
+                        )
+                        jobs.append((batch, src_tier, job))
+                results = await mover.await_jobs([j for _, _, j in jobs])
+                for (batch, src_tier, _), res in zip(jobs, results, strict=True):
+                    bad = [k for k, r in zip(batch, res, strict=True) if not r]
+                    for k in bad:
+                        failed[k].add(src_tier.name)
+                    if bad:
+                        await purge_vanished(mover, src_tier, bad)
+            if d.used(top.name) > top.high_pages:
+                await self.moves.evictor.trim(top, Priority.FETCH, wanted)
+            ok = True
+        finally:
+            if not pin or not ok:
+                for k in keys:
+                    d.unpin(k)
+            mover.changed(*mover.tiers)
+        mover.metrics.fetch_latency.observe(time.perf_counter() - started)
+        slots: list[int | None] = []
+        missing: list[PageKey] = []
+        for k in keys:
+            if d.is_committed(k, top.name) or (k in here and top.stays(k, d)):
+                slots.append(top.arena.slot_of(k) if top.is_arena else None)
+            else:
+                slots.append(None)
+                missing.append(k)
+        return LoadResult(slots, missing)
+
+    async def read(self, keys: Sequence[PageKey], out: Sequence[np.ndarray]) -> list[bool]:
+        """Copy each page from the highest tier holding it into ``out[i]``; ``False`` for a
+        miss (absent, or every tier holding it failed or failed verification)."""
+        mover = self.mover
+        d = mover.directory
+        n = len(keys)
+        ok = [False] * n
+        for k in dict.fromkeys(keys):
+            self.count_lookup(k)
+        tried: list[set[str]] = [set() for _ in range(n)]
+        for _round in range(2 * len(mover.tiers) + 2):
+            groups: dict[int, list[int]] = {}
+            moving: list[PageKey] = []
+            for i, k in enumerate(keys):
+                if ok[i]:
+                    continue
+                for t in mover.tiers:
+                    if t.name not in tried[i] and d.is_committed(k, t.name):
+                        groups.setdefault(t.index, []).append(i)
+                        break
+                else:
+                    if mover.moving(k):
+                        moving.append(k)  # being evicted or written: wait, then look again
+            if not groups:
+                if not moving:
+                    return ok
+                await mover.settle(moving)
+                continue
+            for idx, group in groups.items():
+                await self._read_group(mover.tiers[idx], keys, out, group, ok, tried)
+        return ok
+
+    async def _read_group(
+        self,
+        tier: Tier,
+        keys: Sequence[PageKey],
+        out: Sequence[np.ndarray],
+        group: list[int],
+        ok: list[bool],
+        tried: list[set[str]],
+    ) -> None:
+        """Read the pages ``group`` (indexes into ``keys``) out of ``tier`` in one call."""
+        mover = self.mover
+        d = mover.directory
+        # earlier groups awaited: re-check, so nothing evicted meanwhile is copied
+        items = [i for i in group if d.is_committed(keys[i], tier.name)]
+        if not items:
+            return
+        for i in items:
+            tried[i].add(tier.name)
+            d.begin_copy(keys[i], tier.name)
+        start = time.perf_counter()
+        try:
+            got = await tier.backend.get([keys[i] for i in items], [out[i] for i in items])
+        except KVTierUsageError:
+            raise
+        except Exception as exc:
+            tier.record_failure("get", len(items), exc)
+            got = [False] * len(items)
+        finally:
+            for i in items:
+                d.end_copy(keys[i], tier.name)
+        moved = sum(got)
+        mover.metrics.record_transfer(
+            f"{tier.name}->out", moved, moved * tier.backend.page_bytes, time.perf_counter() - start
+        )
+        bad = [keys[i] for i, g in zip(items, got, strict=True) if not g]
+        for i, g in zip(items, got, strict=True):
+            ok[i] = g
+        if bad:
+            mover.metrics.failed.inc(tier.name, by=len(bad))
+            if len(bad) == len(items):
+                tier.record_failure("get", len(bad))
+            await purge_vanished(mover, tier, bad)
+        elif items:
+            tier.record_success()
+        mover.changed(tier)

@@ -1,0 +1,140 @@
+"""The write path: store pages in the top tier, copy them down per the write policy, flush.
+
+:meth:`Writer.store` commits the caller's pages to the top tier in batches (room claimed
+first come first served, victims to the evict queue); the write policy then copies them
+down in the background (write-through, or selective for admitted pages; write-back
+leaves them to eviction). :meth:`Writer.flush` writes every dirty page of a memory tier
+(held there and in no lower tier) one tier down, as the write policy allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.errors import CapacityError
+from kvtier.index.directory import PageState
+from kvtier.keys import PageKey
+from kvtier.log import get_logger
+from kvtier.transfer.gate import Priority
+from kvtier.transfer.mover import Job, Mover
+from kvtier.transfer.moves import Moves
+from kvtier.transfer.tier import Tier
+
+_log = get_logger("kvtier.pipeline")
+
+
+class Writer:
+    """Stores, write-downs and flushes over ``mover`` with batches from ``moves``."""
+
+    def __init__(self, mover: Mover, moves: Moves) -> None:
+        self.mover = mover
+        self.moves = moves
+
+    async def store(
+        self,
+        keys: Sequence[PageKey],
+        bufs: Sequence[np.ndarray],
+        parents: Sequence[PageKey | None],
+        namespace: str,
+    ) -> list[bool]:
+        """Commit pages to the top tier (buffers already validated); write-through/
+        selective policies then copy them down in the background."""
+        mover = self.mover
+        planner = mover.planner
+        top = mover.top
+        d = mover.directory
+        n = len(keys)
+        out = [False] * n
+        await mover.settle(keys, [top])
+        first: dict[PageKey, int] = {}
+        todo: list[int] = []
+        for i, k in enumerate(keys):
+            if k in first:
+                continue
+            first[k] = i
+            planner.note_store(k, parents[i])
+            if d.state(k, top.name) is PageState.COMMITTED:
+                planner.note_access(top.index, k)
+                out[i] = True
+            else:
+                todo.append(i)
+        jobs: list[tuple[list[int], Job]] = []
+        size = planner.batch_size(top.index)
+        for start in range(0, len(todo), size):
+            idx = todo[start : start + size]
+            job = self.moves.launch(
+                None,
+                top,
+                [keys[i] for i in idx],
+                Priority.FETCH,
+                data=[bufs[i] for i in idx],
+                parents=[parents[i] for i in idx],
+                namespace=namespace,
+            )
+            jobs.append((idx, job))
+        results = await mover.await_jobs([j for _, j in jobs])
+        for (idx, _), res in zip(jobs, results, strict=True):
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        for i, k in enumerate(keys):
+            out[i] = out[first[k]]
+        if d.used(top.name) > top.high_pages:
+            await self.moves.evictor.trim(top, Priority.FETCH)
+        stored = [keys[i] for i in todo if out[i]]
+        if stored and planner.write_policy.copies_on_store and len(mover.tiers) > 1:
+            mover.spawn(self.write_through(top, stored))
+        return out
+
+    async def write_through(self, src: Tier, keys: list[PageKey]) -> None:
+        """Copy freshly committed pages down the hierarchy (background)."""
+        mover = self.mover
+        dst = mover.next(src)
+        if dst is None or not keys:
+            return
+        d = mover.directory
+        keys = mover.planner.write_through(src.index, keys)
+        await mover.settle(keys, [dst])
+        keys = [k for k in keys if d.state(k, dst.name) is None and d.is_committed(k, src.name)]
+        if not keys:
+            return
+        try:
+            ok = await self.moves.copy(src, dst, keys, Priority.EVICT)
+        except CapacityError as exc:
+            _log.warning("write-through blocked: pages stay dirty", tier=dst.name, reason=str(exc))
+            return
+        landed = [k for k, o in zip(keys, ok, strict=True) if o]
+        if landed:
+            await self.write_through(dst, landed)
+
+    async def flush(self) -> int:
+        """Finish background work, then write every dirty page of a memory tier (held
+        there and in no lower tier) down one tier, as the write policy allows. Pages stay
+        where they are. Returns the pages written down."""
+        mover = self.mover
+        await mover.drain()
+        written = 0
+        d = mover.directory
+        for tier in mover.tiers[:-1]:
+            if not tier.is_arena:
+                continue
+            nxt = mover.tiers[tier.index + 1]
+            dirty = mover.planner.dirty(tier.index, d.keys_in(tier.name))
+            if not dirty:
+                continue
+            try:
+                ok = await self.moves.copy(tier, nxt, dirty, Priority.EVICT)
+            except CapacityError as exc:
+                _log.warning("flush blocked: pages stay dirty", tier=nxt.name, reason=str(exc))
+                continue
+            written += sum(ok)
+            if not all(ok):
+                _log.warning(
+                    "flush could not write every dirty page down",
+                    tier=tier.name,
+                    to=nxt.name,
+                    failed=len(ok) - sum(ok),
+                )
+        await mover.drain()
+        return written

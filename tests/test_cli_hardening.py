@@ -1,0 +1,299 @@
+"""The commands a user runs, fed bad input (issue 12): each exits 2 (usage) or 1 (failure)
+with a message naming the problem, prints a JSON error object with --json, never a
+traceback, and checks what it can before doing any work."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvtier.cli.app import get_app
+from kvtier.cli.bench_sim import make_figure
+from typer.testing import CliRunner
+
+from kvtier.bench.workload import ChatParams, footprint
+from kvtier.spec import preset
+
+DATA = Path(__file__).resolve().parent / "data"
+TRACE = DATA / "mooncake_conversation_head400.jsonl"
+
+
+def invoke(*args: str, code: int) -> dict[str, Any]:
+    """Run the command with --json; check the exit code and the JSON error object."""
+    result = CliRunner().invoke(get_app(), [*args, "--json"])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["exit_code"] == code and error["message"] in " ".join(result.stderr.split())
+    return dict(error)
+
+
+# -- bench sim ---------------------------------------------------------------------------------
+
+
+SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--capacity", "-1%"], "capacity must be a finite number > 0"),
+        (["--capacity", "0"], "capacity must be a finite number > 0"),
+        (["--capacity", "nan"], "capacity must be a finite number > 0"),
+        (["--capacity", "inf%"], "capacity must be a finite number > 0"),
+        (["--capacity", "lots"], "bad capacity 'lots'"),
+        (["--requests", "-5"], "--requests must be >= 1"),
+        (["--requests", "0"], "--requests must be >= 1"),
+        (["--tier-scale", "0"], "--tier-scale must be a finite number > 0"),
+        (["--tier-scale", "inf"], "--tier-scale must be a finite number > 0"),
+        (["--block-tokens", "0"], "--block-tokens must be >= 1"),
+        (["--admission", "bogus"], "unknown admission policy 'bogus'"),
+        (["--tiers", ","], "--tiers must name distinct tiers"),
+        (["--tiers", "a,a"], "--tiers must name distinct tiers"),
+        (["--plot", "/nonexistent-dir/x.png"], "--plot: directory /nonexistent-dir does not exist"),
+        (["--plot", "/tmp/x.nosuchformat"], "cannot write a nosuchformat file"),
+    ],
+)
+def test_bench_sim_refuses_meaningless_arguments(args: list[str], needle: str) -> None:
+    base = list(SIM)
+    if args[0] == "--requests":
+        base = base[:4] + base[6:]
+    assert needle in invoke(*base, *args, code=2)["message"]
+
+
+def test_bench_sim_checks_the_plot_path_before_the_replay(tmp_path: Path) -> None:
+    """A replay of many requests would take long: the bad path is refused at once (the
+    workload is not even generated: --requests is huge)."""
+    error = invoke(
+        "bench", "sim", "--workload", "chat", "--requests", "100000000",
+        "--plot", str(tmp_path / "missing" / "x.png"), code=2,
+    )  # fmt: skip
+    assert "does not exist" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [(b"", "holds no request"), (b"\xff\xfe\x00binary\x00" * 50, "not UTF-8 text")],
+    ids=["empty", "binary"],
+)
+def test_bench_sim_refuses_a_trace_with_no_requests(
+    tmp_path: Path, content: bytes, needle: str
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(content)
+    assert needle in invoke("bench", "sim", "--trace", str(trace), code=2)["message"]
+    assert "is not a file" in invoke("bench", "sim", "--trace", str(tmp_path), code=2)["message"]
+
+
+def test_bench_sim_reads_a_gzip_trace_like_the_plain_one(tmp_path: Path) -> None:
+    gz = tmp_path / "head.jsonl.gz"
+    gz.write_bytes(gzip.compress(TRACE.read_bytes()))
+    runs = []
+    for path in (TRACE, gz):
+        args = ["bench", "sim", "--trace", str(path), "--capacity", "5%", "--policy", "lru"]
+        result = CliRunner().invoke(get_app(), [*args, "--json", "--no-progress"])
+        assert result.exit_code == 0, result.output
+        runs.append(json.loads(result.stdout))
+    assert runs[0]["runs"] == [{**r, "replay_s": runs[0]["runs"][0]["replay_s"]}
+                               for r in runs[1]["runs"]]  # fmt: skip
+    assert runs[1]["trace"] == "head"  # the name without .jsonl.gz
+
+
+def test_the_plot_is_readable(tmp_path: Path) -> None:
+    args = ["bench", "sim", "--trace", str(TRACE), "--capacity", "1%", "--capacity", "10%"]
+    args += ["--policy", "lru", "--policy", "arc", "--tiers", "hbm,dram", "--no-progress"]
+    result = CliRunner().invoke(get_app(), [*args, "--json", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    fig = make_figure(report)
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] == 0  # y from 0
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert any(t.endswith("%") for t in ticks)  # percentage ticks
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1  # off the lines
+    title = ax.get_title()
+    for part in (report["model"], report["hardware"], "hbm > dram", report["write_policy"]):
+        assert part in title
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    refs = [lines["Belady MIN (ceiling)"], lines["LRU (reference)"]]
+    assert all(r.get_zorder() < lines["arc"].get_zorder() for r in refs)  # drawn under
+
+
+# -- bench run ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [["--steps", "4"], ["--accept-rate", "0.5"], ["--fork-every", "2"],
+                                  ["--draft-tokens", "3"]])  # fmt: skip
+def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[str]) -> None:
+    error = invoke("bench", "run", "--model", "tiny", *flag, code=2)
+    assert f"{flag[0]} only apply to --workload speculative" in error["message"]
+
+
+def test_the_documented_bench_run_example_is_sized_up_front() -> None:
+    """The docs' example with 48 MiB used to fail after playing turns ("cannot load 26
+    distinct pages"); now it is refused before anything runs, naming the minimum."""
+    params = ChatParams(sessions=4, turns=3)
+    spec = preset("llama3-8b")
+    need = footprint(params, spec.page_tokens).min_top_pages
+    error = invoke(
+        "bench", "run", "--sessions", "4", "--turns", "3", "--dram-capacity", "48MiB", code=2
+    )
+    assert f"up to {need} pages at once" in error["message"]
+    assert f"at least {need * spec.page_bytes // (1 << 20)}.0 MiB" in error["message"]
+
+
+def test_bench_run_at_its_minimum_runs_and_prints_its_configuration(tmp_path: Path) -> None:
+    params = ChatParams(sessions=4, turns=3)
+    spec = preset("tiny")
+    need = footprint(params, spec.page_tokens).min_top_pages
+    args = ["bench", "run", "--model", "tiny", "--sessions", "4", "--turns", "3"]
+    below = CliRunner().invoke(get_app(), [*args, "--dram-capacity", str((need - 1) * 512)])
+    assert below.exit_code == 2 and "at least" in below.output
+    result = CliRunner().invoke(get_app(), [*args, "--dram-capacity", str(need * 512)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "configuration: tiny" in out and "dram" in out and f"{need}" in out
+    assert "mismatches 0" in out
+
+
+def test_bench_run_fails_when_a_tier_is_unreachable_for_the_whole_run(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(
+        '[model]\npreset = "tiny"\n'
+        '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "256KiB"\n'
+        '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
+        f'options = {{url = "redis://127.0.0.1:{port}/0", op_timeout_s = 0.2, '
+        "connect_timeout_s = 0.2, retry_interval_s = 0.5}\n"
+    )
+    error = invoke("bench", "run", "-c", str(cfg), "--sessions", "2", "--turns", "2", code=1)
+    assert "tier 'remote' was unreachable for the whole run" in error["message"]
+
+
+# -- bench io ----------------------------------------------------------------------------------
+
+
+def test_bench_io_refuses_a_missing_dir_and_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent" / "x"
+    error = invoke("bench", "io", "--tier", "file", "--dir", str(missing), code=2)
+    assert "does not exist" in error["message"]
+    assert not (tmp_path / "nonexistent").exists()
+
+
+def test_bench_io_refuses_a_file_as_dir(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_text("x")
+    assert "is not a directory" in invoke("bench", "io", "--dir", str(f), code=2)["message"]
+
+
+# -- inspect config ----------------------------------------------------------------------------
+
+
+def _write(tmp_path: Path, tiers: str) -> Path:
+    path = tmp_path / "kv.toml"
+    path.write_text('[model]\npreset = "tiny"\n' + tiers)
+    return path
+
+
+DRAM = '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "64KiB"\n'
+
+
+@pytest.mark.parametrize(
+    ("tier", "needle"),
+    [
+        (
+            '[[tiers]]\nname = "x"\nbackend = "nosuch"\ncapacity = "1MiB"\n',
+            "unknown backend 'nosuch'",
+        ),
+        ('[[tiers]]\nname = "n"\nbackend = "nvme"\ncapacity = "1MiB"\n', "option 'path'"),
+        (
+            '[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
+            'options = {path = "/tmp/x", colour = "blue"}\n',
+            "unknown option(s) colour",
+        ),
+        (
+            '[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
+            'options = {path = "/tmp/x", io_threads = "abc"}\n',
+            "io_threads must be an integer",
+        ),
+    ],
+    ids=["unknown backend", "missing path", "unknown option", "bad option type"],
+)
+def test_inspect_config_validates_backends_and_options(
+    tmp_path: Path, tier: str, needle: str
+) -> None:
+    path = _write(tmp_path, DRAM + tier)
+    assert needle in invoke("inspect", "config", "-c", str(path), code=2)["message"]
+
+
+def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    good = _write(
+        tmp_path,
+        DRAM + '[[tiers]]\nname = "f"\nbackend = "file"\ncapacity = "1MiB"\n'
+        f'options = {{path = "{tmp_path / "fs"}"}}\n',
+    )
+    args = ["inspect", "config", "-c", str(good), "--check", "--json"]
+    result = CliRunner().invoke(get_app(), args)
+    assert result.exit_code == 0, result.output
+    checks = json.loads(result.stdout)["checks"]
+    assert [(c["tier"], c["ok"]) for c in checks] == [("dram", True), ("f", True)]
+    bad = _write(
+        tmp_path,
+        DRAM + '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
+        f'options = {{url = "redis://127.0.0.1:{port}/0", op_timeout_s = 0.3, '
+        "connect_timeout_s = 0.3}\n"
+        + '[[tiers]]\nname = "locked"\nbackend = "nvme"\ncapacity = "1MiB"\n'
+        f'options = {{path = "{tmp_path / "nv"}"}}\n',
+    )
+    (tmp_path / "nv").mkdir()
+    (tmp_path / "nv" / "index.sqlite").write_bytes(b"not a database" * 100)
+    result = CliRunner().invoke(get_app(), ["inspect", "config", "-c", str(bad), "--check"])
+    assert result.exit_code == 1
+    err = " ".join(result.stderr.split())
+    assert "remote (redis) failed at write" in err and "onnect" in err
+    assert "locked (nvme) failed at open" in err and "not a kvtier store index" in err
+    shutil.rmtree(tmp_path / "fs")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["bench", "run", "--model", "tiny", "--turn-tokens", "999999999"], "at most 33,554,432"),
+        (["bench", "run", "--workload", "speculative", "--model", "tiny", "--draft-tokens",
+          "999999999"], "draft_tokens must be at most"),
+        (["bench", "io", "--tier", "dram", "--page-size", "64TiB", "--pages", "2"],
+         "GiB is available: lower --pages or --page-size"),
+        (["inspect", "stats", "--url", "http://127.0.0.1:1/x", "--timeout", "-1"],
+         "--timeout must be a number of seconds"),
+        (["inspect", "stats", "--url", "http://[::1"], "is not a valid URL"),
+        (["bench", "run", "-c", str(DATA / "README.md")], "is not valid TOML"),
+    ],
+)  # fmt: skip
+def test_values_that_would_exhaust_memory_or_make_no_sense_are_refused(
+    args: list[str], needle: str
+) -> None:
+    """Before: a huge --turn-tokens generated the token streams until the OOM killer came."""
+    assert needle in invoke(*args, code=2)["message"]
+
+
+def test_binary_config_files_are_named_by_every_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    binary = tmp_path / "kv.toml"
+    binary.write_bytes(b"\xff\xfe[\x00m\x00")
+    for args in (["inspect", "config", "-c", str(binary)], ["bench", "run", "-c", str(binary)]):
+        assert "is not UTF-8 text" in invoke(*args, code=2)["message"]
+    monkeypatch.setenv("KVTIER_CONFIG", str(binary))
+    assert "is not UTF-8 text" in invoke("inspect", "config", code=2)["message"]

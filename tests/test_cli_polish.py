@@ -1,0 +1,191 @@
+"""The CLI as a user meets it: --version, --json errors, help, widths, units, and
+``kvtier inspect stats`` against a real cache's Prometheus endpoint (issue 12)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvtier.cli.app import get_app, version
+from kvtier.cli.output import fmt, size
+from typer.testing import CliRunner
+
+from kvtier.cache import KVCache
+
+KVTIER = Path(sys.executable).with_name("kvtier")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command in a real process, its output piped (as a user's ``| less``)."""
+    return subprocess.run([str(KVTIER), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version() -> None:
+    done = run("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"kvtier {version()}"
+    assert version()[0].isdigit()
+
+
+def test_flags_show_as_flags_in_help() -> None:
+    result = CliRunner().invoke(get_app(), ["inspect", "config", "--help"])
+    assert result.exit_code == 0
+    assert "--json" in result.stdout and "<bool>" not in result.stdout
+    assert "stats" in CliRunner().invoke(get_app(), ["inspect", "--help"]).stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "sim", "--requests", "abc", "--json"],
+        ["inspect", "store", "--json"],  # missing argument
+        ["inspect", "config", "--no-such-option", "--json"],
+    ],
+)
+def test_option_errors_print_a_json_error_with_json(args: list[str]) -> None:
+    done = run(*args)
+    assert done.returncode == 2
+    error = json.loads(done.stdout)["error"]
+    assert error["exit_code"] == 2 and error["message"]
+    assert "Traceback" not in done.stderr
+
+
+def test_errors_are_not_hard_wrapped_when_piped(tmp_path: Path) -> None:
+    deep = tmp_path / ("a-rather-long-directory-name-" * 4) / "missing.toml"
+    done = run("inspect", "config", "--config", str(deep))
+    assert done.returncode == 2
+    assert str(deep) in done.stderr  # on one line, whole
+
+
+def test_tables_keep_their_width_when_piped(tmp_path: Path) -> None:
+    long_dir = tmp_path / ("x" * 120)
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(
+        '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "512MiB"\n'
+        f'[[tiers]]\nname = "file"\nbackend = "file"\ncapacity = "4GiB"\n'
+        f'options = {{path = "{long_dir}"}}\n'
+    )
+    done = run("inspect", "config", "--config", str(cfg))
+    assert done.returncode == 0, done.stderr
+    assert str(long_dir) in done.stdout  # not cut or folded at 80 columns
+    assert "512.0 MiB" in done.stdout and "536870912" not in done.stdout  # human units
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (1100.0, "1,100"),
+        (0.5, "0.5"),
+        (3.14159, "3.14"),
+        (123456, "123,456"),
+        (12, "12"),
+        (None, "-"),
+        (True, "yes"),
+    ],
+)
+def test_cells_are_human(value: object, text: str) -> None:
+    assert fmt(value) == text
+    assert "e+" not in fmt(1.1e3)
+
+
+def test_sizes_are_binary_units() -> None:
+    assert size(536870912) == "512.0 MiB" and size(512) == "512 B"
+
+
+# -- inspect stats ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def metrics_endpoint(tmp_path: Path) -> Iterator[tuple[str, dict[str, object]]]:
+    """A real cache run, its metrics served on 127.0.0.1 by a small HTTP server."""
+
+    async def play() -> tuple[str, dict[str, object]]:
+        config = {
+            "model": {"preset": "tiny"},
+            "tiers": [
+                {"name": "dram", "backend": "dram", "capacity": "8KiB"},
+                {
+                    "name": "file",
+                    "backend": "file",
+                    "capacity": "1MiB",
+                    "options": {"path": str(tmp_path / "f")},
+                },
+            ],
+        }
+        async with KVCache(config, configure_log=False) as cache:
+            tokens = np.arange(4 * 40)
+            pages = np.zeros((40, cache.spec.page_bytes), np.uint8)
+            await cache.store(tokens, pages)
+            await cache.flush()
+            hit = await cache.lookup(tokens)
+            await cache.load(hit.keys[:4])
+            cache.release(hit.keys[:4])
+            return cache.metrics.to_prometheus(), cache.metrics.snapshot()
+
+    text, snap = asyncio.run(play())
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = text.encode() if self.path == "/metrics" else b"hello"
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", snap
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_inspect_stats_reads_a_running_caches_endpoint(
+    metrics_endpoint: tuple[str, dict[str, object]],
+) -> None:
+    base, snap = metrics_endpoint
+    args = ["inspect", "stats", "--url", f"{base}/metrics", "--json"]
+    result = CliRunner().invoke(get_app(), args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    tiers = snap["tiers"]
+    assert isinstance(tiers, dict)
+    for name, t in tiers.items():
+        got = data["tiers"][name]
+        assert got["used_pages"] == t["used_pages"] and got["hits"] == t["hits"]
+        assert got["capacity_pages"] == t["capacity_pages"]
+    assert data["tiers"]["dram"]["occupancy"] == pytest.approx(
+        tiers["dram"]["used_pages"] / tiers["dram"]["capacity_pages"]
+    )
+    assert "dram->file" in data["links"] and data["links"]["dram->file"]["gb_per_s"] > 0
+    table = CliRunner().invoke(get_app(), ["inspect", "stats", "--url", f"{base}/metrics"])
+    assert table.exit_code == 0 and "hit rate" in table.stdout and "dram->file" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "needle"),
+    [
+        ("/metrics", 1, "no kvtier metrics"),
+        ("ftp://x/metrics", 2, "must be an http(s) URL"),
+        ("http://127.0.0.1:1/metrics", 1, "cannot read metrics"),
+    ],
+)
+def test_inspect_stats_errors_are_named(
+    metrics_endpoint: tuple[str, dict[str, object]], url: str, code: int, needle: str
+) -> None:
+    base, _ = metrics_endpoint
+    full = base + "/other" if url == "/metrics" else url
+    result = CliRunner().invoke(get_app(), ["inspect", "stats", "--url", full, "--json"])
+    assert result.exit_code == code
+    assert needle in json.loads(result.stdout)["error"]["message"]

@@ -1,0 +1,69 @@
+"""``kvtier bench codec``, ``kvtier bench sim --codec`` and ``kvtier inspect codecs``: what
+they report (no timing is asserted: benchmarks are not timed tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvtier.cli.app import get_app
+from typer.testing import CliRunner
+
+from kvtier.bench.codec import parse_codec
+from kvtier.codec import make_codec, slot_bytes
+from kvtier.errors import KVTierUsageError
+from kvtier.spec import preset
+
+
+def _run(*args: str) -> dict:
+    result = CliRunner().invoke(get_app(), ["bench", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_bench_codec_reports_ratio_speed_and_tier_rates() -> None:
+    data = _run(
+        "codec", "--source", "normal", "--pages", "3", "--codec", "zstd",
+        "--codec", "fp8-e4m3", "--tier", "file", "--rounds", "1", "--repeat", "1",
+    )  # fmt: skip
+    rows = {r["codec"]: r for r in data["speed"]["codecs"]}
+    assert rows["zstd"]["exact"] and rows["zstd"]["ratio"] > 1.0
+    fp8 = rows["fp8-e4m3"]
+    assert fp8["lossy"] and not fp8["exact"]
+    assert 1.9 < fp8["ratio"] < 2.0  # half of a 16-bit page, plus scales and the frame
+    assert fp8["max_error_of_peak"] <= 2.0**-4  # half an e4m3 ulp at the top binade
+    (tier,) = data["tiers"]
+    by = {r["codec"]: r for r in tier["codecs"]}
+    assert set(by) == {"none", "zstd", "fp8-e4m3"} and by["none"]["read_vs_none"] == 1.0
+    assert by["fp8-e4m3"]["stored_bytes_per_page"] < data["speed"]["page_bytes"] / 1.9
+
+
+def test_bench_sim_codec_gives_a_tier_the_pages_its_bytes_hold() -> None:
+    common = ["sim", "--workload", "chat", "--requests", "300", "--capacity", "50",
+              "--policy", "lru", "--tiers", "dram,nvme", "--model", "llama3-8b",
+              "--no-progress"]  # fmt: skip
+    plain = _run(*common)["runs"][0]["capacity_pages"]
+    coded = _run(*common, "--codec", "nvme=fp8-e4m3")
+    spec = preset("llama3-8b")
+    factor = spec.page_bytes / slot_bytes(make_codec("fp8-e4m3", spec))
+    assert coded["runs"][0]["capacity_pages"] == [plain[0], int(plain[1] * factor)]
+    assert coded["codec_page_factors"] == {"dram": 1.0, "nvme": factor}
+    bad = CliRunner().invoke(get_app(), [*["bench", *common], "--codec", "disk=zstd"])
+    assert bad.exit_code == 2 and "disk" in bad.output
+
+
+def test_codec_option_parsing() -> None:
+    assert parse_codec("zstd") == ("zstd", {})
+    assert parse_codec("zstd:level=3,shuffle=false") == ("zstd", {"level": 3, "shuffle": False})
+    assert parse_codec("fp8-e4m3:scale=token") == ("fp8-e4m3", {"scale": "token"})
+    with pytest.raises(KVTierUsageError, match="key=value"):
+        parse_codec("zstd:level")
+
+
+def test_inspect_codecs_lists_the_builtins() -> None:
+    result = CliRunner().invoke(get_app(), ["inspect", "codecs", "--json"])
+    assert result.exit_code == 0, result.output
+    codecs = {c["name"]: c for c in json.loads(result.stdout)["codecs"]}
+    assert {"none", "zstd", "lz4", "fp8-e4m3", "int8"} <= set(codecs)
+    assert codecs["fp8-e4m3"]["lossy"] and not codecs["zstd"]["lossy"]
+    assert all(codecs[n]["available"] for n in ("zstd", "lz4", "fp8-e4m3", "int8"))

@@ -1,0 +1,124 @@
+"""RedisStore's data path in a three-master cluster when a slot moves under it.
+
+The data path routes each page by the slot map redis-py keeps; a node that no longer owns
+a slot answers ``MOVED`` (or ``ASK`` during a migration), and those pages must be sent
+again through redis-py's cluster pipeline, which follows the redirection: a put lands on
+the new owner and a get reads it from there, byte-exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+from kvtier.backends.remote import RedisStore
+from redis.cluster import key_slot
+
+from kvtier.keys import Namespace, PageKey, page_keys
+from kvtier.testing.servers import RedisClusterServers, unavailable_reason
+
+PAGE = 4096
+NS = Namespace("cluster-redirect")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    reason = unavailable_reason("redis", cluster=True)
+    if reason:
+        pytest.skip(reason)
+    with RedisClusterServers("redis") as c:
+        yield c
+
+
+def node_ids(cluster: RedisClusterServers) -> dict[int, str]:
+    """Port -> node id."""
+    out = {}
+    for node in cluster.nodes:
+        with redis.Redis(port=node.port) as r:
+            out[node.port] = r.execute_command("CLUSTER", "MYID").decode()
+    return out
+
+
+def owner(cluster: RedisClusterServers, slot: int) -> int:
+    """Port of the node serving ``slot``."""
+    with redis.Redis(port=cluster.nodes[0].port) as r:
+        for start, end, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return int(master[1])
+    raise AssertionError(f"slot {slot} is not served")
+
+
+def fresh_key(store: RedisStore, cluster: RedisClusterServers) -> tuple[PageKey, int]:
+    """A page key whose slot holds no key yet (so it may be moved freely)."""
+    while True:
+        key = page_keys(np.arange(NS.page_tokens) + int.from_bytes(os.urandom(4)), NS)[0]
+        slot = key_slot(store.page_name(key))
+        port = owner(cluster, slot)
+        with redis.Redis(port=port) as r:
+            if r.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0:
+                return key, slot
+
+
+def move_slot(cluster: RedisClusterServers, slot: int, to_port: int) -> None:
+    ids = node_ids(cluster)
+    ports = [to_port] + [p for p in ids if p != to_port]  # the new owner first
+    for port in ports:
+        with redis.Redis(port=port) as r:
+            r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to_port])
+
+
+async def test_a_moved_slot_is_followed_for_puts_and_gets(cluster: RedisClusterServers) -> None:
+    data = [np.random.default_rng(7).integers(0, 256, PAGE, dtype=np.uint8)]
+    async with RedisStore(page_bytes=PAGE, capacity_pages=64, url=cluster.url, cluster=True,
+                          key_prefix="moved", op_timeout_s=5.0) as store:  # fmt: skip
+        warm = page_keys(np.arange(4 * NS.page_tokens), NS)
+        assert await store.put(warm, [data[0]] * 4) == [True] * 4  # the slot map is loaded
+        key, slot = fresh_key(store, cluster)
+        old = owner(cluster, slot)
+        new = next(n.port for n in cluster.nodes if n.port != old)
+        move_slot(cluster, slot, new)
+        assert await store.put([key], data) == [True]  # sent to the old owner: MOVED
+        assert store.stats()["redirected_pages"] >= 1
+        with redis.Redis(port=new) as r:
+            assert r.exists(store.page_name(key)) == 1  # it landed on the new owner
+        out = [np.zeros(PAGE, np.uint8)]
+        assert await store.get([key], out) == [True]
+        np.testing.assert_array_equal(out[0], data[0])
+        assert await store.delete([key, *warm]) == [True] * 5
+
+
+async def test_a_migrating_slot_is_followed_with_ask(cluster: RedisClusterServers) -> None:
+    """During a migration the old owner answers ``ASK`` for keys it does not hold: a new
+    page goes to the importing node, and a page still on the old owner is read there."""
+    data = [np.random.default_rng(i).integers(0, 256, PAGE, dtype=np.uint8) for i in range(2)]
+    async with RedisStore(page_bytes=PAGE, capacity_pages=64, url=cluster.url, cluster=True,
+                          key_prefix="ask", op_timeout_s=5.0) as store:  # fmt: skip
+        first, slot = fresh_key(store, cluster)
+        assert await store.put([first], data[:1]) == [True]  # stays on the old owner
+        while True:  # a second new page in the same slot
+            second = page_keys(np.arange(NS.page_tokens) + int.from_bytes(os.urandom(4)), NS)[0]
+            if key_slot(store.page_name(second)) == slot:
+                break
+        old = owner(cluster, slot)
+        new = next(n.port for n in cluster.nodes if n.port != old)
+        ids = node_ids(cluster)
+        with redis.Redis(port=new) as r:
+            r.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[old])
+        with redis.Redis(port=old) as r:
+            r.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[new])
+        try:
+            assert await store.put([second], data[1:]) == [True]  # ASK -> the new node
+            assert store.stats()["redirected_pages"] >= 1
+            with redis.Redis(port=new) as r:
+                assert r.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+            out = [np.zeros(PAGE, np.uint8) for _ in range(2)]
+            assert await store.get([first, second], out) == [True, True]
+            for o, d in zip(out, data, strict=True):
+                np.testing.assert_array_equal(o, d)
+        finally:
+            for port in (old, new):
+                with redis.Redis(port=port) as r:
+                    r.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")

@@ -1,0 +1,180 @@
+"""Room in a tier: first come, first served; the background evictor lets a batch land
+without waiting for the write-down of its victims; a pinned-full tier still raises."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from cache_kit import GatedFileStore, config, sequence
+
+from kvtier.cache import KVCache
+from kvtier.errors import CapacityError
+
+
+def _gated(tmp_path, dram_pages: int, background: bool, **extra) -> dict:
+    return config(
+        tmp_path,
+        dram_pages=dram_pages,
+        file_backend="cache_kit:GatedFileStore",
+        write_policy="write-back",
+        background_eviction=background,
+        **extra,
+    )
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+async def test_room_is_served_first_come_first_served(tmp_path, background):
+    """A caller that needs an eviction comes first; a later caller whose page would fit
+    at once must wait behind it instead of taking the room it is making."""
+    GatedFileStore.gate = None
+    rng = np.random.default_rng(40)
+    cfg = _gated(tmp_path, 4, background)
+    cfg["tiers"][0].update(high_watermark=1.0, low_watermark=1.0)
+    async with KVCache(cfg, env={}) as cache:
+        tokens, data = sequence(rng, 3)
+        await cache.store(tokens, data)  # 3 of 4 pages used
+        GatedFileStore.gate = asyncio.Event()  # write-downs wait from now on
+        done: list[str] = []
+
+        async def store(name: str, pages: int) -> None:
+            t, d = sequence(rng, pages)
+            await cache.store(t, d)
+            done.append(name)
+
+        first = asyncio.create_task(store("first", 2))  # needs a victim written down
+        await _until(lambda: GatedFileStore.held > 0, "the first caller's write-down waits")
+        second = asyncio.create_task(store("second", 1))  # would fit in the free page
+        await asyncio.sleep(0.05)
+        assert done == []  # the second caller did not overtake the first
+        assert cache.pipeline.room.waiting(cache.tiers[0]) == 2
+        GatedFileStore.gate.set()
+        await asyncio.gather(first, second)
+        assert done == ["first", "second"]
+        GatedFileStore.gate = None
+
+
+async def test_background_evictor_lets_a_batch_land_before_its_victims_are_written(tmp_path):
+    GatedFileStore.gate = None
+    rng = np.random.default_rng(41)
+    async with KVCache(_gated(tmp_path, 10, True), env={}) as cache:
+        top = cache.tiers[0]  # high watermark 8, low 7
+        tokens, data = sequence(rng, 8)
+        await cache.store(tokens, data)
+        GatedFileStore.gate = asyncio.Event()
+        more, more_data = sequence(rng, 2)
+        result = await asyncio.wait_for(cache.store(more, more_data), 10)  # not held back
+        assert all(result.stored)
+        d = cache.directory
+        assert top.high_pages < d.used("dram") <= top.capacity_pages
+        assert d.evicting("dram") > 0 and GatedFileStore.held > 0  # written down meanwhile
+        GatedFileStore.gate.set()
+        await cache.pipeline.drain()
+        assert d.used("dram") <= top.low_pages
+        out = np.zeros((8, data.shape[1]), dtype=np.uint8)
+        assert all(await cache.read(cache.page_keys(tokens), out))
+        assert np.array_equal(out, data)
+        GatedFileStore.gate = None
+
+
+async def test_without_the_background_evictor_a_batch_waits_for_its_victims(tmp_path):
+    GatedFileStore.gate = None
+    rng = np.random.default_rng(42)
+    async with KVCache(_gated(tmp_path, 10, False), env={}) as cache:
+        tokens, data = sequence(rng, 8)
+        await cache.store(tokens, data)
+        GatedFileStore.gate = asyncio.Event()
+        more, more_data = sequence(rng, 2)
+        task = asyncio.create_task(cache.store(more, more_data))
+        await _until(lambda: GatedFileStore.held > 0, "the write-down waits")
+        await asyncio.sleep(0.05)
+        assert not task.done()  # the store waits for its victims to go down
+        GatedFileStore.gate.set()
+        assert all((await task).stored)
+        assert cache.directory.used("dram") <= cache.tiers[0].high_pages
+        GatedFileStore.gate = None
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+async def test_a_pinned_full_tier_still_raises_for_every_waiter(tmp_path, background):
+    rng = np.random.default_rng(43)
+    cfg = config(tmp_path, dram_pages=4, background_eviction=background)
+    async with KVCache(cfg, env={}) as cache:
+        tokens, data = sequence(rng, 4)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys)  # all four pinned
+        calls = [cache.store(*sequence(rng, 1)) for _ in range(3)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, CapacityError) for r in results)
+        cache.release(keys)
+        assert all((await cache.store(*sequence(rng, 1))).stored)
+
+
+async def test_a_load_keeps_a_page_the_evict_queue_is_writing_down(tmp_path):
+    """A page being written down in the background is still readable: a lookup finds it
+    in the top tier, a load pins it there without waiting for the write-down, and the
+    eviction then leaves it where it is instead of dropping it from the top tier."""
+    GatedFileStore.gate = None
+    rng = np.random.default_rng(44)
+    async with KVCache(_gated(tmp_path, 10, True), env={}) as cache:
+        tokens, data = sequence(rng, 3)
+        keys = (await cache.store(tokens, data)).keys
+        GatedFileStore.gate = asyncio.Event()
+        demoting = asyncio.create_task(cache.demote("dram", keys))
+        await _until(lambda: GatedFileStore.held > 0, "the write-down waits")
+        assert cache.directory.evicting("dram") == 3
+        found = await cache.lookup(tokens)
+        assert found.keys == keys and found.tiers == ["dram"] * 3
+        hits = cache.metrics.snapshot()["tiers"]["dram"]["hits"]
+        loaded = await asyncio.wait_for(cache.load(keys), 5)  # the write-down still waits
+        assert GatedFileStore.held > 0 and not demoting.done()
+        assert cache.metrics.snapshot()["tiers"]["dram"]["hits"] == hits + 3
+        GatedFileStore.gate.set()
+        assert sorted(await demoting) == sorted(keys)  # they stay: pinned meanwhile
+        assert loaded.missing == [] and all(cache.directory.is_committed(k, "dram") for k in keys)
+        assert all(cache.directory.is_committed(k, "file") for k in keys)  # and went down
+        top = cache.tiers[0].arena
+        assert all(np.array_equal(top.view(s), d) for s, d in zip(loaded.slots, data, strict=True))
+        cache.release(keys)
+        GatedFileStore.gate = None
+
+
+def _open(cfg: dict[str, Any]) -> KVCache:
+    return KVCache(cfg, env={})
+
+
+async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evicted(
+    tmp_path: Path,
+):
+    """With leaf-first eviction in the last tier (where eviction drops pages), pinning
+    only the last page of a cached chain leaves its unpinned ancestors un-evictable. The
+    error must say so, not claim that everything is pinned. (Above the last tier those
+    ancestors move down instead: test_prefix_tree's
+    test_leaf_first_moves_ancestors_down_when_only_a_pinned_leaf_is_left.)"""
+    rng = np.random.default_rng(30)
+    cfg = config(tmp_path, dram_pages=10, file_pages=64)
+    cfg["tiers"] = cfg["tiers"][:1]  # DRAM alone: the last tier
+    async with _open(cfg) as cache:
+        tokens, data = sequence(rng, 8)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.load(keys[-1:])  # the chain's leaf only
+        more, more_data = sequence(rng, 4)
+        with pytest.raises(
+            CapacityError,
+            match=r"1 of its 10 pages are pinned or reserved; none of the other 7 can go "
+            r"\(its eviction policy \(leaf-first\(adaptive\)\) offers none",
+        ):
+            await cache.store(more, more_data)
+        cache.release(keys[-1:])
+        assert all((await cache.store(more, more_data)).stored)

@@ -1,0 +1,112 @@
+"""scripts/setup-system-packages (issue 12): it says what it installs and why, keeps
+Debian's redis-server from starting a service during the install (policy-rc.d, put back
+after), and never stops or kills a process it did not start.
+
+Run against stand-ins for ``apt-get`` and ``id`` in a private PATH, and a private
+policy-rc.d path: nothing on the machine is installed or changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "setup-system-packages"
+
+FAKE_APT = """#!/bin/sh
+# Record each call, and what policy-rc.d answered when the install ran.
+echo "apt-get $*" >> "$LOG"
+case "$*" in
+  *install*)
+    if [ -x "$KVTIER_POLICY_RC_D" ]; then
+      "$KVTIER_POLICY_RC_D" redis-server start; echo "policy says $?" >> "$LOG"
+    else
+      echo "no policy" >> "$LOG"
+    fi ;;
+esac
+exit 0
+"""
+
+
+def _bin(tmp_path: Path, *, root: bool) -> Path:
+    """A PATH directory with the tools the script uses, and no redis-server or fio."""
+    b = tmp_path / "bin"
+    b.mkdir()
+    for tool in ("mktemp", "cp", "rm", "chmod", "cat"):
+        found = shutil.which(tool)
+        assert found is not None
+        (b / tool).symlink_to(found)
+    (b / "apt-get").write_text(FAKE_APT)
+    (b / "id").write_text(f"#!/bin/sh\necho {0 if root else 1000}\n")
+    for f in ("apt-get", "id"):
+        (b / f).chmod(0o755)
+    return b
+
+
+def _run(tmp_path: Path, root: bool = True) -> tuple[subprocess.CompletedProcess[str], Path]:
+    b = _bin(tmp_path, root=root)
+    log = tmp_path / "log"
+    env = {"PATH": str(b), "LOG": str(log), "KVTIER_POLICY_RC_D": str(tmp_path / "policy-rc.d")}
+    bash = shutil.which("bash")
+    assert bash is not None
+    done = subprocess.run([bash, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    return done, log
+
+
+@pytest.fixture
+def bystander(tmp_path: Path):
+    """A process named redis-server that the script did not start (someone's Redis)."""
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    fake = tmp_path / "redis-server"
+    shutil.copy(sleep, fake)
+    proc = subprocess.Popen([str(fake), "300"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_installs_with_service_starts_forbidden_and_kills_nothing(
+    tmp_path: Path, bystander: subprocess.Popen[bytes]
+) -> None:
+    done, log = _run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    # Says what and why.
+    assert "installing redis-server fio" in out
+    assert "private servers on 127.0.0.1" in out and "raw-disk baseline" in out
+    calls = log.read_text().splitlines()
+    assert calls[0] == "apt-get update -qq"
+    assert calls[1].startswith("apt-get install") and "redis-server fio" in calls[1]
+    assert calls[2] == "policy says 101"  # no service could start during the install
+    assert not (tmp_path / "policy-rc.d").exists()  # and the policy is gone after
+    assert bystander.poll() is None  # someone else's redis-server still runs
+
+
+def test_an_existing_policy_is_put_back(tmp_path: Path) -> None:
+    policy = tmp_path / "policy-rc.d"
+    policy.write_text("#!/bin/sh\nexit 0\n")
+    policy.chmod(0o755)
+    done, log = _run(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "policy says 101" in log.read_text()
+    assert policy.read_text() == "#!/bin/sh\nexit 0\n"
+
+
+def test_without_root_it_installs_nothing_and_says_so(tmp_path: Path) -> None:
+    done, log = _run(tmp_path, root=False)
+    assert done.returncode == 0 and "skipped (needs root and apt-get)" in done.stdout
+    assert not log.exists()
+
+
+def test_no_setup_script_stops_or_kills_processes() -> None:
+    for path in (ROOT / "scripts").iterdir():
+        text = path.read_text()
+        for word in ("pkill", "killall", "service redis-server stop", "systemctl stop", "kill "):
+            assert word not in text, f"{path.name} contains {word!r}"
+    assert os.access(SCRIPT, os.X_OK)

@@ -1,0 +1,276 @@
+"""The parts of the vLLM connector that run without vLLM: its settings, the identity of an
+engine's pages (geometry, namespace, configuration), the lookup service over a real Unix
+socket, and the copies between vLLM's paged tensors and kvtier pages. The connector inside
+a real engine is tested in tests/vllm_connector (in the vLLM environment)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.integrations.vllm import identity
+from kvtier.integrations.vllm.identity import ParallelPlace, resolve, weights_fingerprint
+from kvtier.integrations.vllm.lookup import (
+    LookupAnswer,
+    LookupClient,
+    LookupServer,
+    lookup_answer_runs,
+    socket_path,
+)
+from kvtier.integrations.vllm.loop_thread import LoopThread
+from kvtier.integrations.vllm.paged import PagedKV
+from kvtier.integrations.vllm.settings import ConnectorSettings, parse_settings, runtime_dir
+
+# -- settings --------------------------------------------------------------------------------
+
+
+def test_settings_defaults_and_values() -> None:
+    s = parse_settings({"kvtier_config": "/x.toml", "kvtier_lookup_timeout_s": 0.5,
+                        "kvtier_save_backlog_mib": 16, "other_connector_key": 1})  # fmt: skip
+    assert s.kvtier_config == "/x.toml"
+    assert s.lookup_timeout_s == 0.5
+    assert s.save_backlog_bytes == 16 << 20
+    assert parse_settings(None) == ConnectorSettings()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"kvtier_confg": "x"}, "kvtier_confg"),
+        ({"kvtier_config": 5}, "kvtier_config"),
+        ({"kvtier_lookup_timeout_s": "fast"}, "kvtier_lookup_timeout_s"),
+        ({"kvtier_lookup_timeout_s": float("inf")}, "kvtier_lookup_timeout_s"),
+        ({"kvtier_load_timeout_s": -1}, "kvtier_load_timeout_s"),
+        ({"kvtier_save_backlog_mib": 0}, "kvtier_save_backlog_mib"),
+        ({"kvtier_save_backlog_mib": True}, "kvtier_save_backlog_mib"),
+        ({"kvtier_prefetch_on_lookup": "yes"}, "kvtier_prefetch_on_lookup"),
+        ({"kvtier_metrics_port": 70000}, "kvtier_metrics_port"),
+        ({"kvtier_runtime_dir": "a\0b"}, "kvtier_runtime_dir"),
+    ],
+)
+def test_bad_settings_are_named(extra: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        parse_settings(extra)
+
+
+def test_runtime_dir_is_private_and_refuses_a_symlink(tmp_path: Path) -> None:
+    d = runtime_dir(ConnectorSettings(runtime_dir=tmp_path / "run"))
+    assert d.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    with pytest.raises(ConfigError, match="not a directory"):
+        runtime_dir(ConnectorSettings(runtime_dir=tmp_path / "link"))
+    d2 = runtime_dir(ConnectorSettings(), env={"KVTIER_RUNTIME_DIR": str(tmp_path / "env")})
+    assert d2 == tmp_path / "env"
+
+
+# -- identity --------------------------------------------------------------------------------
+
+
+def _vllm_config(model: str, revision: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=revision),
+        kv_transfer_config=SimpleNamespace(engine_id="e1"),
+    )
+
+
+def _paged(
+    layers: int = 2, blocks: int = 8, heads: int = 2, tokens: int = 32, dim: int = 32
+) -> PagedKV:
+    return PagedKV(
+        [torch.zeros(blocks, heads, tokens, 2 * dim, dtype=torch.bfloat16) for _ in range(layers)]
+    )
+
+
+def _model_dir(tmp_path: Path, weights: bytes) -> Path:
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text('{"a": 1}')
+    (d / "model.safetensors").write_bytes(weights)
+    return d
+
+
+def test_resolve_takes_geometry_from_the_tensors_and_tiers_from_the_user(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path, b"w" * 300_000)
+    user = {"tiers": [{"name": "dram", "backend": "dram", "capacity": "64KiB"}],
+            "model": {"preset": "llama3-8b"}}  # fmt: skip
+    cfg = resolve(ConnectorSettings(kvtier_config=user), _vllm_config(str(model)), _paged(),
+                  "CPU_ATTN", ParallelPlace(tp_size=2, tp_rank=1), env={})  # fmt: skip
+    spec = cfg.config.spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_tokens) == (2, 2, 32, 32)
+    assert spec.dtype == "bfloat16"
+    assert spec.page_bytes == 2 * 2 * 32 * 64 * 2
+    ns = cfg.config.namespace
+    assert ns.model_id == f"{model}#vllm/CPU_ATTN/tp2pp1"
+    assert ns.rank == 1
+    assert ns.revision == weights_fingerprint(model)
+    assert cfg.config.tiers[0].capacity_pages(spec.page_bytes) == 4
+
+
+def test_namespace_separates_weights_backends_and_parallel_layouts(tmp_path: Path) -> None:
+    user = {"tiers": [{"name": "dram", "backend": "dram", "capacity": "1MiB"}]}
+
+    def ns(model: Path, backend: str = "CPU_ATTN", place: ParallelPlace | None = None) -> object:
+        return resolve(ConnectorSettings(kvtier_config=user), _vllm_config(str(model)), _paged(),
+                       backend, place or ParallelPlace(), env={}).config.namespace  # fmt: skip
+
+    a = _model_dir(tmp_path, b"a" * 200_000)
+    first = ns(a)
+    _model_dir(tmp_path, b"b" * 200_000)  # same path, other weights
+    assert ns(a) != first
+    assert ns(a, backend="FLASH_ATTN") != ns(a)
+    assert ns(a, place=ParallelPlace(tp_size=2)) != ns(a)
+
+
+def test_user_namespace_and_env_are_honoured_but_not_for_geometry(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(
+        '[namespace]\nmodel_id = "my-model"\nrevision = "r7"\n\n'
+        '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "1MiB"\n'
+    )
+    env = {"KVTIER_TIERS__DRAM__CAPACITY": "2MiB", "KVTIER_MODEL__NUM_LAYERS": "99"}
+    cfg = resolve(ConnectorSettings(kvtier_config=str(path)), _vllm_config("/nowhere"),
+                  _paged(), "CPU_ATTN", ParallelPlace(), env=env).config  # fmt: skip
+    assert cfg.namespace.model_id.startswith("my-model#vllm/")
+    assert cfg.namespace.revision == "r7"
+    assert cfg.spec.num_layers == 2
+    assert cfg.tiers[0].capacity_bytes == 2 << 20
+
+
+def test_bad_user_config_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[tiers]\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        resolve(ConnectorSettings(kvtier_config=str(bad)), _vllm_config("/m"), _paged(),
+                "CPU_ATTN", ParallelPlace(), env={})  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot be read"):
+        resolve(ConnectorSettings(kvtier_config=str(tmp_path / "missing.toml")),
+                _vllm_config("/m"), _paged(), "CPU_ATTN", ParallelPlace(), env={})  # fmt: skip
+    tiny = {"tiers": [{"name": "dram", "backend": "dram", "capacity": "1KiB"}]}
+    with pytest.raises(ConfigError, match="smaller than one page"):
+        resolve(ConnectorSettings(kvtier_config=tiny), _vllm_config("/m"), _paged(),
+                "CPU_ATTN", ParallelPlace(), env={})  # fmt: skip
+
+
+# -- paged tensors ---------------------------------------------------------------------------
+
+
+def test_gather_then_scatter_round_trips_blocks_across_layers() -> None:
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randn(16, 2, 32, 64, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    paged = PagedKV(src)
+    pages = paged.host_buffer(4)
+    assert paged.gather([3, 0, 15, 7], pages) is None
+    # a page is layer 0's block, then layer 1's, then layer 2's, as raw bytes
+    lb = paged.layer_bytes
+    for row, block in enumerate([3, 0, 15, 7]):
+        for layer in range(3):
+            want = src[layer][block].contiguous().view(torch.uint8).reshape(-1)
+            assert torch.equal(pages[row, layer * lb : (layer + 1) * lb], want)
+    dst = [torch.zeros_like(t) for t in src]
+    target = PagedKV(dst)
+    staged = target.stage(pages, 4)
+    for layer in range(3):
+        target.scatter_layer(layer, [1, 2, 4, 5], staged)
+    for layer in range(3):
+        for new, old in zip([1, 2, 4, 5], [3, 0, 15, 7], strict=True):
+            assert torch.equal(dst[layer][new], src[layer][old])
+        assert not dst[layer][0].any()  # other blocks untouched
+
+
+def test_paged_refuses_mixed_geometry_and_bad_blocks() -> None:
+    with pytest.raises(KVTierUsageError, match="differ between layers"):
+        PagedKV([torch.zeros(4, 2, 32, 64), torch.zeros(4, 1, 32, 64)])
+    with pytest.raises(KVTierUsageError, match="expects vLLM"):
+        PagedKV([torch.zeros(4, 2, 32)])
+    paged = _paged(blocks=4)
+    with pytest.raises(KVTierUsageError, match="block id 4"):
+        paged.gather([4], paged.host_buffer(1))
+
+
+# -- lookup service --------------------------------------------------------------------------
+
+
+def test_lookup_round_trip_min_over_ranks_and_errors_are_misses(tmp_path: Path) -> None:
+    loop = LoopThread("test-lookup")
+    seen: list[np.ndarray] = []
+
+    def answerer(pages: int):  # type: ignore[no-untyped-def]
+        async def answer(tokens: np.ndarray, flags: int) -> LookupAnswer:
+            seen.append(tokens.copy())
+            if flags == 7:
+                raise RuntimeError("boom")
+            return LookupAnswer(pages, lookup_answer_runs(["dram"] * 2 + ["nvme"] * (pages - 2)),
+                                {"dram": "arena", "nvme": "store"})  # fmt: skip
+
+        return answer
+
+    paths = [socket_path(tmp_path, "engine/1", 0, r) for r in range(2)]
+    servers = [LookupServer(p, answerer(n)) for p, n in zip(paths, [5, 3], strict=True)]
+    try:
+        for s in servers:
+            loop.run(s.start())
+        assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in paths)
+        client = LookupClient(paths, timeout_s=2.0)
+        ans = client.lookup(list(range(100)))
+        assert ans is not None and ans.pages == 3  # every rank must hold its shard
+        assert ans.tier_pages(1, 2) == {"dram": 1, "nvme": 1}
+        assert seen[0].tolist() == list(range(100))
+        bad = client.lookup([1, 2, 3], flags=7)  # the worker's lookup failed: a miss
+        assert bad is not None and bad.pages == 0
+        with pytest.raises(ValueError, match="32 bits"):
+            client.lookup([1 << 40])
+        loop.run(servers[1].close())
+        assert client.lookup([1, 2]) is None and client.errors == 1  # a rank is gone
+        client.close()
+    finally:
+        for s in servers:
+            loop.run(s.close())
+        loop.stop()
+
+
+def test_lookup_server_refuses_to_replace_a_non_socket(tmp_path: Path) -> None:
+    path = tmp_path / "x.sock"
+    path.write_text("not a socket")
+
+    async def answer(tokens: np.ndarray, flags: int) -> LookupAnswer:
+        return LookupAnswer(0)
+
+    with pytest.raises(FileExistsError):
+        asyncio.run(LookupServer(path, answer).start())
+    assert path.read_text() == "not a socket"
+
+
+def test_loop_thread_runs_coroutines_and_refuses_reentry() -> None:
+    loop = LoopThread("test-loop")
+
+    async def ident() -> int:
+        return threading.get_ident()
+
+    async def reenter() -> None:
+        loop.run(ident())
+
+    try:
+        assert loop.run(ident()) != threading.get_ident()
+        with pytest.raises(KVTierUsageError, match="own loop thread"):
+            loop.run(reenter())
+        with pytest.raises(TimeoutError):
+            loop.run(asyncio.sleep(5), timeout=0.05)
+    finally:
+        loop.stop()
+    with pytest.raises(KVTierUsageError, match="stopped"):
+        loop.submit(ident())
+
+
+def test_engine_id_is_shared_and_fingerprint_reads_samples(tmp_path: Path) -> None:
+    assert identity.engine_id(_vllm_config("/m")) == "e1"
+    assert weights_fingerprint(tmp_path / "nope") is None
+    d = _model_dir(tmp_path, os.urandom(1 << 20))
+    assert weights_fingerprint(d) == weights_fingerprint(d)

@@ -1,0 +1,145 @@
+"""The scheduler side's planning, without an engine: what it answers, loads, saves and
+holds for requests driven through vLLM's calls (fake requests and block lists; the lookup
+answered by a stand-in). Runs in the vLLM environment (the metadata types are vLLM's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+BS = 32
+
+
+class FakeLookup:
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+        self.calls: list[int] = []
+
+    def lookup(self, tokens: Any, flags: int = 0) -> Any:
+        from kvtier.integrations.vllm.lookup import LookupAnswer
+
+        self.calls.append(len(tokens))
+        return LookupAnswer(
+            min(self.pages, len(tokens) // BS), [("nvme", self.pages)], {"nvme": "store"}
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def _side(tmp_path: Path, pages: int, loads: bool = True, saves: bool = True) -> Any:
+    from kvtier.integrations.vllm.identity import ParallelPlace
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.settings import ConnectorSettings
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS),
+        kv_transfer_config=SimpleNamespace(engine_id="e"),
+    )
+    side = SchedulerSide(cfg, ConnectorSettings(), ParallelPlace(), tmp_path, loads, saves)
+    side.client = FakeLookup(pages)
+    return side
+
+
+def _request(rid: str, n: int, computed: int = 0) -> Any:
+    tokens = list(range(n))
+    return SimpleNamespace(
+        request_id=rid, all_token_ids=tokens, num_tokens=n, num_computed_tokens=computed
+    )
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def _output(scheduled: dict[str, int], spec: dict[str, list[int]] | None = None) -> Any:
+    return SimpleNamespace(num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=spec or {})
+
+
+def test_hit_is_whole_pages_beyond_the_local_cache_and_leaves_a_token(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=10)
+    req = _request("a", 5 * BS)  # 5 whole pages: at most 4 can be loaded
+    assert side.match(req, 0) == 4 * BS
+    assert side.match(req, 2 * BS) == 2 * BS  # vLLM already has two
+    assert len(side.client.calls) == 1  # the answer is reused while the request waits
+    side2 = _side(tmp_path, pages=1)
+    assert side2.match(_request("b", 3 * BS), 2 * BS) == 0  # kvtier holds less than vLLM
+
+
+def test_load_then_saves_only_what_kvtier_lacks(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=3)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(100, 110)),))
+    req = _request("a", 6 * BS + 5)
+    assert side.match(req, BS) == 2 * BS  # pages 1-2 from kvtier
+    side.after_alloc(req, Blocks(list(range(100, 110))), 2 * BS)
+    req.num_computed_tokens = 3 * BS
+    meta = side.build_meta(_output({"a": 3 * BS + 5}))
+    assert [(r.first_page, r.block_ids) for r in meta.loads] == [(1, [101, 102])]
+    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(3, [103, 104, 105])]
+    # token ids travel once, in pieces that follow each other
+    assert [(d.req_id, d.first_page, len(d.tokens)) for d in meta.tokens] == [
+        ("a", 0, 3 * BS),
+        ("a", 3, 3 * BS),
+    ]
+    assert side.hit_sources(req) == {("nvme", "store"): 2 * BS}
+
+
+def test_unverified_speculative_tokens_are_never_saved(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=0)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    req = _request("a", BS + 20)  # prompt of 52 tokens
+    side.match(req, 0)
+    req.num_computed_tokens = BS + 20
+    req.all_token_ids = list(range(BS + 30))  # 10 accepted output tokens
+    # this step: the last accepted token + 4 drafts; only 2*BS - 1 verified tokens so far
+    meta = side.build_meta(_output({"a": 5}, {"a": [1, 2, 3, 4]}))
+    assert [(r.first_page, len(r.block_ids)) for r in meta.saves] == [(0, 1)]
+
+
+def test_finished_request_saves_its_last_pages_and_holds_its_blocks(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=0)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    req = _request("a", 2 * BS)
+    side.match(req, 0)
+    side.build_meta(_output({"a": 2 * BS}))  # both prompt pages saved now
+    req.all_token_ids = list(range(3 * BS + 1))
+    req.num_tokens = 3 * BS + 1
+    req.num_computed_tokens = 3 * BS
+    assert side.finished(req, list(range(4))) is True
+    meta = side.build_meta(_output({}))
+    assert meta.holds == ["a"]
+    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(2, [2])]
+    assert side.finished(_request("never-seen", 10), []) is False
+
+
+def test_a_failed_load_is_saved_again_once_recomputed(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=4)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(200, 210)),))
+    req = _request("a", 5 * BS + 1)
+    side.match(req, 0)
+    side.after_alloc(req, Blocks(list(range(200, 210))), 4 * BS)
+    req.num_computed_tokens = 4 * BS
+    side.build_meta(_output({"a": BS + 1}))
+    side.loads_reported({202})  # page 2 could not be loaded: vLLM recomputes pages 2..
+    req.num_computed_tokens = 2 * BS
+    meta = side.build_meta(_output({"a": 3 * BS + 1}))
+    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(2, [202, 203, 204])]
+
+
+@pytest.mark.parametrize(("loads", "saves"), [(False, True), (True, False)])
+def test_roles(tmp_path: Path, loads: bool, saves: bool) -> None:
+    side = _side(tmp_path, pages=4, loads=loads, saves=saves)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    req = _request("a", 6 * BS)
+    assert side.match(req, 0) == (4 * BS if loads else 0)
+    req.num_computed_tokens = 0
+    meta = side.build_meta(_output({"a": 6 * BS}))
+    assert bool(meta.saves) == saves
+    assert side.finished(req, list(range(6))) is False or saves
