@@ -45,11 +45,22 @@ def _render(data: dict[str, Any]) -> None:
     ]
     console.print(table("transfers per link", ["link", "pages", "bytes", "GB/s"], links))
     lat = data["fetch_latency_ms"]
+    load = data["load_latency_ms"]
     console.print(
         f"turns {data['turns']}, wall {data['wall_s']:.2f} s; fetch latency (lookup + load) "
-        f"p50 {_ms(lat['p50'])} p99 {_ms(lat['p99'])} over {lat['count']} fetches",
+        f"p50 {_ms(lat['p50'])} p99 {_ms(lat['p99'])} over {lat['count']} fetches; "
+        f"load alone p50 {_ms(load['p50'])} p99 {_ms(load['p99'])}",
         highlight=False,
     )
+    pred = data.get("predictor")
+    if pred is not None:
+        pages = pred["pages"]
+        console.print(
+            f"predictor {pred['predictor']}: issued {pages['issued']}, arrived "
+            f"{pages['arrived']}, late {pages['late']}, useful {pages['useful']}, "
+            f"wasted {pages['wasted']}",
+            highlight=False,
+        )
     console.print(
         f"pages stored {data['pages_stored']} (failed {data['store_failed']}), loaded "
         f"{data['pages_loaded']}, checked {data['checked_pages']}, "
@@ -147,6 +158,15 @@ def bench_run_command(
             help=f"speculative: fork every N steps, 0: never [{_SPEC_DEFAULTS.fork_every}].",
         ),
     ] = None,
+    predictor: Annotated[
+        str,
+        typer.Option(
+            help="chat: live prefetch predictor: none | prefix | lookahead | prefix+lookahead"
+        ),
+    ] = "none",
+    queue_delay_ms: Annotated[
+        float, typer.Option(help="chat: wait between a turn's lookup and its load (queueing)")
+    ] = 0.0,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -200,7 +220,13 @@ def bench_run_command(
             reply_tokens=(turn_tokens - spread, turn_tokens + spread),
             concurrency=concurrency,
             seed=seed,
+            queue_delay_ms=queue_delay_ms,
         )
+        pred = None if predictor == "none" else predictor
+        if pred is not None:
+            from kvtier.prefetcher import check_predictor
+
+            check_predictor(pred)
         top = parse_size(dram_capacity, "--dram-capacity") if dram_capacity else None
         base = load_config(config)
         with progress(not as_json, "bench run", params.sessions * params.turns) as advance:
@@ -212,6 +238,7 @@ def bench_run_command(
                     top_capacity=top,
                     disk_dir=nvme_dir,
                     on_turn=lambda: advance(1),
+                    predictor=pred,
                 )
             )
         data = result.to_dict()
@@ -224,6 +251,8 @@ def bench_run_command(
             "reply_tokens": list(params.reply_tokens),
             "concurrency": params.concurrency,
             "seed": params.seed,
+            "queue_delay_ms": params.queue_delay_ms,
+            "predictor": predictor,
         }
         emit(data, as_json, _render)
         if data["mismatches"]:

@@ -5,6 +5,10 @@ ceiling at the same total capacity, pages per link, and modeled TTFT and through
 hardware profile. ``--json`` prints one JSON object; ``--plot`` draws hit rate against
 capacity with MIN and LRU as reference lines (checked before the replay: the directory
 must exist, the suffix must be a format matplotlib writes).
+
+``--suite`` runs the policy suite instead (:mod:`kvtier.sim.suite`, ``cli/bench_suite.py``):
+every workload x capacity x policy of the chosen half, a table of hit rate, share of MIN
+and the default policy's gain over the best classic policy, and (``--plot``) one figure.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import bench_app
+from kvtier.cli.bench_suite import render_suite, run_suite_cli
 from kvtier.cli.output import console, emit, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
@@ -28,11 +33,13 @@ from kvtier.sim.belady import belady_min
 from kvtier.sim.cost import evaluate
 from kvtier.sim.hardware import profile
 from kvtier.sim.replay import WRITE_POLICIES, make_tiers, replay
+from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, plot_suite
 from kvtier.sim.trace import Trace, read_mooncake
-from kvtier.sim.workloads import workload
+from kvtier.sim.workloads import WORKLOADS, workload
 from kvtier.spec import preset
 
-DEFAULT_POLICIES = ["lru", "lru-k", "arc", "s3-fifo", "prefix-lru", "session"]
+#: Policies ``bench sim`` replays when none is named: the default and the classics.
+DEFAULT_POLICIES = [DEFAULT_POLICY, *CLASSIC]
 
 
 def parse_capacity(text: str, distinct: int) -> int:
@@ -131,11 +138,13 @@ def run_sim(
     admission: str = "reuse",
     prefetch: str | None = None,
     codecs: dict[str, str] | None = None,
+    hints: bool = False,
 ) -> dict[str, Any]:
     """Run every (policy, capacity) pair and return the report as plain data.
 
     ``codecs`` maps tier names to a codec: that tier holds, in the bytes its uncoded
     capacity takes, as many pages as the live cache would (:func:`codec_page_factors`).
+    With ``hints``, the trace's engine hints reach hint-aware policies.
     """
     for p in policies:
         if p not in EVICTION_POLICIES:
@@ -164,7 +173,13 @@ def run_sim(
                 tiers = make_tiers(caps, functools.partial(make_policy, pol), tier_names)
                 predictor = LookaheadPredictor() if prefetch == "lookahead" else None
                 res = replay(
-                    tr, tiers, write_policy, predictor=predictor, progress=adv, admission=adm
+                    tr,
+                    tiers,
+                    write_policy,
+                    predictor=predictor,
+                    progress=adv,
+                    admission=adm,
+                    hints=hints,
                 )
                 secs = time.perf_counter() - t0
                 cost = evaluate(res, spec, hw)
@@ -205,6 +220,7 @@ def run_sim(
         "model": spec.name,
         "admission": admission if write_policy == "selective" else None,
         "prefetch": prefetch,
+        "hints": hints and bool(tr.hints),
         "codecs": dict(codecs or {}),
         "codec_page_factors": dict(zip(tier_names, factors, strict=True)),
         "runs": runs,
@@ -336,7 +352,7 @@ def _render(report: dict[str, Any]) -> None:
 def sim(
     trace: Annotated[Path | None, typer.Option(help="Mooncake-format JSONL trace")] = None,
     workload_name: Annotated[
-        str | None, typer.Option("--workload", help="chat | docqa | agent | zipf")
+        str | None, typer.Option("--workload", help=" | ".join(WORKLOADS))
     ] = None,
     requests: Annotated[int | None, typer.Option(help="replay only the first N requests")] = None,
     block_tokens: Annotated[int, typer.Option(help="tokens per trace block")] = 512,
@@ -353,6 +369,13 @@ def sim(
     prefetch: Annotated[
         str | None, typer.Option(help="lookahead: run the lookahead prefetch predictor")
     ] = None,
+    hints: Annotated[
+        bool, typer.Option("--hints/--no-hints", help="give the trace's engine hints to policies")
+    ] = False,
+    suite: Annotated[
+        bool, typer.Option("--suite", help="run the policy suite (workload x capacity x policy)")
+    ] = False,
+    half: Annotated[str, typer.Option(help="suite half: held-out | tune | all")] = "held-out",
     hardware: Annotated[str, typer.Option(help="hardware profile or .json")] = "h200-gen5",
     model: Annotated[str, typer.Option(help="KVSpec preset for the cost model")] = "llama3-70b",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,
@@ -363,9 +386,21 @@ def sim(
         typer.Option(help="TIER=CODEC: that tier's bytes hold pages encoded so (repeat)"),
     ] = None,
 ) -> None:
-    """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model."""
+    """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model.
+    With --suite: the policy suite (--trace adds the Mooncake trace's two halves)."""
 
     def body() -> None:
+        if suite:
+            if workload_name is not None:
+                raise KVTierUsageError("--suite picks its own workloads: drop --workload")
+            if plot_file is not None:
+                check_plot_path(plot_file)
+            rep = run_suite_cli(half, requests, trace, policy, capacity, show_progress)
+            if plot_file is not None:
+                plot_suite(rep, plot_file)
+                rep["plot"] = str(plot_file)
+            emit(rep, as_json, render_suite)
+            return
         names = [t.strip() for t in tiers.split(",") if t.strip()]
         check_args(
             requests,
@@ -397,6 +432,7 @@ def sim(
             admission,
             prefetch,
             codecs,
+            hints,
         )
         if plot_file is not None:
             plot(report, plot_file)

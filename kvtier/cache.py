@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -33,6 +33,7 @@ from typing import Any, Self
 import numpy as np
 
 from kvtier.backend import Backend, Reservation
+from kvtier.cache_hooks import CacheHooks, CacheObserver
 from kvtier.cache_input import PageInput, check_key, check_keys, check_parents, namespace_label
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import (
@@ -48,6 +49,7 @@ from kvtier.metrics import CacheMetrics
 from kvtier.policy.admission import make_admission
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
+from kvtier.policy.hints import make_hint
 from kvtier.policy.leaf_first import LeafFirstPolicy
 from kvtier.spec import KVSpec
 from kvtier.transfer.pipeline import LoadResult, Pipeline, PrefetchResult
@@ -90,6 +92,11 @@ class KVCache:
             embedded default, or ``$KVTIER_CONFIG``).
         env: environment for ``KVTIER_*`` overrides (default ``os.environ``).
         configure_log: apply the config's log format and level to structlog.
+        whatif: run what-if sizing (:class:`~kvtier.observers.WhatIfObserver`): each
+            tier's hit rate at other capacities, in ``stats()["whatif"]`` and the
+            ``kvtier_whatif_hit_rate`` gauge.
+        predictor: run a live prefetch predictor (:class:`~kvtier.prefetcher.
+            LivePrefetcher`): ``"prefix"``, ``"lookahead"`` or ``"prefix+lookahead"``.
 
     Raises:
         ConfigError: a bad configuration (at construction).
@@ -101,6 +108,8 @@ class KVCache:
         *,
         env: Mapping[str, str] | None = None,
         configure_log: bool = True,
+        whatif: bool = False,
+        predictor: str | None = None,
     ) -> None:
         self.resolved: ResolvedConfig = load_config(config, env)
         self.config: KVTierConfig = self.resolved.config
@@ -121,6 +130,9 @@ class KVCache:
         self._state = "new"  # -> starting -> open -> closing -> closed
         self._closed = asyncio.Event()
         self._configure_log = configure_log
+        #: Engine hints and observers (:mod:`kvtier.cache_hooks`; ``hooks.observers``).
+        self.hooks = CacheHooks(self.metrics, lambda: [t.policy for t in self.tiers])
+        self.hooks.want(whatif, predictor)
 
     @classmethod
     async def open(
@@ -260,6 +272,7 @@ class KVCache:
         except BaseException:
             await self.close()  # cancelled while indexing: do not leave backends open
             raise
+        self.hooks.start(self)  # what-if sizing, the live predictor (when asked for)
         _log.info(
             "kvtier cache open",
             model=self.spec.name,
@@ -285,6 +298,7 @@ class KVCache:
             return
         assert self._pipeline is not None
         self._state = "closing"
+        await self.hooks.aclose()
         try:
             await self._pipeline.close()
         except BaseException:
@@ -363,7 +377,27 @@ class KVCache:
             prev = found[-1] if found else parent
             if attempt or not rest or not await pipe.index_shared(rest, prev, label):
                 break
+        self.hooks.on_lookup(keys, tiers)
         return LookupResult(found, tiers, len(found) * self.spec.page_tokens)
+
+    # -- hints and observers (kvtier/cache_hooks.py) ------------------------------------
+
+    def attach(self, observer: CacheObserver) -> Callable[[], None]:
+        """Tell ``observer`` about every lookup, load, hint and clock tick from now on;
+        its ``stats()`` appear in :meth:`stats` under its ``name`` (see
+        :meth:`kvtier.cache_hooks.CacheHooks.attach`). Returns a function that detaches it."""
+        return self.hooks.attach(observer)
+
+    def hint(self, kind: str, keys: Sequence[PageKey], value: float | None = None) -> None:
+        """Tell the cache what the engine knows about ``keys`` (see
+        :mod:`kvtier.policy.hints`): ``open`` / ``close`` a session, ``next_turn`` in
+        ``value`` seconds, a ``ttl`` of ``value`` seconds, a ``priority`` weight,
+        ``pin`` / ``unpin`` a system prompt. Hint-aware eviction policies (``hinted``,
+        and ``adaptive``, which follows hints only while they prove right) use it; the
+        others ignore it. Raises :class:`KVTierUsageError` for an unknown kind, a bad
+        value or a key that is not a page key."""
+        self.pipeline  # noqa: B018 - raises when not open
+        self.hooks.hint(make_hint(kind, check_keys(keys, "hint keys"), value))
 
     async def reserve_private(
         self, keys: Sequence[PageKey], namespace: str = ""
@@ -403,7 +437,9 @@ class KVCache:
         stay valid meanwhile. Raises :class:`~kvtier.errors.CapacityError` when the pages
         cannot fit because the top tier is pinned full.
         """
-        return await self.pipeline.load(check_keys(keys), pin)
+        result = await self.pipeline.load(ks := check_keys(keys), pin)
+        self.hooks.on_load(ks)
+        return result
 
     def release(self, keys: Sequence[PageKey]) -> Any:
         """Unpin keys pinned by :meth:`load` (one pin per occurrence).
@@ -451,6 +487,7 @@ class KVCache:
         return {
             "tiers": tiers,
             "skipped_tiers": dict(self.skipped_tiers),
+            **self.hooks.stats(),
             "metrics": self.metrics.snapshot(),
         }
 

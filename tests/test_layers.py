@@ -45,12 +45,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policy", ("kvtier.policy.*",)),
     ("config", ("kvtier.config.*",)),
     ("plan", ("kvtier.plan.*",)),
+    # the replay engine over the planner: tools replay traces with it, and the live
+    # cache's what-if observer runs miniature caches with it
+    ("model", ("kvtier.sim.engine", "kvtier.sim.replayer", "kvtier.sim.whatif")),
     ("transfer", ("kvtier.transfer.*",)),
     (
         "facade",
         (
             "kvtier.cache",
+            "kvtier.cache_hooks",
             "kvtier.cache_input",
+            "kvtier.observers",
+            "kvtier.prefetcher",
             "kvtier.tier_check",
             "kvtier.sequences*",
             "kvtier.attention",
@@ -95,8 +101,10 @@ def _matches(name: str, pattern: str) -> bool:
 def _layer(name: str) -> int | None:
     found = None
     for i, (_, patterns) in enumerate(LAYERS):
+        if name in patterns:
+            return i  # a module named exactly wins over a package pattern
         if any(_matches(name, p) for p in patterns):
-            found = i  # the last match wins: kvtier.backends.* over kvtier
+            found = i  # else the last match wins
     return found
 
 

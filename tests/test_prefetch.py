@@ -206,3 +206,28 @@ async def test_close_cancels_unstarted_prefetches_and_leaves_no_task(tmp_path):
     assert loop.time() - t0 < 1.0  # 8 slow batches would take 2 s: most were cancelled
     current = asyncio.current_task()
     assert [t for t in asyncio.all_tasks() if t is not current] == []
+
+
+async def test_a_load_racing_a_prefetch_of_the_same_pages_claims_no_room_for_them(
+    tmp_path: Path,
+):
+    """A prefetch (the live predictor's, started at lookup) and the engine's load ask for
+    the same pages before either has reserved them, so both launch a batch. The first
+    batch brings the pages up (pinned by the load); the second must not claim room for
+    pages already there: with a pinned tier that room does not exist, and the load used
+    to fail with CapacityError."""
+    rng = np.random.default_rng(41)
+    async with _open(config(tmp_path, dram_pages=10, file_pages=64)) as cache:
+        tokens, data = sequence(rng, 8)
+        keys = (await cache.store(tokens, data)).keys
+        await cache.flush()
+        await cache.demote("dram", keys)
+        assert [cache.directory.locate(k) for k in keys] == ["file"] * 8
+        prefetch = asyncio.create_task(cache.prefetch(keys, deadline_s=5))
+        await asyncio.sleep(0)  # the prefetch launched its batch; nothing reserved yet
+        loaded = await cache.load(keys)
+        assert loaded.missing == []
+        assert all(cache.directory.is_committed(k, "dram") for k in keys)
+        res = await prefetch
+        assert res.missing == [] and sorted(res.arrived) == sorted(keys)
+        cache.release(keys)

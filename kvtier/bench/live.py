@@ -188,15 +188,17 @@ async def run_live(
     config: KVTierConfig,
     params: ChatParams,
     on_turn: Callable[[], None] | None = None,
+    predictor: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Open a :class:`~kvtier.cache.KVCache` on ``config``, play the workload, close.
+    """Open a :class:`~kvtier.cache.KVCache` on ``config`` (with the live prefetch
+    ``predictor``, if any), play the workload, close.
 
     Returns (workload report, metrics snapshot taken after the cache closed, so pending
-    write-downs are counted).
+    write-downs are counted). With a predictor the report has its ``predictor`` stats.
     """
     from kvtier.cache import KVCache
 
-    cache = KVCache(config)
+    cache = KVCache(config, predictor=predictor)
     async with cache:
         top = cache.tiers[0].backend
         view = top.view if isinstance(top, ArenaBackend) else None
@@ -204,9 +206,12 @@ async def run_live(
             cache, params, config.spec.page_bytes, config.spec.page_tokens, view
         )
         report = await workload.run(on_turn)
+        out = report.to_dict()
+        if predictor is not None:
+            out["predictor"] = cache.stats()["predictor"]
     metrics = cache.metrics.snapshot()
     metrics["tier_health"] = tier_health(cache)
-    return report.to_dict(), metrics
+    return out, metrics
 
 
 async def bench_run(
@@ -217,11 +222,13 @@ async def bench_run(
     top_capacity: int | None = None,
     disk_dir: Path | None = None,
     on_turn: Callable[[], None] | None = None,
+    predictor: str | None = None,
 ) -> RunResult:
     """Run the chat workload (see :func:`run_config` for the overrides).
 
     With ``disk_dir`` the disk tier's directory is kept (a second run finds its pages);
-    without it a temporary directory is used and removed afterwards. When neither
+    without it a temporary directory is used and removed afterwards. ``predictor`` runs
+    a live prefetch predictor (:mod:`kvtier.prefetcher`). When neither
     ``top_capacity`` nor the configuration sets the top tier's capacity (it is the
     embedded default's), the run sizes it with :func:`default_top_pages`, so that the
     workload spills whatever the model.
@@ -240,7 +247,7 @@ async def bench_run(
         config = run_config(
             base, model=model, top_capacity=top_capacity, disk_dir=directory, disk_required=kept
         )
-        workload, metrics = await run_live(config, params, on_turn)
+        workload, metrics = await run_live(config, params, on_turn, predictor)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -64,6 +64,9 @@ class ChatParams:
         reply_tokens: (min, max) generated tokens per turn.
         concurrency: sessions whose turns run at once (``asyncio.gather``).
         seed: seed of every token stream.
+        queue_delay_ms: how long a turn waits between its ``lookup`` (the request
+            arrives) and its ``load`` (it is scheduled), as in a busy server's queue;
+            a live prefetch predictor can move pages up meanwhile.
     """
 
     sessions: int = 8
@@ -74,8 +77,13 @@ class ChatParams:
     reply_tokens: tuple[int, int] = (40, 120)
     concurrency: int = 2
     seed: int = 0
+    queue_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.queue_delay_ms, bool) or not self.queue_delay_ms >= 0:
+            raise KVTierUsageError(
+                f"bench run: queue_delay_ms must be >= 0, got {self.queue_delay_ms!r}"
+            )
         for name in ("sessions", "turns", "system_prompts", "concurrency"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -223,30 +231,37 @@ class ChatReport:
     pages_stored: int = 0
     store_failed: int = 0
     fetch_latencies_s: list[float] = field(default_factory=list)
+    load_latencies_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         """Rates and latency percentiles derived from the counts."""
         n = max(self.pages_looked_up, 1)
-        lat = sorted(self.fetch_latencies_s)
         hits = sum(self.hits_by_tier.values())
         return {
             "hit_rate": hits / n,
             "hit_rate_by_tier": {t: c / n for t, c in sorted(self.hits_by_tier.items())},
-            "fetch_latency_ms": {
-                "count": len(lat),
-                "p50": _percentile(lat, 0.50) * 1e3 if lat else None,
-                "p99": _percentile(lat, 0.99) * 1e3 if lat else None,
-                "mean": statistics.fmean(lat) * 1e3 if lat else None,
-                "max": lat[-1] * 1e3 if lat else None,
-            },
+            "fetch_latency_ms": _latency_ms(self.fetch_latencies_s),
+            "load_latency_ms": _latency_ms(self.load_latencies_s),
         }
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         del out["fetch_latencies_s"]
+        del out["load_latencies_s"]
         out.update(self.summary())
         return out
+
+
+def _latency_ms(values: Sequence[float]) -> dict[str, Any]:
+    lat = sorted(values)
+    return {
+        "count": len(lat),
+        "p50": _percentile(lat, 0.50) * 1e3 if lat else None,
+        "p99": _percentile(lat, 0.99) * 1e3 if lat else None,
+        "mean": statistics.fmean(lat) * 1e3 if lat else None,
+        "max": lat[-1] * 1e3 if lat else None,
+    }
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -308,9 +323,16 @@ class ChatWorkload:
         found = await self.cache.lookup(prompt)
         keys: list[PageKey] = list(found.keys)
         valid = 0
+        if self.params.queue_delay_ms:
+            import asyncio
+
+            await asyncio.sleep(self.params.queue_delay_ms / 1e3)  # waiting to be scheduled
         if keys:
+            t1 = time.perf_counter()
             loaded = await self.cache.load(keys)
-            rep.fetch_latencies_s.append(time.perf_counter() - t0)
+            done = time.perf_counter()
+            rep.fetch_latencies_s.append(done - t0)
+            rep.load_latencies_s.append(done - t1)
             try:
                 valid = await self._check_loaded(keys, list(loaded.slots))
             finally:

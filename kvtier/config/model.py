@@ -55,7 +55,7 @@ class TierConfig:
     capacity_bytes: int
     high_watermark: float
     low_watermark: float
-    eviction: str = "lru"
+    eviction: str = "adaptive"
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     on_open_error: str = "fail"
@@ -341,7 +341,7 @@ def _build_tier(
             f"{p}.low_watermark: {low} is above high_watermark {high}"
             f"{_src(sources, p + '.low_watermark')}"
         )
-    eviction = _str(t.get("eviction", "lru"), f"{p}.eviction", sources)
+    eviction = _str(t.get("eviction", "adaptive"), f"{p}.eviction", sources)
     params = _table(t.get("eviction_params", {}), f"{p}.eviction_params", sources)
     try:
         make_policy(eviction, **params)

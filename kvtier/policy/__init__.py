@@ -6,6 +6,7 @@ with :func:`kvtier.policy.eviction.register_policy`, so config can name them
 registered in :mod:`kvtier.policy.admission` (``admission = "reuse"``).
 """
 
+from kvtier.policy.adaptive import AdaptivePolicy
 from kvtier.policy.admission import (
     FrequencyAdmission,
     ReusePredictor,
@@ -15,22 +16,36 @@ from kvtier.policy.admission import (
 from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.density import HitDensityPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy, register_policy
+from kvtier.policy.hinted import HintedPolicy
 from kvtier.policy.prefix_aware import PrefixLRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 from kvtier.policy.session import SessionPolicy
+from kvtier.policy.twoclass import TwoClassPolicy
 
-for _cls in (ARCPolicy, S3FIFOPolicy, PrefixLRUPolicy, SessionPolicy, HitDensityPolicy):
+for _cls in (
+    ARCPolicy,
+    S3FIFOPolicy,
+    PrefixLRUPolicy,
+    SessionPolicy,
+    HitDensityPolicy,
+    AdaptivePolicy,
+    TwoClassPolicy,
+    HintedPolicy,
+):
     register_policy(_cls.name, _cls)
 
 __all__ = [
     "EVICTION_POLICIES",
     "ARCPolicy",
+    "AdaptivePolicy",
     "FrequencyAdmission",
+    "HintedPolicy",
     "HitDensityPolicy",
     "PrefixLRUPolicy",
     "ReusePredictor",
     "S3FIFOPolicy",
     "SessionPolicy",
+    "TwoClassPolicy",
     "make_admission",
     "make_policy",
     "register_admission",

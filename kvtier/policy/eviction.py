@@ -51,65 +51,142 @@ class LRUPolicy(EvictionPolicy):
 
 
 class LRUKPolicy(EvictionPolicy):
-    """LRU-K (O'Neil et al.): evict the page whose K-th most recent access is oldest.
+    """LRU-K (O'Neil, O'Neil and Weikum, SIGMOD'93): evict the page whose K-th most recent
+    reference is oldest.
 
-    Pages with fewer than K accesses have an infinitely old K-th access and go first, in
-    LRU order among themselves: a page touched once (a scan) cannot push out a page that
-    was reused. This is the article's hot/cold split with K = 2 by default.
+    Pages with fewer than K known references have an infinitely old K-th reference and go
+    first, in LRU order among themselves: a page touched once (a scan) cannot push out a
+    page that was reused. This is the article's hot/cold split with K = 2 by default.
+
+    As in the paper, the reference history of a page is *retained after it is evicted*
+    (the "retained information period"): a page that comes back finds its earlier
+    references and, at its second reference, competes as a hot page. Without this, a page
+    reused only after it was evicted would count one reference forever and LRU-K would
+    lose to LRU exactly where LRU-2 should win. The retained histories of evicted pages
+    are bounded to ``history`` times the capacity (oldest evictions forgotten first);
+    ``capacity`` is the tier's size in pages when known, else the most pages held at once.
+
+    Victims: cold pages by last reference, then hot pages by K-th reference (a heap with
+    stale entries skipped), so ``victims`` costs O(n log pages) and not a full sort.
     """
 
     name: ClassVar[str] = "lru-k"
 
-    def __init__(self, k: int = 2) -> None:
+    def __init__(self, k: int = 2, history: float = 8.0, capacity: int | None = None) -> None:
+        """Raises :class:`ConfigError` for ``k`` < 1, ``history`` < 0 or a bad
+        ``capacity``."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"lru-k: k must be an integer >= 1, got {k!r}")
+        if isinstance(history, bool) or not isinstance(history, int | float) or not history >= 0:
+            raise ConfigError(f"lru-k: history must be a number >= 0 (capacities), got {history!r}")
+        if capacity is not None and (
+            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+        ):
+            raise ConfigError(f"lru-k: capacity must be an integer >= 1 page, got {capacity!r}")
         self.k = k
+        self.history = float(history)
+        self._fixed_c = capacity
+        self._seen_c = 0
         self._clock = 0
-        self._history: dict[PageKey, deque[int]] = {}
-        # Pages with < k accesses, oldest last access first.
+        #: Reference times per known page (resident or evicted), most recent last.
+        self._hist: dict[PageKey, deque[int]] = {}
+        self._resident: set[PageKey] = set()
+        # Resident pages with < k references, oldest last reference first.
         self._cold: OrderedDict[PageKey, None] = OrderedDict()
+        # Resident pages with k references: (k-th most recent reference, key), lazily.
+        self._hot: list[tuple[int, PageKey]] = []
+        # Evicted pages whose history is retained, oldest eviction first.
+        self._retained: OrderedDict[PageKey, None] = OrderedDict()
+
+    @property
+    def c(self) -> int:
+        """The capacity in pages (given, or the most pages held at once)."""
+        return self._fixed_c or max(self._seen_c, 1)
 
     def _touch(self, key: PageKey) -> None:
         self._clock += 1
-        hist = self._history.setdefault(key, deque(maxlen=self.k))
+        hist = self._hist.get(key)
+        if hist is None:
+            hist = self._hist[key] = deque(maxlen=self.k)
         hist.append(self._clock)
         if len(hist) < self.k:
             self._cold[key] = None
             self._cold.move_to_end(key)
         else:
             self._cold.pop(key, None)
+            heapq.heappush(self._hot, (hist[0], key))
+            if len(self._hot) > 4 * len(self._resident) + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (a page's older K-th references, evicted pages)."""
+        k = self.k
+        self._hot = [(h[0], key) for key in self._resident if len(h := self._hist[key]) >= k]
+        heapq.heapify(self._hot)
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
+        if key in self._resident:
+            self.on_access(key)
+            return
+        self._retained.pop(key, None)
+        self._resident.add(key)
         self._touch(key)
+        self._seen_c = max(self._seen_c, len(self._resident))
 
     def on_access(self, key: PageKey) -> None:
-        if key in self._history:
+        if key in self._resident:
             self._touch(key)
 
     def on_remove(self, key: PageKey) -> None:
-        self._history.pop(key, None)
+        if key not in self._resident:
+            return
+        self._resident.discard(key)
         self._cold.pop(key, None)
+        self._retained[key] = None
+        limit = self.history * self.c
+        while len(self._retained) > limit:
+            old, _ = self._retained.popitem(last=False)
+            del self._hist[old]
+
+    def _valid(self, kth: int, key: PageKey) -> bool:
+        if key not in self._resident:
+            return False
+        hist = self._hist[key]
+        return len(hist) >= self.k and hist[0] == kth
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        return first_evictable(self._order(), n, evictable)
+        out = first_evictable(iter(self._cold), n, evictable)
+        if len(out) >= n:
+            return out
+        heap = self._hot
+        popped: list[tuple[int, PageKey]] = []
+        while heap and len(out) < n:
+            item = heapq.heappop(heap)
+            if not self._valid(*item):
+                continue  # stale: dropped for good
+            popped.append(item)
+            if evictable(item[1]):
+                out.append(item[1])
+        for item in popped:  # victims() removes nothing: on_remove does
+            heapq.heappush(heap, item)
+        return out
 
     def ordered_keys(self) -> Iterator[PageKey]:
-        """Every tracked key, best victim first: pages with fewer than K accesses in LRU
-        order, then the others by their K-th most recent access (the hot part is sorted
-        only if the iteration gets there). See :mod:`kvtier.policy.base`."""
-        return self._order()
-
-    def _order(self) -> Iterator[PageKey]:
+        """Every resident key, best victim first (``victims`` takes the first evictable
+        ones of this order): pages with fewer than K references in LRU order, then the
+        others by their K-th most recent reference (the hot part is ordered only if the
+        iteration gets there). See :mod:`kvtier.policy.base`."""
         yield from self._cold
-        hot = ((hist[0], key) for key, hist in self._history.items() if len(hist) >= self.k)
-        for _, key in heapq.nsmallest(len(self._history), hot):
-            yield key
+        hot = [item for item in self._hot if self._valid(*item)]
+        heapq.heapify(hot)
+        while hot:  # one valid entry per hot page: its current K-th reference
+            yield heapq.heappop(hot)[1]
 
     def __len__(self) -> int:
-        return len(self._history)
+        return len(self._resident)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._history
+        return key in self._resident
 
 
 #: Eviction policies by config name. Other modules add theirs with :func:`register_policy`.

@@ -196,7 +196,7 @@ class SimCache:
         resident = self.view.resident[dst]
         todo = [k for k in keys if k not in resident]
         landed: list[PageKey] = []
-        if self._room(dst, len(keys), spare):
+        if self._room(dst, len(todo), spare):  # room for the pages not there yet
             for k in todo:
                 resident.add(k)
                 planner.landed(dst, k, self.parent.get(k))

@@ -31,6 +31,11 @@ The admission policy (``admission``, or the one set on a lower tier) sees every
 reference. Room that cannot be made (the request's pinned prefix fills the tier) drops
 the batch.
 
+Engine hints carried by the trace (:class:`~kvtier.sim.trace.TraceHint`) reach
+hint-aware policies with ``hints=True``, each before the request it precedes, and such
+policies are told the trace's time before every request. One request at a time is
+:class:`~kvtier.sim.replayer.Replayer`, which the what-if estimator drives too.
+
 Capacities are in pages; all blocks are the same size. Results count hits per tier, the
 prefix hit rate, pages moved per link, and per-request arrays the cost model needs.
 """
@@ -43,18 +48,18 @@ from typing import Protocol
 
 import numpy as np
 
-from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
-from kvtier.plan.limits import TierLimits
-from kvtier.policy.base import AdmissionPolicy, AdmitAll, EvictionPolicy
+from kvtier.policy.base import AdmissionPolicy, EvictionPolicy
 from kvtier.policy.write import WRITE_POLICIES, WritePolicy
-from kvtier.sim.engine import SimCache
+from kvtier.sim.replayer import Replayer, SimTier
 from kvtier.sim.trace import Trace
 
 __all__ = [
     "WRITE_POLICIES",
     "PagePredictor",
     "ReplayResult",
+    "Replayer",
     "SimTier",
     "WritePolicy",
     "make_tiers",
@@ -63,39 +68,6 @@ __all__ = [
 
 #: Hook called after every request with the number of requests done (progress bars).
 ProgressHook = Callable[[int], None]
-
-
-@dataclass
-class SimTier:
-    """One simulated tier: a capacity in pages, an eviction policy, watermarks (fractions
-    of the capacity, default 1.0: fill to capacity) and, on a tier below the top, the
-    admission policy ``selective`` asks before writing a page down. ``resident`` is
-    maintained by the replay; the policy objects are the live ones."""
-
-    name: str
-    capacity: int
-    policy: EvictionPolicy
-    admission: AdmissionPolicy | None = None
-    resident: set[PageKey] = field(default_factory=set)
-    high_watermark: float = 1.0
-    low_watermark: float = 1.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int):
-            raise KVTierUsageError(f"tier {self.name!r}: capacity must be an int of pages")
-        if self.capacity < 0:
-            raise KVTierUsageError(
-                f"tier {self.name!r}: capacity must be >= 0, got {self.capacity}"
-            )
-        if self.low_watermark > self.high_watermark:
-            raise KVTierUsageError(
-                f"tier {self.name!r}: low_watermark {self.low_watermark} is above "
-                f"high_watermark {self.high_watermark}"
-            )
-        try:
-            self.limits = TierLimits.of(self.capacity, self.high_watermark, self.low_watermark)
-        except KVTierUsageError as exc:
-            raise KVTierUsageError(f"tier {self.name!r}: {exc}") from None
 
 
 @dataclass
@@ -156,50 +128,6 @@ class PagePredictor(Protocol):
         """Pages worth pulling up now, after a request used ``blocks``; best first."""
 
 
-def _admission(tiers: Sequence[SimTier], given: AdmissionPolicy | None) -> AdmissionPolicy:
-    """The one admission policy of the replay: ``given``, else the one set on a lower tier."""
-    if tiers[0].admission is not None:
-        raise KVTierUsageError(
-            f"tier {tiers[0].name!r}: the top tier takes every page; an admission policy "
-            f"applies to the tiers below (what selective writes down)"
-        )
-    below = {id(t.admission): t.admission for t in tiers[1:] if t.admission is not None}
-    if given is not None:
-        return given
-    if len(below) > 1:
-        raise KVTierUsageError(
-            "one admission policy decides every write-down (as in the live pipeline); "
-            "pass admission= instead of a different one per tier"
-        )
-    return next(iter(below.values()), None) or AdmitAll()
-
-
-def _sim_cache(
-    tiers: Sequence[SimTier],
-    write_policy: str,
-    admission: AdmissionPolicy | None,
-    batch_pages: int,
-) -> SimCache:
-    if not tiers:
-        raise KVTierUsageError("replay needs at least one tier")
-    try:
-        wp = WritePolicy.parse(write_policy, "write policy")
-    except ConfigError as exc:
-        raise KVTierUsageError(f"unknown {exc}") from None
-    names = [t.name for t in tiers]
-    if len(set(names)) != len(names):
-        raise KVTierUsageError(f"tier names must be distinct, got {names}")
-    return SimCache(
-        names,
-        [t.policy for t in tiers],
-        [t.resident for t in tiers],
-        [t.limits for t in tiers],
-        wp,
-        _admission(tiers, admission),
-        batch_pages,
-    )
-
-
 def replay(
     trace: Trace,
     tiers: Sequence[SimTier],
@@ -210,8 +138,13 @@ def replay(
     *,
     admission: AdmissionPolicy | None = None,
     batch_pages: int = 32,
+    hints: bool = False,
 ) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (top first) and return what was measured.
+
+    Policies that take hints (:class:`~kvtier.policy.hints.HintAware`, possibly inside a
+    wrapper) are told the trace's time before each request (``on_time``) and, with
+    ``hints``, the trace's hints in order, each before the request it precedes.
 
     The tiers' policy objects and resident sets are mutated (pass fresh ones per run).
     ``predictor``, if given, is told every request's blocks after it ran and its
@@ -224,49 +157,35 @@ def replay(
     Raises :class:`KVTierUsageError` for no tiers, duplicate names, an unknown write
     policy, an admission policy on the top tier or different ones on lower tiers.
     """
-    cache = _sim_cache(tiers, write_policy, admission, batch_pages)
-    n_tiers = len(tiers)
+    r = Replayer(tiers, write_policy, admission=admission, batch_pages=batch_pages)
     n_req = len(trace.requests)
-    req_hits = np.zeros((n_req, n_tiers), dtype=np.int32)
+    req_hits = np.zeros((n_req, len(tiers)), dtype=np.int32)
     req_blocks = np.zeros(n_req, dtype=np.int32)
     req_in = np.zeros(n_req, dtype=np.int64)
     req_out = np.zeros(n_req, dtype=np.int64)
     req_t = np.zeros(n_req, dtype=np.float64)
-    prefetched: set[PageKey] = set()
-    pf = {"issued": 0, "useful": 0, "wasted": 0}
     refs = 0
+    trace_hints = trace.hints if hints and r.aware else []
+    next_hint = 0
     for i, req in enumerate(trace.requests):
-        blocks = req.blocks
-        cache.note_parents(blocks)
-        where = cache.lookup(blocks)
-        prefix = blocks[: len(where)]
-        for k, lvl in zip(prefix, where, strict=False):
-            req_hits[i, lvl] += 1
-            if lvl == 0 and k in prefetched:
-                prefetched.discard(k)
-                pf["useful"] += 1
-        cache.view.pinned = set(prefix)  # the engine pins what it loads until it is done
-        cache.load(prefix)
-        cache.store(blocks[len(where) :])
-        cache.view.pinned = set()
-        req_blocks[i] = len(blocks)
+        while next_hint < len(trace_hints) and trace_hints[next_hint].before <= i:
+            th = trace_hints[next_hint]
+            next_hint += 1
+            r.hint(th.hint, th.timestamp_s)
+        r.tick(req.timestamp_s)
+        req_hits[i] = r.run_request(req.blocks)
+        req_blocks[i] = len(req.blocks)
         req_in[i] = req.input_tokens
         req_out[i] = req.output_tokens
         req_t[i] = req.timestamp_s
-        refs += len(blocks)
+        refs += len(req.blocks)
         if predictor is not None:
-            predictor.observe(blocks)
-            arrived = cache.prefetch(predictor.predict(blocks))
-            pf["issued"] += len(arrived)
-            prefetched.update(arrived)
-        if cache.left_top:
-            prefetched.difference_update(cache.left_top)
-            cache.left_top.clear()
+            predictor.observe(req.blocks)
+            r.prefetch(predictor.predict(req.blocks))
         if progress is not None and (i + 1) % progress_every == 0:
             progress(progress_every)
     if progress is not None and n_req % progress_every:
         progress(n_req % progress_every)
-    pf["wasted"] = pf["issued"] - pf["useful"] - len(prefetched)
     per_tier = req_hits.sum(axis=0)
     return ReplayResult(
         tiers=[t.name for t in tiers],
@@ -274,14 +193,14 @@ def replay(
         refs=refs,
         requests=n_req,
         prefix_hits={t.name: int(per_tier[j]) for j, t in enumerate(tiers)},
-        pages_moved=dict(cache.moved),
+        pages_moved=dict(r.moved),
         req_hits=req_hits,
         req_blocks=req_blocks,
         req_input_tokens=req_in,
         req_output_tokens=req_out,
         req_arrival_s=req_t,
         block_tokens=trace.block_tokens,
-        prefetch=dict(pf) if predictor is not None else {},
+        prefetch=r.prefetch_counts() if predictor is not None else {},
     )
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
+from kvtier.policy.hints import Hint, parse_hint
 
 
 def block_key(block_id: int) -> PageKey:
@@ -68,13 +69,25 @@ class Request:
     last_partial: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class TraceHint:
+    """An engine hint in a trace, given before request number ``before`` (so after every
+    earlier request), at ``timestamp_s``."""
+
+    before: int
+    timestamp_s: float
+    hint: Hint
+
+
 @dataclass
 class Trace:
-    """A named, time-ordered request list with its block size in tokens."""
+    """A named, time-ordered request list with its block size in tokens, and the engine
+    hints that came with it (``hints``, ordered by ``before``; empty for public traces)."""
 
     name: str
     block_tokens: int
     requests: list[Request] = field(default_factory=list)
+    hints: list[TraceHint] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0:
@@ -100,8 +113,27 @@ class Trace:
         return self.requests[-1].timestamp_s - self.requests[0].timestamp_s
 
     def head(self, n: int) -> Trace:
-        """The first ``n`` requests as a new trace."""
-        return Trace(f"{self.name}[:{n}]", self.block_tokens, self.requests[:n])
+        """The first ``n`` requests (and the hints given before them) as a new trace."""
+        hints = [h for h in self.hints if h.before < n]
+        return Trace(f"{self.name}[:{n}]", self.block_tokens, self.requests[:n], hints)
+
+    def without_hints(self) -> Trace:
+        """The same requests with no hints."""
+        return Trace(self.name, self.block_tokens, self.requests)
+
+    def slice(self, start: int, stop: int, name: str | None = None) -> Trace:
+        """Requests ``start`` to ``stop`` (and their hints) as a new trace."""
+        hints = [
+            TraceHint(h.before - start, h.timestamp_s, h.hint)
+            for h in self.hints
+            if start <= h.before < stop
+        ]
+        return Trace(
+            name or f"{self.name}[{start}:{stop}]",
+            self.block_tokens,
+            self.requests[start:stop],
+            hints,
+        )
 
 
 def requests_from_ids(
@@ -165,11 +197,15 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
     """Read a Mooncake-format JSONL trace.
 
     Each line is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids":
-    [...]}``. Raises :class:`KVTierUsageError` for a missing file, invalid JSON, a missing or
+    [...]}``. A line with a ``"hint"`` field is an engine hint instead (kvtier's extension,
+    see :mod:`kvtier.policy.hints`): ``{"timestamp": ms, "hint": "next_turn", "hash_ids":
+    [...], "value": 42.0}``, given after the requests above it. ``limit`` counts requests.
+    Raises :class:`KVTierUsageError` for a missing file, invalid JSON, a missing or
     ill-typed field, or timestamps that go backwards (naming the line).
     """
     p = Path(path)
     rows: list[tuple[float, int, int, list[int]]] = []
+    hint_rows: list[tuple[int, float, Hint]] = []
     last_ts = -1.0
     with open_trace(p) as fh:
         for lineno, line in enumerate(fh, 1):
@@ -187,6 +223,13 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
             ts = row.get("timestamp")
             if isinstance(ts, bool) or not isinstance(ts, int | float):
                 raise KVTierUsageError(f"{where}: field 'timestamp' must be a number")
+            if "hint" in row:
+                t_h = float(ts) / 1000.0
+                if t_h < last_ts:
+                    raise KVTierUsageError(f"{where}: timestamps must not decrease")
+                last_ts = t_h
+                hint_rows.append((len(rows), t_h, parse_hint(row, block_key, where)))
+                continue
             ids = row.get("hash_ids")
             if not isinstance(ids, list) or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
@@ -201,7 +244,8 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
             rows.append((t_s, n_in, n_out, ids))
     if not rows:
         raise KVTierUsageError(f"trace {p} holds no request (empty file?)")
-    return Trace(_trace_name(p), block_tokens, requests_from_ids(rows, block_tokens))
+    hints = [TraceHint(b, t, h) for b, t, h in hint_rows if b < len(rows)]
+    return Trace(_trace_name(p), block_tokens, requests_from_ids(rows, block_tokens), hints)
 
 
 @dataclass(frozen=True, slots=True)

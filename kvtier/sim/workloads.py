@@ -16,49 +16,13 @@ taken from an arrival list (e.g. :func:`~kvtier.sim.trace.read_azure_arrivals`).
 from __future__ import annotations
 
 import heapq
-import itertools
 import random
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import KVTierUsageError
-from kvtier.sim.trace import Arrival, Request, Trace, block_key
-
-
-class _Ids:
-    """Fresh block ids for new content (one per distinct prefix block)."""
-
-    def __init__(self) -> None:
-        self._next = itertools.count()
-        self._known: dict[tuple[int, ...], int] = {}
-
-    def chain(self, prefix_ids: Sequence[int], new_blocks: int) -> list[int]:
-        return list(prefix_ids) + [next(self._next) for _ in range(new_blocks)]
-
-    def shared(self, name: tuple[int, ...]) -> int:
-        if name not in self._known:
-            self._known[name] = next(self._next)
-        return self._known[name]
-
-
-def _times(
-    n: int, rate: float, rng: random.Random, arrivals: Sequence[Arrival] | None
-) -> list[float]:
-    if arrivals:
-        return [a.timestamp_s for a in arrivals[:n]]
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
-
-
-def _trace(name: str, bt: int, rows: list[tuple[float, list[int], int]]) -> Trace:
-    rows.sort(key=lambda r: r[0])
-    reqs = [
-        Request(t, len(ids) * bt, out, tuple(block_key(b) for b in ids), False)
-        for t, ids, out in rows
-    ]
-    return Trace(name, bt, reqs)
+from kvtier.sim import scenarios
+from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times
+from kvtier.sim.trace import Arrival, Trace
 
 
 def chat(
@@ -68,22 +32,29 @@ def chat(
     block_tokens: int = 512,
     arrivals: Sequence[Arrival] | None = None,
 ) -> Trace:
-    """Multi-turn chat with shared system prompts (see module doc)."""
+    """Multi-turn chat with shared system prompts (see module doc). Hints: the system
+    prompts are pinned; after each turn, ``next_turn`` (with the true gap) or ``close``."""
     rng = random.Random(seed)
-    ids = _Ids()
-    starts = _times(n, rate, rng, arrivals)
+    ids = Ids()
+    tb = TraceBuilder("chat", block_tokens)
+    starts = poisson_times(n, rate, rng, arrivals)
     systems = [[ids.shared((1, s, i)) for i in range(2)] for s in range(4)]
+    for sp in systems:
+        tb.hint(0.0, "pin", sp)
     events: list[tuple[float, int, list[int], int]] = []
     for t in starts:
         heapq.heappush(events, (t, 0, ids.chain(rng.choice(systems), rng.randint(1, 6)), 0))
-    rows: list[tuple[float, list[int], int]] = []
-    while events and len(rows) < n:
+    while events and len(tb) < n:
         t, turn, ctx, _ = heapq.heappop(events)
-        rows.append((t, ctx, rng.randint(50, 600)))
+        tb.request(t, ctx, rng.randint(50, 600))
         if rng.random() < min(0.3 + 0.08 * turn, 0.85):
             nxt = ids.chain(ctx, rng.randint(1, 3))
-            heapq.heappush(events, (t + rng.expovariate(1 / 90.0), turn + 1, nxt, 0))
-    return _trace("chat", block_tokens, rows)
+            gap = rng.expovariate(1 / 90.0)
+            heapq.heappush(events, (t + gap, turn + 1, nxt, 0))
+            tb.hint(t + HINT_DELAY_S, "next_turn", ctx, gap)
+        else:
+            tb.hint(t + HINT_DELAY_S, "close", ctx[2:])
+    return tb.build()
 
 
 def docqa(
@@ -97,14 +68,14 @@ def docqa(
 ) -> Trace:
     """Long-document QA over Zipf-popular documents."""
     rng = random.Random(seed)
-    ids = _Ids()
+    ids = Ids()
     weights = [1.0 / (i + 1) for i in range(docs)]
     bodies = [[ids.shared((2, d, i)) for i in range(doc_blocks)] for d in range(docs)]
-    rows = []
-    for t in _times(n, rate, rng, arrivals):
+    tb = TraceBuilder("docqa", block_tokens)
+    for t in poisson_times(n, rate, rng, arrivals):
         d = rng.choices(range(docs), weights)[0]
-        rows.append((t, ids.chain(bodies[d], 1), rng.randint(20, 300)))
-    return _trace("docqa", block_tokens, rows)
+        tb.request(t, ids.chain(bodies[d], 1), rng.randint(20, 300))
+    return tb.build()
 
 
 def agent(
@@ -114,18 +85,30 @@ def agent(
     block_tokens: int = 512,
     arrivals: Sequence[Arrival] | None = None,
 ) -> Trace:
-    """Agentic tool loops: many quick steps, each appending one tool result."""
+    """Agentic tool loops: many quick steps, each appending one tool result. Hints: the
+    preamble is pinned; ``next_turn`` after each step, ``close`` after the last."""
     rng = random.Random(seed)
-    ids = _Ids()
+    ids = Ids()
     preamble = [ids.shared((3, i)) for i in range(8)]
-    rows: list[tuple[float, list[int], int]] = []
-    for t in _times(max(n // 10, 1), rate / 10, rng, arrivals):
+    rows: list[tuple[float, list[int], int, float | None]] = []
+    for t in poisson_times(max(n // 10, 1), rate / 10, rng, arrivals):
         ctx = ids.chain(preamble, 1)
-        for _step in range(rng.randint(3, 20)):
-            rows.append((t, ctx, rng.randint(20, 200)))
-            t += rng.uniform(1.0, 8.0)
+        steps = rng.randint(3, 20)
+        for step in range(steps):
+            out = rng.randint(20, 200)
+            gap = rng.uniform(1.0, 8.0)
+            rows.append((t, ctx, out, gap if step < steps - 1 else None))
+            t += gap
             ctx = ids.chain(ctx, 1)
-    return _trace("agent", block_tokens, rows[:n] if len(rows) > n else rows)
+    tb = TraceBuilder("agent", block_tokens)
+    tb.hint(0.0, "pin", preamble)
+    for at, ctx, out, wait in rows[:n]:
+        tb.request(at, ctx, out)
+        if wait is None:
+            tb.hint(at + HINT_DELAY_S, "close", ctx[len(preamble) :])
+        else:
+            tb.hint(at + HINT_DELAY_S, "next_turn", ctx, wait)
+    return tb.build()
 
 
 def zipf(
@@ -139,14 +122,14 @@ def zipf(
 ) -> Trace:
     """Independent requests over a Zipf(``alpha``) pool of prefixes."""
     rng = random.Random(seed)
-    ids = _Ids()
+    ids = Ids()
     weights = [1.0 / (i + 1) ** alpha for i in range(prefixes)]
     pool = [[ids.shared((4, p, i)) for i in range(1 + p % 8)] for p in range(prefixes)]
-    rows = []
-    for t in _times(n, rate, rng, arrivals):
+    tb = TraceBuilder("zipf", block_tokens)
+    for t in poisson_times(n, rate, rng, arrivals):
         p = rng.choices(range(prefixes), weights)[0]
-        rows.append((t, ids.chain(pool[p], rng.randint(1, 4)), rng.randint(20, 400)))
-    return _trace("zipf", block_tokens, rows)
+        tb.request(t, ids.chain(pool[p], rng.randint(1, 4)), rng.randint(20, 400))
+    return tb.build()
 
 
 WORKLOADS: dict[str, Callable[..., Trace]] = {
@@ -154,6 +137,7 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
     "docqa": docqa,
     "agent": agent,
     "zipf": zipf,
+    **scenarios.SCENARIOS,
 }
 
 

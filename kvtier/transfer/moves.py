@@ -4,10 +4,10 @@
 destination tier: it claims room first (:class:`~kvtier.transfer.room.Room`, first come
 first served), then a slot on the link (by priority), then commits the batch
 (:func:`~kvtier.transfer.batch.commit_batch`). A page another batch was putting in the
-same tier at the same time is not written twice: its outcome is awaited instead. If the
-tier ends above its high watermark, the evict queue trims it, sparing the pages the
-calling operation brings up. :meth:`Moves.copy` cuts a list of pages into batches and runs
-each as its own job.
+same tier at the same time is not written twice (nor is room claimed for it): its outcome
+is awaited instead. If the tier ends above its high watermark, the evict queue trims it,
+sparing the pages the calling operation brings up. :meth:`Moves.copy` cuts a list of
+pages into batches and runs each as its own job.
 """
 
 from __future__ import annotations
@@ -56,11 +56,12 @@ class Moves:
         fetch is bringing up for its caller).
         """
         mover = self.mover
-        n = len(keys)
         spare = mover.planner.room_spare(dst.index, self._parents(keys, parents), protect)
-        if not await self.room.claim(dst, n, priority, spare):
-            return [False] * n
-        claim = n
+        # room for the pages not in dst when the claim is served: another batch (a
+        # prefetch racing a load of the same pages) may have brought some up meanwhile
+        claim = await self.room.claim_missing(dst, keys, priority, spare)
+        if claim is None:
+            return [False] * len(keys)
         link = mover.link(src, dst) if src is not None else None
         try:
             if link is not None:

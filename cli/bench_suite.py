@@ -1,0 +1,107 @@
+"""``kvtier bench sim --suite``: the policy suite's options, run and table.
+
+The command itself is ``kvtier bench sim`` (``cli/bench_sim.py``); with ``--suite`` it
+hands over here: every workload x capacity x policy of the chosen half
+(:mod:`kvtier.sim.suite`), printed as a table or one JSON object.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvtier.cli.output import console, progress, table
+
+from kvtier.errors import KVTierUsageError
+from kvtier.policy.eviction import EVICTION_POLICIES
+from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, run_suite, suite_traces
+
+
+def render_suite(report: dict[str, Any]) -> None:
+    """Print the suite report as a table and a summary per half."""
+    pols = report["policies"]
+    default = report["default"]
+    rows = []
+    for r in report["rows"]:
+        rates = r["hit_rate"]
+        best = r.get("best_classic")
+        rows.append(
+            [
+                r["workload"],
+                r["half"],
+                f"{r['capacity'] * 100:g}%",
+                r["capacity_pages"],
+                *[rates[p] for p in pols],
+                r["min_hit_rate"],
+                r["of_min"].get(default),
+                best or "",
+                f"{r['gain']:+.4f}" if "gain" in r else "",
+            ]
+        )
+    console.print(
+        table(
+            "policy suite: prefix hit rate per workload and capacity (one tier)",
+            [
+                "workload",
+                "half",
+                "cap",
+                "pages",
+                *pols,
+                "MIN",
+                f"{default} of MIN",
+                "best classic",
+                "gain",
+            ],
+            rows,
+        )
+    )
+    for half, s in report["summary"].items():
+        console.print(
+            f"{half}: {s['cells']} cells, {default} ahead of the best classic in {s['ahead']}, "
+            f"level in {s['level']}, behind in {s['behind']}; mean gain {s['mean_gain']:+.4f}, "
+            f"smallest {s['min_gain']:+.4f}"
+        )
+
+
+def run_suite_cli(
+    half: str,
+    requests: int | None,
+    trace: Path | None,
+    policies: list[str] | None,
+    capacities: list[str] | None,
+    show_progress: bool,
+) -> dict[str, Any]:
+    """Run the policy suite (:func:`kvtier.sim.suite.run_suite`) on ``half``'s workloads
+    (and the Mooncake ``trace``'s halves when given) for the CLI; checks the options
+    first (:class:`KVTierUsageError` naming the bad one)."""
+    pols = policies or [DEFAULT_POLICY, *CLASSIC]
+    if requests is not None and requests < 1:
+        raise KVTierUsageError(f"--requests must be >= 1, got {requests}")
+    for p in pols:
+        if p not in EVICTION_POLICIES:
+            raise KVTierUsageError(
+                f"unknown policy {p!r}; known: {', '.join(sorted(EVICTION_POLICIES))}"
+            )
+    shares = [_share(c) for c in capacities] if capacities else None
+    traces = suite_traces(half, requests or 4000, trace)
+    kwargs: dict[str, Any] = {"policies": pols}
+    if shares is not None:
+        kwargs["capacities"] = shares
+    n = len(traces) * len(shares or [0, 0, 0, 0])
+    with progress(show_progress, "suite", n) as adv:
+        report = run_suite(traces, progress=adv, **kwargs)
+    report["half"] = half
+    report["requests"] = requests or 4000
+    report["trace"] = str(trace) if trace is not None else None
+    return report
+
+
+def _share(text: str) -> float:
+    t = text.strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise KVTierUsageError(f"bad suite capacity {text!r}: use 1% or 0.01") from None
+    if not 0 < v <= 1:
+        raise KVTierUsageError(f"suite capacities are shares in (0, 1], got {text!r}")
+    return v

@@ -1,0 +1,306 @@
+"""``adaptive``: kvtier's default eviction policy. It tunes itself to the traffic it sees.
+
+No classic policy wins on every workload and at every size: LRU-2 is best on small caches
+of conversation traffic, ARC or S3-FIFO at medium sizes, LRU when almost everything fits.
+This policy covers that range with one bookkeeping and picks the point that fits:
+
+1. **One family, one book.** Pages are *cold* (referenced once within their retained
+   history) or *hot* (at least twice); a hot page's eviction score gets a head start of
+   ``bonus`` capacities of traffic, on its last reference or on its second most recent
+   one (:mod:`kvtier.policy.twoclass`). ``bonus = 0`` is LRU, ``bonus = inf`` with the
+   second-most-recent order is LRU-2, and the values between behave like the probation /
+   protected splits of ARC and S3-FIFO. The bookkeeping does not depend on the point, so
+   moving from one point to another costs nothing.
+2. **Miniature caches pick the point.** Each of a few ``points`` (by default LRU, a
+   short frequency-weighted head start, a long one and LRU-2), and each of a few
+   ``experts`` with their own bookkeeping (by default S3-FIFO), also runs alone in a
+   miniature cache (:mod:`kvtier.policy.shadow`): a spatially sampled shadow of
+   ``rate x capacity`` pages fed with the sampled references. Their exponentially decayed
+   hit counts (memory: ``window`` miniature capacities of references) say which does best
+   on this traffic now; the tier follows the best (the *leader*), switching only when
+   another leads it by ``margin`` of the references seen since the miniatures began to
+   evict, plus 4 hits (so noise does not make it thrash).
+3. **Prefix cuts** (:mod:`kvtier.policy.prefix_cut`): orphans go first and a victim's
+   descendants leave before it, deepest first, whatever the point; the miniatures apply
+   the same rule, so they measure what the tier really does.
+4. **Hints** (:mod:`kvtier.policy.hints`): the first hint adds a ``hinted`` expert
+   (:mod:`kvtier.policy.hinted`, engine hints first, LRU-2 for the rest) with its own
+   miniature. It takes the lead only after half a window of references since the
+   miniatures began to evict, and only while its miniature hits more than the leader's by
+   five times that margin (plus 16 hits), so hints that are often wrong never lead.
+
+Nothing is tied to a trace: the points, the experts and four numbers are the whole
+configuration; they were chosen on half of kvtier's workloads and seeds and checked on
+the other half (docs/benchmarks.md, "Policy suite"), where the policy is ahead of the
+best classic policy in about half of the cells and behind by at most 0.007 in the rest.
+
+``capacity`` is the tier's size in pages when known; without it the policy uses the most
+pages held at once (a tier fills before it evicts), and miniatures grow with it; the
+sampling rate halves whenever a miniature would pass ``2 x mini_pages``. Everything is
+deterministic (hash sampling, no Python ``hash``), so the live pipeline and the replay
+make the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from kvtier.errors import ConfigError
+from kvtier.keys import PageKey
+from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.hints import Hint, hint_target
+from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy
+from kvtier.policy.shadow import KeySampler, MiniCache
+from kvtier.policy.twoclass import TwoClassBook, TwoClassPolicy, check_two_class
+
+#: The points of the family the miniatures compare, as ``"bonus:order"``: LRU, a short
+#: frequency-weighted head start, a long one, and LRU-2.
+DEFAULT_POINTS: tuple[str, ...] = ("0:last", "1:freq", "16:last", "inf:kth")
+
+
+def _expert(name: str) -> EvictionPolicy:
+    from kvtier.policy.eviction import make_policy
+
+    if name in ("adaptive", "hinted"):
+        raise ConfigError(f"adaptive: {name!r} cannot be an expert here")
+    return make_policy(name)
+
+
+def _points(points: Sequence[str]) -> list[tuple[float, str]]:
+    out = []
+    for p in points:
+        b, _, o = str(p).partition(":")
+        try:
+            bonus = float(b)
+        except ValueError:
+            raise ConfigError(f"adaptive: bad point {p!r}: use 'bonus:order'") from None
+        check_two_class(bonus, o, 8.0, None)
+        out.append((bonus, o))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"adaptive: points repeat: {list(points)}")
+    return out
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Two-class recency tuned online by miniature caches, with prefix cuts and hints."""
+
+    name: ClassVar[str] = "adaptive"
+
+    def __init__(
+        self,
+        points: Sequence[str] = DEFAULT_POINTS,
+        experts: Sequence[str] = ("s3-fifo",),
+        history: float = 8.0,
+        capacity: int | None = None,
+        mini_pages: int = 1024,
+        window: float = 16.0,
+        margin: float = 0.002,
+        start: str = "1:freq",
+    ) -> None:
+        """``points``: the family's points, ``"bonus:order"`` (see
+        :mod:`kvtier.policy.twoclass`; ``"inf:kth"`` is LRU-2). ``experts``: registered
+        policies run beside the family with their own bookkeeping (each costs one more
+        policy's work). ``history``: capacities of evicted pages whose references are
+        remembered. ``mini_pages``, ``window``, ``margin``: see the module docstring.
+        ``start``: the point followed until the miniatures have evicted anything and
+        shown a lead (``1:freq``, fair at every size). Raises :class:`ConfigError` for a
+        bad value."""
+        if isinstance(points, str) or not points:
+            raise ConfigError(f"adaptive: points must be a list of 'bonus:order', got {points!r}")
+        check_two_class(0.0, "last", history, capacity)
+        if isinstance(mini_pages, bool) or not isinstance(mini_pages, int) or mini_pages < 16:
+            raise ConfigError(f"adaptive: mini_pages must be an integer >= 16, got {mini_pages!r}")
+        if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
+            raise ConfigError(f"adaptive: window must be > 0, got {window!r}")
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not margin >= 0:
+            raise ConfigError(f"adaptive: margin must be >= 0, got {margin!r}")
+        self.grid = _points(points)
+        self.history = float(history)
+        self.book = TwoClassBook(self.history, capacity)
+        self.forest = PageForest()
+        self.sampler = KeySampler()
+        self.minis = [
+            MiniCache(PrefixCutPolicy(TwoClassPolicy(b, o, self.history))) for b, o in self.grid
+        ]
+        self.names = [f"two-class(bonus={b:g},order={o})" for b, o in self.grid]
+        if isinstance(experts, str):
+            raise ConfigError(f"adaptive: experts must be a list of names, got {experts!r}")
+        #: Experts with their own bookkeeping, by position in ``minis`` / ``names``.
+        self.experts: dict[int, EvictionPolicy] = {}
+        for name in experts:
+            self._add_expert(str(name), _expert(str(name)), _expert(str(name)))
+        self.mini_pages = mini_pages
+        self.window = float(window)
+        self.margin = float(margin)
+        # The leader until the miniatures tell: a middle point, fair at every size.
+        first = _points([start])[0]
+        self.leader = self.grid.index(first) if first in self.grid else len(self.grid) - 1
+        self.switches = 0
+        self._since_check = 0
+        self._refs_decayed = 0.0
+        self._hinted: EvictionPolicy | None = None
+        self._hinted_at = -1
+        self._now = 0.0
+
+    @property
+    def c(self) -> int:
+        """The capacity in pages (given, or the most pages held at once)."""
+        return self.book.c
+
+    # -- the miniatures ----------------------------------------------------------------
+
+    def _resize(self) -> None:
+        c = self.c
+        while self.sampler.rate * c > 2 * self.mini_pages:
+            self.sampler.halve()
+            for m in self.minis:
+                m.drop(self.sampler.keeps)
+        cap = self.sampler.rate * c
+        for m in self.minis:
+            if cap < m.capacity:
+                m.shrink_to(int(cap))
+            m.capacity = cap
+
+    def _reference(self, key: PageKey, parent: PageKey | None) -> None:
+        if not self.sampler.keeps(key):
+            return
+        cap = max(self.sampler.rate * self.c, 1.0)
+        decay = 1.0 - 1.0 / (self.window * cap)
+        for m in self.minis:
+            m.reference(key, parent, decay)
+        if self.minis[0].evicted:  # scores only differ from the first eviction on
+            self._refs_decayed = self._refs_decayed * decay + 1.0
+        self._since_check += 1
+        if self._since_check >= 32:
+            self._since_check = 0
+            self._choose()
+
+    def _choose(self) -> None:
+        scores = [m.score for m in self.minis]
+        best = max(range(len(scores)), key=scores.__getitem__)
+        lead = scores[best] - scores[self.leader]
+        # Hints must prove themselves more: the hinted expert takes the lead only after half
+        # a window of evictions, with five times the margin and 16 hits (exact hints win by
+        # far more; wrong ones never get there).
+        if best == self._hinted_at:
+            window = self.window * max(self.sampler.rate * self.c, 1.0)
+            proven = self._refs_decayed >= 0.5 * window
+            need = 5.0 * self.margin * self._refs_decayed + 16.0 if proven else math.inf
+        else:
+            need = self.margin * self._refs_decayed + 4.0
+        if best != self.leader and lead > need:
+            self.leader = best
+            self.switches += 1
+
+    def _add_expert(self, name: str, expert: EvictionPolicy, mini: EvictionPolicy) -> None:
+        """Run ``expert`` on the tier's pages and ``mini`` (a fresh one of its kind) in a
+        miniature; the expert learns the pages held now in the order they came."""
+        for key, parent in self.forest.parent.items():
+            expert.on_insert(key, parent)
+        self.minis.append(MiniCache(PrefixCutPolicy(mini), self.sampler.rate * self.c))
+        self.names.append(name)
+        self.experts[len(self.minis) - 1] = expert
+
+    # -- hints ---------------------------------------------------------------------------
+
+    def _add_hinted(self) -> EvictionPolicy:
+        """The ``hinted`` expert (on the first hint): it learns the pages held now in the
+        order they came; its miniature starts empty, so it leads only once it has proved
+        better on the traffic since."""
+        from kvtier.policy.hinted import HintedPolicy
+
+        expert = HintedPolicy()
+        expert.on_time(self._now)
+        mini = HintedPolicy()
+        mini.on_time(self._now)
+        self._add_expert("hinted", expert, mini)
+        self._hinted_at = len(self.minis) - 1
+        self._hinted = expert
+        return expert
+
+    def on_time(self, now_s: float) -> None:
+        """The clock (trace time in replay, ``time.monotonic()`` live)."""
+        self._now = max(self._now, now_s)
+        if self._hinted is not None:
+            for policy in (self._hinted, self.minis[self._hinted_at].policy):
+                target = hint_target(policy)
+                if target is not None:
+                    target.on_time(now_s)
+
+    def on_hint(self, hint: Hint, now_s: float) -> None:
+        """Give ``hint`` to the hint-driven expert (created on the first hint) and, for
+        the sampled pages, to its miniature."""
+        expert = self._hinted if self._hinted is not None else self._add_hinted()
+        self.on_time(now_s)
+        target = hint_target(expert)
+        if target is not None:
+            target.on_hint(hint, now_s)
+        sampled = tuple(k for k in hint.keys if self.sampler.keeps(k))
+        if sampled or not hint.keys:
+            mini_target = hint_target(self.minis[self._hinted_at].policy)
+            if mini_target is not None:
+                mini_target.on_hint(Hint(hint.kind, sampled, hint.value), now_s)
+
+    # -- the EvictionPolicy hooks ------------------------------------------------------
+
+    def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
+        if key in self.book.resident:
+            self.on_access(key)
+            return
+        before = self.c
+        self.book.insert(key)
+        self.forest.add(key, parent)
+        for expert in self.experts.values():
+            expert.on_insert(key, parent)
+        if self.c != before or not self.minis[0].capacity:
+            self._resize()
+        self._reference(key, parent)
+
+    def on_access(self, key: PageKey) -> None:
+        if key not in self.book.resident:
+            return
+        self.book.access(key)
+        self.forest.touch(key)
+        for expert in self.experts.values():
+            expert.on_access(key)
+        self._reference(key, None)
+
+    def on_remove(self, key: PageKey) -> None:
+        if key not in self.book.resident:
+            return
+        self.book.remove(key)
+        self.forest.remove(key)
+        for expert in self.experts.values():
+            expert.on_remove(key)
+
+    def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        expert = self.experts.get(self.leader)
+        if expert is not None:
+            return self.forest.victims(expert.victims, n, evictable)
+        bonus, order = self.grid[self.leader]
+
+        def ordered(m: int, ok: Callable[[PageKey], bool]) -> list[PageKey]:
+            return self.book.victims(m, ok, bonus, order)
+
+        return self.forest.victims(ordered, n, evictable)
+
+    def describe(self) -> dict[str, Any]:
+        """The leader, how often it changed, the sampling rate and every point's
+        miniature hit ratio."""
+        return {
+            "leader": self.names[self.leader],
+            "switches": self.switches,
+            "sample_rate": self.sampler.rate,
+            "mini_hit_ratio": {
+                n: (m.hits / m.refs if m.refs else 0.0)
+                for n, m in zip(self.names, self.minis, strict=True)
+            },
+        }
+
+    def __len__(self) -> int:
+        return len(self.book.resident)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.book.resident

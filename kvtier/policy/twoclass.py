@@ -1,0 +1,258 @@
+"""``two-class``: recency with a protection bonus for reused pages, one knob from LRU to
+LRU-2.
+
+Every page is *cold* (referenced once within its retained history) or *hot* (referenced at
+least twice; the history of evicted pages is kept for ``history`` capacities, as LRU-K's
+retained information period, so a page reused after its eviction comes back hot). Time is
+a clock that ticks on every reference. The eviction score of a page is
+
+* cold: the time of its last reference;
+* hot, ``order="last"``: the time of its last reference plus ``bonus x capacity`` ticks;
+* hot, ``order="kth"``: the time of its second most recent reference (LRU-2's backward
+  2-distance) plus the same bonus;
+* hot, ``order="freq"``: the time of its last reference plus the bonus times its use
+  count minus one, capped at 3 (2, 3, 4+ uses: S3-FIFO's 2-bit counters, as a head start);
+
+and the lowest score goes first. An infinite bonus puts every cold page before every hot
+one (with ``freq``, hot pages by use count, then by time). ``bonus = 0`` with
+``order="last"`` is LRU exactly; ``bonus = inf`` with ``order="kth"`` is LRU-2 exactly
+(cold pages first, least recently used first, then hot pages by their second most recent
+reference); values in between give reused pages a head start measured in capacities of
+traffic, which is what ARC's and S3-FIFO's split between a probation and a protected part
+approximate. The bookkeeping
+(:class:`TwoClassBook`) does not depend on ``bonus`` or ``order``, so one book can serve
+any of them: the ``adaptive`` policy switches between them for free.
+
+All hooks are O(1) amortised; ``victims`` merges the heads of the cold list and of the
+hot lists (one per use count), or of a heap for the ``kth`` order (stale entries skipped).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import ClassVar
+
+from kvtier.errors import ConfigError
+from kvtier.keys import PageKey
+from kvtier.policy.base import EvictionPolicy
+
+ORDERS: tuple[str, ...] = ("last", "kth", "freq")
+
+#: Hot pages are kept in one list per use count: 2, 3, and 4 or more.
+LEVELS = 3
+
+
+class TwoClassBook:
+    """Cold pages, hot pages by use count and last reference, hot pages by second most
+    recent reference, and the retained reference history of evicted pages."""
+
+    def __init__(self, history: float = 8.0, capacity: int | None = None) -> None:
+        self.history = history
+        self._fixed_c = capacity
+        self._seen_c = 0
+        self.clock = 0
+        #: (uses, second most recent, most recent reference) per known page; 0 = none.
+        self.refs: dict[PageKey, tuple[int, int, int]] = {}
+        self.resident: set[PageKey] = set()
+        self.cold: OrderedDict[PageKey, int] = OrderedDict()
+        self.hot: list[OrderedDict[PageKey, int]] = [OrderedDict() for _ in range(LEVELS)]
+        self._level: dict[PageKey, int] = {}
+        self.kth: list[tuple[int, PageKey]] = []
+        self.retained: OrderedDict[PageKey, None] = OrderedDict()
+
+    @property
+    def c(self) -> int:
+        """The capacity in pages (given, or the most pages held at once)."""
+        return self._fixed_c or max(self._seen_c, 1)
+
+    def _touch(self, key: PageKey) -> None:
+        self.clock += 1
+        now = self.clock
+        prev = self.refs.get(key)
+        uses, second = (prev[0] + 1, prev[2]) if prev is not None else (1, 0)
+        self.refs[key] = (min(uses, 255), second, now)
+        if uses >= 2:
+            self.cold.pop(key, None)
+            level = min(uses - 2, LEVELS - 1)
+            old = self._level.get(key)
+            if old is not None and old != level:
+                del self.hot[old][key]
+            self._level[key] = level
+            lst = self.hot[level]
+            lst[key] = now
+            lst.move_to_end(key)
+            heapq.heappush(self.kth, (second, key))
+            if len(self.kth) > 4 * len(self.resident) + 64:
+                self.kth = [(self.refs[k][1], k) for k in self._level]
+                heapq.heapify(self.kth)
+        else:
+            self.cold[key] = now
+            self.cold.move_to_end(key)
+
+    def insert(self, key: PageKey) -> None:
+        """``key`` entered (it is not resident)."""
+        self.retained.pop(key, None)
+        self.resident.add(key)
+        self._seen_c = max(self._seen_c, len(self.resident))
+        self._touch(key)
+
+    def access(self, key: PageKey) -> None:
+        """A resident ``key`` was referenced."""
+        self._touch(key)
+
+    def remove(self, key: PageKey) -> None:
+        """``key`` left; its history is retained for a while."""
+        self.resident.discard(key)
+        self.cold.pop(key, None)
+        level = self._level.pop(key, None)
+        if level is not None:
+            del self.hot[level][key]
+        self.retained[key] = None
+        limit = self.history * self.c
+        while len(self.retained) > limit:
+            old, _ = self.retained.popitem(last=False)
+            del self.refs[old]
+
+    def _kth_order(self, held: list[tuple[int, PageKey]]) -> Iterator[tuple[PageKey, int]]:
+        """Hot pages by second most recent reference; popped entries go to ``held`` so
+        the caller can push them back."""
+        heap = self.kth
+        while heap:
+            item = heapq.heappop(heap)
+            t, key = item
+            if key not in self._level or self.refs[key][1] != t:
+                continue  # stale
+            held.append(item)
+            yield key, t
+
+    def victims(
+        self,
+        n: int,
+        evictable: Callable[[PageKey], bool],
+        bonus: float,
+        order: str,
+        probation: float = 0.0,
+    ) -> list[PageKey]:
+        """Up to ``n`` victims, lowest score first (see the module docstring); while the
+        cold pages are at most ``probation`` of the capacity, hot pages go first."""
+        out: list[PageKey] = []
+        if n <= 0:
+            return out
+        cold_floor = probation * self.c
+        finite = math.isfinite(bonus)
+        extra = bonus * self.c if finite else 0.0
+        held: list[tuple[int, PageKey]] = []
+        # Streams of (key, time), each in ascending time, and how a time becomes a score.
+        streams: list[Iterator[tuple[PageKey, int]]] = [iter(self.cold.items())]
+        ranks: list[tuple[int, float]] = [(0, 0.0)]  # (class rank, time offset)
+        if order == "kth":
+            streams.append(self._kth_order(held))
+            ranks.append((0, extra) if finite else (1, 0.0))
+        else:
+            for level, lst in enumerate(self.hot):
+                streams.append(iter(lst.items()))
+                if order == "freq":
+                    ranks.append((0, extra * (level + 1)) if finite else (level + 1, 0.0))
+                else:
+                    ranks.append((0, extra) if finite else (1, 0.0))
+
+        def head(i: int) -> tuple[int, float, PageKey] | None:
+            for key, t in streams[i]:
+                if evictable(key):
+                    rank, offset = ranks[i]
+                    return rank, t + offset, key
+            return None
+
+        heads = [head(i) for i in range(len(streams))]
+        cold_left = len(self.cold)
+        while len(out) < n:
+            best = None
+            protect = cold_left <= cold_floor
+            for i, h in enumerate(heads):
+                if h is None or (protect and i == 0):
+                    continue
+                if best is None or h[:2] < heads[best][:2]:  # type: ignore[index]
+                    best = i
+            if best is None:
+                if heads[0] is None:
+                    break
+                best = 0  # only cold pages are left
+            chosen = heads[best]
+            assert chosen is not None
+            out.append(chosen[2])
+            if best == 0:
+                cold_left -= 1
+            heads[best] = head(best)
+        for item in held:
+            heapq.heappush(self.kth, item)
+        return out
+
+
+class TwoClassPolicy(EvictionPolicy):
+    """Recency with a protection bonus for reused pages (see the module docstring)."""
+
+    name: ClassVar[str] = "two-class"
+
+    def __init__(
+        self,
+        bonus: float = math.inf,
+        order: str = "kth",
+        history: float = 8.0,
+        capacity: int | None = None,
+        probation: float = 0.0,
+    ) -> None:
+        """``bonus``: head start of hot pages, in capacities of references (``inf``:
+        cold pages always go first). ``order``: ``last``, ``kth`` or ``freq``. ``history``:
+        capacities of evicted pages whose history is kept. Raises :class:`ConfigError`
+        for a bad value."""
+        check_two_class(bonus, order, history, capacity)
+        if (
+            isinstance(probation, bool)
+            or not isinstance(probation, int | float)
+            or not (0.0 <= probation < 1.0)
+        ):
+            raise ConfigError(f"two-class: probation must lie in [0, 1), got {probation!r}")
+        self.probation = float(probation)
+        self.bonus = float(bonus)
+        self.order = order
+        self.book = TwoClassBook(float(history), capacity)
+
+    def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
+        if key in self.book.resident:
+            self.book.access(key)
+        else:
+            self.book.insert(key)
+
+    def on_access(self, key: PageKey) -> None:
+        if key in self.book.resident:
+            self.book.access(key)
+
+    def on_remove(self, key: PageKey) -> None:
+        if key in self.book.resident:
+            self.book.remove(key)
+
+    def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        return self.book.victims(n, evictable, self.bonus, self.order, self.probation)
+
+    def __len__(self) -> int:
+        return len(self.book.resident)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.book.resident
+
+
+def check_two_class(bonus: object, order: object, history: object, capacity: object) -> None:
+    """Raise :class:`ConfigError` naming a bad ``two-class`` parameter."""
+    if isinstance(bonus, bool) or not isinstance(bonus, int | float) or not bonus >= 0:
+        raise ConfigError(f"two-class: bonus must be a number >= 0 (or inf), got {bonus!r}")
+    if order not in ORDERS:
+        raise ConfigError(f"two-class: order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if isinstance(history, bool) or not isinstance(history, int | float) or not history >= 0:
+        raise ConfigError(f"two-class: history must be a number >= 0, got {history!r}")
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+    ):
+        raise ConfigError(f"two-class: capacity must be an integer >= 1 page, got {capacity!r}")

@@ -1,0 +1,129 @@
+"""The live prefetch predictor: prefetches with deadlines inside a running cache, counted
+useful or wasted; and ``bench run`` with and without it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kvtier.cli.app import get_app
+from typer.testing import CliRunner
+
+from kvtier.cache import KVCache
+from kvtier.errors import KVTierUsageError
+from kvtier.prefetcher import LivePrefetcher
+
+PAGE_TOKENS = 4  # the "tiny" preset
+
+
+def _cfg(tmp_path: Path, top_pages: int = 8) -> dict[str, Any]:
+    return {
+        "model": {"preset": "tiny"},
+        "pipeline": {"write_policy": "write-through"},
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": top_pages * 512},
+            {
+                "name": "disk",
+                "backend": "file",
+                "capacity": 256 * 512,
+                "options": {"path": str(tmp_path / "disk")},
+            },
+        ],
+    }
+
+
+def _tokens(seq: int, pages: int) -> np.ndarray:
+    return np.arange(seq * 1000, seq * 1000 + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+async def _settle(cache: KVCache) -> None:
+    await asyncio.sleep(0.05)
+    await cache.flush()
+
+
+async def test_prefix_prediction_moves_a_lookups_pages_up_and_counts_them(tmp_path: Path) -> None:
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False, predictor="prefix") as cache:
+        first = _tokens(1, 4)
+        await cache.store(first, np.zeros((4, 512), dtype=np.uint8))
+        for seq in (2, 3, 4):  # push the first sequence's pages down to the disk tier
+            await cache.store(_tokens(seq, 4), np.ones((4, 512), dtype=np.uint8))
+        await _settle(cache)
+        found = await cache.lookup(first)
+        assert len(found.keys) == 4 and "disk" in found.tiers  # some pages are below
+        pred = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
+        await asyncio.gather(*pred._tasks)  # the prefetch the lookup started
+        assert all(cache.directory.is_committed(k, "dram") for k in found.keys)
+        await cache.load(found.keys)
+        cache.release(found.keys)
+        stats = cache.stats()["predictor"]
+        moved = sum(t == "disk" for t in found.tiers)
+        assert stats["pages"]["issued"] == moved
+        assert stats["pages"]["useful"] == moved and stats["pages"]["wasted"] == 0
+        prom = cache.metrics.to_prometheus()
+        assert 'kvtier_predicted_prefetch_pages_total{outcome="useful"}' in prom
+
+
+async def test_prefetched_pages_evicted_unused_are_wasted(tmp_path: Path) -> None:
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False, predictor="prefix") as cache:
+        first = _tokens(1, 4)
+        await cache.store(first, np.zeros((4, 512), dtype=np.uint8))
+        for seq in (2, 3):
+            await cache.store(_tokens(seq, 4), np.ones((4, 512), dtype=np.uint8))
+        await _settle(cache)
+        found = await cache.lookup(first)
+        pred = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
+        await asyncio.gather(*pred._tasks)
+        for seq in (5, 6, 7, 8):  # the engine never loads them; new pages push them out
+            await cache.store(_tokens(seq, 4), np.ones((4, 512), dtype=np.uint8))
+        await _settle(cache)
+        stats = cache.stats()["predictor"]
+        assert stats["pages"]["issued"] > 0
+        assert stats["pages"]["wasted"] == stats["pages"]["issued"]
+        assert stats["pages"]["useful"] == 0
+        assert not any(cache.directory.is_committed(k, "dram") for k in found.keys)
+
+
+async def test_lookahead_prefetches_pages_that_followed_before(tmp_path: Path) -> None:
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False, predictor="lookahead") as cache:
+        doc = _tokens(1, 6)
+        await cache.store(doc, np.zeros((6, 512), dtype=np.uint8))
+        await cache.lookup(doc)  # the predictor learns the document's page order
+        for seq in (2, 3, 4):
+            await cache.store(_tokens(seq, 4), np.ones((4, 512), dtype=np.uint8))
+        await _settle(cache)
+        keys = cache.page_keys(doc)
+        head = doc[: 2 * PAGE_TOKENS]  # a request reading the document's first two pages
+        await cache.lookup(head)
+        pred = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
+        await asyncio.gather(*pred._tasks)
+        assert cache.stats()["predictor"]["pages"]["issued"] > 0
+        assert cache.directory.is_committed(keys[2], "dram")  # the page after the head
+
+
+def test_unknown_predictor_is_a_usage_error() -> None:
+    with pytest.raises(KVTierUsageError, match="unknown predictor 'psychic'"):
+        KVCache({"model": {"preset": "tiny"}}, env={}, predictor="psychic")
+
+
+def test_bench_run_with_and_without_the_predictor(tmp_path: Path) -> None:
+    args = [
+        "bench", "run", "--model", "tiny", "--sessions", "6", "--turns", "3",
+        "--system-tokens", "16", "--turn-tokens", "16", "--dram-capacity", "24KiB",
+        "--queue-delay-ms", "2", "--json",
+    ]  # fmt: skip
+    runner = CliRunner()
+    plain = runner.invoke(get_app(), args)
+    assert plain.exit_code == 0, plain.stderr
+    with_pred = runner.invoke(get_app(), [*args, "--predictor", "prefix"])
+    assert with_pred.exit_code == 0, with_pred.stderr
+    a, b = json.loads(plain.stdout), json.loads(with_pred.stdout)
+    assert "predictor" not in a and b["params"]["predictor"] == "prefix"
+    assert b["predictor"]["pages"]["issued"] > 0
+    assert a["mismatches"] == b["mismatches"] == 0
+    assert b["load_latency_ms"]["count"] > 0
+    bad = runner.invoke(get_app(), [*args, "--predictor", "psychic"])
+    assert bad.exit_code == 2 and "unknown predictor" in bad.stderr

@@ -1,0 +1,134 @@
+"""What-if sizing: miniature hierarchies against real replays at the same capacities, and
+the live cache's ``stats()`` / Prometheus exposure."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import kvtier.policy  # noqa: F401 - registers policies
+from kvtier.cache import KVCache
+from kvtier.errors import KVTierUsageError
+from kvtier.keys import ROOT_KEY
+from kvtier.policy.eviction import make_policy
+from kvtier.sim.replay import make_tiers, replay
+from kvtier.sim.trace import Trace
+from kvtier.sim.whatif import FACTORS, TierModel, WhatIf, factor_label
+from kvtier.sim.workloads import workload
+
+
+def _feed(w: WhatIf, tr: Trace) -> None:
+    for r in tr.requests:
+        w.on_request(r.blocks)
+
+
+def _replayed(tr: Trace, caps: list[int], policy: str, write_policy: str = "write-back") -> float:
+    res = replay(tr, make_tiers(caps, functools.partial(make_policy, policy)), write_policy)  # type: ignore[arg-type]
+    return res.prefix_hit_rate
+
+
+def test_factor_labels() -> None:
+    assert [factor_label(f) for f in (0.5, 0.75, 1.0, 1.25, 2.0)] == [
+        "-50%",
+        "-25%",
+        "+0%",
+        "+25%",
+        "+100%",
+    ]
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_unsampled_estimates_are_replays(policy: str) -> None:
+    tr = workload("chat", n=500, seed=3).without_hints()
+    cap = tr.distinct_blocks() // 20
+    model = TierModel("hbm", cap, functools.partial(make_policy, policy))
+    w = WhatIf([model], mini_pages=1 << 20)  # rate 1: no sampling
+    _feed(w, tr)
+    est = w.estimates()["hbm"]
+    assert est["sample_rate"] == 1.0
+    for f in (1.0, *FACTORS):
+        want = _replayed(tr, [max(round(cap * f), 1)], policy)
+        assert est["hit_rate"][factor_label(f)] == pytest.approx(want, abs=1e-12)
+
+
+def test_two_tiers_estimate_the_cumulative_hit_rate() -> None:
+    tr = workload("zipf", n=800, seed=4).without_hints()
+    cap = tr.distinct_blocks() // 40
+    models = [
+        TierModel("hbm", cap, functools.partial(make_policy, "lru")),
+        TierModel("dram", 3 * cap, functools.partial(make_policy, "lru")),
+    ]
+    w = WhatIf(models, "write-back", mini_pages=1 << 20)
+    _feed(w, tr)
+    est = w.estimates()
+    assert est["hbm"]["hit_rate"]["+0%"] == pytest.approx(_replayed(tr, [cap], "lru"))
+    # the second tier: both tiers together, the second at 2x
+    res = replay(tr, make_tiers([cap, 6 * cap], functools.partial(make_policy, "lru")))
+    assert est["dram"]["hit_rate"]["+100%"] == pytest.approx(res.prefix_hit_rate)
+
+
+@pytest.mark.parametrize("name", ["chat", "tenants", "rag", "zipf"])
+def test_sampled_estimates_within_0_02_of_replays(name: str) -> None:
+    tr = workload(name, n=3000, seed=8).without_hints()
+    cap = tr.distinct_blocks() // 10
+    model = TierModel("hbm", cap, functools.partial(make_policy, "lru"))
+    # forces sampling at rate 1/2 (miniatures half the real sizes, ~200 to 2,000 pages);
+    # much smaller miniatures (a couple of hundred pages at 2x) err by up to 0.03
+    w = WhatIf([model], mini_pages=max(cap // 2, 16))
+    _feed(w, tr)
+    est = w.estimates()["hbm"]
+    assert est["sample_rate"] <= 0.5
+    for f in (1.0, *FACTORS):
+        want = _replayed(tr, [max(round(cap * f), 1)], "lru")
+        assert abs(est["hit_rate"][factor_label(f)] - want) <= 0.02, (f, want)
+
+
+def test_whatif_bad_input() -> None:
+    m = TierModel("hbm", 10, functools.partial(make_policy, "lru"))
+    with pytest.raises(KVTierUsageError, match="no tiers"):
+        WhatIf([])
+    with pytest.raises(KVTierUsageError, match="write policy"):
+        WhatIf([m], "write-sideways")
+    with pytest.raises(KVTierUsageError, match="factors"):
+        WhatIf([m], factors=[0.0])
+    with pytest.raises(KVTierUsageError, match="capacity"):
+        WhatIf([TierModel("x", 0, m.policy)])
+
+
+async def test_live_cache_reports_whatif_in_stats_and_prometheus() -> None:
+    cfg = {
+        "model": {"preset": "tiny"},
+        "pipeline": {"leaf_first": False},  # the replay drives the bare policy
+        "tiers": [
+            {
+                "name": "dram",
+                "backend": "dram",
+                "capacity": 64 * 512,
+                "high_watermark": 1.0,
+                "low_watermark": 1.0,
+            }
+        ],
+    }
+    tr = workload("chat", n=120, seed=2, block_tokens=4)
+    async with KVCache(cfg, env={}, configure_log=False, whatif=True) as cache:
+        for req in tr.requests:
+            tokens = np.repeat(np.asarray([int.from_bytes(b, "little") for b in req.blocks]), 4)
+            found = await cache.lookup(tokens)
+            keys = cache.page_keys(tokens)
+            n = len(found.keys)
+            await cache.load(keys[:n], pin=True)  # as an engine does
+            rest = np.zeros((len(keys) - n, cache.spec.page_bytes), dtype=np.uint8)
+            await cache.store(tokens[n * 4 :], rest, parent=keys[n - 1] if n else ROOT_KEY)
+            cache.release(keys[:n])
+        stats = cache.stats()
+        wi = stats["whatif"]
+        assert wi["lookups"] == len(tr.requests)
+        dram = wi["tiers"]["dram"]
+        assert set(dram["hit_rate"]) == {"-50%", "-25%", "+0%", "+25%", "+50%", "+100%"}
+        # unsampled, same policy, same requests: the estimate at its own size is exact
+        assert dram["hit_rate"]["+0%"] == pytest.approx(dram["measured_hit_rate"], abs=1e-9)
+        assert dram["hit_rate"]["-50%"] <= dram["hit_rate"]["+100%"]
+        prom = cache.metrics.to_prometheus()
+        assert 'kvtier_whatif_hit_rate{tier="dram",capacity="+100%"}' in prom
