@@ -38,7 +38,7 @@ from kvtier.sim.trace import Trace, read_mooncake
 from kvtier.sim.workloads import WORKLOADS, workload
 from kvtier.spec import preset
 
-#: Policies ``bench sim`` replays when none is named: the default and the classics.
+#: Policies ``bench sim`` replays when none is named: the suite's candidate and the classics.
 DEFAULT_POLICIES = [DEFAULT_POLICY, *CLASSIC]
 
 

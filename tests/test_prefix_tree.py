@@ -208,7 +208,7 @@ async def _evictions_with_children(tmp_path, leaf_first: bool) -> tuple[int, int
         spec=spec,
         namespace=Namespace.for_spec(spec),
         tiers=[
-            # plain LRU (the default, adaptive, cuts chains from the tail by itself)
+            # plain LRU (adaptive cuts chains from the tail by itself)
             TierConfig("dram", "dram", 20 * pb, 0.8, 0.6, "lru"),
             TierConfig("disk", "file", 200 * pb, 0.9, 0.8, options={"path": str(tmp_path)}),
         ],

@@ -173,7 +173,7 @@ async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evi
         with pytest.raises(
             CapacityError,
             match=r"1 of its 10 pages are pinned or reserved; none of the other 7 can go "
-            r"\(its eviction policy \(leaf-first\(adaptive\)\) offers none",
+            r"\(its eviction policy \(leaf-first\(lru-k\)\) offers none",
         ):
             await cache.store(more, more_data)
         cache.release(keys[-1:])

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from kvtier.codec import NO_CODEC, make_codec, tier_capacity_pages
 from kvtier.config.defaults import (
+    DEFAULT_EVICTION,
     DEFAULT_HYSTERESIS,
     MAX_BATCH_PAGES,
     MAX_INFLIGHT_PER_LINK,
@@ -55,7 +56,7 @@ class TierConfig:
     capacity_bytes: int
     high_watermark: float
     low_watermark: float
-    eviction: str = "adaptive"
+    eviction: str = DEFAULT_EVICTION
     eviction_params: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     on_open_error: str = "fail"
@@ -341,7 +342,7 @@ def _build_tier(
             f"{p}.low_watermark: {low} is above high_watermark {high}"
             f"{_src(sources, p + '.low_watermark')}"
         )
-    eviction = _str(t.get("eviction", "adaptive"), f"{p}.eviction", sources)
+    eviction = _str(t.get("eviction", DEFAULT_EVICTION), f"{p}.eviction", sources)
     params = _table(t.get("eviction_params", {}), f"{p}.eviction_params", sources)
     try:
         make_policy(eviction, **params)

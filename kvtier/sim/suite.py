@@ -28,7 +28,8 @@ from kvtier.sim.replay import make_tiers, replay
 from kvtier.sim.trace import Trace, read_mooncake
 from kvtier.sim.workloads import workload
 
-#: The default eviction policy the suite measures.
+#: The candidate eviction policy the suite measures against the classics (opt-in in a
+#: tier's config; the config default is ``kvtier.config.defaults.DEFAULT_EVICTION``).
 DEFAULT_POLICY = "adaptive"
 #: The classic policies it is compared with.
 CLASSIC: tuple[str, ...] = ("lru", "lru-k", "arc", "s3-fifo")
