@@ -140,7 +140,7 @@ class FileStore(FileStoreBase):
             elif (p := self._live(r)) is not None:
                 jobs.append((i, p, buf))
         if jobs:
-            results = await self._fan_out(self.write_files, jobs)
+            results = await self.run_blocking_chunks(self.write_files, jobs)
             for (i, p, _), res in zip(jobs, results, strict=True):
                 ok[i] = res
                 p.written = res
@@ -259,7 +259,9 @@ class FileStore(FileStoreBase):
         jobs = [(i, k, bufs[i]) for i, k in enumerate(keys) if k in stamps]
         if not jobs:
             return ok
-        results = await self._fan_out(self._read_blobs if sized else self.read_files, jobs)
+        results = await self.run_blocking_chunks(
+            self._read_blobs if sized else self.read_files, jobs
+        )
         damaged: list[Path] = []
         for (i, key, _), (res, length) in zip(jobs, results, strict=True):
             if res == "ok":

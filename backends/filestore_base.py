@@ -6,18 +6,16 @@ module for the format and guarantees).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
-import functools
 import itertools
 import logging
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from kvtier.backends.nvme_index import StoreLockedError
 from kvtier.backends.store_files import (
@@ -33,7 +31,7 @@ from kvtier.backends.store_files import (
     set_mode,
 )
 
-from kvtier.backend import Medium, StoreBackend
+from kvtier.backend import CHUNK_MIN_BYTES, Medium, StoreBackend
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE
@@ -43,10 +41,7 @@ _log = logging.getLogger("kvtier.backends.filestore")
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".lock"
 #: Batches of at least this many bytes are spread over the I/O threads.
-FAN_OUT_MIN_BYTES = 1 << 20
-
-J = TypeVar("J")
-R = TypeVar("R")
+FAN_OUT_MIN_BYTES = CHUNK_MIN_BYTES
 HEX_LEN = KEY_BYTES * 2
 
 
@@ -117,21 +112,6 @@ class FileStoreBase(StoreBackend):
             "write_errors": 0,
             "skipped_files": 0,
         }
-
-    async def _fan_out(self, fn: Callable[[list[J]], list[R]], jobs: list[J]) -> list[R]:
-        """Run ``fn`` over ``jobs`` off the loop: one hop for a small batch; a large one is
-        cut into contiguous chunks run at once on the I/O threads. Results keep job order."""
-        parts = min(self.io_threads, os.cpu_count() or 1, len(jobs))
-        if parts <= 1 or len(jobs) * self.page_bytes < FAN_OUT_MIN_BYTES:
-            return await self.run_blocking(fn, jobs)
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        size = -(-len(jobs) // parts)
-        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-        done = await asyncio.gather(
-            *(loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks)
-        )
-        return [r for chunk in done for r in chunk]
 
     # -- paths --------------------------------------------------------------------------
 

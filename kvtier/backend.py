@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+J = TypeVar("J")
+R = TypeVar("R")
+
+#: Below this many bytes of pages a batch of blocking work takes one executor hop
+#: (:meth:`Backend.run_blocking_chunks`); above it, one chunk per I/O thread.
+CHUNK_MIN_BYTES = 1 << 20
 
 
 class BackendKind(StrEnum):
@@ -255,6 +262,24 @@ class Backend(ABC):
         self._check_open()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def run_blocking_chunks(
+        self, fn: Callable[[list[J]], list[R]], jobs: list[J], min_bytes: int = CHUNK_MIN_BYTES
+    ) -> list[R]:
+        """Run ``fn`` over ``jobs`` (about one page each) on this backend's executor: one
+        hop for a batch under ``min_bytes`` of pages, else contiguous chunks, one per I/O
+        thread (at most one per core), run at once. Results keep job order."""
+        parts = min(self.io_threads, os.cpu_count() or 1, len(jobs))
+        if parts <= 1 or len(jobs) * self.page_bytes < min_bytes:
+            return await self.run_blocking(fn, jobs)
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        size = -(-len(jobs) // parts)
+        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
+        done = await asyncio.gather(
+            *(loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks)
+        )
+        return [r for chunk in done for r in chunk]
 
     # -- the keyed, two-phase interface ------------------------------------------------
 

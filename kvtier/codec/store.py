@@ -30,12 +30,9 @@ ordinary store. Per page, the inner store holds one *blob*: a codec frame
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-import os
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -53,11 +50,6 @@ from kvtier.errors import IntegrityError, KVTierUsageError
 from kvtier.keys import PageKey
 
 _log = logging.getLogger(__name__)
-
-J = TypeVar("J")
-R = TypeVar("R")
-#: Batches of at least this many logical bytes are split across the worker threads.
-FAN_OUT_MIN_BYTES = 1 << 20
 
 
 def slot_bytes(codec: Codec) -> int:
@@ -135,21 +127,6 @@ class CodecStore(StoreBackend):
         finally:
             await super().close()
 
-    async def _fan_out(self, fn: Callable[[list[J]], list[R]], jobs: list[J]) -> list[R]:
-        """Run ``fn`` over ``jobs`` off the loop: one hop, or contiguous chunks on the
-        worker threads for a large batch. Results keep job order."""
-        parts = min(self.io_threads, os.cpu_count() or 1, len(jobs))
-        if parts <= 1 or len(jobs) * self.page_bytes < FAN_OUT_MIN_BYTES:
-            return await self.run_blocking(fn, jobs)
-        self._check_open()
-        loop = asyncio.get_running_loop()
-        size = -(-len(jobs) // parts)
-        chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-        done = await asyncio.gather(
-            *(loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks)
-        )
-        return [r for chunk in done for r in chunk]
-
     # -- encoding ----------------------------------------------------------------------
 
     def _encode(self, jobs: list[tuple[np.ndarray, np.ndarray]]) -> list[int | str]:
@@ -224,7 +201,7 @@ class CodecStore(StoreBackend):
         if not todo:
             return ok
         slots = np.empty((len(todo), self.slot), dtype=np.uint8)
-        lengths = await self._fan_out(
+        lengths = await self.run_blocking_chunks(
             self._encode, [(bufs[i], slots[j]) for j, i in enumerate(todo)]
         )
         good: list[tuple[int, np.ndarray]] = []
@@ -275,7 +252,9 @@ class CodecStore(StoreBackend):
         jobs = [(i, n) for i, n in enumerate(lengths) if n is not None]
         if not jobs:
             return ok
-        problems = await self._fan_out(self._decode, [(rows[i], n, bufs[i]) for i, n in jobs])
+        problems = await self.run_blocking_chunks(
+            self._decode, [(rows[i], n, bufs[i]) for i, n in jobs]
+        )
         bad: list[PageKey] = []
         for (i, n), problem in zip(jobs, problems, strict=True):
             if problem is None:
