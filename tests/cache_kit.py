@@ -19,12 +19,18 @@ from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
 
 from kvtier.backend import Medium
+from kvtier.cache import KVCache
 from kvtier.errors import TierIOError
 from kvtier.spec import preset
 
 SPEC = preset("tiny")  # 512-byte pages, 4 tokens per page
 PAGE = SPEC.page_bytes
 PT = SPEC.page_tokens
+
+
+def open_cache(cfg: dict[str, Any]) -> KVCache:
+    """A cache over ``cfg`` alone: the environment's ``KVTIER_*`` variables are ignored."""
+    return KVCache(cfg, env={})
 
 
 def tier(name: str, backend: str, pages: int, **extra: Any) -> dict[str, Any]:

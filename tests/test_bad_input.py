@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, sequence
+from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, open_cache, sequence
 
 from kvtier.cache import KVCache
 from kvtier.errors import (
@@ -28,13 +28,9 @@ from kvtier.errors import (
 )
 
 
-def _open(cfg: dict) -> KVCache:
-    return KVCache(cfg, env={})
-
-
 @pytest.fixture
 async def cache(tmp_path):
-    async with _open(config(tmp_path)) as c:
+    async with open_cache(config(tmp_path)) as c:
         yield c
 
 
@@ -150,34 +146,34 @@ async def test_unknown_backend_names_it(tmp_path):
     cfg = config(tmp_path)
     cfg["tiers"][1]["backend"] = "tape-drive"
     with pytest.raises(UnknownBackendError, match=r"tiers\[1\] \(file, backend 'tape-drive'\)"):
-        await _open(cfg).start()
+        await open_cache(cfg).start()
     cfg["tiers"][1]["backend"] = "no_such_module:Store"
     with pytest.raises((UnknownBackendError, BackendUnavailableError), match="no_such_module"):
-        await _open(cfg).start()
+        await open_cache(cfg).start()
     cfg["tiers"][1]["backend"] = "cache_kit:config"
     with pytest.raises(UnknownBackendError, match="is not a kvtier Backend subclass"):
-        await _open(cfg).start()
+        await open_cache(cfg).start()
 
 
 async def test_bad_backend_options_name_the_tier(tmp_path):
     cfg = config(tmp_path)
     cfg["tiers"][1]["options"] = {}
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.options \(file\): .*'path'"):
-        await _open(cfg).start()
+        await open_cache(cfg).start()
     cfg["tiers"][0]["options"] = {"colour": "blue"}
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.options \(dram\): .*colour"):
-        await _open(cfg).start()
+        await open_cache(cfg).start()
 
 
 def test_bad_config_and_capacity_below_one_page(tmp_path):
     cfg = config(tmp_path)
     cfg["tiers"][0]["capacity"] = PAGE - 1
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: 511 bytes .* one page"):
-        _open(cfg)
+        open_cache(cfg)
     cfg = config(tmp_path)
     cfg["pipeline"]["batch_size"] = 3
     with pytest.raises(ConfigError, match=r"pipeline\.batch_size: unknown key"):
-        _open(cfg)
+        open_cache(cfg)
     with pytest.raises(ConfigError, match=r"write_policy: must be one of"):
         KVCache(config(tmp_path), env={"KVTIER_PIPELINE__WRITE_POLICY": "lazy"})
 
@@ -188,7 +184,7 @@ async def test_tier_raising_mid_run_degrades_to_misses(tmp_path):
     FailingFileStore.failing = False
     rng = np.random.default_rng(30)
     cfg = config(tmp_path, dram_pages=8, file_backend="cache_kit:FailingFileStore")
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 6)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -227,7 +223,7 @@ async def test_outage_under_pressure_keeps_committed_pages(tmp_path):
     cfg = config(
         tmp_path, dram_pages=6, file_backend="cache_kit:FailingFileStore", write_policy="write-back"
     )
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         FailingFileStore.failing = True
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
@@ -243,7 +239,7 @@ async def test_outage_under_pressure_keeps_committed_pages(tmp_path):
 
 async def test_vanished_store_directory_gives_misses(tmp_path):
     rng = np.random.default_rng(32)
-    async with _open(config(tmp_path, dram_pages=4)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=4)) as cache:
         tokens, data = sequence(rng, 8)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -261,7 +257,7 @@ async def test_vanished_store_directory_gives_misses(tmp_path):
 
 async def test_corrupted_page_on_disk_is_a_miss(tmp_path):
     rng = np.random.default_rng(33)
-    async with _open(config(tmp_path, dram_pages=4)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=4)) as cache:
         tokens, data = sequence(rng, 2)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()

@@ -9,20 +9,16 @@ import json
 import numpy as np
 import pytest
 import torch
-from cache_kit import PAGE, PT, SPEC, config, sequence
+from cache_kit import PAGE, PT, SPEC, config, open_cache, sequence
 
 from kvtier.cache import KVCache
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import ROOT_KEY, Namespace, page_keys
 
 
-def _open(cfg: dict) -> KVCache:
-    return KVCache(cfg, env={})
-
-
 async def test_store_lookup_load_read_release(tmp_path):
     rng = np.random.default_rng(20)
-    async with _open(config(tmp_path)) as cache:
+    async with open_cache(config(tmp_path)) as cache:
         assert cache.spec == SPEC and [t.name for t in cache.tiers] == ["dram", "file"]
         tokens, data = sequence(rng, 5)
         tail = rng.integers(0, 50_000, size=PT - 1)  # a partial page gets no key
@@ -57,7 +53,7 @@ async def test_store_lookup_load_read_release(tmp_path):
 
 async def test_typed_and_torch_pages_and_keyed_store(tmp_path):
     rng = np.random.default_rng(21)
-    async with _open(config(tmp_path)) as cache:
+    async with open_cache(config(tmp_path)) as cache:
         tokens = rng.integers(0, 1000, size=3 * PT)
         typed = rng.standard_normal((3, *SPEC.page_shape)).astype(np.float16)
         res = await cache.store(tokens, typed)
@@ -86,7 +82,7 @@ async def test_typed_and_torch_pages_and_keyed_store(tmp_path):
 
 async def test_prefetch_delete_flush(tmp_path):
     rng = np.random.default_rng(22)
-    async with _open(config(tmp_path, write_policy="write-back")) as cache:
+    async with open_cache(config(tmp_path, write_policy="write-back")) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         assert not any(cache.directory.is_committed(k, "file") for k in keys)
@@ -106,10 +102,10 @@ async def test_prefetch_delete_flush(tmp_path):
 async def test_reopen_recovers_pages_from_the_file_tier(tmp_path):
     rng = np.random.default_rng(23)
     cfg = config(tmp_path)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 6)
         await cache.store(tokens, data)
-    async with _open(cfg) as again:
+    async with open_cache(cfg) as again:
         hit = await again.lookup(tokens)
         assert hit.tiers == ["file"] * 6
         loaded = await again.load(hit.keys, pin=False)
@@ -130,7 +126,7 @@ async def test_listeners_follow_commits_and_removals(tmp_path):
         def on_remove(self, key: bytes, tier: str) -> None:
             seen[key].discard(tier)
 
-    async with _open(config(tmp_path, dram_pages=4)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=4)) as cache:
         cache.directory.subscribe(Tree())
         for _ in range(5):
             tokens, data = sequence(rng, 3)
@@ -142,7 +138,7 @@ async def test_listeners_follow_commits_and_removals(tmp_path):
 
 async def test_metrics_snapshot_and_prometheus(tmp_path):
     rng = np.random.default_rng(25)
-    async with _open(config(tmp_path, dram_pages=4)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=4)) as cache:
         seqs = []
         for _ in range(4):
             tokens, data = sequence(rng, 3)
@@ -171,7 +167,7 @@ async def test_json_logs_go_to_stderr_once_per_outage(tmp_path, capsys):
     import shutil
 
     rng = np.random.default_rng(26)
-    async with _open(config(tmp_path, dram_pages=4)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=4)) as cache:
         tokens, data = sequence(rng, 8)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -217,7 +213,7 @@ async def test_single_store_tier_cache(tmp_path):
             }
         ],
     }
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 3)
         res = await cache.store(tokens, data)
         assert all(res.stored)

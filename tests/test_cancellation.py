@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from cache_kit import (
     SlowFileStore,
     SlowWriteFileStore,
     config,
+    open_cache,
     sequence,
     tier,
 )
@@ -26,15 +26,11 @@ from kvtier.cache import KVCache
 from kvtier.errors import CapacityError, KVTierUsageError
 
 
-def _open(cfg: dict[str, Any]) -> KVCache:
-    return KVCache(cfg, env={})
-
-
 async def test_cancelled_delete_leaves_the_directory_matching_the_backend(tmp_path: Path):
     """Cancelling ``delete`` while a store is removing files must not leave the directory
     saying the pages are still there (lookup would report pages nobody can read)."""
     rng = np.random.default_rng(25)
-    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -68,7 +64,7 @@ async def test_close_lets_a_running_load_finish_and_refuses_new_calls(tmp_path: 
         max_inflight_per_link=1,
     )
     rng = np.random.default_rng(26)
-    cache = _open(cfg)
+    cache = open_cache(cfg)
     await cache.start()
     tokens, data = sequence(rng, 4)
     keys = (await cache.store(tokens, data)).keys
@@ -96,7 +92,7 @@ async def test_cancelling_flush_does_not_cancel_background_write_through(tmp_pat
     promised to finish), so every stored page still lands in the lower tier."""
     rng = np.random.default_rng(28)
     cfg = config(tmp_path, dram_pages=64, file_pages=256, batch_pages=2)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 12)
         keys = (await cache.store(tokens, data)).keys  # write-through starts
         flushing = asyncio.create_task(cache.flush())
@@ -125,7 +121,7 @@ async def test_cancelled_close_stops_pipeline_work_before_backends_close(tmp_pat
         file_backend="cache_kit:SlowWriteFileStore",
     )
     rng = np.random.default_rng(29)
-    cache = _open(cfg)
+    cache = open_cache(cfg)
     await cache.start()
     SlowWriteFileStore.pipeline = cache.pipeline
     tokens, data = sequence(rng, 12)
@@ -238,7 +234,7 @@ async def test_start_cancelled_during_recovery_closes_the_backends(tmp_path: Pat
         file_pages=64,
         file_backend="cache_kit:SlowKeysFileStore",
     )
-    cache = _open(cfg)
+    cache = open_cache(cfg)
     starting = asyncio.create_task(cache.start())
     for _ in range(500):  # until the backends are open and recovery is scanning
         if cache.tiers or starting.done():

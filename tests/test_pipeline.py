@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ from cache_kit import (
     DeleteFailingFileStore,
     SlowFileStore,
     config,
+    open_cache,
     sequence,
     tier,
 )
@@ -35,10 +36,6 @@ from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.eviction import LRUKPolicy
 from kvtier.policy.leaf_first import LeafFirstPolicy
 from kvtier.transfer.links import Priority, PriorityGate
-
-
-def _open(cfg: dict) -> KVCache:
-    return KVCache(cfg, env={})
 
 
 async def _store_many(cache: KVCache, rng: np.random.Generator, seqs: int, pages: int):
@@ -67,7 +64,7 @@ async def test_round_trip_through_every_tier(tmp_path):
         batch_pages=4,
     )
     rng = np.random.default_rng(1)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         seqs = await _store_many(cache, rng, 8, 3)
         located = {_tier_of(cache, k) for _, _, keys in seqs for k in keys}
         assert located == {"dram", "file", "file2"}
@@ -92,7 +89,7 @@ async def test_round_trip_through_every_tier(tmp_path):
 async def test_spill_under_pressure_returns_identical_bytes(tmp_path, background):
     rng = np.random.default_rng(2)
     cfg = config(tmp_path, dram_pages=8, file_pages=512, background_eviction=background)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         seqs = await _store_many(cache, rng, 12, 4)  # 48 pages over an 8-page DRAM
         if background:
             await cache.pipeline.drain()  # the evict queue catches up
@@ -122,7 +119,7 @@ async def test_watermarks_hold_after_every_store(tmp_path, policy, background):
         batch_pages=3,
         background_eviction=background,
     )
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         top, low = cache.tiers
         for _ in range(30):
             tokens, data = sequence(rng, int(rng.integers(1, 6)))
@@ -140,7 +137,7 @@ async def test_watermarks_hold_after_every_store(tmp_path, policy, background):
 
 async def test_pins_respected_under_pressure(tmp_path):
     rng = np.random.default_rng(4)
-    async with _open(config(tmp_path, dram_pages=8, file_pages=512, batch_pages=2)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=8, file_pages=512, batch_pages=2)) as cache:
         tokens, data = sequence(rng, 3)
         keys = (await cache.store(tokens, data)).keys
         loaded = await cache.load(keys)
@@ -158,7 +155,7 @@ async def test_pins_respected_under_pressure(tmp_path):
 
 async def test_pinned_full_tier_raises_capacity_error_without_deadlock(tmp_path):
     rng = np.random.default_rng(5)
-    async with _open(config(tmp_path, dram_pages=4, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=4, file_pages=64)) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         await cache.load(keys)  # all four DRAM slots pinned
@@ -182,7 +179,7 @@ async def test_one_backend_call_per_batch(tmp_path):
         batch_pages=16,
     )
     rng = np.random.default_rng(8)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 48)
         await cache.store(tokens, data)
         await cache.flush()  # write-through of 48 pages in batches of 16
@@ -206,7 +203,7 @@ async def test_inflight_bounded_per_link(tmp_path):
         max_inflight_per_link=2,
     )
     rng = np.random.default_rng(9)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 16)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -246,13 +243,13 @@ async def test_lru_k_selectable_per_tier(tmp_path):
     cfg = config(tmp_path)
     cfg["tiers"][0]["eviction"] = "lru-k"
     cfg["tiers"][0]["eviction_params"] = {"k": 3}
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         policy = cache.tiers[0].policy
         assert isinstance(policy, LeafFirstPolicy)  # leaf_first is on by default
         assert isinstance(policy.inner, LRUKPolicy)
         assert policy.inner.k == 3
     cfg["pipeline"] = {"leaf_first": False}
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         assert isinstance(cache.tiers[0].policy, LRUKPolicy)
 
 
@@ -273,7 +270,7 @@ async def test_selective_write_policy_admits_only_what_the_policy_accepts(tmp_pa
         admission="even-first-byte",
     )
     rng = np.random.default_rng(10)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         seqs = await _store_many(cache, rng, 10, 4)
         await cache.flush()
         keys = [k for _, _, ks in seqs for k in ks]
@@ -306,7 +303,7 @@ async def test_admission_policy_sees_every_reference_and_each_pages_parent(tmp_p
     register_admission("recording", _Recording)
     cfg = config(tmp_path, write_policy="selective", admission="recording")
     rng = np.random.default_rng(12)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         policy = _Recording.instances[-1]
         tokens = rng.integers(0, 1000, 3 * cache.spec.page_tokens)
         pages = np.zeros((3, cache.spec.page_bytes), dtype=np.uint8)
@@ -321,7 +318,7 @@ async def test_admission_policy_sees_every_reference_and_each_pages_parent(tmp_p
 async def test_close_drains_and_write_back_flushes_dirty_pages(tmp_path):
     rng = np.random.default_rng(11)
     cfg = config(tmp_path, dram_pages=32, file_pages=256, write_policy="write-back")
-    cache = _open(cfg)
+    cache = open_cache(cfg)
     await cache.start()
     seqs = await _store_many(cache, rng, 4, 4)
     keys = [k for _, _, ks in seqs for k in ks]
@@ -330,7 +327,7 @@ async def test_close_drains_and_write_back_flushes_dirty_pages(tmp_path):
     current = asyncio.current_task()
     assert [t for t in asyncio.all_tasks() if t is not current] == []
     # a fresh cache on the same directory recovers every page from the file tier
-    async with _open(cfg) as again:
+    async with open_cache(cfg) as again:
         for _, data, ks in seqs:
             assert [again.directory.locate(k) for k in ks] == ["file"] * len(ks)
             out = np.zeros_like(data)
@@ -352,7 +349,7 @@ async def test_concurrent_engine_tasks_keep_every_page_intact(tmp_path, policy):
         write_policy=policy,
     )
     seqs = [sequence(rng, 3) for _ in range(10)]
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         truth: dict[bytes, np.ndarray] = {}
         # an engine bounds what it pins at once (here 2 x 3 pages of a 12-page tier); more
         # would be a CapacityError, which test_pinned_full_tier_... covers
@@ -409,7 +406,7 @@ async def test_pages_moved_down_keep_their_namespace_label(tmp_path):
 
     cfg = config(tmp_path, dram_pages=4, file_pages=64, file_backend="nvme")
     rng = np.random.default_rng(13)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         seqs = await _store_many(cache, rng, 3, 4)
         await cache.flush()
         label = cache.namespace.label
@@ -419,15 +416,11 @@ async def test_pages_moved_down_keep_their_namespace_label(tmp_path):
     assert report["namespaces"] == {label: {"pages": moved, "bytes": report["bytes"]}}
 
 
-def _open_2(cfg: dict[str, Any]) -> KVCache:
-    return KVCache(cfg, env={})
-
-
 async def test_concurrent_stores_of_the_same_pages_both_report_them_stored(tmp_path: Path):
     """Two requests sharing a prompt store the same pages at once: the page is committed
     once, and both callers are told it is stored (keys are content addresses)."""
     rng = np.random.default_rng(21)
-    async with _open_2(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
         tokens, data = sequence(rng, 4)
         a, b = await asyncio.gather(cache.store(tokens, data), cache.store(tokens, data))
         assert a.stored == [True] * 4
@@ -442,7 +435,7 @@ async def test_releasing_more_pins_than_taken_is_a_usage_error_that_changes_noth
     tmp_path: Path,
 ):
     rng = np.random.default_rng(23)
-    async with _open_2(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
         tokens, data = sequence(rng, 2)
         keys = (await cache.store(tokens, data)).keys
         await cache.load(keys)  # one pin each
@@ -465,7 +458,7 @@ async def test_reserve_failing_for_one_namespace_group_leaks_no_space(tmp_path: 
         write_policy="write-back",
     )
     rng = np.random.default_rng(24)
-    async with _open_2(cfg) as cache:
+    async with open_cache(cfg) as cache:
         good_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
         bad_keys = [bytes(rng.integers(0, 256, 16, dtype=np.uint8)) for _ in range(3)]
         pages = rng.integers(0, 256, size=(3, PAGE), dtype=np.uint8)
@@ -491,7 +484,7 @@ async def test_pages_whose_delete_fails_stay_indexed(tmp_path: Path):
         file_backend="cache_kit:DeleteFailingFileStore",
     )
     rng = np.random.default_rng(32)
-    async with _open_2(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from cache_kit import (
     PAGE,
     SlowFileStore,
     config,
+    open_cache,
     sequence,
 )
 
@@ -20,13 +20,9 @@ from kvtier.cache import KVCache
 from kvtier.index.directory import PageState
 
 
-def _open(cfg: dict[str, Any]) -> KVCache:
-    return KVCache(cfg, env={})
-
-
 async def test_concurrent_prefetches_of_the_same_pages_both_see_them_arrive(tmp_path: Path):
     rng = np.random.default_rng(22)
-    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -45,7 +41,7 @@ async def test_prefetch_of_pages_being_evicted_fetches_them_back(tmp_path: Path)
     reported missing, which would make the engine recompute it)."""
     rng = np.random.default_rng(27)
     cfg = config(tmp_path, dram_pages=16, file_pages=64, write_policy="write-back")
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 4)
         keys = (await cache.store(tokens, data)).keys
         evicting = asyncio.create_task(cache.demote("dram", keys))
@@ -64,7 +60,7 @@ async def test_prefetch_with_an_unbounded_deadline_waits_for_everything(tmp_path
     """A deadline too large for a float (an int past 1e308) means 'no deadline', like inf;
     it must not raise OverflowError after the batches were launched."""
     rng = np.random.default_rng(31)
-    async with _open(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
         tokens, data = sequence(rng, 3)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -80,7 +76,7 @@ async def test_a_prefetch_never_evicts_what_its_own_earlier_batch_brought_up(tmp
     be reported missing while they sit one tier down)."""
     rng = np.random.default_rng(33)
     cfg = config(tmp_path, dram_pages=6, file_pages=64, batch_pages=2)
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         held_tokens, held_data = sequence(rng, 3)
         held = (await cache.store(held_tokens, held_data)).keys
         tokens, data = sequence(rng, 3)
@@ -95,10 +91,6 @@ async def test_a_prefetch_never_evicts_what_its_own_earlier_batch_brought_up(tmp
         assert sorted(result.arrived) == sorted(keys)
         assert all(cache.directory.is_committed(k, "dram") for k in keys)
         cache.release(held)
-
-
-def _open_2(cfg: dict) -> KVCache:
-    return KVCache(cfg, env={})
 
 
 def _tier_of(cache: KVCache, key: bytes) -> str | None:
@@ -116,7 +108,7 @@ async def test_prefetch_deadline_returns_what_arrived(tmp_path):
         max_inflight_per_link=1,
     )
     rng = np.random.default_rng(6)
-    async with _open_2(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 6)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -155,7 +147,7 @@ async def test_cancelled_prefetch_keeps_partial_progress_and_nothing_half_visibl
         write_policy="write-through",
     )
     rng = np.random.default_rng(7)
-    async with _open_2(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 6)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()
@@ -192,7 +184,7 @@ async def test_close_cancels_unstarted_prefetches_and_leaves_no_task(tmp_path):
         max_inflight_per_link=1,
     )
     rng = np.random.default_rng(12)
-    cache = _open_2(cfg)
+    cache = open_cache(cfg)
     await cache.start()
     tokens, data = sequence(rng, 8)
     keys = (await cache.store(tokens, data)).keys
@@ -217,7 +209,7 @@ async def test_a_load_racing_a_prefetch_of_the_same_pages_claims_no_room_for_the
     pages already there: with a pinned tier that room does not exist, and the load used
     to fail with CapacityError."""
     rng = np.random.default_rng(41)
-    async with _open(config(tmp_path, dram_pages=10, file_pages=64)) as cache:
+    async with open_cache(config(tmp_path, dram_pages=10, file_pages=64)) as cache:
         tokens, data = sequence(rng, 8)
         keys = (await cache.store(tokens, data)).keys
         await cache.flush()

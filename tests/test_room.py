@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from cache_kit import GatedFileStore, config, sequence
+from cache_kit import GatedFileStore, config, open_cache, sequence
 
 from kvtier.cache import KVCache
 from kvtier.errors import CapacityError
@@ -150,10 +149,6 @@ async def test_a_load_keeps_a_page_the_evict_queue_is_writing_down(tmp_path):
         GatedFileStore.gate = None
 
 
-def _open(cfg: dict[str, Any]) -> KVCache:
-    return KVCache(cfg, env={})
-
-
 async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evicted(
     tmp_path: Path,
 ):
@@ -165,7 +160,7 @@ async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evi
     rng = np.random.default_rng(30)
     cfg = config(tmp_path, dram_pages=10, file_pages=64)
     cfg["tiers"] = cfg["tiers"][:1]  # DRAM alone: the last tier
-    async with _open(cfg) as cache:
+    async with open_cache(cfg) as cache:
         tokens, data = sequence(rng, 8)
         keys = (await cache.store(tokens, data)).keys
         await cache.load(keys[-1:])  # the chain's leaf only
