@@ -98,6 +98,14 @@ def _by(series: Series, name: str, label: str) -> dict[str, float]:
     return {labels.get(label, ""): value for labels, value in series.get(PREFIX + name, [])}
 
 
+def _rows(series: Series, fields: dict[str, str], label: str) -> dict[str, dict[str, float | None]]:
+    """One row per value of ``label`` (sorted), holding each of ``fields`` (row key ->
+    metric name); a metric a row lacks reads 0."""
+    per_field = {k: _by(series, v, label) for k, v in fields.items()}
+    names = sorted({n for values in per_field.values() for n in values})
+    return {n: {k: per_field[k].get(n, 0.0) for k in fields} for n in names}
+
+
 def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
     """Per tier ``used_pages``, ``capacity_pages``, ``occupancy``, ``hits``, ``misses``,
     ``hit_rate``, ``stored_pages``, ``evicted_pages``, ``dropped_pages``,
@@ -115,28 +123,22 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
         "dropped_pages": "dropped_pages_total",
         "failed_pages": "failed_pages_total",
     }
-    per_field = {k: _by(series, v, "tier") for k, v in fields.items()}
-    tiers: dict[str, dict[str, float | None]] = {}
-    for tier in sorted({t for values in per_field.values() for t in values}):
-        row: dict[str, float | None] = {k: per_field[k].get(tier, 0.0) for k in fields}
+    tiers = _rows(series, fields, "tier")
+    for row in tiers.values():
         cap, used = row["capacity_pages"] or 0.0, row["used_pages"] or 0.0
         looked = (row["hits"] or 0.0) + (row["misses"] or 0.0)
         row["occupancy"] = used / cap if cap else None
         row["hit_rate"] = (row["hits"] or 0.0) / looked if looked else None
-        tiers[tier] = row
     link_fields = {
         "pages": "link_pages_total",
         "bytes": "link_bytes_total",
         "seconds": "link_seconds_total",
         "failed_pages": "link_failed_pages_total",
     }
-    per_link = {k: _by(series, v, "link") for k, v in link_fields.items()}
-    links: dict[str, dict[str, float | None]] = {}
-    for link in sorted({lk for values in per_link.values() for lk in values}):
-        lrow: dict[str, float | None] = {k: per_link[k].get(link, 0.0) for k in link_fields}
+    links = _rows(series, link_fields, "link")
+    for lrow in links.values():
         secs, nbytes = lrow["seconds"] or 0.0, lrow["bytes"] or 0.0
         lrow["gb_per_s"] = nbytes / secs / 1e9 if secs > 0 else None
-        links[link] = lrow
     count = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_count", []))
     total = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_sum", []))
     return {
