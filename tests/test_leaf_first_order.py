@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
+from kvtier.policy.adaptive import AdaptivePolicy
+from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import LRUKPolicy, LRUPolicy
 from kvtier.policy.leaf_first import LeafFirstPolicy
 
@@ -26,7 +28,7 @@ class _NoOrder(LRUPolicy):
 
 
 def _build(
-    forest: list[tuple[int, int]], inner: Callable[[], LRUPolicy], tier: str,
+    forest: list[tuple[int, int]], inner: Callable[[], EvictionPolicy], tier: str,
     touches: list[int], in_disk: list[int],
 ) -> tuple[PrefixTree, LeafFirstPolicy, list[PageKey]]:  # fmt: skip
     """Chains ``(branch point, length)``: chain i forks off chain ``branch point % i``'s
@@ -82,13 +84,13 @@ def _one_by_one(
     pinned=st.sets(st.integers(0, 80), max_size=5),
     n=st.integers(1, 40),
     tier=st.sampled_from(TIERS),
-    lru_k=st.booleans(),
+    kind=st.sampled_from(["lru", "lru-k"]),
 )
 def test_one_pass_equals_one_victim_at_a_time(
     forest: list[tuple[int, int]], touches: list[int], in_disk: list[int], pinned: set[int],
-    n: int, tier: str, lru_k: bool,
+    n: int, tier: str, kind: str,
 ) -> None:  # fmt: skip
-    inner: Callable[[], LRUPolicy] = (lambda: LRUKPolicy(2)) if lru_k else LRUPolicy  # type: ignore[assignment,return-value]
+    inner, reference = _KINDS[kind]
     _tree, policy, keys = _build(forest, inner, tier, touches, in_disk)
     pins = {keys[i % len(keys)] for i in pinned}
 
@@ -96,9 +98,7 @@ def test_one_pass_equals_one_victim_at_a_time(
         return k not in pins
 
     got = policy.victims(n, evictable)
-    ref_tree, ref_policy, _ = _build(
-        forest, (lambda: _NoOrderK(2)) if lru_k else _NoOrder, tier, touches, in_disk
-    )
+    ref_tree, ref_policy, _ = _build(forest, reference, tier, touches, in_disk)
     assert got == _one_by_one(ref_tree, ref_policy, tier, n, evictable)
     assert len(set(got)) == len(got) and not pins & set(got)
 
@@ -107,13 +107,69 @@ class _NoOrderK(LRUKPolicy):
     ordered_keys = None  # type: ignore[assignment]
 
 
+#: Policy kinds: (the one with ``ordered_keys``, the same without it).
+_KINDS: dict[str, tuple[Callable[[], EvictionPolicy], Callable[[], EvictionPolicy]]] = {
+    "lru": (LRUPolicy, _NoOrder),
+    "lru-k": (lambda: LRUKPolicy(2), lambda: _NoOrderK(2)),
+}
+
+
+def _adaptive(point: int) -> Callable[[], EvictionPolicy]:
+    """``adaptive`` following one point of its family (so it has one order)."""
+
+    def make() -> EvictionPolicy:
+        pol = AdaptivePolicy(capacity=16)
+        pol.leader = point
+        return pol
+
+    return make
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    forest=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6),
+    touches=st.lists(st.integers(0, 80), max_size=10),
+    in_disk=st.lists(st.integers(0, 80), max_size=6),
+    pinned=st.sets(st.integers(0, 80), max_size=5),
+    n=st.integers(1, 60),
+    tier=st.sampled_from(TIERS),
+    point=st.integers(0, 3),
+)
+def test_adaptive_in_one_pass_takes_leaves_only_and_all_it_may(
+    forest: list[tuple[int, int]], touches: list[int], in_disk: list[int], pinned: set[int],
+    n: int, tier: str, point: int,
+) -> None:  # fmt: skip
+    """``adaptive`` cuts a chain from its tail when the chain's root is its victim (its
+    order depends on which pages may go, so it is not one-victim-at-a-time LRU): under
+    leaf-first eviction, walked once, every victim is a leaf when its turn comes (no
+    child left in the tier; in the last tier, none anywhere), none is pinned, and the
+    call finds as many as leaf-first eviction can take (``n``, or every page whose
+    subtree holds no pinned page)."""
+    tree, policy, keys = _build(forest, _adaptive(point), tier, touches, in_disk)
+    pins = {keys[i % len(keys)] for i in pinned}
+    got = policy.victims(n, lambda k: k not in pins)
+    assert len(set(got)) == len(got) and not pins & set(got)
+    last = tier == "disk"
+    blocked: set[PageKey | None] = set()  # pinned pages and their ancestors
+    for pin in pins:
+        up: PageKey | None = pin
+        while up is not None and up not in blocked:
+            blocked.add(up)
+            up = tree.parent(up)
+    removable = sum(1 for k in keys if k not in blocked)
+    for k in got:
+        assert tree.is_leaf(k, None if last else tier), "a victim with a child left"
+        tree.discard(k, tier)
+    assert len(got) == min(n, removable)
+
+
 class _CountingLRU(LRUPolicy):
     """LRU that counts the keys its order hands out."""
 
     walked = 0
 
-    def ordered_keys(self):  # type: ignore[no-untyped-def]
-        for k in super().ordered_keys():
+    def ordered_keys(self, evictable=None):  # type: ignore[no-untyped-def]
+        for k in super().ordered_keys(evictable):
             _CountingLRU.walked += 1
             yield k
 

@@ -44,12 +44,12 @@ make the same decisions.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, first_evictable
 from kvtier.policy.hints import Hint, hint_target
 from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy
 from kvtier.policy.shadow import KeySampler, MiniCache
@@ -279,12 +279,31 @@ class AdaptivePolicy(EvictionPolicy):
         expert = self.experts.get(self.leader)
         if expert is not None:
             return self.forest.victims(expert.victims, n, evictable)
+        order = self._point_order(evictable)
+        try:
+            return first_evictable(order, n, evictable)
+        finally:
+            order.close()
+
+    def _point_order(
+        self, evictable: Callable[[PageKey], bool] | None
+    ) -> Generator[PageKey, None, None]:
         bonus, order = self.grid[self.leader]
+        inner = self.book.ordered(bonus, order)
+        try:
+            yield from self.forest.order(inner, evictable)
+        finally:
+            inner.close()
 
-        def ordered(m: int, ok: Callable[[PageKey], bool]) -> list[PageKey]:
-            return self.book.victims(m, ok, bonus, order)
-
-        return self.forest.victims(ordered, n, evictable)
+    def ordered_keys(
+        self, evictable: Callable[[PageKey], bool] | None = None
+    ) -> Iterator[PageKey] | None:
+        """The tier's whole preference order while the leader is a point of the family
+        (prefix cuts over its two-class order, read lazily); ``None`` while an expert with
+        its own ``victims`` leads (see :mod:`kvtier.policy.base`)."""
+        if self.leader in self.experts:
+            return None
+        return self._point_order(evictable)
 
     def describe(self) -> dict[str, Any]:
         """The leader, how often it changed, the sampling rate and every point's

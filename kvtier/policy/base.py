@@ -15,17 +15,22 @@ write-through, TinyLFU-style filters).
 
 **Optional hook: one preference order.** A policy whose ``victims(n, evictable)`` is
 always the first ``n`` keys of a single order that ``evictable`` accepts (LRU, LRU-K) may
-expose that order as ``ordered_keys()`` (an iterator over every tracked key, best victim
-first). Wrappers that filter victims structurally can then walk the order once instead of
-calling ``victims`` again and again: :class:`~kvtier.policy.leaf_first.LeafFirstPolicy`
+expose that order as ``ordered_keys(evictable=None)`` (an iterator over every tracked key,
+best victim first; an order that depends on which pages may go, as prefix cuts do, takes
+``evictable`` into account, and the keys it rejects may still appear). Wrappers that
+filter victims structurally can then walk the order once instead of calling ``victims``
+again and again: :class:`~kvtier.policy.leaf_first.LeafFirstPolicy`
 uses it to take a chain tail-first in one pass (without it, every call rescans the
-ancestors that precede each leaf in the order, quadratic in the chain length).
+ancestors that precede each leaf in the order, quadratic in the chain length). A policy
+whose order exists only at times (``adaptive`` following a point of its family, not an
+expert with its own ``victims``) returns ``None`` when it has none;
+:func:`ordered_keys_of` asks either kind.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from kvtier.keys import PageKey
@@ -105,6 +110,26 @@ class AdmitAll(AdmissionPolicy):
 
     def admit(self, key: PageKey) -> bool:
         return True
+
+
+def ordered_keys_of(
+    policy: EvictionPolicy, evictable: Callable[[PageKey], bool] | None = None
+) -> Iterator[PageKey] | None:
+    """``policy``'s one preference order given ``evictable`` (its optional
+    ``ordered_keys``), or ``None`` when it exposes none now."""
+    order = getattr(policy, "ordered_keys", None)
+    if not callable(order):
+        return None
+    keys: Iterator[PageKey] | None = order(evictable)
+    return keys
+
+
+def close_order(order: Iterator[PageKey]) -> None:
+    """Release an order from ``ordered_keys()`` read only in part (a generator's
+    ``close``: a policy may hold state aside while its order is read)."""
+    close = getattr(order, "close", None)
+    if callable(close):
+        close()
 
 
 def first_evictable(

@@ -38,9 +38,10 @@ class LRUPolicy(EvictionPolicy):
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         return first_evictable(iter(self._order), n, evictable)
 
-    def ordered_keys(self) -> Iterator[PageKey]:
+    def ordered_keys(self, evictable: Callable[[PageKey], bool] | None = None) -> Iterator[PageKey]:
         """Every tracked key, best victim first (``victims`` takes the first evictable
-        ones of this order): the optional hook described in :mod:`kvtier.policy.base`."""
+        ones of this order, which does not depend on ``evictable``): the optional hook
+        described in :mod:`kvtier.policy.base`."""
         return iter(self._order)
 
     def __len__(self) -> int:
@@ -171,11 +172,12 @@ class LRUKPolicy(EvictionPolicy):
             heapq.heappush(heap, item)
         return out
 
-    def ordered_keys(self) -> Iterator[PageKey]:
+    def ordered_keys(self, evictable: Callable[[PageKey], bool] | None = None) -> Iterator[PageKey]:
         """Every resident key, best victim first (``victims`` takes the first evictable
-        ones of this order): pages with fewer than K references in LRU order, then the
-        others by their K-th most recent reference (the hot part is ordered only if the
-        iteration gets there). See :mod:`kvtier.policy.base`."""
+        ones of this order, which does not depend on ``evictable``): pages with fewer
+        than K references in LRU order, then the others by their K-th most recent
+        reference (the hot part is ordered only if the iteration gets there). See
+        :mod:`kvtier.policy.base`."""
         yield from self._cold
         hot = [item for item in self._hot if self._valid(*item)]
         heapq.heapify(hot)

@@ -15,7 +15,7 @@ from typing import ClassVar, Protocol
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, close_order, ordered_keys_of
 
 
 class LeafOracle(Protocol):
@@ -85,9 +85,12 @@ class LeafFirstPolicy(EvictionPolicy):
         parent whose every child here is taken becomes a leaf too, so one call walks a
         cold chain up from its tail (as evicting round after round would). A policy that
         exposes ``ordered_keys()`` (see :mod:`kvtier.policy.base`) is walked once."""
-        order = getattr(self.inner, "ordered_keys", None)
-        if callable(order):
-            return self._in_one_pass(order(), n, evictable)
+        order = ordered_keys_of(self.inner, evictable)
+        if order is not None:
+            try:
+                return self._in_one_pass(order, n, evictable)
+            finally:
+                close_order(order)
         tree = self.tree
         if self.last:
             return self.inner.victims(n, lambda k: tree.is_leaf(k, None) and evictable(k))

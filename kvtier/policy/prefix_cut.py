@@ -23,11 +23,16 @@ removes plus the inner policy's own cost.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import (
+    EvictionPolicy,
+    close_order,
+    first_evictable,
+    ordered_keys_of,
+)
 
 
 class PageForest:
@@ -86,19 +91,43 @@ class PageForest:
         """``key`` was referenced: a page in use is not dead weight."""
         self.orphans.pop(key, None)
 
-    def _post_order(self, top: PageKey, chosen: set[PageKey]) -> Iterator[PageKey]:
-        """``top``'s subtree (pages not yet chosen), descendants deepest first, then
+    def _post_order(self, top: PageKey, done: set[PageKey]) -> Iterator[PageKey]:
+        """``top``'s subtree (pages not in ``done``), descendants deepest first, then
         ``top``; oldest child first."""
         stack: list[tuple[PageKey, Iterator[PageKey]]] = [(top, iter(self.kids[top]))]
         while stack:
             node, it = stack[-1]
             nxt = next(it, None)
             if nxt is not None:
-                if nxt not in chosen and nxt in self.kids:
+                if nxt not in done and nxt in self.kids:
                     stack.append((nxt, iter(self.kids[nxt])))
                 continue
             stack.pop()
             yield node
+
+    def order(
+        self, inner: Iterable[PageKey], evictable: Callable[[PageKey], bool] | None = None
+    ) -> Iterator[PageKey]:
+        """The pages of the forest, each once, best victim first, given a policy's
+        preference order ``inner``: the orphans, then for each page ``inner`` yields that
+        ``evictable`` accepts (every page without it), its subtree not yet yielded,
+        deepest first and the page itself last (a page that may not go does not pull its
+        descendants forward: they wait for their own turn). Lazy; the forest must not
+        change while the iterator is in use. The first ``n`` pages of it that
+        ``evictable`` accepts are :meth:`victims` over the same order."""
+        done: set[PageKey] = set()
+        for key in self.orphans:
+            done.add(key)
+            yield key
+        for top in inner:
+            if top in done or top not in self.kids:
+                continue
+            if evictable is not None and not evictable(top):
+                continue
+            for key in self._post_order(top, done):
+                if key not in done:
+                    done.add(key)
+                    yield key
 
     def victims(
         self,
@@ -107,7 +136,9 @@ class PageForest:
         evictable: Callable[[PageKey], bool],
     ) -> list[PageKey]:
         """Up to ``n`` victims: evictable orphans first, then for each page ``order``
-        (a policy's ``victims``) offers, its evictable subtree from the deepest page up."""
+        (a policy's ``victims``) offers, its evictable subtree from the deepest page up.
+        For a policy whose whole order is at hand, ``first_evictable(self.order(...))``
+        gives the same answer in one pass."""
         out: list[PageKey] = []
         chosen: set[PageKey] = set()
         for key in self.orphans:
@@ -162,7 +193,21 @@ class PrefixCutPolicy(EvictionPolicy):
             self.inner.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        return self.forest.victims(self.inner.victims, n, evictable)
+        inner = ordered_keys_of(self.inner, evictable)
+        if inner is None:
+            return self.forest.victims(self.inner.victims, n, evictable)
+        try:
+            return first_evictable(self.forest.order(inner, evictable), n, evictable)
+        finally:
+            close_order(inner)
+
+    def ordered_keys(
+        self, evictable: Callable[[PageKey], bool] | None = None
+    ) -> Iterator[PageKey] | None:
+        """The forest's order over the inner policy's, when the inner policy has one
+        (see :mod:`kvtier.policy.base`); ``None`` otherwise."""
+        inner = ordered_keys_of(self.inner, evictable)
+        return None if inner is None else self.forest.order(inner, evictable)
 
     def __len__(self) -> int:
         return len(self.forest)

@@ -30,9 +30,10 @@ hot lists (one per use count), or of a heap for the ``kth`` order (stale entries
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
@@ -116,40 +117,46 @@ class TwoClassBook:
             old, _ = self.retained.popitem(last=False)
             del self.refs[old]
 
-    def _kth_order(self, held: list[tuple[int, PageKey]]) -> Iterator[tuple[PageKey, int]]:
-        """Hot pages by second most recent reference; popped entries go to ``held`` so
-        the caller can push them back."""
+    def _kth_order(self) -> Generator[tuple[PageKey, int], None, None]:
+        """Hot pages by second most recent reference. Entries are popped as they are
+        read and pushed back when the iteration ends or is dropped (stale ones are
+        dropped for good), so the heap is only ordered as far as someone reads."""
         heap = self.kth
-        while heap:
-            item = heapq.heappop(heap)
-            t, key = item
-            if key not in self._level or self.refs[key][1] != t:
-                continue  # stale
-            held.append(item)
-            yield key, t
+        held: list[tuple[int, PageKey]] = []
+        try:
+            while heap:
+                item = heapq.heappop(heap)
+                t, key = item
+                if key not in self._level or self.refs[key][1] != t:
+                    continue  # stale
+                held.append(item)
+                yield key, t
+        finally:
+            for item in held:
+                heapq.heappush(heap, item)
 
-    def victims(
+    def ordered(
         self,
-        n: int,
-        evictable: Callable[[PageKey], bool],
         bonus: float,
         order: str,
         probation: float = 0.0,
-    ) -> list[PageKey]:
-        """Up to ``n`` victims, lowest score first (see the module docstring); while the
-        cold pages are at most ``probation`` of the capacity, hot pages go first."""
-        out: list[PageKey] = []
-        if n <= 0:
-            return out
+        evictable: Callable[[PageKey], bool] | None = None,
+    ) -> Generator[PageKey, None, None]:
+        """The resident pages (those ``evictable`` accepts, when given), lowest score
+        first (see the module docstring); while the cold pages not yet yielded are at
+        most ``probation`` of the capacity, hot pages come first. Lazy: a caller that
+        reads ``m`` pages pays for about ``m`` (plus stale heap entries). The book must
+        not change while the iterator is in use."""
         cold_floor = probation * self.c
         finite = math.isfinite(bonus)
         extra = bonus * self.c if finite else 0.0
-        held: list[tuple[int, PageKey]] = []
         # Streams of (key, time), each in ascending time, and how a time becomes a score.
         streams: list[Iterator[tuple[PageKey, int]]] = [iter(self.cold.items())]
         ranks: list[tuple[int, float]] = [(0, 0.0)]  # (class rank, time offset)
+        kth = None
         if order == "kth":
-            streams.append(self._kth_order(held))
+            kth = self._kth_order()
+            streams.append(kth)
             ranks.append((0, extra) if finite else (1, 0.0))
         else:
             for level, lst in enumerate(self.hot):
@@ -161,34 +168,53 @@ class TwoClassBook:
 
         def head(i: int) -> tuple[int, float, PageKey] | None:
             for key, t in streams[i]:
-                if evictable(key):
+                if evictable is None or evictable(key):
                     rank, offset = ranks[i]
                     return rank, t + offset, key
             return None
 
-        heads = [head(i) for i in range(len(streams))]
-        cold_left = len(self.cold)
-        while len(out) < n:
-            best = None
-            protect = cold_left <= cold_floor
-            for i, h in enumerate(heads):
-                if h is None or (protect and i == 0):
-                    continue
-                if best is None or h[:2] < heads[best][:2]:  # type: ignore[index]
-                    best = i
-            if best is None:
-                if heads[0] is None:
-                    break
-                best = 0  # only cold pages are left
-            chosen = heads[best]
-            assert chosen is not None
-            out.append(chosen[2])
-            if best == 0:
-                cold_left -= 1
-            heads[best] = head(best)
-        for item in held:
-            heapq.heappush(self.kth, item)
-        return out
+        try:
+            heads = [head(i) for i in range(len(streams))]
+            cold_left = len(self.cold)
+            while True:
+                best = None
+                protect = cold_left <= cold_floor
+                for i, h in enumerate(heads):
+                    if h is None or (protect and i == 0):
+                        continue
+                    if best is None or h[:2] < heads[best][:2]:  # type: ignore[index]
+                        best = i
+                if best is None:
+                    if heads[0] is None:
+                        return
+                    best = 0  # only cold pages are left
+                chosen = heads[best]
+                assert chosen is not None
+                yield chosen[2]
+                if best == 0:
+                    cold_left -= 1
+                heads[best] = head(best)
+        finally:
+            if kth is not None:
+                kth.close()
+
+    def victims(
+        self,
+        n: int,
+        evictable: Callable[[PageKey], bool],
+        bonus: float,
+        order: str,
+        probation: float = 0.0,
+    ) -> list[PageKey]:
+        """Up to ``n`` victims: the first ``n`` of :meth:`ordered` over the pages
+        ``evictable`` accepts."""
+        if n <= 0:
+            return []
+        it = self.ordered(bonus, order, probation, evictable)
+        try:
+            return list(itertools.islice(it, n))
+        finally:
+            it.close()
 
 
 class TwoClassPolicy(EvictionPolicy):
