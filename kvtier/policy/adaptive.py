@@ -44,14 +44,14 @@ make the same decisions.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, first_evictable
 from kvtier.policy.hints import Hint, hint_target
-from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy
+from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy, policy_offers
 from kvtier.policy.shadow import KeySampler, MiniCache
 from kvtier.policy.twoclass import TwoClassBook, TwoClassPolicy, check_two_class
 
@@ -276,34 +276,23 @@ class AdaptivePolicy(EvictionPolicy):
             expert.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        expert = self.experts.get(self.leader)
-        if expert is not None:
-            return self.forest.victims(expert.victims, n, evictable)
-        order = self._point_order(evictable)
+        order = self.ordered_keys(evictable)
         try:
             return first_evictable(order, n, evictable)
         finally:
             order.close()
 
-    def _point_order(
-        self, evictable: Callable[[PageKey], bool] | None
-    ) -> Generator[PageKey, None, None]:
-        bonus, order = self.grid[self.leader]
-        inner = self.book.ordered(bonus, order)
-        try:
-            yield from self.forest.order(inner, evictable)
-        finally:
-            inner.close()
-
     def ordered_keys(
         self, evictable: Callable[[PageKey], bool] | None = None
-    ) -> Iterator[PageKey] | None:
-        """The tier's whole preference order while the leader is a point of the family
-        (prefix cuts over its two-class order, read lazily); ``None`` while an expert with
-        its own ``victims`` leads (see :mod:`kvtier.policy.base`)."""
-        if self.leader in self.experts:
-            return None
-        return self._point_order(evictable)
+    ) -> Generator[PageKey, None, None]:
+        """The tier's whole preference order, read lazily: prefix cuts over the leader's
+        order (a point's two-class order, or an expert asked page by page; see
+        :mod:`kvtier.policy.base`)."""
+        expert = self.experts.get(self.leader)
+        if expert is not None:
+            return self.forest.order(policy_offers(expert, evictable), evictable)
+        bonus, order = self.grid[self.leader]
+        return self.forest.order(lambda _done: self.book.ordered(bonus, order), evictable)
 
     def describe(self) -> dict[str, Any]:
         """The leader, how often it changed, the sampling rate and every point's

@@ -21,10 +21,9 @@ best victim first; an order that depends on which pages may go, as prefix cuts d
 filter victims structurally can then walk the order once instead of calling ``victims``
 again and again: :class:`~kvtier.policy.leaf_first.LeafFirstPolicy`
 uses it to take a chain tail-first in one pass (without it, every call rescans the
-ancestors that precede each leaf in the order, quadratic in the chain length). A policy
-whose order exists only at times (``adaptive`` following a point of its family, not an
-expert with its own ``victims``) returns ``None`` when it has none;
-:func:`ordered_keys_of` asks either kind.
+ancestors that precede each leaf in the order, quadratic in the chain length).
+:func:`ordered_keys_of` gives a policy's order, or ``None`` for a policy without the hook
+(or one whose ``ordered_keys`` returns ``None``: it has no single order now).
 """
 
 from __future__ import annotations

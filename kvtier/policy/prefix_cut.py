@@ -23,7 +23,7 @@ removes plus the inner policy's own cost.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import ClassVar
 
 from kvtier.keys import PageKey
@@ -106,64 +106,65 @@ class PageForest:
             yield node
 
     def order(
-        self, inner: Iterable[PageKey], evictable: Callable[[PageKey], bool] | None = None
-    ) -> Iterator[PageKey]:
-        """The pages of the forest, each once, best victim first, given a policy's
-        preference order ``inner``: the orphans, then for each page ``inner`` yields that
+        self, offers: Offers, evictable: Callable[[PageKey], bool] | None = None
+    ) -> Generator[PageKey, None, None]:
+        """The pages of the forest, each once, best victim first: the orphans, then for
+        each page a policy offers (``offers(done)``, given the pages yielded so far) that
         ``evictable`` accepts (every page without it), its subtree not yet yielded,
         deepest first and the page itself last (a page that may not go does not pull its
-        descendants forward: they wait for their own turn). Lazy; the forest must not
-        change while the iterator is in use. The first ``n`` pages of it that
-        ``evictable`` accepts are :meth:`victims` over the same order."""
+        descendants forward: they wait for their own turn). Victims are the first ``n``
+        pages of it that ``evictable`` accepts. Lazy: reading ``m`` pages costs about
+        ``m`` offers; the forest must not change while the iterator is in use."""
         done: set[PageKey] = set()
         for key in self.orphans:
             done.add(key)
             yield key
-        for top in inner:
-            if top in done or top not in self.kids:
-                continue
-            if evictable is not None and not evictable(top):
-                continue
-            for key in self._post_order(top, done):
-                if key not in done:
-                    done.add(key)
-                    yield key
+        inner = iter(offers(done))
+        try:
+            for top in inner:
+                if top in done:
+                    continue
+                if top not in self.kids:
+                    done.add(top)  # not a page here: offered once, skipped
+                    continue
+                if evictable is not None and not evictable(top):
+                    continue  # it stays; its subtree goes with an ancestor, or in turn
+                for key in self._post_order(top, done):
+                    if key not in done:
+                        done.add(key)
+                        yield key
+        finally:
+            close_order(inner)
 
-    def victims(
-        self,
-        order: Callable[[int, Callable[[PageKey], bool]], list[PageKey]],
-        n: int,
-        evictable: Callable[[PageKey], bool],
-    ) -> list[PageKey]:
-        """Up to ``n`` victims: evictable orphans first, then for each page ``order``
-        (a policy's ``victims``) offers, its evictable subtree from the deepest page up.
-        For a policy whose whole order is at hand, ``first_evictable(self.order(...))``
-        gives the same answer in one pass."""
-        out: list[PageKey] = []
-        chosen: set[PageKey] = set()
-        for key in self.orphans:
-            if len(out) >= n:
-                return out
-            if evictable(key):
-                out.append(key)
-                chosen.add(key)
 
-        def ok(key: PageKey) -> bool:
-            return key not in chosen and evictable(key)
+#: A policy's preference order for :meth:`PageForest.order`, given the pages it yielded.
+Offers = Callable[[set[PageKey]], Iterable[PageKey]]
 
-        while len(out) < n:
-            offered = order(1, ok)
-            if not offered:
-                break
-            for key in self._post_order(offered[0], chosen):
-                if len(out) >= n:
-                    break
-                if key not in chosen and evictable(key):
-                    out.append(key)
-                    chosen.add(key)
-            if offered[0] not in chosen:  # cut short by n: the page itself stays
-                break
-        return out
+
+def policy_offers(policy: EvictionPolicy, evictable: Callable[[PageKey], bool] | None) -> Offers:
+    """``policy``'s order: its ``ordered_keys`` when it has one (see
+    :mod:`kvtier.policy.base`), otherwise one ``victims(1, ...)`` question per page,
+    each excluding the pages yielded so far (a policy such as S3-FIFO that reorders its
+    queues while it chooses is asked as it would be page by page)."""
+
+    def offers(done: set[PageKey]) -> Iterator[PageKey]:
+        order = ordered_keys_of(policy, evictable)
+        return order if order is not None else _one_by_one(policy, done, evictable)
+
+    return offers
+
+
+def _one_by_one(
+    policy: EvictionPolicy, done: set[PageKey], evictable: Callable[[PageKey], bool] | None
+) -> Iterator[PageKey]:
+    def ok(key: PageKey) -> bool:
+        return key not in done and (evictable is None or evictable(key))
+
+    while True:
+        got = policy.victims(1, ok)
+        if not got:
+            return
+        yield got[0]
 
 
 class PrefixCutPolicy(EvictionPolicy):
@@ -193,21 +194,17 @@ class PrefixCutPolicy(EvictionPolicy):
             self.inner.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        inner = ordered_keys_of(self.inner, evictable)
-        if inner is None:
-            return self.forest.victims(self.inner.victims, n, evictable)
+        order = self.ordered_keys(evictable)
         try:
-            return first_evictable(self.forest.order(inner, evictable), n, evictable)
+            return first_evictable(order, n, evictable)
         finally:
-            close_order(inner)
+            order.close()
 
     def ordered_keys(
         self, evictable: Callable[[PageKey], bool] | None = None
-    ) -> Iterator[PageKey] | None:
-        """The forest's order over the inner policy's, when the inner policy has one
-        (see :mod:`kvtier.policy.base`); ``None`` otherwise."""
-        inner = ordered_keys_of(self.inner, evictable)
-        return None if inner is None else self.forest.order(inner, evictable)
+    ) -> Generator[PageKey, None, None]:
+        """The forest's order over the inner policy's (see :mod:`kvtier.policy.base`)."""
+        return self.forest.order(policy_offers(self.inner, evictable), evictable)
 
     def __len__(self) -> int:
         return len(self.forest)
