@@ -4,6 +4,7 @@ without waiting for the write-down of its victims; a pinned-full tier still rais
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from cache_kit import GatedFileStore, config, open_cache, sequence
 
 from kvtier.cache import KVCache
+from kvtier.config.defaults import DEFAULT_EVICTION
 from kvtier.errors import CapacityError
 
 
@@ -168,7 +170,7 @@ async def test_capacity_error_names_the_policy_when_unpinned_pages_cannot_be_evi
         with pytest.raises(
             CapacityError,
             match=r"1 of its 10 pages are pinned or reserved; none of the other 7 can go "
-            r"\(its eviction policy \(leaf-first\(lru-k\)\) offers none",
+            rf"\(its eviction policy \(leaf-first\({re.escape(DEFAULT_EVICTION)}\)\) offers none",
         ):
             await cache.store(more, more_data)
         cache.release(keys[-1:])

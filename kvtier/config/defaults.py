@@ -8,12 +8,11 @@ from typing import Any
 
 ENV_PREFIX = "KVTIER_"
 
-#: A tier's eviction policy when its config names none: textbook LRU-2 with the history of
-#: evicted pages kept. Its leaf-first walk is one pass over its order (tens of microseconds
-#: per stored page at 10^5 pages). ``adaptive`` (the policy suite's candidate, ahead of the
-#: best classic in about half of the cells) walks leaf by leaf under the leaf-first wrapper
-#: and costs milliseconds per stored page at 2·10^4 pages, so it is opt-in.
-DEFAULT_EVICTION = "lru-k"
+#: A tier's eviction policy when its config names none: ``adaptive`` (two-class recency
+#: tuned online by miniature caches, with prefix cuts; docs/benchmarks.md "Policy suite").
+#: It exposes one lazy order, so leaf-first eviction walks it once: about 1.1-2.3 x the
+#: bookkeeping of ``lru-k`` per stored or faulted page (benchmarks/control_plane.py).
+DEFAULT_EVICTION = "adaptive"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
 #: Default high watermarks by role (design guide, "watermarks by role"): the top tier evicts

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.config.defaults import DEFAULT_EVICTION
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.eviction import make_policy
 from kvtier.sim.belady import belady_min
@@ -28,9 +29,9 @@ from kvtier.sim.replay import make_tiers, replay
 from kvtier.sim.trace import Trace, read_mooncake
 from kvtier.sim.workloads import workload
 
-#: The candidate eviction policy the suite measures against the classics (opt-in in a
-#: tier's config; the config default is ``kvtier.config.defaults.DEFAULT_EVICTION``).
-DEFAULT_POLICY = "adaptive"
+#: The default eviction policy the suite measures against the classics (the config
+#: default too: ``kvtier.config.defaults.DEFAULT_EVICTION``).
+DEFAULT_POLICY = DEFAULT_EVICTION
 #: The classic policies it is compared with.
 CLASSIC: tuple[str, ...] = ("lru", "lru-k", "arc", "s3-fifo")
 #: Capacities, as shares of a trace's distinct blocks.
