@@ -66,7 +66,9 @@ def test_suite_halves_do_not_overlap(tmp_path: Path) -> None:
     tune = {t.label for t in suite_traces("tune")}
     held = {t.label for t in suite_traces("held-out")}
     assert tune and held and not tune & held
-    assert {t.label for t in suite_traces("all")} == tune | held
+    fresh = {t.label for t in suite_traces("fresh")}
+    assert {t.label for t in suite_traces("all")} == tune | held | fresh
+    assert not tune & held and not held & fresh and not tune & fresh
     with pytest.raises(KVTierUsageError, match="unknown suite half"):
         suite_traces("middle")
     with pytest.raises(KVTierUsageError, match="not found"):

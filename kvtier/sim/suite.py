@@ -8,8 +8,11 @@ The workloads are split in two halves, fixed before any tuning: the *tuning* hal
 first half of the Mooncake trace; ``chat``, ``docqa``, ``toolagent``, ``tenants`` with
 seeds 0 and 1) is what the default policy's parameters were chosen on; the *held-out*
 half (the second half of the Mooncake trace; ``agent``, ``zipf``, ``rag``, ``bursty``,
-``scan`` with seeds 2 and 3) was not looked at while tuning. Hints in the generated traces
-are left out (the suite measures policies without engine help; see the hint benchmarks).
+``scan`` with seeds 2 and 3) was not looked at while tuning. The *fresh* part (the
+held-out workloads with seeds 4 and 5) was first run after the parameters were last
+changed, once the held-out half had been seen (no Mooncake part: the trace has only two
+halves). Hints in the generated traces are left out (the suite measures policies without
+engine help; see the hint benchmarks).
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ TUNE_WORKLOADS: tuple[str, ...] = ("chat", "docqa", "toolagent", "tenants")
 TUNE_SEEDS: tuple[int, ...] = (0, 1)
 HELD_OUT_WORKLOADS: tuple[str, ...] = ("agent", "zipf", "rag", "bursty", "scan")
 HELD_OUT_SEEDS: tuple[int, ...] = (2, 3)
-HALVES: tuple[str, ...] = ("held-out", "tune", "all")
+#: Seeds of the held-out workloads first run after the parameters were last changed
+#: (the ``fresh`` part: never looked at while choosing them).
+FRESH_SEEDS: tuple[int, ...] = (4, 5)
+HALVES: tuple[str, ...] = ("held-out", "tune", "fresh", "all")
 
 
 @dataclass(frozen=True)
@@ -55,9 +61,9 @@ class SuiteTrace:
 def suite_traces(
     half: str = "held-out", requests: int = 4000, mooncake: Path | None = None
 ) -> list[SuiteTrace]:
-    """The traces of ``half`` (``held-out``, ``tune`` or ``all``); the Mooncake halves
-    only when ``mooncake`` names the trace file. Raises :class:`KVTierUsageError` for an
-    unknown half or a missing trace file."""
+    """The traces of ``half`` (``held-out``, ``tune``, ``fresh`` or ``all`` of them); the
+    Mooncake halves only when ``mooncake`` names the trace file (``fresh`` has none).
+    Raises :class:`KVTierUsageError` for an unknown half or a missing trace file."""
     if half not in HALVES:
         raise KVTierUsageError(f"unknown suite half {half!r}; known: {', '.join(HALVES)}")
     if mooncake is not None and not Path(mooncake).is_file():
@@ -66,10 +72,11 @@ def suite_traces(
     for name, seeds, which in (
         (TUNE_WORKLOADS, TUNE_SEEDS, "tune"),
         (HELD_OUT_WORKLOADS, HELD_OUT_SEEDS, "held-out"),
+        (HELD_OUT_WORKLOADS, FRESH_SEEDS, "fresh"),
     ):
         if half not in (which, "all"):
             continue
-        if mooncake is not None:
+        if mooncake is not None and which != "fresh":
             part = "a" if which == "tune" else "b"
             out.append(
                 SuiteTrace(
