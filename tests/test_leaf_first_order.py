@@ -76,16 +76,19 @@ def _one_by_one(
     return out
 
 
+#: Random cached forests: chains (fork point, length), pages touched, pages also on disk,
+#: pinned pages, and the tier asked.
+FOREST_CASES = {
+    "forest": st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6),
+    "touches": st.lists(st.integers(0, 80), max_size=10),
+    "in_disk": st.lists(st.integers(0, 80), max_size=6),
+    "pinned": st.sets(st.integers(0, 80), max_size=5),
+    "tier": st.sampled_from(TIERS),
+}
+
+
 @settings(max_examples=150, deadline=None)
-@given(
-    forest=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6),
-    touches=st.lists(st.integers(0, 80), max_size=10),
-    in_disk=st.lists(st.integers(0, 80), max_size=6),
-    pinned=st.sets(st.integers(0, 80), max_size=5),
-    n=st.integers(1, 40),
-    tier=st.sampled_from(TIERS),
-    kind=st.sampled_from(["lru", "lru-k"]),
-)
+@given(**FOREST_CASES, n=st.integers(1, 40), kind=st.sampled_from(["lru", "lru-k"]))
 def test_one_pass_equals_one_victim_at_a_time(
     forest: list[tuple[int, int]], touches: list[int], in_disk: list[int], pinned: set[int],
     n: int, tier: str, kind: str,
@@ -126,15 +129,7 @@ def _adaptive(point: int) -> Callable[[], EvictionPolicy]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    forest=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6),
-    touches=st.lists(st.integers(0, 80), max_size=10),
-    in_disk=st.lists(st.integers(0, 80), max_size=6),
-    pinned=st.sets(st.integers(0, 80), max_size=5),
-    n=st.integers(1, 60),
-    tier=st.sampled_from(TIERS),
-    point=st.integers(0, 3),
-)
+@given(**FOREST_CASES, n=st.integers(1, 60), point=st.integers(0, 3))
 def test_adaptive_in_one_pass_takes_leaves_only_and_all_it_may(
     forest: list[tuple[int, int]], touches: list[int], in_disk: list[int], pinned: set[int],
     n: int, tier: str, point: int,

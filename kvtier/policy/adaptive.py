@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy, first_evictable
+from kvtier.policy.base import EvictionPolicy, victims_in_order
 from kvtier.policy.hints import Hint, hint_target
 from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy, policy_offers
 from kvtier.policy.shadow import KeySampler, MiniCache
@@ -279,11 +279,7 @@ class AdaptivePolicy(EvictionPolicy):
             expert.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        order = self.ordered_keys(evictable)
-        try:
-            return first_evictable(order, n, evictable)
-        finally:
-            order.close()
+        return victims_in_order(self.ordered_keys(evictable), n, evictable)
 
     def ordered_keys(
         self, evictable: Callable[[PageKey], bool] | None = None

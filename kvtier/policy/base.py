@@ -131,6 +131,18 @@ def close_order(order: Iterator[PageKey]) -> None:
         close()
 
 
+def victims_in_order(
+    order: Iterator[PageKey], n: int, evictable: Callable[[PageKey], bool]
+) -> list[PageKey]:
+    """``victims`` of a policy whose ``ordered_keys`` is its whole answer: the first ``n``
+    keys of ``order`` that ``evictable`` accepts; the order is closed afterwards (see
+    :func:`close_order`)."""
+    try:
+        return first_evictable(order, n, evictable)
+    finally:
+        close_order(order)
+
+
 def first_evictable(
     order: Iterable[PageKey], n: int, evictable: Callable[[PageKey], bool]
 ) -> list[PageKey]:

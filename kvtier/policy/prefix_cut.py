@@ -30,8 +30,8 @@ from kvtier.keys import PageKey
 from kvtier.policy.base import (
     EvictionPolicy,
     close_order,
-    first_evictable,
     ordered_keys_of,
+    victims_in_order,
 )
 
 
@@ -194,11 +194,7 @@ class PrefixCutPolicy(EvictionPolicy):
             self.inner.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        order = self.ordered_keys(evictable)
-        try:
-            return first_evictable(order, n, evictable)
-        finally:
-            order.close()
+        return victims_in_order(self.ordered_keys(evictable), n, evictable)
 
     def ordered_keys(
         self, evictable: Callable[[PageKey], bool] | None = None
