@@ -293,3 +293,25 @@ def test_adaptive_order_is_lazy_when_an_expert_leads() -> None:
     order.close()
     assert len(set(first)) == len(first)
     assert 1 <= len(asked) <= 3 and set(asked) == {1}
+
+
+@pytest.mark.parametrize("point", [(0.0, "last"), (1.0, "freq"), (16.0, "last"), (math.inf, "kth")])
+def test_two_class_order_is_its_victims(point: tuple[float, str]) -> None:
+    """A point's ``ordered_keys`` (what the miniatures' prefix cuts walk once) lists its
+    victims in order; with a probation share it has none (its hot-first switch counts
+    the cold pages taken)."""
+    pol = TwoClassPolicy(*point, capacity=32)
+    for i in range(60):
+        pol.on_insert(k(i % 40))
+        if i % 3 == 0:
+            pol.on_access(k(i // 2))
+    pinned = {k(3), k(7)}
+
+    def ok(x: PageKey) -> bool:
+        return x not in pinned
+
+    order = [x for x in pol.ordered_keys() or () if ok(x)]
+    assert sorted(order) == sorted(x for x in pol.book.resident if ok(x))
+    for n in (1, 5, 40):
+        assert pol.victims(n, ok) == order[:n]
+    assert TwoClassPolicy(*point, probation=0.5).ordered_keys() is None

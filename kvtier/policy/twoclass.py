@@ -263,6 +263,15 @@ class TwoClassPolicy(EvictionPolicy):
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         return self.book.victims(n, evictable, self.bonus, self.order, self.probation)
 
+    def ordered_keys(
+        self, evictable: Callable[[PageKey], bool] | None = None
+    ) -> Iterator[PageKey] | None:
+        """The book's order (see :mod:`kvtier.policy.base`), lazily; ``None`` with a
+        probation share, whose hot-first switch counts the cold pages actually taken."""
+        if self.probation:
+            return None
+        return self.book.ordered(self.bonus, self.order)
+
     def __len__(self) -> int:
         return len(self.book.resident)
 
