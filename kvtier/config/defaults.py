@@ -10,8 +10,9 @@ ENV_PREFIX = "KVTIER_"
 
 #: A tier's eviction policy when its config names none: ``adaptive`` (two-class recency
 #: tuned online by miniature caches, with prefix cuts; docs/benchmarks.md "Policy suite").
-#: It exposes one lazy order, so leaf-first eviction walks it once: about 1.1-2.3 x the
-#: bookkeeping of ``lru-k`` per stored or faulted page (benchmarks/control_plane.py).
+#: It exposes one lazy order, so leaf-first eviction walks it once; its miniatures make its
+#: bookkeeping 1.7-4x ``lru-k``'s per stored or faulted page (benchmarks/control_plane.py;
+#: ``lru-k`` is the cheap choice).
 DEFAULT_EVICTION = "adaptive"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
