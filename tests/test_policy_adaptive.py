@@ -198,14 +198,15 @@ def _random_adaptive(seed: int, leader: int) -> tuple[AdaptivePolicy, list[PageK
     return pol, held
 
 
+Ask = Callable[[int, Callable[[PageKey], bool]], list[PageKey]]
+
+
 def _victim_by_victim(
-    forest: PageForest, policy_victims: object, n: int, evictable: object
+    forest: PageForest, ask: Ask, n: int, ev: Callable[[PageKey], bool]
 ) -> list[PageKey]:
     """The prefix cuts' victims asked one at a time (the reference the one-pass order is
     checked against): evictable orphans, then for each page the policy offers (excluding
     those chosen), its evictable subtree deepest first."""
-    ev: Callable[[PageKey], bool] = evictable  # type: ignore[assignment]
-    ask: Callable[[int, Callable[[PageKey], bool]], list[PageKey]] = policy_victims  # type: ignore[assignment]
     out = [o for o in forest.orphans if ev(o)][:n]
     chosen = set(out)
     while len(out) < n:
