@@ -181,6 +181,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 await cache.pipeline.drain()
             return k * run.chain
 
+        async def only_in_dram2(candidates: list[np.ndarray]) -> list[np.ndarray]:
+            """``k`` chains wholly cached in dram2 alone (faults again, whatever the
+            eviction policy dropped or moved meanwhile)."""
+            out = []
+            for toks in candidates:
+                hit = await cache.lookup(toks)
+                if len(hit.keys) == run.chain and set(hit.tiers) == {"dram2"}:
+                    out.append(toks)
+                    if len(out) == k:
+                        return out
+            raise SystemExit(f"profile: fewer than {k} chains left only in dram2")
+
         async def hashing() -> int:
             for toks in recent:
                 run.keys(toks)
@@ -205,7 +217,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for name in ("store", "load+release (fault from dram2)"):
                 fn = phases[name]
                 if name.startswith("load"):
-                    old[:] = run.chains[k : 2 * k]
+                    old[:] = await only_in_dram2(run.chains[k:])
                 prof = cProfile.Profile()
                 prof.enable()
                 n = await fn()
