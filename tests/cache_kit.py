@@ -21,6 +21,7 @@ from kvtier.backends.filestore import FileStore
 from kvtier.backend import Medium
 from kvtier.cache import KVCache
 from kvtier.errors import TierIOError
+from kvtier.keys import PageKey
 from kvtier.spec import preset
 
 SPEC = preset("tiny")  # 512-byte pages, 4 tokens per page
@@ -68,6 +69,16 @@ def sequence(rng: np.random.Generator, pages: int) -> tuple[np.ndarray, np.ndarr
     tokens = rng.integers(0, 50_000, size=pages * PT)
     data = rng.integers(0, 256, size=(pages, PAGE), dtype=np.uint8)
     return tokens, data
+
+
+async def stored_below_dram(cache: KVCache, rng: np.random.Generator, pages: int) -> list[PageKey]:
+    """Store a random sequence of ``pages`` pages, write it through, and push it out of
+    the ``dram`` tier: its keys, now held by the tier below only."""
+    tokens, data = sequence(rng, pages)
+    keys = (await cache.store(tokens, data)).keys
+    await cache.flush()
+    await cache.demote("dram", keys)
+    return keys
 
 
 class SlowFileStore(FileStore):

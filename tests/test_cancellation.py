@@ -18,6 +18,7 @@ from cache_kit import (
     config,
     open_cache,
     sequence,
+    stored_below_dram,
     tier,
 )
 
@@ -66,10 +67,7 @@ async def test_close_lets_a_running_load_finish_and_refuses_new_calls(tmp_path: 
     rng = np.random.default_rng(26)
     cache = open_cache(cfg)
     await cache.start()
-    tokens, data = sequence(rng, 4)
-    keys = (await cache.store(tokens, data)).keys
-    await cache.flush()
-    await cache.demote("dram", keys)
+    keys = await stored_below_dram(cache, rng, 4)
     load = asyncio.create_task(cache.load(keys, pin=False))
     await asyncio.sleep(0.05)  # first batch reading, the others queued on the link
     closing = asyncio.create_task(cache.close())

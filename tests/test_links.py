@@ -4,7 +4,7 @@ skips the host bounce, and transfer results carrying bytes and seconds."""
 from __future__ import annotations
 
 import numpy as np
-from cache_kit import PAGE, DeviceReadingStore, config, sequence, tier
+from cache_kit import PAGE, DeviceReadingStore, config, sequence, stored_below_dram, tier
 
 from kvtier.backend import Medium
 from kvtier.cache import KVCache
@@ -73,10 +73,7 @@ async def test_a_registered_reader_serves_its_medium_pair(tmp_path):
         register_link(Medium.FILE, Medium.HOST, counting)
         try:
             assert reader_for(file_tier.backend, dram.backend) is counting
-            tokens, data = sequence(rng, 2)
-            keys = (await cache.store(tokens, data)).keys
-            await cache.flush()
-            await cache.demote("dram", keys)
+            keys = await stored_below_dram(cache, rng, 2)
             assert (await cache.load(keys)).missing == []
             assert calls == [2]  # one call for the batch
             cache.release(keys)

@@ -25,6 +25,7 @@ from cache_kit import (
     config,
     open_cache,
     sequence,
+    stored_below_dram,
     tier,
 )
 
@@ -204,10 +205,7 @@ async def test_inflight_bounded_per_link(tmp_path):
     )
     rng = np.random.default_rng(9)
     async with open_cache(cfg) as cache:
-        tokens, data = sequence(rng, 16)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        await cache.demote("dram", keys)
+        keys = await stored_below_dram(cache, rng, 16)
         loaded = await cache.load(keys)
         assert loaded.missing == []
         assert SlowFileStore.max_concurrent == 2

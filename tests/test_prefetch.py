@@ -14,6 +14,7 @@ from cache_kit import (
     config,
     open_cache,
     sequence,
+    stored_below_dram,
 )
 
 from kvtier.cache import KVCache
@@ -23,10 +24,7 @@ from kvtier.index.directory import PageState
 async def test_concurrent_prefetches_of_the_same_pages_both_see_them_arrive(tmp_path: Path):
     rng = np.random.default_rng(22)
     async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
-        tokens, data = sequence(rng, 4)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        await cache.demote("dram", keys)
+        keys = await stored_below_dram(cache, rng, 4)
         assert [cache.directory.locate(k) for k in keys] == ["file"] * 4
         a, b = await asyncio.gather(
             cache.prefetch(keys, deadline_s=5), cache.prefetch(keys, deadline_s=5)
@@ -61,10 +59,7 @@ async def test_prefetch_with_an_unbounded_deadline_waits_for_everything(tmp_path
     it must not raise OverflowError after the batches were launched."""
     rng = np.random.default_rng(31)
     async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
-        tokens, data = sequence(rng, 3)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        await cache.demote("dram", keys)
+        keys = await stored_below_dram(cache, rng, 3)
         result = await cache.prefetch(keys, deadline)
         assert sorted(result.arrived) == sorted(keys)
         assert result.late == [] and result.missing == []
@@ -186,10 +181,7 @@ async def test_close_cancels_unstarted_prefetches_and_leaves_no_task(tmp_path):
     rng = np.random.default_rng(12)
     cache = open_cache(cfg)
     await cache.start()
-    tokens, data = sequence(rng, 8)
-    keys = (await cache.store(tokens, data)).keys
-    await cache.flush()
-    await cache.demote("dram", keys)
+    keys = await stored_below_dram(cache, rng, 8)
     result = await cache.prefetch(keys, deadline_s=0.0)
     assert len(result.late) == len(keys)
     loop = asyncio.get_running_loop()
@@ -210,10 +202,7 @@ async def test_a_load_racing_a_prefetch_of_the_same_pages_claims_no_room_for_the
     to fail with CapacityError."""
     rng = np.random.default_rng(41)
     async with open_cache(config(tmp_path, dram_pages=10, file_pages=64)) as cache:
-        tokens, data = sequence(rng, 8)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        await cache.demote("dram", keys)
+        keys = await stored_below_dram(cache, rng, 8)
         assert [cache.directory.locate(k) for k in keys] == ["file"] * 8
         prefetch = asyncio.create_task(cache.prefetch(keys, deadline_s=5))
         await asyncio.sleep(0)  # the prefetch launched its batch; nothing reserved yet
