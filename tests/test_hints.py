@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvtier.policy  # noqa: F401 - registers policies
-from kvtier.errors import KVTierUsageError
+from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.policy.eviction import make_policy
 from kvtier.policy.hinted import HintedPolicy
@@ -94,6 +94,45 @@ def test_hinted_victim_order() -> None:
     assert p.victims(6, every)[-1] != k(1)
 
 
+def test_hinted_forecasts_shared_pages_by_their_unforeseen_rate() -> None:
+    p = HintedPolicy(fallback="lru")
+    prompt, session, once, foretold, twice = k(1), k(2), k(3), k(4), k(5)
+    p.on_time(0.0)
+    p.on_insert(prompt)
+    p.on_insert(foretold)
+    for t in (2.0, 4.0):
+        p.on_hint(Hint("next_turn", (foretold,), 2.0), t - 2.0)
+        p.on_time(t)
+        p.on_access(prompt)  # a new session reuses the prompt: no hint foretold it
+        p.on_access(foretold)  # its hint foretold this use: no rate from it
+    p.on_time(6.0)
+    p.on_access(prompt)
+    p.on_insert(session)
+    p.on_hint(Hint("next_turn", (session,), 100.0), 6.0)  # wanted at 106
+    p.on_insert(once)
+    p.on_insert(twice)
+    p.on_access(twice)  # the same request touching it twice: one reference
+    # No forecast (fallback LRU: foretold, once, twice), then the furthest forecast:
+    # the session page (106) before the prompt (its rate: every 2 s, next at 8).
+    assert p.victims(5, every) == [foretold, once, twice, session, prompt]
+    # Evicted and fetched again, the prompt keeps its rate: four uses 0-6, one at 30,
+    # every 7.5 s on average, next at 37.5 (still before the session's 106).
+    p.on_remove(prompt)
+    p.on_time(30.0)
+    p.on_insert(prompt)
+    assert p.victims(5, every)[-2:] == [session, prompt]
+    # At 300 the session is overdue (past 6 + 2 x 100 + 1): no forecast for its page any
+    # more; the prompt's wait stretches its rate (300 + 300 / 4) but it keeps one.
+    p.on_time(300.0)
+    assert p.victims(5, every)[-1] == prompt
+    assert p.victims(5, every).index(session) < 3
+
+
+def test_hinted_rejects_a_bad_rate_history() -> None:
+    with pytest.raises(ConfigError, match="rate_history"):
+        HintedPolicy(rate_history=-1)
+
+
 def test_hinted_keeps_hints_for_pages_not_yet_held() -> None:
     p = HintedPolicy(fallback="lru")
     p.on_hint(Hint("pin", (k(9),)), 0.0)  # the system prompt is pinned before it is stored
@@ -144,7 +183,7 @@ def _rate(trace: object, cap: int, policy: str, hints: bool = True) -> float:
     return res.prefix_hit_rate
 
 
-@pytest.mark.parametrize("name", ["chat", "bursty"])
+@pytest.mark.parametrize("name", ["chat", "bursty", "tenants"])
 def test_exact_hints_reach_0_8_of_min_at_1_percent(name: str) -> None:
     tr = workload(name, n=2000, seed=5)
     cap = max(1, tr.distinct_blocks() // 100)

@@ -26,8 +26,10 @@ This policy covers that range with one bookkeeping and picks the point that fits
 4. **Hints** (:mod:`kvtier.policy.hints`): the first hint adds a ``hinted`` expert
    (:mod:`kvtier.policy.hinted`, engine hints first, LRU-2 for the rest) with its own
    miniature. It takes the lead only after half a window of references since the
-   miniatures began to evict, and only while its miniature hits more than the leader's by
-   five times that margin (plus 16 hits), so hints that are often wrong never lead.
+   miniatures began to evict, only while its miniature hits more than the leader's by
+   five times that margin (plus 16 hits) in the window, and only while it has hit more
+   than the leader's since the first hint, so hints that are often wrong never lead for
+   long.
 
 Nothing is tied to a trace: the points, the experts and four numbers are the whole
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
@@ -147,6 +149,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._refs_decayed = 0.0
         self._hinted: EvictionPolicy | None = None
         self._hinted_at = -1
+        self._hits_at_hints: list[int] = []
         self._now = 0.0
 
     @property
@@ -187,17 +190,23 @@ class AdaptivePolicy(EvictionPolicy):
         best = max(range(len(scores)), key=scores.__getitem__)
         lead = scores[best] - scores[self.leader]
         # Hints must prove themselves more: the hinted expert takes the lead only after half
-        # a window of evictions, with five times the margin and 16 hits (exact hints win by
-        # far more; wrong ones never get there).
+        # a window of evictions, with five times the margin and 16 hits, and only while its
+        # miniature has hit more than the leader's since the first hint (exact hints win by
+        # far more; wrong ones may lead a window, but not the whole run).
         if best == self._hinted_at:
             window = self.window * max(self.sampler.rate * self.c, 1.0)
-            proven = self._refs_decayed >= 0.5 * window
+            ahead = self._hits_since_hints(best) > self._hits_since_hints(self.leader)
+            proven = ahead and self._refs_decayed >= 0.5 * window
             need = 5.0 * self.margin * self._refs_decayed + 16.0 if proven else math.inf
         else:
             need = self.margin * self._refs_decayed + 4.0
         if best != self.leader and lead > need:
             self.leader = best
             self.switches += 1
+
+    def _hits_since_hints(self, i: int) -> int:
+        """Miniature ``i``'s hits since the ``hinted`` expert was added."""
+        return self.minis[i].hits - self._hits_at_hints[i]
 
     def _add_expert(self, name: str, expert: EvictionPolicy, mini: EvictionPolicy) -> None:
         """Run ``expert`` on the tier's pages and ``mini`` (a fresh one of its kind) in a
@@ -223,6 +232,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._add_expert("hinted", expert, mini)
         self._hinted_at = len(self.minis) - 1
         self._hinted = expert
+        self._hits_at_hints = [m.hits for m in self.minis]
         return expert
 
     def on_time(self, now_s: float) -> None:

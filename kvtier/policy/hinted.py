@@ -7,15 +7,26 @@ For every page the policy keeps what the hints imply:
   typical gap seen in ``next_turn`` hints so far), consumed when the page is referenced
   and dropped as *overdue* once the session is late by more than its own gap;
 * *dead* pages (``close``, or a ``ttl`` that ran out): nothing more will come for them;
-* *pinned* pages (``pin``, until ``unpin``) and *weights* (``priority``).
+* *pinned* pages (``pin``, until ``unpin``) and *weights* (``priority``);
+* the *unforeseen rate*: references no hint foretold (a new session reusing a tenant's
+  system prompt or a tool prompt) counted per page, at most one per
+  ``SAME_REFERENCE_S``. A page with two or more has a *rate forecast*: its last
+  unforeseen reference plus their mean interval (once that time is past, now plus the
+  interval from the first one to now, divided by the number of intervals: the wait
+  stretches the estimate). Hints describe sessions; a page many sessions share is used by
+  sessions no hint announced yet, and this is how the policy sees them.
 
-Victims, in order: dead pages (oldest death first); pages without a live prediction, in
-the fallback policy's order (low-weight pages before high-weight ones); pages with a
-prediction, the furthest predicted use first (Belady's rule on what the engine knows),
-the distance divided by the page's weight; pinned pages last. A page referenced again
-after a ``close`` or past its ``ttl`` simply comes back to life: a wrong hint costs the
-hits it lost, never correctness. Hints given for pages the tier does not hold are kept
-for ``history`` capacities of pages, so a hint that arrives before its pages does count.
+A page's *forecast* is the sooner of its live prediction and its rate forecast.
+Victims, in order: dead pages (oldest death first); pages without a forecast, in the
+fallback policy's order (low-weight pages before high-weight ones); pages with one, the
+furthest first (Belady's rule on what the engine said and the traffic showed), the
+distance divided by the page's weight; pinned pages last. A page referenced again after
+a ``close`` or past its ``ttl`` simply comes back to life: a wrong hint costs the hits it
+lost, never correctness. Hints given for pages the tier does not hold are kept for
+``history`` capacities of pages, so a hint that arrives before its pages does count; the
+rates of evicted pages are kept for ``rate_history`` capacities (``history`` for pages
+with one unforeseen reference), so a shared prompt evicted and fetched again keeps its
+rate.
 
 Time comes from :meth:`on_time` (the replay passes the trace's clock, the live cache
 ``time.monotonic()``); without it every prediction is relative to the last hint.
@@ -23,21 +34,24 @@ Time comes from :meth:`on_time` (the replay passes the trace's clock, the live c
 
 from __future__ import annotations
 
-import functools
 import heapq
-import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, close_order, ordered_keys_of, victims_in_order
 from kvtier.policy.hints import Hint
 
+#: Unforeseen references of a page closer than this (seconds) count as one: the same
+#: request touching a page twice (its store, then its load) is not two uses.
+SAME_REFERENCE_S = 0.001
 
-def _flip(fn: Callable[[PageKey, bool], bool], flag: bool, key: PageKey) -> bool:
-    return fn(key, flag)
+#: Up to this many held pages the forecast ranking is built afresh for every walk.
+EXACT_RANKING_PAGES = 8192
+#: Above it, the ranking is rebuilt once this share of the held pages changed or left.
+RANKING_REUSE_SHARE = 0.125
 
 
 def _fallback(name: str) -> EvictionPolicy:
@@ -54,15 +68,22 @@ class HintedPolicy(EvictionPolicy):
     name: ClassVar[str] = "hinted"
 
     def __init__(
-        self, fallback: str = "lru-k", history: float = 4.0, pin_share: float = 0.5
+        self,
+        fallback: str = "lru-k",
+        history: float = 4.0,
+        pin_share: float = 0.5,
+        rate_history: float = 16.0,
     ) -> None:
         """``fallback``: a registered policy name. ``history``: how many capacities of
-        hinted pages not (or no longer) in the tier keep their hint. ``pin_share``: pins
-        are honoured while pinned pages fill at most this share of the tier (an engine
-        pinning more than fits gets plain eviction for them). Raises
-        :class:`ConfigError` for a bad value."""
-        if isinstance(history, bool) or not isinstance(history, int | float) or history < 0:
-            raise ConfigError(f"hinted: history must be a number >= 0, got {history!r}")
+        hinted pages not (or no longer) in the tier keep their hint (and of evicted pages
+        with one unforeseen reference, their count). ``rate_history``: how many
+        capacities of evicted pages with two or more unforeseen references keep their
+        rate. ``pin_share``: pins are honoured while pinned pages fill at most this share
+        of the tier (an engine pinning more than fits gets plain eviction for them).
+        Raises :class:`ConfigError` for a bad value."""
+        for label, value in (("history", history), ("rate_history", rate_history)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ConfigError(f"hinted: {label} must be a number >= 0, got {value!r}")
         if (
             isinstance(pin_share, bool)
             or not isinstance(pin_share, int | float)
@@ -72,14 +93,29 @@ class HintedPolicy(EvictionPolicy):
         self.pin_share = float(pin_share)
         self.fallback = _fallback(fallback)
         self.history = float(history)
+        self.rate_history = float(rate_history)
         self.now = 0.0
         self._seen_c = 0
         self._resident: set[PageKey] = set()
         #: page -> pending predicted uses (time, overdue after, tolerance), soonest first;
         #: a page shared by several sessions has one per session (at most 8).
         self._predicted: dict[PageKey, list[tuple[float, float, float]]] = {}
-        self._heap: list[tuple[float, int, PageKey]] = []  # (-predicted use, seq, page)
-        self._seq = itertools.count()
+        #: page -> [first, last, count] of its unforeseen references.
+        self._unforeseen: dict[PageKey, list[float]] = {}
+        #: Pages with an unforeseen rate the tier no longer holds, oldest first.
+        self._rate_absent: OrderedDict[PageKey, None] = OrderedDict()
+        #: The same for pages with one unforeseen reference (kept ``history`` only).
+        self._once_absent: OrderedDict[PageKey, None] = OrderedDict()
+        #: The forecast ranking of a large tier, reused between walks (see
+        #: :meth:`_by_forecast`), the pages changed since it was built, and how many left.
+        self._ranking: list[tuple[float, PageKey]] | None = None
+        #: Held pages without a forecast, kept up to date on every event; the clock's
+        #: part (predictions falling overdue) through ``_overdue``: (the time after which
+        #: a page's predictions are all overdue, page), soonest first.
+        self._plain: set[PageKey] = set()
+        self._overdue: list[tuple[float, PageKey]] = []
+        self._changed: set[PageKey] = set()
+        self._left_since_ranking = 0
         self._dead: OrderedDict[PageKey, None] = OrderedDict()
         self._pinned: set[PageKey] = set()
         self._weight: dict[PageKey, float] = {}
@@ -105,18 +141,14 @@ class HintedPolicy(EvictionPolicy):
         pending.append((at, overdue, tolerance))
         pending.sort()
         del pending[8:]
+        heapq.heappush(self._overdue, (max(p[1] for p in pending), key))
+        if len(self._overdue) > 4 * len(self._predicted) + 64:
+            self._overdue = [
+                (max(p[1] for p in pend), k) for k, pend in self._predicted.items() if pend
+            ]
+            heapq.heapify(self._overdue)
         self._dead.pop(key, None)
         self._expiry.pop(key, None)
-        live = self._live_prediction(key)
-        if live is not None:
-            heapq.heappush(self._heap, (-live, next(self._seq), key))
-        if len(self._heap) > 4 * len(self._predicted) + 64:
-            self._heap = [
-                (-at, next(self._seq), k)
-                for k in self._predicted
-                if (at := self._live_prediction(k)) is not None  # type: ignore[assignment]
-            ]
-            heapq.heapify(self._heap)
 
     def _note_absent(self, key: PageKey) -> None:
         if key in self._resident:
@@ -172,17 +204,73 @@ class HintedPolicy(EvictionPolicy):
             self._pinned.difference_update(hint.keys)
         for k in hint.keys:
             self._note_absent(k)
+            if k in self._resident:
+                self._changed.add(k)
+                self._recheck(k)
 
     # -- the EvictionPolicy hooks -------------------------------------------------------
 
+    def _count_unforeseen(self, key: PageKey, pending: list[tuple[float, float, float]]) -> None:
+        now = self.now
+        if any(at <= now + tol and overdue >= now for at, overdue, tol in pending):
+            return  # a use the hints foretold
+        seen = self._unforeseen.get(key)
+        if seen is None:
+            self._unforeseen[key] = [now, now, 1.0]
+        elif now >= seen[1] + SAME_REFERENCE_S:
+            seen[1] = now
+            seen[2] += 1.0
+
+    def _rate_forecast(self, key: PageKey) -> float | None:
+        """The page's next use by its unforeseen rate, if it has two such references."""
+        seen = self._unforeseen.get(key)
+        if seen is None or seen[2] < 2.0:
+            return None
+        first, last, count = seen
+        at = last + (last - first) / (count - 1.0)
+        if at >= self.now:
+            return at
+        return self.now + (self.now - first) / (count - 1.0)
+
+    def _recheck(self, key: PageKey) -> None:
+        """Put a held page in, or take it out of, the pages without a forecast."""
+        if key in self._resident and self._unforecast(key):
+            self._plain.add(key)
+        else:
+            self._plain.discard(key)
+
+    def _catch_up(self) -> None:
+        """Recheck the pages whose predictions fell overdue since the last walk."""
+        heap = self._overdue
+        while heap and heap[0][0] < self.now:
+            self._recheck(heapq.heappop(heap)[1])
+
+    def _unforecast(self, key: PageKey) -> bool:
+        """Whether the page has no forecast (:meth:`_forecast` is None), cheaply."""
+        seen = self._unforeseen.get(key)
+        if seen is not None and seen[2] >= 2.0:
+            return False
+        return key not in self._predicted or self._live_prediction(key) is None
+
+    def forecast(self, key: PageKey) -> float | None:
+        """When the page is expected next (trace or monotonic seconds): the sooner of its
+        live prediction and its rate forecast; None when it has neither."""
+        live = self._live_prediction(key)
+        rate = self._rate_forecast(key)
+        if live is None:
+            return rate
+        return live if rate is None else min(live, rate)
+
     def _referenced(self, key: PageKey) -> None:
+        self._changed.add(key)
         pending = self._predicted.get(key)
+        self._count_unforeseen(key, pending or [])
         if pending is not None:  # the predicted uses due by now happened
             now = self.now
             left = [p for p in pending if p[0] > now + p[2] and p[1] >= now]
             if left:
                 self._predicted[key] = left
-                heapq.heappush(self._heap, (-left[0][0], next(self._seq), key))
+                heapq.heappush(self._overdue, (max(p[1] for p in left), key))
             else:
                 del self._predicted[key]
         self._dead.pop(key, None)  # a closed page used again: the hint was wrong
@@ -196,13 +284,17 @@ class HintedPolicy(EvictionPolicy):
             return
         self._resident.add(key)
         self._absent.pop(key, None)
+        self._rate_absent.pop(key, None)
+        self._once_absent.pop(key, None)
         self._seen_c = max(self._seen_c, len(self._resident))
         self._referenced(key)
+        self._recheck(key)
         self.fallback.on_insert(key, parent)
 
     def on_access(self, key: PageKey) -> None:
         if key in self._resident:
             self._referenced(key)
+            self._recheck(key)
             self.fallback.on_access(key)
 
     def on_remove(self, key: PageKey) -> None:
@@ -210,6 +302,20 @@ class HintedPolicy(EvictionPolicy):
             return
         self._resident.discard(key)
         self.fallback.on_remove(key)
+        self._changed.discard(key)
+        self._plain.discard(key)
+        self._left_since_ranking += 1
+        seen = self._unforeseen.get(key)
+        if seen is not None:
+            # A page used more than once keeps its rate for longer: a shared prompt is
+            # what comes back after its eviction.
+            many = seen[2] >= 2.0
+            absent = self._rate_absent if many else self._once_absent
+            absent[key] = None
+            limit = (self.rate_history if many else self.history) * self.c
+            while len(absent) > limit:
+                old, _ = absent.popitem(last=False)
+                self._unforeseen.pop(old, None)
         if (
             key in self._predicted
             or key in self._dead
@@ -229,82 +335,126 @@ class HintedPolicy(EvictionPolicy):
                 return at
         return None
 
-    def _is_dead(self, key: PageKey) -> bool:
-        if key in self._dead:
-            return True
-        exp = self._expiry.get(key)
-        return exp is not None and exp <= self.now
-
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
-        out: list[PageKey] = []
-        chosen: set[PageKey] = set()
+        return victims_in_order(self.ordered_keys(evictable), n, evictable)
 
-        def take(key: PageKey) -> None:
-            out.append(key)
-            chosen.add(key)
+    def ordered_keys(
+        self, evictable: Callable[[PageKey], bool] | None = None
+    ) -> Generator[PageKey, None, None]:
+        """The held pages, best victim first (see the module docstring), each once, read
+        lazily: the forecasts are scored in one pass when the walk reaches them. The
+        policy must not change while the order is read (:mod:`kvtier.policy.base`)."""
+        done: set[PageKey] = set()
 
         def usable(key: PageKey) -> bool:
-            return key in self._resident and key not in chosen and evictable(key)
+            return (
+                key in self._resident and key not in done and (evictable is None or evictable(key))
+            )
 
         pinned: set[PageKey] | frozenset[PageKey] = self._pinned
         if sum(1 for key in pinned if key in self._resident) > self.pin_share * self.c:
             pinned = frozenset()  # more pinned than the tier can afford: plain pages
-        for key in self._dead:  # 1. dead pages
-            if len(out) >= n:
-                return out
+        now = self.now
+        # 1. dead pages: closed, then expired
+        for key in [*self._dead, *(k for k, exp in self._expiry.items() if exp <= now)]:
             if key not in pinned and usable(key):
-                take(key)
-        if self._expiry:
-            for key, exp in list(self._expiry.items()):
-                if len(out) >= n:
-                    return out
-                if exp <= self.now and key not in pinned and usable(key):
-                    take(key)
+                done.add(key)
+                yield key
         weight = self._weight
 
-        # 2. no live prediction: the fallback's order, light pages before heavy ones
-        def plain(key: PageKey, heavy: bool) -> bool:
-            return (
-                usable(key)
-                and key not in pinned
-                and self._live_prediction(key) is None
-                and (weight.get(key, 1.0) > 1.0) == heavy
-            )
-
-        for heavy in (False, True):
-            if len(out) < n:
-                got = self.fallback.victims(n - len(out), functools.partial(_flip, plain, heavy))
-                for key in got:
-                    take(key)
-        if len(out) >= n:
-            return out
-        # 3. live predictions, furthest (weighted) first
-        if weight:
-            cands: list[tuple[float, PageKey]] = []
-            for key in self._predicted:
-                at = self._live_prediction(key)  # type: ignore[assignment]
-                if at is not None and key not in pinned and usable(key):
-                    cands.append(((at - self.now) / weight.get(key, 1.0), key))
-            for _, key in heapq.nlargest(n - len(out), cands):
-                take(key)
-        else:
-            held: list[tuple[float, int, PageKey]] = []
-            heap = self._heap
-            while heap and len(out) < n:
-                item = heapq.heappop(heap)
-                if self._live_prediction(item[2]) != -item[0]:
-                    continue  # replaced, consumed or overdue: gone for good
-                held.append(item)
-                if item[2] not in pinned and usable(item[2]):
-                    take(item[2])
-            for item in held:
-                heapq.heappush(heap, item)
+        # 2. no forecast: the fallback's order, light pages before heavy ones. Those pages
+        # are known (kept up to date), so the fallback's order is read only as far as the
+        # last of them.
+        self._catch_up()
+        plain = {k for k in self._plain if k not in pinned and k not in done}
+        heavy: list[PageKey] = []
+        if plain:
+            order = self._fallback_order(plain.__contains__)
+            try:
+                for key in order:
+                    plain.discard(key)
+                    if weight.get(key, 1.0) > 1.0:
+                        heavy.append(key)
+                    elif usable(key):
+                        done.add(key)
+                        yield key
+                    if not plain:
+                        break
+            finally:
+                close_order(order)
+        for key in heavy:
+            if usable(key):
+                done.add(key)
+                yield key
+        # 3. forecasts, furthest (weighted) first
+        for key in self._by_forecast():
+            if key not in pinned and usable(key):
+                done.add(key)
+                yield key
         # 4. pinned pages, only when nothing else is left
-        if len(out) < n:
-            rest = self.fallback.victims(n - len(out), usable)
-            for key in rest:
-                take(key)
-        return out
+        for key in self._fallback_order(usable):
+            done.add(key)
+            yield key
+
+    def _score(self, key: PageKey) -> float | None:
+        """How far off the page's forecast is, divided by its weight (None: no forecast)."""
+        at = self.forecast(key)
+        return None if at is None else (at - self.now) / self._weight.get(key, 1.0)
+
+    def _by_forecast(self) -> Iterator[PageKey]:
+        """The held pages with a forecast, furthest (weighted) first.
+
+        Forecasts move with the clock, so the ranking is scored afresh for each walk while
+        the tier holds at most ``EXACT_RANKING_PAGES`` pages. Above that a walk reuses the
+        last ranking, skipping the pages changed since (referenced, hinted, stored),
+        which it scores afresh and merges in; the ranking is rebuilt once
+        ``RANKING_REUSE_SHARE`` of the pages changed or left since it was built. The cost
+        per evicted page stays bounded on a large tier; what the reused ranking misses is
+        the drift of the clock since it was built (a prediction that became overdue, a
+        rate that stretched)."""
+        held = len(self._resident)
+        ranking = self._ranking
+        fresh: list[tuple[float, PageKey]] = []
+        changed = self._changed
+        if (
+            ranking is None
+            or held <= EXACT_RANKING_PAGES
+            or len(changed) > held * RANKING_REUSE_SHARE
+            or self._left_since_ranking > held * RANKING_REUSE_SHARE
+        ):
+            ranking = [(sc, k) for k in self._resident if (sc := self._score(k)) is not None]
+            ranking.sort(reverse=True)
+            self._ranking = ranking if held > EXACT_RANKING_PAGES else None
+            self._left_since_ranking = 0
+            changed.clear()
+        else:
+            fresh = [(sc, k) for k in changed if (sc := self._score(k)) is not None]
+            fresh.sort(reverse=True)
+        kept = (item for item in ranking if item[1] not in changed)
+        for _, key in heapq.merge(kept, fresh, reverse=True):
+            if key in self._resident and self.forecast(key) is not None:
+                yield key
+
+    def _fallback_order(self, accept: Callable[[PageKey], bool]) -> Iterator[PageKey]:
+        """The fallback policy's order over the pages ``accept`` takes: its
+        ``ordered_keys`` when it has one, otherwise one ``victims(1)`` question per page."""
+        order = ordered_keys_of(self.fallback, accept)
+        if order is not None:
+            try:
+                for key in order:
+                    if accept(key):
+                        yield key
+            finally:
+                close_order(order)
+            return
+        asked: set[PageKey] = set()
+
+        def fresh(key: PageKey) -> bool:
+            return key not in asked and accept(key)
+
+        while got := self.fallback.victims(1, fresh):
+            asked.add(got[0])
+            yield got[0]
 
     def __len__(self) -> int:
         return len(self._resident)
