@@ -35,6 +35,7 @@ Time comes from :meth:`on_time` (the replay passes the trace's clock, the live c
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from typing import ClassVar
@@ -115,6 +116,8 @@ class HintedPolicy(EvictionPolicy):
         self._plain: set[PageKey] = set()
         self._overdue: list[tuple[float, PageKey]] = []
         self._changed: set[PageKey] = set()
+        self._fresh_scores: dict[PageKey, float | None] = {}
+        self._ranking_head = 0
         self._left_since_ranking = 0
         self._dead: OrderedDict[PageKey, None] = OrderedDict()
         self._pinned: set[PageKey] = set()
@@ -205,7 +208,7 @@ class HintedPolicy(EvictionPolicy):
         for k in hint.keys:
             self._note_absent(k)
             if k in self._resident:
-                self._changed.add(k)
+                self._change(k)
                 self._recheck(k)
 
     # -- the EvictionPolicy hooks -------------------------------------------------------
@@ -261,8 +264,13 @@ class HintedPolicy(EvictionPolicy):
             return rate
         return live if rate is None else min(live, rate)
 
-    def _referenced(self, key: PageKey) -> None:
+    def _change(self, key: PageKey) -> None:
+        """Note that the page's forecast inputs changed (its ranked score is stale)."""
         self._changed.add(key)
+        self._fresh_scores.pop(key, None)
+
+    def _referenced(self, key: PageKey) -> None:
+        self._change(key)
         pending = self._predicted.get(key)
         self._count_unforeseen(key, pending or [])
         if pending is not None:  # the predicted uses due by now happened
@@ -303,6 +311,7 @@ class HintedPolicy(EvictionPolicy):
         self._resident.discard(key)
         self.fallback.on_remove(key)
         self._changed.discard(key)
+        self._fresh_scores.pop(key, None)
         self._plain.discard(key)
         self._left_since_ranking += 1
         seen = self._unforeseen.get(key)
@@ -407,15 +416,16 @@ class HintedPolicy(EvictionPolicy):
         Forecasts move with the clock, so the ranking is scored afresh for each walk while
         the tier holds at most ``EXACT_RANKING_PAGES`` pages. Above that a walk reuses the
         last ranking, skipping the pages changed since (referenced, hinted, stored),
-        which it scores afresh and merges in; the ranking is rebuilt once
+        which it scores once per change and merges in; the ranking is rebuilt once
         ``RANKING_REUSE_SHARE`` of the pages changed or left since it was built. The cost
         per evicted page stays bounded on a large tier; what the reused ranking misses is
         the drift of the clock since it was built (a prediction that became overdue, a
         rate that stretched)."""
         held = len(self._resident)
         ranking = self._ranking
-        fresh: list[tuple[float, PageKey]] = []
         changed = self._changed
+        scores = self._fresh_scores
+        fresh: list[tuple[float, PageKey]] = []
         if (
             ranking is None
             or held <= EXACT_RANKING_PAGES
@@ -425,12 +435,29 @@ class HintedPolicy(EvictionPolicy):
             ranking = [(sc, k) for k in self._resident if (sc := self._score(k)) is not None]
             ranking.sort(reverse=True)
             self._ranking = ranking if held > EXACT_RANKING_PAGES else None
+            self._ranking_head = 0
             self._left_since_ranking = 0
             changed.clear()
+            scores.clear()
         else:
-            fresh = [(sc, k) for k in changed if (sc := self._score(k)) is not None]
+            # Entries of pages changed or gone since the build are stale for good: the
+            # head skips them once. Changed pages are scored once per change.
+            head, resident = self._ranking_head, self._resident
+            while head < len(ranking) and (
+                ranking[head][1] in changed or ranking[head][1] not in resident
+            ):
+                head += 1
+            self._ranking_head = head
+            for key in changed:
+                if key not in scores:
+                    scores[key] = self._score(key)
+            fresh = [(sc, k) for k, sc in scores.items() if sc is not None]
             fresh.sort(reverse=True)
-        kept = (item for item in ranking if item[1] not in changed)
+        kept = (
+            item
+            for item in itertools.islice(ranking, self._ranking_head, None)
+            if item[1] not in changed
+        )
         for _, key in heapq.merge(kept, fresh, reverse=True):
             if key in self._resident and self.forecast(key) is not None:
                 yield key
