@@ -24,6 +24,7 @@ chain), so every operation below runs against a directory of that size:
 ``--profile`` adds a cProfile of the ``store`` and ``load (fault)`` phases summed by
 module (self time), in microseconds per page. ``--json OUT`` writes the figures.
 ``--rescan`` measures leaf-first eviction as it was before its one-pass walk.
+``--eviction-params JSON`` sets both tiers' ``eviction_params``.
 
 Usage::
 
@@ -79,7 +80,14 @@ def memcpy_seconds(nbytes: int, pages: int = 64, repeat: int = 5) -> float:
 class Run:
     """The cache under test and the token chains it holds."""
 
-    def __init__(self, pages: int, chain: int, page_bytes: int, eviction: str = "lru") -> None:
+    def __init__(
+        self,
+        pages: int,
+        chain: int,
+        page_bytes: int,
+        eviction: str = "lru",
+        eviction_params: dict[str, Any] | None = None,
+    ) -> None:
         self.chain = chain
         self.page_bytes = page_bytes
         self.rng = np.random.default_rng(0)
@@ -95,6 +103,9 @@ class Run:
             ],
             "log": {"level": "warning"},
         }  # fmt: skip
+        if eviction_params:
+            for tier in config["tiers"]:  # type: ignore[attr-defined]
+                tier["eviction_params"] = eviction_params
         self.cache = KVCache(config)
         self.chains: list[np.ndarray] = []
         self.page = np.zeros((chain, page_bytes), np.uint8)
@@ -146,10 +157,12 @@ def by_module(prof: cProfile.Profile, pages: int) -> dict[str, float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    run = Run(args.pages, args.chain, args.page_bytes, args.eviction)
+    params = json.loads(args.eviction_params) if args.eviction_params else None
+    run = Run(args.pages, args.chain, args.page_bytes, args.eviction, params)
     results: dict[str, Any] = {"pages": args.pages, "chain": args.chain,
                                "page_bytes": args.page_bytes,
-                               "eviction": args.eviction}  # fmt: skip
+                               "eviction": args.eviction,
+                               "eviction_params": params}  # fmt: skip
     async with run.cache as cache:
         fill_s = await run.fill(args.pages)
         results["fill_us_per_page"] = fill_s / args.pages * 1e6
@@ -264,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
         default="lru",
         help="eviction policy of both tiers (leaf-first on top of it, kvtier's default); "
         "default lru, as in the documented figures (kvtier's own default is adaptive)",
+    )
+    p.add_argument(
+        "--eviction-params",
+        default="",
+        help='the tiers\' eviction_params as JSON, e.g. \'{"experts": ["s3-fifo"]}\'',
     )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default="")

@@ -233,14 +233,14 @@ def _deepest_first(forest: PageForest, top: PageKey, skip: set[PageKey]) -> list
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("leader", range(5))
+@pytest.mark.parametrize("leader", range(6))
 def test_adaptive_victims_in_one_pass_equal_the_victim_by_victim_search(
     seed: int, leader: int
 ) -> None:
     """The one-pass order (``ordered_keys``, used by ``victims`` and by leaf-first
     eviction) gives exactly what asking the leader for one victim at a time under the
-    prefix cuts gives, for every point of the family and for the S3-FIFO expert (index
-    4), with some pages not evictable."""
+    prefix cuts gives, for every point of the family and for the S3-FIFO and interval
+    experts (indexes 4 and 5), with some pages not evictable."""
     for n in (1, 3, 17, 200):
         pol, held = _random_adaptive(seed, leader)
         ref_pol, _ = _random_adaptive(seed, leader)

@@ -17,6 +17,7 @@ from kvtier.policy.arc import ARCPolicy
 from kvtier.policy.density import HitDensityPolicy
 from kvtier.policy.eviction import EVICTION_POLICIES, make_policy, register_policy
 from kvtier.policy.hinted import HintedPolicy
+from kvtier.policy.interval import IntervalPolicy
 from kvtier.policy.prefix_aware import PrefixLRUPolicy
 from kvtier.policy.s3fifo import S3FIFOPolicy
 from kvtier.policy.session import SessionPolicy
@@ -31,6 +32,7 @@ for _cls in (
     AdaptivePolicy,
     TwoClassPolicy,
     HintedPolicy,
+    IntervalPolicy,
 ):
     register_policy(_cls.name, _cls)
 
@@ -41,6 +43,7 @@ __all__ = [
     "FrequencyAdmission",
     "HintedPolicy",
     "HitDensityPolicy",
+    "IntervalPolicy",
     "PrefixLRUPolicy",
     "ReusePredictor",
     "S3FIFOPolicy",

@@ -13,11 +13,14 @@ This policy covers that range with one bookkeeping and picks the point that fits
    moving from one point to another costs nothing.
 2. **Miniature caches pick the point.** Each of a few ``points`` (by default LRU, a
    short frequency-weighted head start, a long one and LRU-2), and each of a few
-   ``experts`` with their own bookkeeping (by default S3-FIFO), also runs alone in a
-   miniature cache (:mod:`kvtier.policy.shadow`): a spatially sampled shadow of
-   ``rate x capacity`` pages fed with the sampled references. Their exponentially decayed
-   hit counts (memory: ``window`` miniature capacities of references) say which does best
-   on this traffic now; the tier follows the best (the *leader*), switching only when
+   ``experts`` with their own bookkeeping (by default S3-FIFO and ``interval``, which
+   evicts the page whose next use, forecast from the mean interval of its uses, is
+   furthest: :mod:`kvtier.policy.interval`; experts that keep time get the policy's
+   clock, :meth:`AdaptivePolicy.on_time`), also runs alone in a miniature cache
+   (:mod:`kvtier.policy.shadow`): a spatially sampled shadow of ``rate x capacity``
+   pages fed with the sampled references. Their exponentially decayed hit counts
+   (memory: ``window`` miniature capacities of references) say which does best on this
+   traffic now; the tier follows the best (the *leader*), switching only when
    another leads it by ``margin`` of the references seen since the miniatures began to
    evict, plus 4 hits (so noise does not make it thrash).
 3. **Prefix cuts** (:mod:`kvtier.policy.prefix_cut`): orphans go first and a victim's
@@ -57,7 +60,7 @@ from typing import Any, ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, victims_in_order
-from kvtier.policy.hints import Hint, hint_target
+from kvtier.policy.hints import Hint, HintAware, hint_target
 from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy, policy_offers
 from kvtier.policy.shadow import KeySampler, MiniCache
 from kvtier.policy.twoclass import TwoClassBook, TwoClassPolicy, check_two_class
@@ -98,7 +101,7 @@ class AdaptivePolicy(EvictionPolicy):
     def __init__(
         self,
         points: Sequence[str] = DEFAULT_POINTS,
-        experts: Sequence[str] = ("s3-fifo",),
+        experts: Sequence[str] = ("s3-fifo", "interval"),
         history: float = 8.0,
         capacity: int | None = None,
         mini_pages: int = 4096,
@@ -109,11 +112,11 @@ class AdaptivePolicy(EvictionPolicy):
         """``points``: the family's points, ``"bonus:order"`` (see
         :mod:`kvtier.policy.twoclass`; ``"inf:kth"`` is LRU-2). ``experts``: registered
         policies run beside the family with their own bookkeeping (each costs one more
-        policy's work). ``history``: capacities of evicted pages whose references are
-        remembered. ``mini_pages``, ``window``, ``margin``: see the module docstring.
-        ``start``: the point followed until the miniatures have evicted anything and
-        shown a lead (``1:freq``, fair at every size). Raises :class:`ConfigError` for a
-        bad value."""
+        policy's work and one more miniature). ``history``: capacities of evicted pages
+        whose references are remembered. ``mini_pages``, ``window``, ``margin``: see the
+        module docstring. ``start``: the point followed until the miniatures have evicted
+        anything and shown a lead (``1:freq``, fair at every size). Raises
+        :class:`ConfigError` for a bad value."""
         if isinstance(points, str) or not points:
             raise ConfigError(f"adaptive: points must be a list of 'bonus:order', got {points!r}")
         check_two_class(0.0, "last", history, capacity)
@@ -136,6 +139,9 @@ class AdaptivePolicy(EvictionPolicy):
             raise ConfigError(f"adaptive: experts must be a list of names, got {experts!r}")
         #: Experts with their own bookkeeping, by position in ``minis`` / ``names``.
         self.experts: dict[int, EvictionPolicy] = {}
+        #: The experts and miniature policies that keep time.
+        self._clocked: list[HintAware] = []
+        self._now = 0.0
         for name in experts:
             self._add_expert(str(name), _expert(str(name)), _expert(str(name)))
         self.mini_pages = mini_pages
@@ -150,7 +156,6 @@ class AdaptivePolicy(EvictionPolicy):
         self._hinted: EvictionPolicy | None = None
         self._hinted_at = -1
         self._hits_at_hints: list[int] = []
-        self._now = 0.0
 
     @property
     def c(self) -> int:
@@ -214,6 +219,11 @@ class AdaptivePolicy(EvictionPolicy):
         for key, parent in self.forest.parent.items():
             expert.on_insert(key, parent)
         self.minis.append(MiniCache(PrefixCutPolicy(mini), self.sampler.rate * self.c))
+        for policy in (expert, mini):
+            target = hint_target(policy)
+            if target is not None:
+                target.on_time(self._now)
+                self._clocked.append(target)
         self.names.append(name)
         self.experts[len(self.minis) - 1] = expert
 
@@ -226,23 +236,18 @@ class AdaptivePolicy(EvictionPolicy):
         from kvtier.policy.hinted import HintedPolicy
 
         expert = HintedPolicy()
-        expert.on_time(self._now)
-        mini = HintedPolicy()
-        mini.on_time(self._now)
-        self._add_expert("hinted", expert, mini)
+        self._add_expert("hinted", expert, HintedPolicy())
         self._hinted_at = len(self.minis) - 1
         self._hinted = expert
         self._hits_at_hints = [m.hits for m in self.minis]
         return expert
 
     def on_time(self, now_s: float) -> None:
-        """The clock (trace time in replay, ``time.monotonic()`` live)."""
+        """The clock (trace time in replay, ``time.monotonic()`` live), passed on to the
+        experts that keep time (``interval``, ``hinted``) and their miniatures."""
         self._now = max(self._now, now_s)
-        if self._hinted is not None:
-            for policy in (self._hinted, self.minis[self._hinted_at].policy):
-                target = hint_target(policy)
-                if target is not None:
-                    target.on_time(now_s)
+        for target in self._clocked:
+            target.on_time(now_s)
 
     def on_hint(self, hint: Hint, now_s: float) -> None:
         """Give ``hint`` to the hint-driven expert (created on the first hint) and, for

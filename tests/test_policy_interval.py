@@ -1,0 +1,72 @@
+"""``interval``: the furthest forecast next use first, by the mean interval of each page's
+uses; ``adaptive`` runs it as an expert and gives it the clock."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtier.policy  # noqa: F401 - registers policies
+from kvtier.errors import ConfigError
+from kvtier.keys import PageKey
+from kvtier.policy.adaptive import AdaptivePolicy
+from kvtier.policy.eviction import make_policy
+from kvtier.policy.hints import Hint
+from kvtier.policy.interval import IntervalPolicy
+
+
+def k(i: int) -> PageKey:
+    return PageKey(i.to_bytes(16, "little"))
+
+
+def every(_key: PageKey) -> bool:
+    return True
+
+
+def _uses(policy: IntervalPolicy | object, times: dict[int, list[float]]) -> None:
+    """Reference each page at its times, in time order (inserting it the first time)."""
+    events = sorted((t, i) for i, ts in times.items() for t in ts)
+    for t, i in events:
+        policy.on_time(t)  # type: ignore[attr-defined]
+        policy.on_insert(k(i))  # type: ignore[attr-defined]
+
+
+def test_interval_ranks_by_forecast_next_use_not_by_second_last_use() -> None:
+    # Page 1: used every 10 s (0, 10, 20, 30): next use expected at 40.
+    # Page 2: used at 21 and 30.9: its second most recent use (21) is later than page
+    # 1's (20), so LRU-2 evicts page 1 first; its next use is expected at 40.8, so
+    # interval evicts page 2 first. Page 3, used once, goes before both.
+    times = {1: [0.0, 10.0, 20.0, 30.0], 2: [21.0, 30.9], 3: [30.95]}
+    interval = IntervalPolicy(fallback="lru")
+    _uses(interval, times)
+    interval.on_time(31.0)
+    assert interval.victims(3, every) == [k(3), k(2), k(1)]
+    lru2 = make_policy("lru-k")
+    for _, i in sorted((t, i) for i, ts in times.items() for t in ts):
+        lru2.on_insert(k(i))
+    assert lru2.victims(3, every) == [k(3), k(1), k(2)]
+
+
+def test_interval_ignores_hints_but_keeps_their_clock() -> None:
+    p = IntervalPolicy(fallback="lru")
+    _uses(p, {1: [0.0, 1.0], 2: [0.5]})
+    p.on_hint(Hint("close", (k(1),)), 50.0)  # not its input: page 1 is not dead
+    p.on_hint(Hint("pin", (k(2),)), 50.0)  # nor is page 2 pinned
+    assert p.now == 50.0
+    assert p.victims(2, every) == [k(2), k(1)]
+
+
+def test_interval_rejects_bad_parameters() -> None:
+    with pytest.raises(ConfigError, match="rate_history"):
+        make_policy("interval", rate_history=-2)
+    with pytest.raises(ConfigError, match="unknown eviction policy"):
+        make_policy("interval", fallback="nope")
+
+
+def test_adaptive_gives_its_clock_to_the_interval_expert_and_its_miniature() -> None:
+    pol = AdaptivePolicy()
+    at = pol.names.index("interval")
+    expert, mini = pol.experts[at], pol.minis[at].policy
+    pol.on_time(12.5)
+    assert isinstance(expert, IntervalPolicy) and expert.now == 12.5
+    inner = getattr(mini, "inner", None)
+    assert isinstance(inner, IntervalPolicy) and inner.now == 12.5
