@@ -37,9 +37,9 @@ This policy covers that range with one bookkeeping and picks the point that fits
 Nothing is tied to a trace: the points, the experts and four numbers are the whole
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
 the other half and on fresh seeds (docs/benchmarks.md, "Policy suite"), where the policy
-is ahead of the best classic policy in about half of the cells (22 of 44 held-out, 16 of
-40 fresh) and behind by at most 0.008 in the rest, while each classic policy is 0.04 to
-0.12 behind somewhere.
+is ahead of the best classic policy in 27 of 44 held-out and 21 of 40 fresh cells and
+behind by at most 0.007 in the rest, while each classic policy is 0.04 to 0.12 behind
+somewhere.
 
 ``capacity`` is the tier's size in pages when known; without it the policy uses the most
 pages held at once (a tier fills before it evicts), and miniatures grow with it; the
