@@ -3,8 +3,9 @@
 A trace the size of a short held-out one (``--requests`` requests, 4,000 by default) is
 where an online choice has the least to go on. Each window ``[lo, lo + requests)`` of
 ``--trace`` is replayed through one tier at each ``--capacity`` share of its distinct
-blocks, like a cell of ``kvtier bench sim --suite``, with ``adaptive`` and the four
-classic policies; prints the default's prefix hit rate, the best classic's, and the gain.
+blocks as a cell of ``kvtier bench sim --suite`` (``kvtier.sim.suite.run_cell``), with
+``adaptive`` and the four classic policies; prints the default's prefix hit rate, the
+best classic's, and the gain.
 
     .venv/bin/python benchmarks/mooncake_windows.py \\
         --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl
@@ -15,13 +16,10 @@ A benchmark, not a test: nothing here asserts a hit rate.
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 
 import kvtier.policy  # noqa: F401 - registers the policies
-from kvtier.policy.eviction import make_policy
-from kvtier.sim.replay import make_tiers, replay
-from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY
+from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, run_cell
 from kvtier.sim.trace import read_mooncake
 
 
@@ -39,22 +37,14 @@ def main() -> None:
         if lo >= len(tr.requests):
             break
         window = tr.slice(lo, lo + args.requests, f"requests {lo}-{lo + args.requests}")
-        distinct = window.distinct_blocks()
         for share in args.capacity or [0.01, 0.05, 0.10]:
-            cap = max(1, int(share * distinct))
-            rates = {
-                p: replay(
-                    window, make_tiers([cap], functools.partial(make_policy, p))
-                ).prefix_hit_rate
-                for p in (DEFAULT_POLICY, *CLASSIC)
-            }
-            best = max(CLASSIC, key=rates.__getitem__)
-            gain = rates[DEFAULT_POLICY] - rates[best]
-            gains.append(gain)
+            cell = run_cell(window, share, (DEFAULT_POLICY, *CLASSIC))
+            rates, best = cell["hit_rate"], cell["best_classic"]
+            gains.append(cell["gain"])
             print(
-                f"{window.name} {share * 100:g}% ({cap} pages): {DEFAULT_POLICY} "
-                f"{rates[DEFAULT_POLICY]:.4f}, best classic {best} {rates[best]:.4f}, "
-                f"gain {gain:+.4f}",
+                f"{window.name} {share * 100:g}% ({cell['capacity_pages']} pages): "
+                f"{DEFAULT_POLICY} {rates[DEFAULT_POLICY]:.4f}, best classic {best} "
+                f"{rates[best]:.4f}, gain {cell['gain']:+.4f}",
                 flush=True,
             )
     ahead = sum(g > 0 for g in gains)

@@ -42,8 +42,9 @@ from typing import ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy, close_order, ordered_keys_of, victims_in_order
+from kvtier.policy.base import EvictionPolicy, close_order, victims_in_order
 from kvtier.policy.hints import Hint
+from kvtier.policy.prefix_cut import policy_offers
 
 #: Unforeseen references of a page closer than this (seconds) count as one: the same
 #: request touching a page twice (its store, then its load) is not two uses.
@@ -463,25 +464,17 @@ class HintedPolicy(EvictionPolicy):
                 yield key
 
     def _fallback_order(self, accept: Callable[[PageKey], bool]) -> Iterator[PageKey]:
-        """The fallback policy's order over the pages ``accept`` takes: its
-        ``ordered_keys`` when it has one, otherwise one ``victims(1)`` question per page."""
-        order = ordered_keys_of(self.fallback, accept)
-        if order is not None:
-            try:
-                for key in order:
-                    if accept(key):
-                        yield key
-            finally:
-                close_order(order)
-            return
+        """The fallback policy's order over the pages ``accept`` takes (its
+        ``ordered_keys``, or one ``victims(1)`` question per page: :func:`policy_offers`)."""
         asked: set[PageKey] = set()
-
-        def fresh(key: PageKey) -> bool:
-            return key not in asked and accept(key)
-
-        while got := self.fallback.victims(1, fresh):
-            asked.add(got[0])
-            yield got[0]
+        order = iter(policy_offers(self.fallback, accept)(asked))
+        try:
+            for key in order:
+                if key not in asked and accept(key):
+                    asked.add(key)
+                    yield key
+        finally:
+            close_order(order)
 
     def __len__(self) -> int:
         return len(self._resident)
