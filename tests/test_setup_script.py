@@ -110,3 +110,31 @@ def test_no_setup_script_stops_or_kills_processes() -> None:
         for word in ("pkill", "killall", "service redis-server stop", "systemctl stop", "kill "):
             assert word not in text, f"{path.name} contains {word!r}"
     assert os.access(SCRIPT, os.X_OK)
+
+
+def _need_disk(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(ROOT / "scripts" / "need-disk"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        check=False,
+    )
+
+
+def test_need_disk_stops_with_the_figures_when_the_disk_is_short(tmp_path: Path) -> None:
+    """scripts/setup checks the free space before each large install."""
+    free_mib = shutil.disk_usage(tmp_path).free // (1 << 20)
+    ok = _need_disk("a small thing", "1", str(tmp_path))
+    assert ok.returncode == 0, ok.stderr
+    short = _need_disk("a huge thing", str(free_mib + 10**9), str(tmp_path))
+    assert short.returncode == 1
+    assert "a huge thing needs about" in short.stderr and str(tmp_path) in short.stderr
+    skipped = _need_disk(
+        "a huge thing", str(free_mib + 10**9), str(tmp_path), KVTIER_SKIP_DISK_CHECK="1"
+    )
+    assert skipped.returncode == 0
+    bad = _need_disk("x", "5GB")
+    assert bad.returncode == 2 and "whole number of MiB" in bad.stderr
+    setup = (ROOT / "scripts" / "setup").read_text() + (ROOT / "scripts" / "setup-vllm").read_text()
+    assert setup.count("|| scripts/need-disk ") == 2  # before .venv and .venv-vllm
