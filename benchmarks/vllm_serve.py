@@ -24,7 +24,9 @@ Reported per workload and server: TTFT (time to the first streamed token), token
 (prompt + generated tokens over the request times) and the cached fraction
 (``usage.prompt_tokens_details``); kvtier's ratios to vLLM alone and to the null
 connector, overall and for the requests kvtier served at least 85 % cached; greedy
-answers that differ from vLLM alone's (with the first differing token).
+answers that differ from vLLM alone's (with the first differing token). The servers' logs
+stay in the run's temporary directory (its path is in the result, ``logs``); the NVMe
+tier's files are removed when the servers stop.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -246,7 +249,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for s in servers.values():
             s.stop()
-    return summarize(samples, mismatches, kv_metrics, vars(args) | {"model": str(model)})
+        shutil.rmtree(work / "nvme", ignore_errors=True)  # the tier's slabs: GBs, no use now
+    params = vars(args) | {"model": str(model), "logs": str(work)}
+    return summarize(samples, mismatches, kv_metrics, params)
 
 
 def _ratio(a: float, b: float) -> float:

@@ -237,13 +237,15 @@ def test_no_module_is_over_500_lines(root: str) -> None:
     assert long == {}
 
 
-def test_the_layer_test_sees_real_violations() -> None:
+def test_the_layer_test_sees_real_violations(tmp_path: Path) -> None:
     """The checks above can fail: a backend importing the pipeline is caught."""
     own, dep = _layer("kvtier.backends.dram"), _layer("kvtier.transfer.pipeline")
     assert own is not None and dep is not None and dep > own
     fake = _imports(
         "kvtier.backends.x",
-        _write("def f():\n    from kvtier.transfer import pipeline\n    from . import dram\n"),
+        _write(
+            tmp_path, "def f():\n    from kvtier.transfer import pipeline\n    from . import dram\n"
+        ),
         set(MODULES),
     )
     assert fake == {
@@ -254,10 +256,8 @@ def test_the_layer_test_sees_real_violations() -> None:
     }
 
 
-def _write(text: str) -> Path:
-    import tempfile
-
-    f = Path(tempfile.mkdtemp()) / "x.py"
+def _write(folder: Path, text: str) -> Path:
+    f = folder / "x.py"
     f.write_text(text)
     return f
 
