@@ -31,7 +31,7 @@ The file format::
     high_watermark = 0.80            # default by role: top 0.80, middle 0.70, last 0.90
     low_watermark = 0.70             # default high - 0.10
     on_open_error = "skip"           # a tier below the top that cannot open: skip | fail
-    eviction = "lru-k"               # lru-k (default) | lru | adaptive | arc | s3-fifo | ...
+    eviction = "adaptive"            # adaptive (default) | lru | lru-k | arc | hinted | ...
     [tiers.eviction_params]          # e.g. k = 2 for lru-k
     [tiers.options]                  # passed to the backend, e.g. path = "/mnt/nvme/kv"
     codec = "none"                   # store tiers: none | zstd | lz4 | fp8-e4m3 | a plugin's
