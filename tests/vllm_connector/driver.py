@@ -4,7 +4,9 @@ Run as ``python driver.py '<json spec>'``. The spec names the model and the ``LL
 arguments (``kv_transfer_config`` as a dict). The driver answers one JSON line per command,
 each prefixed with ``@@`` (vLLM prints to stdout too):
 
-* ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": n, "logprobs": k}`` ->
+* ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": n, "logprobs": k,
+  "kv_params": [{...} | null, ...]}`` (``kv_params``, optional: each prompt's
+  ``kv_transfer_params``, as a client passes them) ->
   ``{"tokens": [[...]], "cached": [...], "logprobs": [[...]]}`` (greedy; ``cached`` is
   vLLM's ``num_cached_tokens``: local prefix-cache hits plus tokens loaded by a connector);
 * ``{"op": "metrics"}`` -> ``{"metrics": {name: value}}``: vLLM's Prometheus counters whose
@@ -46,12 +48,17 @@ def main() -> None:
         if op == "exit":
             break
         if op == "generate":
-            params = SamplingParams(
-                max_tokens=cmd.get("max_tokens", 8),
-                temperature=0.0,
-                ignore_eos=True,
-                logprobs=cmd.get("logprobs"),
-            )
+            kv_params = cmd.get("kv_params") or [None] * len(cmd["prompts"])
+            params = [
+                SamplingParams(
+                    max_tokens=cmd.get("max_tokens", 8),
+                    temperature=0.0,
+                    ignore_eos=True,
+                    logprobs=cmd.get("logprobs"),
+                    extra_args={"kv_transfer_params": kv} if kv is not None else None,
+                )
+                for kv in kv_params
+            ]
             outs = llm.generate(
                 [{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False
             )

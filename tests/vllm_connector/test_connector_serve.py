@@ -1,7 +1,9 @@
 """``vllm serve`` with the kvtier connector, through the OpenAI-compatible HTTP API and the
 official ``openai`` client: the documented ``--kv-transfer-config`` flag turns kvtier on,
 answers equal vLLM alone, a repeated prompt is served from kvtier (vLLM's prefix cache is
-off), and vLLM's ``/metrics`` shows kvtier's counters."""
+off), and vLLM's ``/metrics`` shows kvtier's counters. The second round sends hints in the
+request body (``kv_transfer_params``): they reach kvtier, and a malformed one is counted
+without failing its request."""
 
 from __future__ import annotations
 
@@ -63,23 +65,39 @@ def test_vllm_serve_with_kvtier_over_http(
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         prompts = tiny_prompts[1:] + extra_prompts()
         want = tiny_reference["tokens"][1 : len(tiny_prompts) + len(extra_prompts())]
-        for _round in range(2):
+        for round_ in range(2):
             got = []
-            for p in prompts:
+            for i, p in enumerate(prompts):
+                body: dict[str, object] = {"ignore_eos": True, "return_token_ids": True}
+                if round_ == 1:
+                    hint = {"ttl_s": -1} if i == 0 else {"next_turn_s": 30}
+                    body["kv_transfer_params"] = {"kvtier": hint}
                 r = client.completions.create(
                     model=str(tiny_model), prompt=p, max_tokens=8, temperature=0.0,
-                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                    extra_body=body,
                 )  # fmt: skip
                 got.append(list(r.choices[0].token_ids))
             assert got == want
-        status, text = _get(f"http://127.0.0.1:{port}/metrics")
-        assert status == 200
-        loaded = sum(
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith("vllm:kvtier_loaded_pages_total")
-        )
-        assert loaded >= sum((len(p) - 1) // 32 for p in prompts)
+
+        def total(text: str, name: str) -> float:
+            return sum(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith(f"vllm:kvtier_{name}_total")
+            )
+
+        # a finished request's hints travel with the engine's next step: read until counted
+        hinted = sum((len(p) + 7) // 32 for p in prompts[1:])
+        deadline = time.monotonic() + 30
+        while True:
+            status, text = _get(f"http://127.0.0.1:{port}/metrics")
+            assert status == 200
+            if total(text, "hinted_pages") >= hinted or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert total(text, "hinted_pages") >= hinted
+        assert total(text, "hint_errors") == 1
+        assert total(text, "loaded_pages") >= sum((len(p) - 1) // 32 for p in prompts)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -143,3 +143,44 @@ def test_roles(tmp_path: Path, loads: bool, saves: bool) -> None:
     meta = side.build_meta(_output({"a": 6 * BS}))
     assert bool(meta.saves) == saves
     assert side.finished(req, list(range(6))) is False or saves
+
+
+def _finish(side: Any, req: Any, generated: int) -> Any:
+    """Let ``req`` (its prompt all computed) generate ``generated`` tokens and finish."""
+    n = len(req.all_token_ids) + generated
+    req.all_token_ids = list(range(n))
+    req.num_tokens = n
+    req.num_computed_tokens = n - 1
+    held = side.finished(req, list(range(n // BS + 1)))
+    return held, side.build_meta(_output({}))
+
+
+@pytest.mark.parametrize("saves", [True, False])
+def test_a_finished_request_passes_its_hints_to_the_workers(tmp_path: Path, saves: bool) -> None:
+    from kvtier.integrations.vllm.hints import HintRun
+
+    side = _side(tmp_path, pages=0, saves=saves)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    req = _request("a", 3 * BS)
+    req.kv_transfer_params = {"kvtier": {"next_turn_s": 20, "pin_tokens": BS + 3}}
+    side.match(req, 0)
+    side.build_meta(_output({"a": 3 * BS}))
+    held, meta = _finish(side, req, 2 * BS + 1)  # 5 whole pages of KV
+    assert held is saves
+    assert meta.hints == [HintRun("a", "pin", 0, 1), HintRun("a", "next_turn", 1, 4, 20.0)]
+    # the workers know the token ids of every hinted page (a consumer saved none before)
+    sent = sum(len(d.tokens) for d in meta.tokens) + (3 * BS if saves else 0)
+    assert sent == 5 * BS
+    assert side.build_meta(_output({})).hints == []  # sent once
+
+
+def test_malformed_hints_are_counted_and_the_request_served(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=2)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    req = _request("a", 3 * BS)
+    req.kv_transfer_params = {"kvtier": {"next_turn": 20}}
+    assert side.match(req, 0) == 2 * BS  # the lookup is unaffected
+    assert side.take_stats().data["hint_errors"] == 1
+    side.build_meta(_output({"a": 3 * BS}))
+    _held, meta = _finish(side, req, BS)
+    assert meta.hints == []

@@ -130,9 +130,19 @@ class Engine:
         return reply
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int = 8, logprobs: int | None = None
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        logprobs: int | None = None,
+        kv_params: list[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, logprobs=logprobs)
+        return self.call(
+            op="generate",
+            prompts=prompts,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            kv_params=kv_params,
+        )
 
     def metrics(self) -> dict[str, float]:
         return dict(self.call(op="metrics")["metrics"])

@@ -3,7 +3,8 @@
 Token ids travel once: each request's ids reach the workers in :class:`TokenDelta` pieces
 (pages ``[first_page, first_page + len(tokens) // block_size)``), from which every worker
 derives its own page keys (its rank is part of its namespace). Loads and saves name pages
-by index into those keys and the vLLM block each page lives in.
+by index into those keys and the vLLM block each page lives in; hints (:mod:`.hints`) name
+pages by index too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .hints import HintRun
 
 
 @dataclass
@@ -42,7 +45,9 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[PageRun] = field(default_factory=list)
     #: finished requests whose blocks vLLM holds until their saves were copied out
     holds: list[str] = field(default_factory=list)
+    #: hints from finished requests' ``kv_transfer_params``, applied after this step's saves
+    hints: list[HintRun] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.tokens or self.loads or self.saves or self.holds)
+        return not (self.tokens or self.loads or self.saves or self.holds or self.hints)

@@ -17,7 +17,8 @@ one kvtier page):
   kvtier already holds are not saved again.
 * :meth:`SchedulerSide.finished` saves the last full pages of a finished request and
   holds its blocks (returns ``True``) until the workers copied them out; the workers
-  report that through ``get_finished``.
+  report that through ``get_finished``. The hints in the request's
+  ``kv_transfer_params["kvtier"]`` (:mod:`.hints`) go to the workers with those saves.
 
 Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only
 loads.
@@ -32,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.errors import KVTierUsageError
 from kvtier.log import get_logger
 
+from .hints import HintRun, RequestHints, parse_request_hints
 from .identity import ParallelPlace, engine_id
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupClient, socket_path
 from .metadata import KVTierMetadata, PageRun, TokenDelta
@@ -56,6 +59,7 @@ class _Request:
     saved_pages: int = 0  # pages [0, saved_pages) are in kvtier or being saved
     sent_pages: int = 0  # pages whose token ids the workers have
     loads: list[PageRun] = field(default_factory=list)
+    hints: RequestHints | None = None
 
 
 class SchedulerSide:
@@ -83,6 +87,7 @@ class SchedulerSide:
         self._final_saves: list[PageRun] = []
         self._final_tokens: list[TokenDelta] = []
         self._holds: list[str] = []
+        self._final_hints: list[HintRun] = []
         self._stats = KVTierConnectorStats()
         self._events: list[Any] = []
         self._hit_tiers: dict[str, dict[str, int]] = {}
@@ -95,6 +100,13 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Request(request)
+            try:
+                st.hints = parse_request_hints(getattr(request, "kv_transfer_params", None))
+            except KVTierUsageError as exc:
+                self._stats.add("hint_errors", 1)
+                _log.warning(
+                    "ignoring a request's kvtier hints", request=request.request_id, error=str(exc)
+                )
         return st
 
     def match(self, request: Any, num_computed_tokens: int) -> int:
@@ -197,7 +209,9 @@ class SchedulerSide:
         meta.tokens.extend(self._final_tokens)
         meta.saves.extend(self._final_saves)
         meta.holds = self._holds
+        meta.hints = self._final_hints
         self._final_tokens, self._final_saves, self._holds = [], [], []
+        self._final_hints = []
         return meta
 
     def loads_reported(self, invalid_block_ids: set[int] | None) -> None:
@@ -221,24 +235,27 @@ class SchedulerSide:
         return list(self.kv_cache_manager.get_block_ids(req_id)[0])
 
     def finished(self, request: Any, block_ids: list[int]) -> bool:
-        """A request finished: save its last full pages; ``True`` holds its blocks until
-        the workers copied them out."""
-        st = self._reqs.pop(request.request_id, None)
-        self._hit_tiers.pop(request.request_id, None)
-        if st is None or not self.saves_enabled:
+        """A request finished: save its last full pages and pass on its hints; ``True``
+        holds its blocks until the workers copied them out."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._hit_tiers.pop(rid, None)
+        if st is None:
             return False
         kv_tokens = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
         full = min(kv_tokens // self.block_size, len(block_ids))
-        if full <= st.saved_pages:
+        hints = st.hints.runs(rid, full, self.block_size) if st.hints is not None else []
+        hold = self.saves_enabled and full > st.saved_pages
+        if not (hold or hints):
             return False
         scratch = KVTierMetadata()
-        self._tokens_upto(st, full, scratch)
+        self._tokens_upto(st, full, scratch)  # the workers name saved and hinted pages
         self._final_tokens.extend(scratch.tokens)
-        self._final_saves.append(
-            PageRun(request.request_id, st.saved_pages, block_ids[st.saved_pages : full])
-        )
-        self._holds.append(request.request_id)
-        return True
+        self._final_hints.extend(hints)
+        if hold:
+            self._final_saves.append(PageRun(rid, st.saved_pages, block_ids[st.saved_pages : full]))
+            self._holds.append(rid)
+        return hold
 
     # -- observability -----------------------------------------------------------------
 

@@ -7,7 +7,8 @@
   ``vllm:kvtier_hit_tokens{tier}``, ``vllm:kvtier_load_bytes``,
   ``vllm:kvtier_load_seconds``, ``vllm:kvtier_save_bytes``, ``vllm:kvtier_save_seconds``,
   ``vllm:kvtier_load_errors``, ``vllm:kvtier_saves_dropped``, ``vllm:kvtier_save_failures``,
-  ``vllm:kvtier_lookup_errors`` (each ``_total``).
+  ``vllm:kvtier_lookup_errors``, ``vllm:kvtier_hinted_pages``, ``vllm:kvtier_hint_errors``
+  (each ``_total``).
 * :class:`KVTierKVEvents` carries ``BlockStored`` / ``BlockRemoved`` events (the medium is
   the kvtier tier's name, the block hash the 16-byte page key) from the workers to the
   scheduler, which hands them to vLLM's KV event publisher (``take_events``).
@@ -39,6 +40,8 @@ COUNTERS = (
     "save_seconds",
     "save_failures",
     "saves_dropped",
+    "hinted_pages",
+    "hint_errors",
 )
 
 
@@ -103,6 +106,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         "loaded_pages": "Pages loaded from kvtier.",
         "saved_pages": "Pages saved into kvtier.",
         "lookups": "Prompt lookups the scheduler made.",
+        "hinted_pages": "Pages named by hints from requests' kv_transfer_params (per hint).",
+        "hint_errors": "Requests whose kv_transfer_params.kvtier was malformed (ignored).",
     }
 
     def __init__(

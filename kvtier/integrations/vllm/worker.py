@@ -19,6 +19,9 @@ scheduler's lookups (:mod:`.lookup`). Per step:
   cache may forget, the engine must not slow down.
 * **holds**: a finished request whose last pages are saved this step is reported in
   ``get_finished`` once its blocks were copied out.
+* **hints** from finished requests (:mod:`.hints`) become ``KVCache.hint`` calls on this
+  rank's page keys, made after the step's saves landed (a page stored after a ``close``
+  hint would count as used again).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvtier.keys import ROOT_KEY, PageKey, page_keys
 from kvtier.log import get_logger
 
 from . import identity
+from .hints import HintCall, apply_hints_after, hint_calls
 from .identity import ParallelPlace
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupServer, lookup_answer_runs, socket_path
 from .loop_thread import LoopThread
@@ -97,6 +101,7 @@ class WorkerSide:
         self._events: collections.deque[Any] = collections.deque(maxlen=MAX_EVENTS)
         self._stores: set[concurrent.futures.Future[None]] = set()
         self._prefetches: set[asyncio.Task[Any]] = set()
+        self._hints: list[HintCall] = []
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -221,6 +226,7 @@ class WorkerSide:
             return
         self.fence_saves()
         self._apply_tokens(meta)
+        self._hints.extend(hint_calls(meta.hints, lambda rid: self._keys.get(rid, [])))
         self._load = None
         if not (meta.loads and self.loads_enabled):
             return
@@ -347,6 +353,10 @@ class WorkerSide:
         if self.cache is None or self.paged is None or self.loop is None:
             return
         runs = meta.saves if self.saves_enabled else []
+        hints, self._hints = self._hints, []
+        if hints:
+            with self._stats_lock:
+                self._stats.add("hinted_pages", sum(len(k) for _, k, _ in hints))
         keys: list[PageKey] = []
         parents: list[PageKey | None] = []
         blocks: list[int] = []
@@ -389,6 +399,8 @@ class WorkerSide:
                         self._pending_gathers.append(gather_event)
                     self._stores.add(fut)
                     fut.add_done_callback(self._stores.discard)
+        if hints:  # once every save in flight (this step's too) has landed
+            self.loop.submit(apply_hints_after(self.cache, list(self._stores), hints))
         for req_id in meta.holds:
             self._acks.append((req_id, gather_event))
 
