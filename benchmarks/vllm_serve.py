@@ -122,18 +122,37 @@ class Server:
         return out
 
 
+def clients_when_ready(servers: dict[str, Server]) -> dict[str, Any]:
+    """Wait until every server answers, then an OpenAI client for each, by name."""
+    import openai
+
+    for s in servers.values():
+        s.wait()
+    return {
+        name: openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="unused")
+        for name, s in servers.items()
+    }
+
+
 def _complete(
-    client: Any, model: str, prompt: list[int], max_tokens: int
+    client: Any,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> tuple[float, float, list[int], int]:
-    """Stream one greedy completion: (TTFT, total seconds, tokens, cached prompt tokens)."""
+    """Stream one greedy completion: (TTFT, total seconds, tokens, cached prompt tokens).
+    ``kv_transfer_params`` goes in the request body (kvtier's hints)."""
     start = time.perf_counter()
     ttft = None
     tokens: list[int] = []
     cached = 0
+    body: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     stream = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        stream_options={"include_usage": True}, extra_body=body,
     )  # fmt: skip
     for chunk in stream:
         if chunk.choices:
@@ -153,7 +172,6 @@ def _tokens(rng: Any, n: int, vocab: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
-    import openai
     from vllm_engines import base_env, connector
     from vllm_models import smollm2, tiny_llama
 
@@ -205,12 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[Sample] = []
     mismatches: list[dict[str, Any]] = []
     try:
-        for s in servers.values():
-            s.wait()
-        clients = {
-            name: openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="unused")
-            for name, s in servers.items()
-        }
+        clients = clients_when_ready(servers)
         order = list(servers)
         turn = 0
 
