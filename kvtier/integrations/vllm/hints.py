@@ -92,8 +92,14 @@ class RequestHints:
 
 def _number(entry: Mapping[str, Any], name: str) -> float:
     v = entry[name]
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise KVTierUsageError(f"kv_transfer_params.kvtier.{name} must be a number, got {v!r}")
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise KVTierUsageError(
+            f"kv_transfer_params.kvtier.{name} must be a finite number, got {v!r:.40}"
+        )
     return float(v)
 
 

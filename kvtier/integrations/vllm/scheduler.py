@@ -102,10 +102,11 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = _Request(request)
             try:
                 st.hints = parse_request_hints(getattr(request, "kv_transfer_params", None))
-            except KVTierUsageError as exc:
+            except Exception as exc:  # advice only: a bad hint never fails the request
                 self._stats.add("hint_errors", 1)
+                detail = str(exc) if isinstance(exc, KVTierUsageError) else repr(exc)
                 _log.warning(
-                    "ignoring a request's kvtier hints", request=request.request_id, error=str(exc)
+                    "ignoring a request's kvtier hints", request=request.request_id, error=detail
                 )
         return st
 
