@@ -10,7 +10,7 @@ from pathlib import Path
 from vllm_engines import Engine, base_env, connector, llm_kwargs
 
 BLOCK = 32
-PAGE_BYTES = 16 << 10  # the tiny Llama: 2 layers x 2 heads x 32 tokens x (K|V) x 64 x bf16
+PAGE_BYTES = 16 << 10  # tiny Llama: 2 layers x (K|V) x 32 tokens x 2 KV heads x head dim 32 x bf16
 SYSTEM = 4 * BLOCK  # a system prompt of 4 whole pages
 
 
