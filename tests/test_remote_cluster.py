@@ -9,6 +9,7 @@ the new owner and a get reads it from there, byte-exact.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -62,12 +63,34 @@ def fresh_key(store: RedisStore, cluster: RedisClusterServers) -> tuple[PageKey,
                 return key, slot
 
 
+def owner_seen_by(port: int, slot: int) -> int | None:
+    """Port of the node that the node on ``port`` says serves ``slot``."""
+    with redis.Redis(port=port) as r:
+        for start, end, master, *_ in r.execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return int(master[1])
+    return None
+
+
 def move_slot(cluster: RedisClusterServers, slot: int, to_port: int) -> None:
+    """Give ``slot`` to the node on ``to_port`` and return once every node says so. The new
+    owner claims it first and bumps its config epoch, so that gossip the old owner sent
+    before it was told cannot take the slot back (two nodes each answering ``MOVED`` to
+    the other would exhaust the client's redirections)."""
     ids = node_ids(cluster)
-    ports = [to_port] + [p for p in ids if p != to_port]  # the new owner first
-    for port in ports:
-        with redis.Redis(port=port) as r:
-            r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to_port])
+    with redis.Redis(port=to_port) as r:
+        r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to_port])
+        r.execute_command("CLUSTER", "BUMPEPOCH")
+    deadline = time.monotonic() + 20.0
+    while True:
+        stale = [port for port in ids if owner_seen_by(port, slot) != to_port]
+        if not stale:
+            return
+        assert time.monotonic() < deadline, f"slot {slot}: nodes {stale} still see another owner"
+        for port in stale:
+            with redis.Redis(port=port) as r:
+                r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to_port])
+        time.sleep(0.05)
 
 
 async def test_a_moved_slot_is_followed_for_puts_and_gets(cluster: RedisClusterServers) -> None:
