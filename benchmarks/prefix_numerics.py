@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm_connector"))
+# vllm_serve puts tests/vllm_connector (vllm_engines, vllm_models) on sys.path
+from vllm_serve import first_difference
 
 PAIRS = (("vllm-prefix", "fresh"), ("kvtier", "fresh"), ("kvtier", "vllm-prefix"))
-
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,7 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "prompt": c["id"],
                 "prefix_tokens": len(c["prefix"]),
                 "prompt_tokens": len(c["prompt"]),
-                "first_divergent_token": _first_difference(x, y),
+                "first_divergent_token": first_difference(x, y),
             }
             for c, x, y in zip(cases, answers[a], answers[b], strict=True)
             if x != y

@@ -39,16 +39,14 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_serve import ROOT, Server, _complete, _tokens, clients_when_ready
-
-sys.path.insert(0, str(ROOT / "tests" / "vllm_connector"))
+# vllm_serve puts tests/vllm_connector (vllm_engines, vllm_models) on sys.path
+from vllm_serve import Server, _complete, _tokens, clients_when_ready, first_difference
 
 SERVERS = ("plain", "hints")
 
@@ -123,14 +121,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 samples.append(Sample(workload, name, turn, len(prompt), cached, ttft, total))
             a, b = answers["plain"], answers["hints"]
             if a != b:
-                pairs = enumerate(zip(a, b, strict=False))
                 mismatches.append(
                     {
                         "workload": workload,
                         "turn": turn,
-                        "first_divergent_token": next(
-                            (i for i, (x, y) in pairs if x != y), min(len(a), len(b))
-                        ),
+                        "first_divergent_token": first_difference(a, b),
                         "cached_tokens": {x.server: x.cached_tokens for x in samples[-2:]},
                     }
                 )

@@ -122,6 +122,14 @@ class Server:
         return out
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two answers differ (the shorter one's length when
+    one is a prefix of the other)."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def clients_when_ready(servers: dict[str, Server]) -> dict[str, Any]:
     """Wait until every server answers, then an OpenAI client for each, by name."""
     import openai
@@ -239,11 +247,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, ref in (("null", "vllm"), ("kvtier", "vllm"), ("kvtier", "null")):
                 a, b = answers[name], answers[ref]
                 if a != b:
-                    pairs = enumerate(zip(a, b, strict=False))
-                    first = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
                     mismatches.append(
                         {"pair": f"{name}/{ref}", "workload": workload, "turn": turn,
-                         "first_divergent_token": first}
+                         "first_divergent_token": first_difference(a, b)}
                     )  # fmt: skip
             return answers["vllm"]
 
