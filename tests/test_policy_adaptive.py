@@ -170,9 +170,23 @@ def test_adaptive_bad_parameters() -> None:
         ({"window": 0}, "window"),
         ({"margin": -1}, "margin"),
         ({"capacity": 0}, "capacity"),
+        ({"start": "lru"}, "neither one of the points"),
+        ({"start": "2:last"}, "neither one of the points"),
+        ({"start": "x:last"}, "bad point"),
     ):
         with pytest.raises(ConfigError, match=match):
             make_policy("adaptive", **params)
+
+
+def test_adaptive_starts_on_a_point_or_an_expert() -> None:
+    assert AdaptivePolicy(start="16:last").describe()["leader"] == "two-class(bonus=16,order=last)"
+    assert AdaptivePolicy(start="s3-fifo").describe()["leader"] == "s3-fifo"
+    pol = AdaptivePolicy(start="interval", capacity=8)
+    assert pol.describe()["leader"] == "interval"
+    for i in range(8):
+        pol.on_insert(k(i))
+    pol.on_access(k(0))
+    assert pol.victims(1, every) == [k(1)]  # interval's order: the pages used once, oldest first
 
 
 def _random_adaptive(seed: int, leader: int) -> tuple[AdaptivePolicy, list[PageKey]]:

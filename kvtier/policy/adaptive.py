@@ -22,7 +22,10 @@ This policy covers that range with one bookkeeping and picks the point that fits
    (memory: ``window`` miniature capacities of references) say which does best on this
    traffic now; the tier follows the best (the *leader*), switching only when
    another leads it by ``margin`` of the references seen since the miniatures began to
-   evict, plus 4 hits (so noise does not make it thrash).
+   evict, plus 4 hits (so noise does not make it thrash). Until then the tier follows
+   ``interval`` (LRU-2's order for pages used once, forecasts for the rest), the part
+   that is level with or ahead of LRU-2 alone in most cells, so a short trace does not
+   pay for a weak start.
 3. **Prefix cuts** (:mod:`kvtier.policy.prefix_cut`): orphans go first and a victim's
    descendants leave before it, deepest first, whatever the point; the miniatures apply
    the same rule, so they measure what the tier really does.
@@ -107,16 +110,18 @@ class AdaptivePolicy(EvictionPolicy):
         mini_pages: int = 4096,
         window: float = 16.0,
         margin: float = 0.002,
-        start: str = "1:freq",
+        start: str | None = None,
     ) -> None:
         """``points``: the family's points, ``"bonus:order"`` (see
         :mod:`kvtier.policy.twoclass`; ``"inf:kth"`` is LRU-2). ``experts``: registered
         policies run beside the family with their own bookkeeping (each costs one more
         policy's work and one more miniature). ``history``: capacities of evicted pages
         whose references are remembered. ``mini_pages``, ``window``, ``margin``: see the
-        module docstring. ``start``: the point followed until the miniatures have evicted
-        anything and shown a lead (``1:freq``, fair at every size). Raises
-        :class:`ConfigError` for a bad value."""
+        module docstring. ``start``: the point or expert followed until the miniatures have
+        evicted anything and shown a lead; by default ``interval`` (LRU-2's order for pages
+        used once, forecasts for the rest: level with or ahead of LRU-2 alone in most suite
+        cells), else LRU-2 when ``interval`` is not an expert. Raises :class:`ConfigError`
+        for a bad value, naming it."""
         if isinstance(points, str) or not points:
             raise ConfigError(f"adaptive: points must be a list of 'bonus:order', got {points!r}")
         check_two_class(0.0, "last", history, capacity)
@@ -147,15 +152,39 @@ class AdaptivePolicy(EvictionPolicy):
         self.mini_pages = mini_pages
         self.window = float(window)
         self.margin = float(margin)
-        # The leader until the miniatures tell: a middle point, fair at every size.
-        first = _points([start])[0]
-        self.leader = self.grid.index(first) if first in self.grid else len(self.grid) - 1
+        # The leader until the miniatures tell.
+        self.leader = self._start_index(start)
         self.switches = 0
         self._since_check = 0
         self._refs_decayed = 0.0
         self._hinted: EvictionPolicy | None = None
         self._hinted_at = -1
         self._hits_at_hints: list[int] = []
+
+    def _start_index(self, start: str | None) -> int:
+        """The position of ``start`` (one of the points or the experts) in ``minis``; for
+        ``None``, of ``interval`` if it is an expert, else of LRU-2 (``inf:kth``) if it is
+        a point, else of the last point."""
+        experts = self.names[len(self.grid) :]
+        if start is None:
+            if "interval" in experts:
+                return self.names.index("interval")
+            lru2 = (math.inf, "kth")
+            return self.grid.index(lru2) if lru2 in self.grid else len(self.grid) - 1
+        start = str(start)
+        if start in experts:
+            return self.names.index(start)
+        if ":" in start:
+            first = _points([start])[0]
+            if first in self.grid:
+                return self.grid.index(first)
+        raise ConfigError(
+            f"adaptive: start {start!r} is neither one of the points {self._point_labels()} "
+            f"nor one of the experts {experts}"
+        )
+
+    def _point_labels(self) -> list[str]:
+        return [f"{b:g}:{o}" for b, o in self.grid]
 
     @property
     def c(self) -> int:
