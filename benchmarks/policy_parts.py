@@ -6,8 +6,8 @@ spec's prefix hit rate minus the best classic's. ``--parts`` adds every point an
 of the default ``adaptive`` alone, wrapped in the prefix cuts ``adaptive`` applies
 (``p<bonus>:<order>``, ``x-<expert>``): where one of them is ahead of the best classic,
 ``adaptive`` trailing there is the cost of choosing online; where none is, no choice
-among them can be ahead. A spec is a policy name, optionally with JSON parameters:
-``adaptive:start="inf:kth"``, ``adaptive:margin=0.001``.
+among them can be ahead. A spec is a policy name, optionally with its parameters as a
+JSON object: ``adaptive:{"start": "inf:kth"}``, ``adaptive:{"experts": ["s3-fifo"]}``.
 
 Cells: ``WORKLOAD/sSEED@SHARE`` (a generated trace of ``--requests`` requests),
 ``mooncake-a@SHARE`` / ``mooncake-b@SHARE`` (the halves of ``--trace``) or
@@ -16,7 +16,7 @@ Cells: ``WORKLOAD/sSEED@SHARE`` (a generated trace of ``--requests`` requests),
     .venv/bin/python benchmarks/policy_parts.py \\
         --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl \\
         --cell zipf/s4@0.1 --cell mw8000@0.05 --parts --policy adaptive \\
-        --policy 'adaptive:start="inf:kth"' --jobs 2
+        --policy 'adaptive:{"start": "inf:kth"}' --jobs 2
 
 Hit rates are exact and repeatable. A benchmark, not a test: nothing here asserts.
 """
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import kvtier.policy  # noqa: F401 - registers the policies
+from kvtier.errors import ConfigError
 from kvtier.policy.adaptive import DEFAULT_POINTS
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
@@ -67,20 +68,19 @@ def parts() -> dict[str, Callable[[], EvictionPolicy]]:
 
 
 def factory(spec: str) -> Callable[[], EvictionPolicy]:
-    """A policy factory for ``spec``: a part's label, or ``name[:key=json,...]``."""
+    """A policy factory for ``spec``: a part's label, or ``name[:{JSON parameters}]``."""
     known = parts()
     if spec in known:
         return known[spec]
-    name, _, args = spec.partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, args.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"policy spec {spec!r}: {item!r} is not key=value")
+    name, sep, args = spec.partition(":")
+    params: Any = {}
+    if sep:
         try:
-            params[key] = json.loads(value)
+            params = json.loads(args)
         except json.JSONDecodeError:
-            raise SystemExit(f"policy spec {spec!r}: {value!r} is not JSON") from None
+            params = None
+        if not isinstance(params, dict):
+            raise SystemExit(f"policy spec {spec!r}: after ':' give a JSON object")
     return functools.partial(make_policy, name, **params)
 
 
@@ -129,6 +129,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
     specs = [*CLASSIC, *args.policy, *(parts() if args.parts else ())]
+    for spec in specs:  # a bad spec stops here, before any replay
+        try:
+            factory(spec)()
+        except ConfigError as exc:
+            raise SystemExit(f"policy spec {spec!r}: {exc}") from None
     jobs: list[Job] = []
     for cell in args.cell:
         label, sep, share = cell.rpartition("@")

@@ -31,6 +31,7 @@ def check(trace: Trace, policy: str, share: float, mini_pages: int) -> tuple[flo
     cap = max(1, int(share * trace.distinct_blocks()))
     w = WhatIf([TierModel("t", cap, functools.partial(make_policy, policy))], mini_pages=mini_pages)
     for r in trace.requests:
+        w.on_time(r.timestamp_s)  # as the live cache ticks its clock on every lookup
         w.on_request(r.blocks)
     est = w.estimates()["t"]
     worst = 0.0

@@ -20,7 +20,10 @@ from kvtier.sim.workloads import workload
 
 
 def _feed(w: WhatIf, tr: Trace) -> None:
+    """The trace's requests, each after its time (as the replay and the live cache give
+    the clock to policies that keep time, such as ``adaptive``'s ``interval``)."""
     for r in tr.requests:
+        w.on_time(r.timestamp_s)
         w.on_request(r.blocks)
 
 

@@ -40,18 +40,19 @@ This policy covers that range with one bookkeeping and picks the point that fits
 Nothing is tied to a trace: the points, the experts and four numbers are the whole
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
 the other half and on fresh seeds (docs/benchmarks.md, "Policy suite"), where the policy
-is ahead of the best classic policy in 27 of 44 held-out and 21 of 40 fresh cells and
-behind by at most 0.007 in the rest, while each classic policy is 0.04 to 0.12 behind
-somewhere.
+is ahead of the best classic policy in 31 of 44 held-out and 25 of 40 fresh cells, level
+in 6 and 3, and behind by at most 0.0074 in the rest, while each classic policy is 0.04 to
+0.12 behind somewhere.
 
 ``capacity`` is the tier's size in pages when known; without it the policy uses the most
 pages held at once (a tier fills before it evicts), and miniatures grow with it; the
 sampling rate halves whenever a miniature would pass ``2 x mini_pages`` (8,192 pages by
 default: below that the miniatures are full-size replays of each point, exact; sampled
 ones estimate block hits, which narrows the real gaps between points in prefix hit rate,
-so they pick less surely). Everything is
-deterministic (hash sampling, no Python ``hash``), so the live pipeline and the replay
-make the same decisions.
+so they pick less surely). Everything is deterministic (hash sampling, no Python
+``hash``), so the live pipeline and the replay make the same decisions given the same
+clock: ``interval`` (and ``hinted``) forecast by time, and the replay gives them the
+trace's timestamps, a live cache ``time.monotonic()``.
 """
 
 from __future__ import annotations
