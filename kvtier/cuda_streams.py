@@ -47,7 +47,7 @@ class EventLike(Protocol):
     def done(self) -> bool: ...
 
 
-@dataclass
+@dataclass(eq=False)  # one wait each: removed by identity
 class _Pending:
     event: EventLike
     future: asyncio.Future[None]
@@ -112,25 +112,32 @@ class EventPoller:
                 if self._closed:
                     return
                 batch = list(self._pending)
-            fired: list[_Pending] = []
+            # (item, the query's exception or None): events that fired, failed or whose
+            # wait was cancelled.
+            fired: list[tuple[_Pending, Exception | None]] = []
             for item in batch:
                 if item.future.cancelled():
-                    fired.append(item)
+                    fired.append((item, None))
                     continue
                 self.polls += 1
                 try:
                     done = item.event.done
                 except Exception as exc:  # a failed CUDA query fails that wait only
-                    item.loop.call_soon_threadsafe(_set_exception, item.future, exc)
-                    fired.append(item)
+                    fired.append((item, exc))
                     continue
                 if done:
-                    item.loop.call_soon_threadsafe(_set_result, item.future)
-                    fired.append(item)
+                    fired.append((item, None))
             with self._cond:
-                for item in fired:
+                if self._closed:  # close() took the pending list and failed its waits
+                    return
+                for item, _ in fired:  # no longer watched once its future is resolved
                     self._pending.remove(item)
                 more = bool(self._pending)
+            for item, error in fired:
+                if error is not None:
+                    item.loop.call_soon_threadsafe(_set_exception, item.future, error)
+                elif not item.future.cancelled():
+                    item.loop.call_soon_threadsafe(_set_result, item.future)
             if fired:
                 sleep = self.min_sleep_s
             elif more:

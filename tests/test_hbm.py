@@ -90,6 +90,29 @@ def test_bad_options_are_rejected_before_any_gpu_work() -> None:
 # -- event poller (CPU, stand-in events) -----------------------------------------------
 
 
+async def test_a_resolved_wait_is_no_longer_pending_and_close_races_no_thread() -> None:
+    """A wait's future resolves only after its event left the pending list (it used to
+    resolve first, so ``pending()`` could still count it), and closing the poller while
+    its thread is polling does not crash the thread (it used to remove items from the
+    list ``close`` had emptied)."""
+    crashes: list[BaseException | None] = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: crashes.append(args.exc_value)
+    try:
+        for i in range(100):
+            poller = EventPoller()
+            await poller.wait(TimerEvent(0.0005))
+            assert poller.pending() == 0
+            late = poller.wait(TimerEvent(1.0))
+            await asyncio.sleep(0.0001 * (i % 10))  # close at varied points of a poll
+            poller.close()
+            with pytest.raises(KVTierError, match="closed while waiting"):
+                await late
+    finally:
+        threading.excepthook = old_hook
+    assert crashes == []
+
+
 async def test_poller_resolves_without_blocking_the_loop() -> None:
     poller = EventPoller()
     try:

@@ -41,7 +41,7 @@ Nothing is tied to a trace: the points, the experts and four numbers are the who
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
 the other half and on fresh seeds (docs/benchmarks.md, "Policy suite"), where the policy
 is ahead of the best classic policy in 31 of 44 held-out and 25 of 40 fresh cells, level
-in 6 and 3, and behind by at most 0.0074 in the rest, while each classic policy is 0.04 to
+in 6 and 3, and behind by at most 0.0073 in the rest, while each classic policy is 0.04 to
 0.12 behind somewhere.
 
 ``capacity`` is the tier's size in pages when known; without it the policy uses the most
@@ -179,13 +179,11 @@ class AdaptivePolicy(EvictionPolicy):
             first = _points([start])[0]
             if first in self.grid:
                 return self.grid.index(first)
+        points = [f"{b:g}:{o}" for b, o in self.grid]
         raise ConfigError(
-            f"adaptive: start {start!r} is neither one of the points {self._point_labels()} "
+            f"adaptive: start {start!r} is neither one of the points {points} "
             f"nor one of the experts {experts}"
         )
-
-    def _point_labels(self) -> list[str]:
-        return [f"{b:g}:{o}" for b, o in self.grid]
 
     @property
     def c(self) -> int:
