@@ -34,18 +34,15 @@ from typing import Any
 
 import kvtier.policy  # noqa: F401 - registers the policies
 from kvtier.errors import ConfigError
-from kvtier.policy.adaptive import DEFAULT_POINTS
+from kvtier.policy.adaptive import DEFAULT_EXPERTS, DEFAULT_POINTS
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
 from kvtier.policy.prefix_cut import PrefixCutPolicy
 from kvtier.policy.twoclass import TwoClassPolicy
 from kvtier.sim.replay import make_tiers, replay
-from kvtier.sim.suite import CLASSIC
+from kvtier.sim.suite import CLASSIC, mooncake_half
 from kvtier.sim.trace import Trace, read_mooncake
 from kvtier.sim.workloads import workload
-
-#: ``adaptive``'s default experts (see :class:`kvtier.policy.adaptive.AdaptivePolicy`).
-DEFAULT_EXPERTS: tuple[str, ...] = ("s3-fifo", "interval")
 
 
 def _cut_point(bonus: float, order: str) -> EvictionPolicy:
@@ -84,22 +81,26 @@ def factory(spec: str) -> Callable[[], EvictionPolicy]:
     return functools.partial(make_policy, name, **params)
 
 
-def build(label: str, requests: int, trace: Path | None) -> Trace:
-    """The trace a cell label names (see the module docstring)."""
-    if label.startswith(("mooncake-", "mw")):
+def check_label(label: str, trace: Path | None) -> None:
+    """Exit with a message naming the problem if ``label`` names no trace (see the module
+    docstring); run before the replays start (a worker process cannot stop the pool)."""
+    if label in ("mooncake-a", "mooncake-b") or (label.startswith("mw") and label[2:].isdigit()):
         if trace is None:
             raise SystemExit(f"cell {label!r} needs --trace")
-        tr = read_mooncake(trace)
-        if label.startswith("mw"):
-            lo = int(label[2:])
-            return tr.slice(lo, lo + requests, label)
-        mid = len(tr.requests) // 2
-        if label.endswith("a"):
-            return tr.slice(0, mid, label)
-        return tr.slice(mid, len(tr.requests), label)
-    name, sep, seed = label.partition("/s")
-    if not sep:
+        return
+    _, sep, seed = label.partition("/s")
+    if not sep or not seed.isdigit():
         raise SystemExit(f"cell {label!r}: use WORKLOAD/sSEED, mooncake-a|b or mwLO")
+
+
+def build(label: str, requests: int, trace: Path | None) -> Trace:
+    """The trace a cell label names (checked by :func:`check_label`)."""
+    if label.startswith("mooncake-") and trace is not None:
+        return mooncake_half(trace, label[-1])
+    if label.startswith("mw") and trace is not None:
+        lo = int(label[2:])
+        return read_mooncake(trace).slice(lo, lo + requests, label)
+    name, _, seed = label.partition("/s")
     return workload(name, n=requests, seed=int(seed)).without_hints()
 
 
@@ -139,6 +140,7 @@ def main() -> None:
         label, sep, share = cell.rpartition("@")
         if not sep:
             raise SystemExit(f"cell {cell!r}: use LABEL@SHARE")
+        check_label(label, args.trace)
         jobs.append((label, float(share), specs, args.requests, args.trace))
     gains: dict[str, list[float]] = {s: [] for s in specs if s not in CLASSIC}
     with Pool(max(1, args.jobs)) as pool:

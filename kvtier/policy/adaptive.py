@@ -72,6 +72,8 @@ from kvtier.policy.twoclass import TwoClassBook, TwoClassPolicy, check_two_class
 #: The points of the family the miniatures compare, as ``"bonus:order"``: LRU, a short
 #: frequency-weighted head start, a long one, and LRU-2.
 DEFAULT_POINTS: tuple[str, ...] = ("0:last", "1:freq", "16:last", "inf:kth")
+#: The experts run beside the points by default, each with its own bookkeeping.
+DEFAULT_EXPERTS: tuple[str, ...] = ("s3-fifo", "interval")
 
 
 def _expert(name: str) -> EvictionPolicy:
@@ -105,7 +107,7 @@ class AdaptivePolicy(EvictionPolicy):
     def __init__(
         self,
         points: Sequence[str] = DEFAULT_POINTS,
-        experts: Sequence[str] = ("s3-fifo", "interval"),
+        experts: Sequence[str] = DEFAULT_EXPERTS,
         history: float = 8.0,
         capacity: int | None = None,
         mini_pages: int = 4096,

@@ -80,7 +80,7 @@ def suite_traces(
             part = "a" if which == "tune" else "b"
             out.append(
                 SuiteTrace(
-                    f"mooncake-{part}", which, functools.partial(_mooncake_half, mooncake, part)
+                    f"mooncake-{part}", which, functools.partial(mooncake_half, mooncake, part)
                 )
             )
         for w in name:
@@ -90,7 +90,9 @@ def suite_traces(
     return out
 
 
-def _mooncake_half(path: Path, part: str) -> Trace:
+def mooncake_half(path: Path, part: str) -> Trace:
+    """The first (``part`` ``"a"``) or second (``"b"``) half of the Mooncake-format trace
+    at ``path``, by requests, named ``mooncake-a`` / ``mooncake-b``."""
     tr = read_mooncake(path)
     mid = len(tr.requests) // 2
     if part == "a":
