@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
@@ -45,6 +45,7 @@ from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, close_order, victims_in_order
 from kvtier.policy.hints import Hint
 from kvtier.policy.prefix_cut import policy_offers
+from kvtier.policy.rate_table import RateTable
 
 #: Unforeseen references of a page closer than this (seconds) count as one: the same
 #: request touching a page twice (its store, then its load) is not two uses.
@@ -104,6 +105,8 @@ class HintedPolicy(EvictionPolicy):
         self._predicted: dict[PageKey, list[tuple[float, float, float]]] = {}
         #: page -> [first, last, count] of its unforeseen references.
         self._unforeseen: dict[PageKey, list[float]] = {}
+        #: The held pages with two or more of them, for ranking all at once.
+        self._rates = RateTable()
         #: Pages with an unforeseen rate the tier no longer holds, oldest first.
         self._rate_absent: OrderedDict[PageKey, None] = OrderedDict()
         #: The same for pages with one unforeseen reference (kept ``history`` only).
@@ -274,6 +277,9 @@ class HintedPolicy(EvictionPolicy):
         self._change(key)
         pending = self._predicted.get(key)
         self._count_unforeseen(key, pending or [])
+        seen = self._unforeseen.get(key)
+        if seen is not None and seen[2] >= 2.0:
+            self._rates.set(key, *seen)
         if pending is not None:  # the predicted uses due by now happened
             now = self.now
             left = [p for p in pending if p[0] > now + p[2] and p[1] >= now]
@@ -310,6 +316,7 @@ class HintedPolicy(EvictionPolicy):
         if key not in self._resident:
             return
         self._resident.discard(key)
+        self._rates.discard(key)
         self.fallback.on_remove(key)
         self._changed.discard(key)
         self._fresh_scores.pop(key, None)
@@ -373,13 +380,17 @@ class HintedPolicy(EvictionPolicy):
         weight = self._weight
 
         # 2. no forecast: the fallback's order, light pages before heavy ones. Those pages
-        # are known (kept up to date), so the fallback's order is read only as far as the
-        # last of them.
+        # are known (kept up to date): the fallback's order is read only as far as the
+        # last of them, or (a few, and a fallback such as LRU-K that can) sorted into it.
         self._catch_up()
         plain = {k for k in self._plain if k not in pinned and k not in done}
         heavy: list[PageKey] = []
         if plain:
-            order = self._fallback_order(plain.__contains__)
+            sort = getattr(self.fallback, "order_of", None)  # a few pages: sorted, not sought
+            if callable(sort) and 4 * len(plain) < len(self._resident):
+                order: Iterator[PageKey] = iter(sort(plain))
+            else:
+                order = self._fallback_order(plain.__contains__)
             try:
                 for key in order:
                     plain.discard(key)
@@ -414,28 +425,33 @@ class HintedPolicy(EvictionPolicy):
     def _by_forecast(self) -> Iterator[PageKey]:
         """The held pages with a forecast, furthest (weighted) first.
 
-        Forecasts move with the clock, so the ranking is scored afresh for each walk while
-        the tier holds at most ``EXACT_RANKING_PAGES`` pages. Above that a walk reuses the
-        last ranking, skipping the pages changed since (referenced, hinted, stored),
-        which it scores once per change and merges in; the ranking is rebuilt once
-        ``RANKING_REUSE_SHARE`` of the pages changed or left since it was built. The cost
-        per evicted page stays bounded on a large tier; what the reused ranking misses is
-        the drift of the clock since it was built (a prediction that became overdue, a
-        rate that stretched)."""
+        Forecasts move with the clock, so each walk scores the ranking afresh while the
+        tier holds at most ``EXACT_RANKING_PAGES`` pages. Above, a walk reuses the last
+        ranking, skipping the pages changed since (referenced, hinted, stored), scored once
+        per change and merged in; it is rebuilt once ``RANKING_REUSE_SHARE`` of the pages
+        changed or left. The cost per evicted page stays bounded on a large tier; the reused
+        ranking misses the clock's drift (a prediction now overdue, a rate stretched)."""
         held = len(self._resident)
-        ranking = self._ranking
+        ranking: Iterable[tuple[float, PageKey]] | None = self._ranking
         changed = self._changed
         scores = self._fresh_scores
         fresh: list[tuple[float, PageKey]] = []
         if (
-            ranking is None
+            self._ranking is None
             or held <= EXACT_RANKING_PAGES
             or len(changed) > held * RANKING_REUSE_SHARE
             or self._left_since_ranking > held * RANKING_REUSE_SHARE
         ):
-            ranking = [(sc, k) for k in self._resident if (sc := self._score(k)) is not None]
-            ranking.sort(reverse=True)
-            self._ranking = ranking if held > EXACT_RANKING_PAGES else None
+            if self._predicted or self._weight:
+                built = [(sc, k) for k in self._resident if (sc := self._score(k)) is not None]
+                built.sort(reverse=True)
+                ranking = built
+            else:  # rate forecasts alone: scored in one vectorised pass, sorted as read
+                ranking = self._rates.ranked(self.now)
+            if held > EXACT_RANKING_PAGES:
+                self._ranking = ranking = list(ranking)
+            else:
+                self._ranking = None
             self._ranking_head = 0
             self._left_since_ranking = 0
             changed.clear()
@@ -443,9 +459,10 @@ class HintedPolicy(EvictionPolicy):
         else:
             # Entries of pages changed or gone since the build are stale for good: the
             # head skips them once. Changed pages are scored once per change.
+            kept_list = self._ranking
             head, resident = self._ranking_head, self._resident
-            while head < len(ranking) and (
-                ranking[head][1] in changed or ranking[head][1] not in resident
+            while head < len(kept_list) and (
+                kept_list[head][1] in changed or kept_list[head][1] not in resident
             ):
                 head += 1
             self._ranking_head = head
@@ -456,7 +473,7 @@ class HintedPolicy(EvictionPolicy):
             fresh.sort(reverse=True)
         kept = (
             item
-            for item in itertools.islice(ranking, self._ranking_head, None)
+            for item in itertools.islice(ranking or (), self._ranking_head, None)
             if item[1] not in changed
         )
         for _, key in heapq.merge(kept, fresh, reverse=True):
