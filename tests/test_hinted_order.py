@@ -100,7 +100,7 @@ def test_hinted_order_matches_its_definition(ops: list[tuple[object, ...]]) -> N
 
 
 unhinted_steps = st.lists(
-    st.one_of(
+    st.one_of(  # references twice as likely as the rest: most pages get a rate
         st.tuples(st.just("ref"), st.integers(0, 3 * PAGES - 1)),
         st.tuples(st.just("ref"), st.integers(0, 3 * PAGES - 1)),
         st.tuples(st.just("remove"), st.integers(0, 3 * PAGES - 1)),
@@ -125,10 +125,22 @@ def test_hinted_reused_ranking_matches_between_rebuilds(ops: list[tuple[object, 
     # Past EXACT_RANKING_PAGES the ranking is reused between walks (here: never rebuilt
     # once built); every change but the clock's drift is merged in, so with a stopped
     # clock it is still exact.
+    _run_reused([op for op in ops if op[0] != "time"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(unhinted_steps)
+def test_unhinted_ranking_kept_as_a_list_matches(ops: list[tuple[object, ...]]) -> None:
+    # A large tier keeps the rate table's ranking as a list (here: rebuilt for every walk,
+    # so the clock may run and rates form).
+    _run_reused(ops, share=-1.0)
+
+
+def _run_reused(ops: list[tuple[object, ...]], share: float = 1e9) -> None:
     saved = hinted_module.EXACT_RANKING_PAGES, hinted_module.RANKING_REUSE_SHARE
-    hinted_module.EXACT_RANKING_PAGES, hinted_module.RANKING_REUSE_SHARE = 0, 1e9
+    hinted_module.EXACT_RANKING_PAGES, hinted_module.RANKING_REUSE_SHARE = 0, share
     try:
-        _run([op for op in ops if op[0] != "time"], lambda key: key[0] % 3 != 0)
+        _run(ops, lambda key: key[0] % 3 != 0)
     finally:
         hinted_module.EXACT_RANKING_PAGES, hinted_module.RANKING_REUSE_SHARE = saved
 
