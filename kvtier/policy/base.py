@@ -23,7 +23,10 @@ again and again: :class:`~kvtier.policy.leaf_first.LeafFirstPolicy`
 uses it to take a chain tail-first in one pass (without it, every call rescans the
 ancestors that precede each leaf in the order, quadratic in the chain length).
 :func:`ordered_keys_of` gives a policy's order, or ``None`` for a policy without the hook
-(or one whose ``ordered_keys`` returns ``None``: it has no single order now).
+(or one whose ``ordered_keys`` returns ``None``: it has no single order now). A policy
+with that order may also offer ``order_of(keys)``: the resident ones of ``keys`` in it,
+sorted directly (LRU-K does); ``hinted`` uses it to place a few pages in its fallback's
+order without walking the whole order.
 """
 
 from __future__ import annotations

@@ -432,7 +432,7 @@ class HintedPolicy(EvictionPolicy):
         changed or left. The cost per evicted page stays bounded on a large tier; the reused
         ranking misses the clock's drift (a prediction now overdue, a rate stretched)."""
         held = len(self._resident)
-        ranking: Iterable[tuple[float, PageKey]] | None = self._ranking
+        ranking: Iterable[tuple[float, PageKey]]
         changed = self._changed
         scores = self._fresh_scores
         fresh: list[tuple[float, PageKey]] = []
@@ -459,10 +459,10 @@ class HintedPolicy(EvictionPolicy):
         else:
             # Entries of pages changed or gone since the build are stale for good: the
             # head skips them once. Changed pages are scored once per change.
-            kept_list = self._ranking
+            ranking = listed = self._ranking
             head, resident = self._ranking_head, self._resident
-            while head < len(kept_list) and (
-                kept_list[head][1] in changed or kept_list[head][1] not in resident
+            while head < len(listed) and (
+                listed[head][1] in changed or listed[head][1] not in resident
             ):
                 head += 1
             self._ranking_head = head
@@ -473,7 +473,7 @@ class HintedPolicy(EvictionPolicy):
             fresh.sort(reverse=True)
         kept = (
             item
-            for item in itertools.islice(ranking or (), self._ranking_head, None)
+            for item in itertools.islice(ranking, self._ranking_head, None)
             if item[1] not in changed
         )
         for _, key in heapq.merge(kept, fresh, reverse=True):
