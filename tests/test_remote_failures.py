@@ -149,8 +149,13 @@ async def test_frozen_server_times_out_within_deadline(
     server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     keys, data = keys_for(64), pages(64)
+    # The pages are stored beforehand with a roomy deadline: a scheduling stall of more than
+    # TIMEOUT on a loaded 2-core machine once failed this set-up (and logged an outage)
+    # before the server was ever frozen.
+    async with store(server.url, op_timeout_s=30.0, connect_timeout_s=30.0) as filler:
+        assert await filler.put(keys, data) == [True] * 64
     async with store(server.url, batch_pages=4, max_inflight=2) as s:
-        assert await s.put(keys, data) == [True] * 64
+        assert await s.contains(keys[:1]) == [True]  # one round trip: a connection open
         server.pause()  # SIGSTOP: connections stay open, nothing answers
         try:
             out = [np.zeros(PAGE, np.uint8) for _ in keys]
