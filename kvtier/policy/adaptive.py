@@ -64,9 +64,10 @@ from typing import Any, ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, victims_in_order
+from kvtier.policy.eviction import LRUPolicy
 from kvtier.policy.hints import Hint, HintAware, hint_target
 from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy, policy_offers
-from kvtier.policy.shadow import KeySampler, MiniCache
+from kvtier.policy.shadow import KeySampler, MiniCache, RecentPins
 from kvtier.policy.twoclass import TwoClassBook, TwoClassPolicy, check_two_class
 
 #: The points of the family the miniatures compare, as ``"bonus:order"``: LRU, a short
@@ -82,6 +83,15 @@ def _expert(name: str) -> EvictionPolicy:
     if name in ("adaptive", "hinted"):
         raise ConfigError(f"adaptive: {name!r} cannot be an expert here")
     return make_policy(name)
+
+
+def _point_policy(bonus: float, order: str, history: float) -> EvictionPolicy:
+    """A point of the family alone (for its miniature). With no head start (``bonus``
+    0) and an order by last reference (``last``, ``freq``) every page's score is its last
+    reference, a unique tick: that is LRU's order exactly, kept without the book."""
+    if bonus == 0 and order != "kth":
+        return LRUPolicy()
+    return TwoClassPolicy(bonus, order, history)
 
 
 def _points(points: Sequence[str]) -> list[tuple[float, str]]:
@@ -139,8 +149,11 @@ class AdaptivePolicy(EvictionPolicy):
         self.book = TwoClassBook(self.history, capacity)
         self.forest = PageForest()
         self.sampler = KeySampler()
+        #: The recent references the miniatures may not evict, kept once for all of them.
+        self.pins = RecentPins()
         self.minis = [
-            MiniCache(PrefixCutPolicy(TwoClassPolicy(b, o, self.history))) for b, o in self.grid
+            MiniCache(PrefixCutPolicy(_point_policy(b, o, self.history)), pins=self.pins)
+            for b, o in self.grid
         ]
         self.names = [f"two-class(bonus={b:g},order={o})" for b, o in self.grid]
         if isinstance(experts, str):
@@ -211,6 +224,7 @@ class AdaptivePolicy(EvictionPolicy):
             return
         cap = max(self.sampler.rate * self.c, 1.0)
         decay = 1.0 - 1.0 / (self.window * cap)
+        self.pins.push(key, self.minis[0].capacity)
         for m in self.minis:
             m.reference(key, parent, decay)
         if self.minis[0].evicted:  # scores only differ from the first eviction on
@@ -248,7 +262,9 @@ class AdaptivePolicy(EvictionPolicy):
         miniature; the expert learns the pages held now in the order they came."""
         for key, parent in self.forest.parent.items():
             expert.on_insert(key, parent)
-        self.minis.append(MiniCache(PrefixCutPolicy(mini), self.sampler.rate * self.c))
+        self.minis.append(
+            MiniCache(PrefixCutPolicy(mini), self.sampler.rate * self.c, pins=self.pins)
+        )
         for policy in (expert, mini):
             target = hint_target(policy)
             if target is not None:

@@ -219,7 +219,7 @@ class HintedPolicy(EvictionPolicy):
 
     def _count_unforeseen(self, key: PageKey, pending: list[tuple[float, float, float]]) -> None:
         now = self.now
-        if any(at <= now + tol and overdue >= now for at, overdue, tol in pending):
+        if pending and any(at <= now + tol and overdue >= now for at, overdue, tol in pending):
             return  # a use the hints foretold
         seen = self._unforeseen.get(key)
         if seen is None:
@@ -383,7 +383,7 @@ class HintedPolicy(EvictionPolicy):
         # are known (kept up to date): the fallback's order is read only as far as the
         # last of them, or (a few, and a fallback such as LRU-K that can) sorted into it.
         self._catch_up()
-        plain = {k for k in self._plain if k not in pinned and k not in done}
+        plain = self._plain.difference(pinned, done)
         heavy: list[PageKey] = []
         if plain:
             sort = getattr(self.fallback, "order_of", None)  # a few pages: sorted, not sought

@@ -124,11 +124,16 @@ class PageForest:
             for top in inner:
                 if top in done:
                     continue
-                if top not in self.kids:
+                kids = self.kids.get(top)
+                if kids is None:
                     done.add(top)  # not a page here: offered once, skipped
                     continue
                 if evictable is not None and not evictable(top):
                     continue  # it stays; its subtree goes with an ancestor, or in turn
+                if not kids:  # a leaf: no subtree to walk
+                    done.add(top)
+                    yield top
+                    continue
                 for key in self._post_order(top, done):
                     if key not in done:
                         done.add(key)

@@ -50,21 +50,55 @@ class KeySampler:
         self._threshold = int(_FULL * self.rate)
 
 
+class RecentPins:
+    """The pages of the last ``recent`` references (at most a quarter of the capacity),
+    which a miniature does not evict: a real tier pins the pages of the requests it is
+    serving; without this, the pages of one request could evict each other before a hint
+    about them arrives. Miniatures fed the same references at the same capacity share one
+    (it depends on nothing else), so it is kept once for all of them."""
+
+    def __init__(self, recent: int = 32) -> None:
+        self.recent = recent
+        self._recent: deque[PageKey] = deque()
+        #: Page -> how many of the recent references were to it (read by miniatures).
+        self.counts: dict[PageKey, int] = {}
+
+    def push(self, key: PageKey, capacity: float) -> None:
+        """``key`` was referenced, in miniatures of ``capacity`` pages."""
+        limit = min(self.recent, max(int(capacity) // 4, 0))
+        self._recent.append(key)
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        while len(self._recent) > limit:
+            old = self._recent.popleft()
+            n = counts[old] - 1
+            if n:
+                counts[old] = n
+            else:
+                del counts[old]
+
+
 class MiniCache:
     """A cache of ``capacity`` pages driven by references only: a resident page referenced
     is a hit (``on_access``), another is a miss (victims evicted, then ``on_insert``).
     Counts hits and references; ``score`` is an exponentially decayed hit count.
 
-    The pages of the last ``recent`` references are not evicted (a real tier pins the
-    pages of the requests it is serving; without this, the pages of one request could
-    evict each other before a hint about them arrives)."""
+    The pages of the last ``recent`` references are not evicted (:class:`RecentPins`).
+    Given ``pins`` shared with other miniatures, the caller pushes each reference to it
+    once, before feeding the miniatures; otherwise the miniature keeps its own."""
 
-    def __init__(self, policy: EvictionPolicy, capacity: float = 0.0, recent: int = 32) -> None:
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        capacity: float = 0.0,
+        recent: int = 32,
+        pins: RecentPins | None = None,
+    ) -> None:
         self.policy = policy
         self.capacity = capacity
-        self.recent = recent
-        self._recent: deque[PageKey] = deque()
-        self._pinned: dict[PageKey, int] = {}
+        self._own_pins = pins is None
+        self.pins = RecentPins(recent) if pins is None else pins
+        self._pinned = self.pins.counts
         self.resident: set[PageKey] = set()
         self.hits = 0
         self.refs = 0
@@ -73,18 +107,6 @@ class MiniCache:
         #: of the same size holds the same pages).
         self.evicted = False
 
-    def _pin(self, key: PageKey) -> None:
-        limit = min(self.recent, max(int(self.capacity) // 4, 0))
-        self._recent.append(key)
-        self._pinned[key] = self._pinned.get(key, 0) + 1
-        while len(self._recent) > limit:
-            old = self._recent.popleft()
-            n = self._pinned[old] - 1
-            if n:
-                self._pinned[old] = n
-            else:
-                del self._pinned[old]
-
     def _evictable(self, key: PageKey) -> bool:
         return key in self.resident and key not in self._pinned
 
@@ -92,7 +114,8 @@ class MiniCache:
         """Reference ``key``; returns whether it was a hit."""
         self.refs += 1
         self.score *= decay
-        self._pin(key)
+        if self._own_pins:
+            self.pins.push(key, self.capacity)
         if key in self.resident:
             self.policy.on_access(key)
             self.hits += 1

@@ -50,8 +50,16 @@ class TwoClassBook:
     """Cold pages, hot pages by use count and last reference, hot pages by second most
     recent reference, and the retained reference history of evicted pages."""
 
-    def __init__(self, history: float = 8.0, capacity: int | None = None) -> None:
+    def __init__(
+        self, history: float = 8.0, capacity: int | None = None, orders: tuple[str, ...] = ORDERS
+    ) -> None:
+        """``orders``: the orders :meth:`ordered` will be asked for (all by default); a book
+        for ``kth`` alone keeps no per-count lists, one without ``kth`` no heap."""
         self.history = history
+        #: Which structures the orders asked for need: the lists by use count, the heap.
+        self._lists = any(o != "kth" for o in orders)
+        self._heap = "kth" in orders
+        self.orders = tuple(orders)
         self._fixed_c = capacity
         self._seen_c = 0
         self.clock = 0
@@ -78,17 +86,19 @@ class TwoClassBook:
         if uses >= 2:
             self.cold.pop(key, None)
             level = min(uses - 2, LEVELS - 1)
-            old = self._level.get(key)
-            if old is not None and old != level:
-                del self.hot[old][key]
+            if self._lists:
+                old = self._level.get(key)
+                if old is not None and old != level:
+                    del self.hot[old][key]
+                lst = self.hot[level]
+                lst[key] = now
+                lst.move_to_end(key)
             self._level[key] = level
-            lst = self.hot[level]
-            lst[key] = now
-            lst.move_to_end(key)
-            heapq.heappush(self.kth, (second, key))
-            if len(self.kth) > 4 * len(self.resident) + 64:
-                self.kth = [(self.refs[k][1], k) for k in self._level]
-                heapq.heapify(self.kth)
+            if self._heap:
+                heapq.heappush(self.kth, (second, key))
+                if len(self.kth) > 4 * len(self.resident) + 64:
+                    self.kth = [(self.refs[k][1], k) for k in self._level]
+                    heapq.heapify(self.kth)
         else:
             self.cold[key] = now
             self.cold.move_to_end(key)
@@ -109,7 +119,7 @@ class TwoClassBook:
         self.resident.discard(key)
         self.cold.pop(key, None)
         level = self._level.pop(key, None)
-        if level is not None:
+        if level is not None and self._lists:
             del self.hot[level][key]
         self.retained[key] = None
         limit = self.history * self.c
@@ -147,6 +157,8 @@ class TwoClassBook:
         most ``probation`` of the capacity, hot pages come first. Lazy: a caller that
         reads ``m`` pages pays for about ``m`` (plus stale heap entries). The book must
         not change while the iterator is in use."""
+        if order not in self.orders:
+            raise ValueError(f"two-class: this book does not keep the {order!r} order")
         cold_floor = probation * self.c
         finite = math.isfinite(bonus)
         extra = bonus * self.c if finite else 0.0
@@ -244,7 +256,7 @@ class TwoClassPolicy(EvictionPolicy):
         self.probation = float(probation)
         self.bonus = float(bonus)
         self.order = order
-        self.book = TwoClassBook(float(history), capacity)
+        self.book = TwoClassBook(float(history), capacity, (order,))
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
         if key in self.book.resident:
