@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.keys import PageKey
-from kvtier.policy.adaptive import _point_policy
+from kvtier.policy.adaptive import point_policy
 from kvtier.policy.eviction import LRUPolicy
 from kvtier.policy.prefix_cut import PrefixCutPolicy
 from kvtier.policy.shadow import MiniCache, RecentPins
@@ -79,7 +79,7 @@ def test_a_one_order_book_refuses_another_order() -> None:
 def test_the_lru_point_is_plain_lru(ops: list[int]) -> None:
     for order in ("last", "freq"):
         point = TwoClassPolicy(0.0, order, 2.0, 8)
-        lean = _point_policy(0.0, order, 2.0)
+        lean = point_policy(0.0, order, 2.0)
         assert isinstance(lean, LRUPolicy)
         for op in ops:
             key = k(op if op >= 0 else -op - 1)
@@ -89,8 +89,8 @@ def test_the_lru_point_is_plain_lru(ops: list[int]) -> None:
                 else:
                     pol.on_insert(key)
         assert list(lean.ordered_keys()) == list(point.ordered_keys() or ())
-    assert isinstance(_point_policy(0.0, "kth", 8.0), TwoClassPolicy)
-    assert isinstance(_point_policy(1.0, "last", 8.0), TwoClassPolicy)
+    assert isinstance(point_policy(0.0, "kth", 8.0), TwoClassPolicy)
+    assert isinstance(point_policy(1.0, "last", 8.0), TwoClassPolicy)
 
 
 #: Requests walking prefix chains: (chain, how many of its 4 pages), pages in order.

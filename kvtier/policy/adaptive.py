@@ -85,7 +85,7 @@ def _expert(name: str) -> EvictionPolicy:
     return make_policy(name)
 
 
-def _point_policy(bonus: float, order: str, history: float) -> EvictionPolicy:
+def point_policy(bonus: float, order: str, history: float) -> EvictionPolicy:
     """A point of the family alone (for its miniature). With no head start (``bonus``
     0) and an order by last reference (``last``, ``freq``) every page's score is its last
     reference, a unique tick: that is LRU's order exactly, kept without the book."""
@@ -152,7 +152,7 @@ class AdaptivePolicy(EvictionPolicy):
         #: The recent references the miniatures may not evict, kept once for all of them.
         self.pins = RecentPins()
         self.minis = [
-            MiniCache(PrefixCutPolicy(_point_policy(b, o, self.history)), pins=self.pins)
+            MiniCache(PrefixCutPolicy(point_policy(b, o, self.history)), pins=self.pins)
             for b, o in self.grid
         ]
         self.names = [f"two-class(bonus={b:g},order={o})" for b, o in self.grid]
