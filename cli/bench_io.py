@@ -78,7 +78,7 @@ def bench_io_command(
             "--tier",
             "-t",
             help="Backend to measure (repeatable; a registered name or module:Class). "
-            "Default: every available backend.",
+            "Default: every available arena, and every available store with a bench profile.",
         ),
     ] = None,
     page_size: Annotated[

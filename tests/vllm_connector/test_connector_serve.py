@@ -96,6 +96,11 @@ def test_vllm_serve_with_kvtier_over_http(
                 break
             time.sleep(0.5)
         assert total(text, "hinted_pages") >= hinted
+        # the error counters have a sample from the start, 0 on a healthy server
+        samples = {line.split("{")[0] for line in text.splitlines() if line.startswith("vllm:")}
+        for name in ("load_errors", "save_failures", "saves_dropped", "lookup_errors"):
+            assert f"vllm:kvtier_{name}_total" in samples, name
+            assert total(text, name) == 0, name
         assert total(text, "hint_errors") == 1
         assert total(text, "loaded_pages") >= sum((len(p) - 1) // 32 for p in prompts)
     finally:

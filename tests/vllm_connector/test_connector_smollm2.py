@@ -56,3 +56,21 @@ def test_smollm2_same_tokens_computed_and_loaded(
     assert warm["cached"] == [((len(p) - 1) // 32) * 32 for p in prompts]
     assert m["loaded_pages"] == pages
     assert m.get("load_errors", 0) == 0
+
+
+def test_the_model_script_prints_the_model_vllm_serves(smol_model: Path, tmp_path: Path) -> None:
+    """``scripts/smollm2-model`` (what the README's vLLM command runs first) prints the path
+    of the converted model alone on stdout: the tests' own model when given no directory,
+    and refuses a second argument."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "scripts" / "smollm2-model"
+    env = dict(os.environ, KVTIER_TEST_MODELS=str(smol_model.parent))
+    done = subprocess.run([script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [str(smol_model)]
+    assert (Path(done.stdout.strip()) / "config.json").is_file()
+    bad = subprocess.run([script, "a", "b"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr

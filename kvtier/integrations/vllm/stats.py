@@ -127,6 +127,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             documentation="Prompt tokens whose KV kvtier gave, by the tier that held it.",
             labelnames=[*labelnames, "tier"],
         )
+        # Every engine's counters exist from the start, at 0: an error counter that has
+        # counted nothing reads 0, not "no sample" (the tiers of hit_tokens are known only
+        # from their first hit).
+        for values in per_engine_labelvalues.values():
+            for counter in self._counters.values():
+                counter.labels(*[str(v) for v in values])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
