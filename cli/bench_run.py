@@ -67,6 +67,8 @@ def _render(data: dict[str, Any]) -> None:
         f"mismatches {data['mismatches']}",
         highlight=False,
     )
+    if data["disk_dir"] is None:
+        return  # no file/nvme tier: the run made no disk directory of its own
     where = "kept" if data["disk_kept"] else "removed"
     line = f"disk tier directory {data['disk_dir']} ({where})"
     console.print(line, highlight=False, markup=False)

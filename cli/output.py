@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -106,7 +107,11 @@ def fmt(value: Any) -> str:
             return str(value)
         if abs(value) >= 1000:
             return f"{value:,.0f}"
-        return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.1e}"
+        if abs(value) >= 1e-3 or value == 0:
+            return f"{value:.3g}"
+        # small values in plain decimals too (0.00096, not 9.6e-04), 3 significant digits
+        digits = 2 - math.floor(math.log10(abs(value)))
+        return f"{value:.{digits}f}".rstrip("0").rstrip(".")
     if isinstance(value, int):
         return f"{value:,}" if abs(value) >= 10000 else str(value)
     return str(value)

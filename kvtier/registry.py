@@ -177,7 +177,12 @@ def resolve(name: str) -> type[Backend]:
         raise BackendUnavailableError(f"backend {name!r} ({target}) cannot load: {exc}") from exc
     except Exception as exc:
         raise BackendUnavailableError(f"backend {name!r} ({target}) cannot load: {exc}") from exc
-    reason = cls.unavailable_reason()
+    try:
+        reason = cls.unavailable_reason()
+    except Exception as exc:  # a plugin's check that raises: its fault, named as such
+        raise BackendUnavailableError(
+            f"backend {name!r} ({target}): its unavailable_reason() raised {exc!r}"
+        ) from exc
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is unavailable here: {reason}")
     return cls

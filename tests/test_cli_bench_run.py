@@ -155,3 +155,27 @@ def test_run_config_keeps_a_disk_backend_the_config_chose(tmp_path: Path) -> Non
     cfg = live.run_config(chosen, disk_dir=tmp_path)
     assert (cfg.tiers[1].name, cfg.tiers[1].backend) == ("disk", "file")
     assert cfg.tiers[1].options == {"path": str(tmp_path)}
+
+
+def test_a_run_without_a_disk_tier_reports_no_disk_directory(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    """Two DRAM tiers (no file/nvme tier to put the run's directory on): no directory is
+    reported, in the JSON or the text; the default layout reports the one it used."""
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text(
+        '[model]\npreset = "tiny"\n'
+        '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "256KiB"\n'
+        '[[tiers]]\nname = "dram2"\nbackend = "dram"\ncapacity = "4MiB"\n'
+    )
+    args = ["bench", "run", "--config", str(cfg), "--sessions", "2", "--turns", "3"]
+    result = runner.invoke(get_app(), [*args, "--json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["disk_dir"] is None and data["disk_kept"] is False
+    text = runner.invoke(get_app(), args)
+    assert text.exit_code == 0 and "disk tier directory" not in text.stdout
+    small = ["--model", "tiny", "--sessions", "2", "--turns", "3", "--json"]
+    default = runner.invoke(get_app(), ["bench", "run", *small])
+    assert default.exit_code == 0, default.stderr
+    assert json.loads(default.stdout)["disk_dir"] is not None

@@ -84,6 +84,8 @@ def test_tables_keep_their_width_when_piped(tmp_path: Path) -> None:
         (1100.0, "1,100"),
         (0.5, "0.5"),
         (3.14159, "3.14"),
+        (9.6e-04, "0.00096"),
+        (-1.234e-6, "-0.00000123"),
         (123456, "123,456"),
         (12, "12"),
         (None, "-"),
@@ -92,7 +94,7 @@ def test_tables_keep_their_width_when_piped(tmp_path: Path) -> None:
 )
 def test_cells_are_human(value: object, text: str) -> None:
     assert fmt(value) == text
-    assert "e+" not in fmt(1.1e3)
+    assert "e+" not in fmt(1.1e3) and "e-" not in fmt(2e-9)
 
 
 def test_sizes_are_binary_units() -> None:

@@ -136,6 +136,38 @@ class Overwriting(DramArena):
         return await super().put(keys, data, namespace)
 
 
+class KeepsReference(DramArena):
+    """Keeps the caller's buffer from write() and serves its current content."""
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        ok = await super().write(reservations, data)
+        kept = self.__dict__.setdefault("kept", {})
+        for r, d in zip(reservations, data, strict=True):
+            kept[r.key] = d
+        return ok
+
+    async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
+        ok = await super().get(keys, out)
+        kept = self.__dict__.get("kept", {})
+        for k, o, hit in zip(keys, out, ok, strict=True):
+            if hit and k in kept:
+                o[:] = np.frombuffer(kept[k], np.uint8)
+        return ok
+
+
+class LeakyRacingCommits(DramArena):
+    """Keeps the space of a reservation whose key was committed meanwhile."""
+
+    leaked = 0
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        self.leaked += sum(1 for r in reservations if r.key in self._committed)
+        return await super().commit(reservations)
+
+    def used_pages(self) -> int:
+        return super().used_pages() + self.leaked
+
+
 class LaxWrite(DramArena):
     """Accepts buffers of any size in write() (truncating or padding them)."""
 
@@ -174,6 +206,8 @@ def _arena(cls: type[DramArena]) -> Any:
         (RaisingWhenFull, "abort_frees_space"),
         (Overwriting, "put_existing_is_noop"),
         (LaxWrite, "bad_buffers_rejected"),
+        (KeepsReference, "write_keeps_no_reference"),
+        (LeakyRacingCommits, "racing_commits_keep_one_page"),
         (ReopenForgets, "open_close_idempotent"),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,

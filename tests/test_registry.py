@@ -149,6 +149,20 @@ async def test_plugin_from_a_distribution_is_found_and_conforms() -> None:
     assert "round_trip" in report.passed and "survives_reopen" in report.skipped
 
 
+@pytest.mark.usefixtures("plugin_installed")
+async def test_plugin_bench_io_uses_its_profile(tmp_path: Path) -> None:
+    """The example plugin ships its ``kvtier bench io`` profile (no options, a memcpy
+    baseline); a store benchmarked without a profile gets an error that says so."""
+    from kvtier.bench.io import IOBenchParams, bench_io
+
+    params = IOBenchParams(page_bytes=1 << 16, pages=8, repeats=1, workdir=tmp_path)
+    (result,) = await bench_io(["example-mem"], params)
+    assert result.mismatches == 0 and "memcpy" in result.baseline_method  # not fio
+    with pytest.raises(ConfigError, match=r"unknown option.*path.*no bench profile.*"
+                       r"kvtier\.bench_io_profiles"):  # fmt: skip
+        await bench_io(["kvtier_example.memstore:MemoryStore"], params)
+
+
 def test_plugin_is_not_there_without_its_distribution() -> None:
     assert "example-mem" not in _by_name()
     with pytest.raises(UnknownBackendError, match="example-mem"):
@@ -186,6 +200,25 @@ def test_path_whose_dependency_is_missing_is_unavailable(tmp_path: Path) -> None
         with pytest.raises(BackendUnavailableError, match="kvtier_missing_dependency"):
             registry.resolve("kvtier_depfail:Store")
     sys.modules.pop("kvtier_depfail", None)
+
+
+def test_an_availability_check_that_raises_is_the_plugins_fault(tmp_path: Path) -> None:
+    """A plugin whose ``unavailable_reason()`` raises is unavailable, the error naming the
+    backend and the method (not reported as a kvtier bug)."""
+    (tmp_path / "kvtier_raising_check.py").write_text(
+        "from kvtier.backends.dram import DramArena\n\n"
+        "class Store(DramArena):\n"
+        "    @classmethod\n"
+        "    def unavailable_reason(cls):\n"
+        "        raise RuntimeError('boom')\n"
+    )
+    for _ in _on_path(tmp_path):
+        with pytest.raises(
+            BackendUnavailableError,
+            match=r"'kvtier_raising_check:Store'.*unavailable_reason\(\) raised RuntimeError",
+        ):
+            registry.resolve("kvtier_raising_check:Store")
+    sys.modules.pop("kvtier_raising_check", None)
 
 
 def test_unknown_name_lists_registered_backends() -> None:

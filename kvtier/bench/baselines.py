@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib.metadata
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -232,6 +233,8 @@ REDIS_PROFILE = IOProfile(
 
 #: Entry-point group where plugin distributions register the bench profile of their
 #: backends (name = the backend's name, value = ``module:PROFILE``).
+_log = logging.getLogger(__name__)
+
 PROFILE_ENTRY_POINT_GROUP = "kvtier.bench_io_profiles"
 
 _PROFILES: dict[str, IOProfile] = {
@@ -263,9 +266,25 @@ def _entry_point_profile(backend_name: str) -> IOProfile | None:
         eps = importlib.metadata.entry_points(group=PROFILE_ENTRY_POINT_GROUP)
         ep = next((e for e in eps if e.name == backend_name), None)
         profile = ep.load() if ep is not None else None
-    except Exception:  # a broken plugin must not break the benchmark of the others
+    except Exception as exc:  # a broken plugin must not break the benchmark of the others
+        _log.warning(
+            "bench io profile for %r (entry point group %s) cannot load, using the default "
+            "for its kind: %r",
+            backend_name,
+            PROFILE_ENTRY_POINT_GROUP,
+            exc,
+        )
         return None
-    if not isinstance(profile, IOProfile):
+    if profile is not None and not isinstance(profile, IOProfile):
+        _log.warning(
+            "bench io profile for %r (entry point group %s) is a %s, not an IOProfile: "
+            "using the default for its kind",
+            backend_name,
+            PROFILE_ENTRY_POINT_GROUP,
+            type(profile).__name__,
+        )
+        return None
+    if profile is None:
         return None
     _PROFILES[backend_name] = profile
     return profile

@@ -26,6 +26,7 @@ import xxhash
 from kvtier import registry
 from kvtier.backend import Backend
 from kvtier.bench.baselines import (
+    PROFILE_ENTRY_POINT_GROUP,
     BaselineSample,
     IOTarget,
     aligned_buffers,
@@ -33,7 +34,7 @@ from kvtier.bench.baselines import (
     registered_profile,
 )
 from kvtier.bench.pagecache import drop_page_cache
-from kvtier.errors import KVTierUsageError, TierIOError
+from kvtier.errors import ConfigError, KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
 
 DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
@@ -191,7 +192,19 @@ async def bench_backend(
     base: list[BaselineSample] = []
     verified = mismatches = 0
     async with profile.options(workdir) as options:
-        backend: Backend = cls(page_bytes=params.page_bytes, capacity_pages=params.pages, **options)
+        try:
+            backend: Backend = cls(
+                page_bytes=params.page_bytes, capacity_pages=params.pages, **options
+            )
+        except ConfigError as exc:
+            if registered_profile(name) is not None:
+                raise
+            given = ", ".join(f"{k}={v}" for k, v in options.items()) or "none"
+            raise ConfigError(
+                f"{exc} (no bench profile is registered for {name!r}: the default one for "
+                f"its kind passed options {given}; register one in the entry-point group "
+                f"'{PROFILE_ENTRY_POINT_GROUP}', see docs/backend-authors.md)"
+            ) from exc
         async with backend:
             for repeat in range(-1, params.repeats):  # -1: the warm-up pass
                 keys = bench_keys(name, repeat, params.pages, params.seed)

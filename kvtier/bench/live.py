@@ -252,4 +252,8 @@ async def bench_run(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     check_tiers_reached(metrics, [t.name for t in config.tiers], metrics.pop("tier_health"))
-    return RunResult(workload, metrics, config.to_dict(), str(directory), kept)
+    opened = config.to_dict()
+    # a configuration without a file/nvme tier below the top (a plugin's store, say) puts
+    # nothing in the directory: report none rather than a directory no tier used
+    used = any(str(t.get("options", {}).get("path")) == str(directory) for t in opened["tiers"])
+    return RunResult(workload, metrics, opened, str(directory) if used else None, kept and used)

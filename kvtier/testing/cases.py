@@ -20,6 +20,7 @@ from kvtier.backend import ArenaBackend, Backend, BackendClosedError, Reservatio
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.testing.case import LOOP_HOLD_FLOOR_S, MAX_FILL_PAGES, Case, CaseContext, expect
+from kvtier.testing.cases_ownership import racing_commits_keep_one_page, write_keeps_no_reference
 from kvtier.testing.kit import CaseSkipped, ConformanceError, build
 
 
@@ -447,6 +448,16 @@ CASES: tuple[Case, ...] = (
     Case("uncommitted_invisible", "reserved/written pages are invisible", uncommitted_invisible),
     Case("abort_frees_space", "abort gives reserved space back", abort_frees_space),
     Case("put_existing_is_noop", "put of a committed key is a no-op", put_existing_is_noop),
+    Case(
+        "write_keeps_no_reference",
+        "the caller's buffer may be reused after write",
+        write_keeps_no_reference,
+    ),
+    Case(
+        "racing_commits_keep_one_page",
+        "a key committed twice holds one page, one write's bytes",
+        racing_commits_keep_one_page,
+    ),
     Case("exists_counts_prefix", "exists() counts the leading present keys", exists_counts_prefix),
     Case("delete_removes", "delete removes committed keys, per item", delete_removes),
     Case("capacity_honoured", "reserve answers None when full", capacity_honoured),

@@ -1,0 +1,74 @@
+"""Conformance cases about who owns a page's bytes: the caller's buffer is the caller's
+once ``write`` returns, and a key committed twice holds one whole page."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.backend import Backend
+from kvtier.testing.case import CaseContext, expect
+
+
+async def _read_one(b: Backend, key: bytes) -> tuple[bool, np.ndarray]:
+    out = [np.zeros(b.page_bytes, np.uint8)]
+    ok = await b.get([key], out)  # type: ignore[list-item]
+    return ok == [True], out[0]
+
+
+async def write_keeps_no_reference(ctx: CaseContext) -> None:
+    """After ``put`` (and after ``write``, before ``commit``) returns, the caller may reuse
+    its buffer at once: changing it must not change what ``get`` serves."""
+    b = await ctx.backend()
+    keys = ctx.keys(2)
+    data = ctx.pages(2, b.page_bytes)
+    other = ctx.pages(2, b.page_bytes)
+    kept = [d.copy() for d in data]
+    expect(await b.put(keys[:1], data[:1]) == [True], "put of 1 page failed")
+    data[0][:] = other[0]  # the caller reuses its buffer
+    ok, page = await _read_one(b, keys[0])
+    expect(ok, "get of a committed page missed")
+    expect(
+        np.array_equal(page, kept[0]),
+        "changing the caller's buffer after put() changed the stored page: write() kept a "
+        "reference to it (copy the bytes, or write them out, before returning)",
+    )
+    res = await b.reserve(keys[1:])
+    expect(res[0] is not None, "reserve of 1 key in a backend with room failed")
+    taken = [r for r in res if r is not None]
+    expect(await b.write(taken, data[1:]) == [True], "write of a reserved page failed")
+    data[1][:] = other[1]  # reused between write and commit
+    expect(await b.commit(taken) == [True], "commit of a written page failed")
+    ok, page = await _read_one(b, keys[1])
+    expect(
+        ok and np.array_equal(page, kept[1]),
+        "changing the caller's buffer between write() and commit() changed the stored page",
+    )
+
+
+async def racing_commits_keep_one_page(ctx: CaseContext) -> None:
+    """Two reservations of one absent key (two puts racing), written with different
+    bytes (equal keys mean equal tokens, but KV computed in different batches may differ
+    in its last bits): both commits succeed and the key holds one page, whose bytes are
+    the whole of one of the two writes, never a mix."""
+    b = await ctx.backend()
+    key = ctx.keys(1)
+    first, second = ctx.pages(2, b.page_bytes)
+    r1 = await b.reserve(key)
+    r2 = await b.reserve(key)
+    expect(r1[0] is not None and r2[0] is not None, "reserve of an absent key failed")
+    a, c = r1[0], r2[0]
+    assert a is not None and c is not None
+    if c.present:  # the backend saw the first reservation: nothing races
+        await b.abort([a])
+        return
+    expect(await b.write([a], [first]) == [True], "write of the first reservation failed")
+    expect(await b.write([c], [second]) == [True], "write of the second reservation failed")
+    expect(await b.commit([a]) == [True], "commit of the first reservation failed")
+    expect(await b.commit([c]) == [True], "commit of a key committed meanwhile must succeed")
+    ok, page = await _read_one(b, key[0])
+    expect(ok, "get of a key committed twice missed")
+    expect(
+        np.array_equal(page, first) or np.array_equal(page, second),
+        "a key committed twice serves bytes that are neither write's: a mix of the two",
+    )
+    expect(b.used_pages() == 1, f"one key committed twice holds {b.used_pages()} pages, not 1")
