@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -127,8 +128,10 @@ async def check_tier(config: KVTierConfig, i: int) -> TierCheck:
         if await backend.get([key], [out]) != [True] or not np.array_equal(out, want):
             result.step = "read"
             result.error = _why(backend, "the probe page did not read back intact")
+            with contextlib.suppress(Exception):  # leave no probe page behind
+                await backend.delete([key])
             return result
-        if await backend.delete([key]) != [True]:
+        if await backend.delete([key]) != [True] or await backend.contains([key]) != [False]:
             result.step, result.error = "delete", _why(backend, "the probe page was not deleted")
             return result
         result.ok = True

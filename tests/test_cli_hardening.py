@@ -297,3 +297,50 @@ def test_binary_config_files_are_named_by_every_command(
         assert "is not UTF-8 text" in invoke(*args, code=2)["message"]
     monkeypatch.setenv("KVTIER_CONFIG", str(binary))
     assert "is not UTF-8 text" in invoke("inspect", "config", code=2)["message"]
+
+
+@pytest.mark.parametrize("fault", ["delete_keeps", "wrong_bytes"])
+async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """``--check`` fails a tier whose delete answers True but keeps the page, and one that
+    reads back wrong bytes; either way no probe page is left in the tier."""
+    import numpy as np
+    from kvtier.backends.dram import DramArena
+
+    from kvtier import tier_check
+    from kvtier.config import load_config
+
+    class Faulty(DramArena):
+        deleted: tuple[bytes, ...] = ()
+
+        async def delete(self, keys):  # type: ignore[no-untyped-def]
+            self.deleted = (*self.deleted, *keys)
+            if fault == "delete_keeps":
+                return [True] * len(keys)
+            return await super().delete(keys)
+
+        async def get(self, keys, out):  # type: ignore[no-untyped-def]
+            ok = await super().get(keys, out)
+            if fault == "wrong_bytes":
+                for o in out:
+                    np.asarray(o)[0] ^= 0xFF
+            return ok
+
+    raw = {
+        "model": {"preset": "tiny"},
+        "tiers": [{"name": "dram", "backend": "dram", "capacity": "64KiB"}],
+    }
+    cfg = load_config(raw, env={}).config
+    made: list[DramArena] = []
+
+    def create(config, i):  # type: ignore[no-untyped-def]
+        made.append(Faulty(page_bytes=cfg.spec.page_bytes, capacity_pages=8))
+        return made[-1]
+
+    monkeypatch.setattr(tier_check, "create_backend", create)
+    result = await tier_check.check_tier(cfg, 0)
+    assert not result.ok
+    assert result.step == ("delete" if fault == "delete_keeps" else "read")
+    if fault == "wrong_bytes":  # the probe was deleted on the way out
+        assert len(made[0].deleted) == 1
