@@ -231,10 +231,10 @@ REDIS_PROFILE = IOProfile(
     valkey_options, redis_baseline, "redis-benchmark (C client) and bare redis.asyncio"
 )
 
-#: Entry-point group where plugin distributions register the bench profile of their
-#: backends (name = the backend's name, value = ``module:PROFILE``).
 _log = logging.getLogger(__name__)
 
+#: Entry-point group where plugin distributions register the bench profile of their
+#: backends (name = the backend's name, value = ``module:PROFILE``).
 PROFILE_ENTRY_POINT_GROUP = "kvtier.bench_io_profiles"
 
 _PROFILES: dict[str, IOProfile] = {
