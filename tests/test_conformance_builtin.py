@@ -235,3 +235,27 @@ async def test_full_run_lists_every_failed_case() -> None:
     assert "RaisingWhenFull failed 2 conformance case(s)" in message
     assert "capacity_honoured:" in message and "abort_frees_space:" in message
     assert "round_trip" not in message
+
+
+class DeleteKeepsStore(FileStore):
+    """delete() answers True for a committed key but keeps the page."""
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        present = await self.contains(keys)
+        return present
+
+
+async def test_a_delete_that_keeps_pages_is_named_when_emptying(tmp_path: Path) -> None:
+    """A persistent store holding a page from an earlier run is emptied before each case;
+    when its delete() answers True but keeps the page, the failure says so (not just
+    that keys() is not empty)."""
+    async with FileStore(page_bytes=PAGE, capacity_pages=8, path=tmp_path) as first:
+        key = PageKey(bytes(range(16)))
+        assert await first.put([key], [np.zeros(PAGE, np.uint8)]) == [True]
+    (case,) = [c for c in CASES if c.name == "round_trip"]
+    with pytest.raises(ConformanceError, match=r"delete\(\) of the 1 keys.*1 True, 0 False.*"
+                       r"still lists 1"):  # fmt: skip
+        await case.run(
+            lambda: DeleteKeepsStore(page_bytes=PAGE, capacity_pages=8, path=tmp_path),
+            persistent=True,
+        )

@@ -55,9 +55,15 @@ class CaseContext:
         self._open.append(b)
         if clear:
             old = await b.keys()
-            if old:
-                await b.delete(old)
-            expect(await b.keys() == [], "keys() not empty after deleting every key")
+            answered = await b.delete(old) if old else []
+            left = await b.keys()
+            expect(
+                left == [],
+                f"emptying the backend before the case: delete() of the {len(old)} keys that "
+                f"keys() listed answered {answered.count(True)} True, {answered.count(False)} "
+                f"False, and keys() still lists {len(left)} (delete() must remove the pages "
+                "it answers True for, and keys() list only committed pages)",
+            )
         return b
 
     async def cleanup(self) -> None:
