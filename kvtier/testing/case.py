@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +34,17 @@ def expect(cond: object, what: str) -> None:
     """Fail the running case with ``what`` unless ``cond`` holds."""
     if not cond:
         raise ConformanceError(what)
+
+
+def empty_pages(b: Backend, n: int) -> list[np.ndarray]:
+    """``n`` zeroed page buffers of ``b``'s page size (``get``'s ``out``)."""
+    return [np.zeros(b.page_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+async def read_back(b: Backend, keys: Sequence[PageKey]) -> tuple[list[bool], list[np.ndarray]]:
+    """``b.get(keys)`` into fresh buffers: the per-key hits and the buffers."""
+    out = empty_pages(b, len(keys))
+    return await b.get(keys, out), out
 
 
 class CaseContext:

@@ -11,21 +11,24 @@ import functools
 import itertools
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Backend, BackendClosedError, Reservation
 from kvtier.errors import KVTierUsageError
-from kvtier.keys import PageKey
-from kvtier.testing.case import LOOP_HOLD_FLOOR_S, MAX_FILL_PAGES, Case, CaseContext, expect
+from kvtier.testing.case import (
+    LOOP_HOLD_FLOOR_S,
+    MAX_FILL_PAGES,
+    Case,
+    CaseContext,
+    empty_pages,
+    expect,
+    read_back,
+)
 from kvtier.testing.cases_ownership import racing_commits_keep_one_page, write_keeps_no_reference
 from kvtier.testing.kit import CaseSkipped, ConformanceError, build
-
-
-def _empty(b: Backend, n: int) -> list[np.ndarray]:
-    return [np.zeros(b.page_bytes, dtype=np.uint8) for _ in range(n)]
 
 
 async def _expect_usage_error(what: str, call: Callable[[], Awaitable[Any]]) -> None:
@@ -36,11 +39,6 @@ async def _expect_usage_error(what: str, call: Callable[[], Awaitable[Any]]) -> 
     except Exception as exc:
         raise ConformanceError(f"{what}: raised {exc!r}, expected KVTierUsageError") from exc
     raise ConformanceError(f"{what}: accepted, expected KVTierUsageError")
-
-
-async def _read_back(b: Backend, keys: Sequence[PageKey]) -> tuple[list[bool], list[np.ndarray]]:
-    out = _empty(b, len(keys))
-    return await b.get(keys, out), out
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -106,7 +104,7 @@ async def round_trip(ctx: CaseContext) -> None:
     data = ctx.pages(5, b.page_bytes)
     expect(await b.put(keys, data) == [True] * 5, "put of 5 pages into an empty backend failed")
     expect(b.used_pages() == 5, f"used_pages() is {b.used_pages()} after 5 puts, expected 5")
-    ok, out = await _read_back(b, keys)
+    ok, out = await read_back(b, keys)
     expect(ok == [True] * 5, f"get of 5 committed pages answered {ok}")
     for i in range(5):
         expect(_same(out[i], data[i]), f"page {i} read back differs from what was put")
@@ -115,7 +113,7 @@ async def round_trip(ctx: CaseContext) -> None:
     # bytes-like buffers are accepted too
     more = ctx.keys(1)
     expect(await b.put(more, [bytes(data[0])]) == [True], "put of a bytes buffer failed")
-    ok, out = await _read_back(b, more)
+    ok, out = await read_back(b, more)
     expect(ok == [True] and _same(out[0], data[0]), "bytes buffer did not round-trip")
 
 
@@ -124,7 +122,7 @@ async def per_item_results(ctx: CaseContext) -> None:
     keys = ctx.keys(4)
     data = ctx.pages(4, b.page_bytes)
     expect(await b.put(keys[0::2], data[0::2]) == [True, True], "put of 2 pages failed")
-    ok, out = await _read_back(b, keys)
+    ok, out = await read_back(b, keys)
     expect(ok == [True, False, True, False], f"mixed get answered {ok}, expected T,F,T,F")
     expect(
         _same(out[0], data[0]) and _same(out[2], data[2]), "hits in a mixed get hold wrong bytes"
@@ -144,13 +142,13 @@ async def uncommitted_invisible(ctx: CaseContext) -> None:
         expect(await b.contains(keys) == [False, False], f"{phase} page visible to contains()")
         expect(await b.exists(keys) == 0, f"{phase} page counted by exists()")
         expect(await b.keys() == [], f"{phase} page listed by keys()")
-        ok, _ = await _read_back(b, keys)
+        ok, _ = await read_back(b, keys)
         expect(ok == [False, False], f"{phase} page served by get()")
         if phase == "reserved":
             expect(await b.write(taken, data) == [True, True], "write of reserved pages failed")
     expect(await b.commit(taken[:1]) == [True], "commit of a written page failed")
     expect(await b.contains(keys) == [True, False], "only the committed page may be visible")
-    ok, out = await _read_back(b, keys[:1])
+    ok, out = await read_back(b, keys[:1])
     expect(ok == [True] and _same(out[0], data[0]), "committed page reads back wrong")
     await b.abort(taken[1:])
 
@@ -186,7 +184,7 @@ async def put_existing_is_noop(ctx: CaseContext) -> None:
     used = b.used_pages()
     expect(await b.put(keys, [second]) == [True], "put of a committed key did not succeed")
     expect(b.used_pages() == used, "put of a committed key took more space")
-    ok, out = await _read_back(b, keys)
+    ok, out = await read_back(b, keys)
     expect(ok == [True] and _same(out[0], first), "put of a committed key changed its bytes")
     res = await b.reserve(keys)
     expect(res[0] is not None and res[0].present, "reserve of a committed key is not 'present'")
@@ -215,12 +213,12 @@ async def delete_removes(ctx: CaseContext) -> None:
     expect(await b.put(keys[:1], data[:1]) == [True], "put failed")
     expect(await b.delete(keys) == [True, False], "delete of [present, missing] is not [T, F]")
     expect(await b.contains(keys[:1]) == [False], "deleted key still contained")
-    ok, _ = await _read_back(b, keys[:1])
+    ok, _ = await read_back(b, keys[:1])
     expect(ok == [False], "deleted key still served")
     expect(b.used_pages() == 0, f"used_pages() {b.used_pages()} after deleting everything")
     expect(await b.delete(keys[:1]) == [False], "second delete of a key answered True")
     expect(await b.put(keys[:1], data[1:]) == [True], "put after delete failed")
-    ok, out = await _read_back(b, keys[:1])
+    ok, out = await read_back(b, keys[:1])
     expect(ok == [True] and _same(out[0], data[1]), "a key put again after delete reads wrong")
 
 
@@ -269,15 +267,15 @@ async def bad_buffers_rejected(ctx: CaseContext) -> None:
     ro = np.zeros(pb, dtype=np.uint8)
     ro.flags.writeable = False
     await _expect_usage_error("get into a read-only buffer", lambda: b.get(k, [ro]))
-    await _expect_usage_error("get with 2 buffers for 1 key", lambda: b.get(k, _empty(b, 2)))
-    ok, out = await _read_back(b, k)
+    await _expect_usage_error("get with 2 buffers for 1 key", lambda: b.get(k, empty_pages(b, 2)))
+    ok, out = await read_back(b, k)
     expect(ok == [True] and _same(out[0], good[0]), "a rejected call damaged a committed page")
 
 
 async def missing_keys_miss(ctx: CaseContext) -> None:
     b = await ctx.backend()
     keys = ctx.keys(3)
-    ok, _ = await _read_back(b, keys)
+    ok, _ = await read_back(b, keys)
     expect(ok == [False] * 3, f"get of never-stored keys answered {ok}")
     expect(await b.contains(keys) == [False] * 3, "contains() of never-stored keys not False")
 
@@ -308,7 +306,7 @@ async def concurrent_calls(ctx: CaseContext) -> None:
     expect(b.used_pages() == n, f"used_pages() {b.used_pages()} after {n} distinct keys")
 
     async def read_one(i: int) -> bool:
-        out = _empty(b, 1)
+        out = empty_pages(b, 1)
         ok = await b.get([keys[i]], out)
         return ok == [True] and _same(out[0], data[i])
 
@@ -343,7 +341,7 @@ async def loop_not_blocked(ctx: CaseContext) -> None:
     n = min(b.capacity_pages, 256)
     keys = ctx.keys(n)
     data = ctx.pages(n, b.page_bytes)
-    out = _empty(b, n)
+    out = empty_pages(b, n)
     worst = ""
     for _attempt in range(5):
         held: list[str] = []
@@ -400,7 +398,7 @@ async def arena_zero_copy(ctx: CaseContext) -> None:
     expect(np.shares_memory(b.view(slot), view), "two views of one slot do not share memory")
     tensor[0] = (int(view[0]) + 1) % 256
     expect(int(view[0]) == int(tensor[0]), "a write through tensor() is not seen through view()")
-    ok, out = await _read_back(b, keys[:1])
+    ok, out = await read_back(b, keys[:1])
     expect(ok == [True] and int(out[0][0]) == int(tensor[0]), "get() misses a write via tensor()")
     # slot stable while committed, across other puts and deletes
     expect(await b.put(keys[1:], data[1:]) == [True, True], "put of 2 more pages failed")
@@ -414,7 +412,7 @@ async def arena_zero_copy(ctx: CaseContext) -> None:
     r.view[:] = data[1]
     expect(await b.write([r], [r.view]) == [True], "write of the slot's own view failed")
     expect(await b.commit([r]) == [True], "commit failed")
-    ok, out = await _read_back(b, keys[1:2])
+    ok, out = await read_back(b, keys[1:2])
     expect(ok == [True] and _same(out[0], data[1]), "page filled in place reads back wrong")
 
 
@@ -434,7 +432,7 @@ async def survives_reopen(ctx: CaseContext) -> None:
     again = await ctx.backend(clear=False)
     expect(set(await again.keys()) == set(keys[:3]), "keys() after reopen differs")
     expect(again.used_pages() == 3, f"used_pages() {again.used_pages()} after reopen, expected 3")
-    ok, out = await _read_back(again, keys)
+    ok, out = await read_back(again, keys)
     expect(ok == [True, True, True, False], f"get after reopen answered {ok}")
     for i in range(3):
         expect(_same(out[i], data[i]), f"page {i} differs after reopen")

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.backend import Backend
-from kvtier.testing.case import CaseContext, expect
-
-
-async def _read_one(b: Backend, key: bytes) -> tuple[bool, np.ndarray]:
-    out = [np.zeros(b.page_bytes, np.uint8)]
-    ok = await b.get([key], out)  # type: ignore[list-item]
-    return ok == [True], out[0]
+from kvtier.testing.case import CaseContext, expect, read_back
 
 
 async def write_keeps_no_reference(ctx: CaseContext) -> None:
@@ -25,8 +18,8 @@ async def write_keeps_no_reference(ctx: CaseContext) -> None:
     kept = [d.copy() for d in data]
     expect(await b.put(keys[:1], data[:1]) == [True], "put of 1 page failed")
     data[0][:] = other[0]  # the caller reuses its buffer
-    ok, page = await _read_one(b, keys[0])
-    expect(ok, "get of a committed page missed")
+    ok, (page,) = await read_back(b, keys[:1])
+    expect(ok == [True], "get of a committed page missed")
     expect(
         np.array_equal(page, kept[0]),
         "changing the caller's buffer after put() changed the stored page: write() kept a "
@@ -38,9 +31,9 @@ async def write_keeps_no_reference(ctx: CaseContext) -> None:
     expect(await b.write(taken, data[1:]) == [True], "write of a reserved page failed")
     data[1][:] = other[1]  # reused between write and commit
     expect(await b.commit(taken) == [True], "commit of a written page failed")
-    ok, page = await _read_one(b, keys[1])
+    ok, (page,) = await read_back(b, keys[1:])
     expect(
-        ok and np.array_equal(page, kept[1]),
+        ok == [True] and np.array_equal(page, kept[1]),
         "changing the caller's buffer between write() and commit() changed the stored page",
     )
 
@@ -65,8 +58,8 @@ async def racing_commits_keep_one_page(ctx: CaseContext) -> None:
     expect(await b.write([c], [second]) == [True], "write of the second reservation failed")
     expect(await b.commit([a]) == [True], "commit of the first reservation failed")
     expect(await b.commit([c]) == [True], "commit of a key committed meanwhile must succeed")
-    ok, page = await _read_one(b, key[0])
-    expect(ok, "get of a key committed twice missed")
+    ok, (page,) = await read_back(b, key)
+    expect(ok == [True], "get of a key committed twice missed")
     expect(
         np.array_equal(page, first) or np.array_equal(page, second),
         "a key committed twice serves bytes that are neither write's: a mix of the two",
