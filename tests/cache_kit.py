@@ -153,6 +153,24 @@ class GatedFileStore(FileStore):
         return await super().write(reservations, data)
 
 
+class GatedDeleteFileStore(FileStore):
+    """A file store whose deletes wait, once ``gate`` is set to an event, until it is set
+    (``held`` deletes are waiting): the last step of an eviction, held back."""
+
+    gate: ClassVar[Any] = None  # an asyncio.Event, or None: deletes go through
+    held: ClassVar[int] = 0
+
+    async def delete(self, keys: Any) -> list[bool]:
+        cls = type(self)
+        if cls.gate is not None:
+            cls.held += 1
+            try:
+                await cls.gate.wait()
+            finally:
+                cls.held -= 1
+        return await super().delete(keys)
+
+
 class DeviceLikeArena(DramArena):
     """A DRAM arena that calls its memory ``device`` (host memory standing in for a GPU
     arena): it has a ``device_view`` of each slot, as the HBM arena does."""

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cache_kit import GatedFileStore, config, open_cache, sequence
+from cache_kit import GatedDeleteFileStore, GatedFileStore, config, open_cache, sequence, tier
 
 from kvtier.cache import KVCache
 from kvtier.config.defaults import DEFAULT_EVICTION
 from kvtier.errors import CapacityError
+from kvtier.index.directory import PageState
 
 
 def _gated(tmp_path, dram_pages: int, background: bool, **extra) -> dict:
@@ -199,3 +200,51 @@ async def test_concurrent_stores_on_a_tiny_tier_all_land(tmp_path, background):
             out = np.empty_like(d)
             assert all(await cache.read(found.keys, out))
             np.testing.assert_array_equal(out, d)
+
+
+async def test_a_page_that_stays_is_free_while_the_rest_of_its_eviction_finishes(tmp_path):
+    """An eviction whose victim was pinned meanwhile keeps that page; the page is an
+    ordinary committed page again at once, not when the other victims' deletes are done.
+    (It used to keep its eviction open until then: a load of it waited for an unrelated
+    delete, and a room-maker naming it a victim meanwhile left a fetch waiting forever.)"""
+    GatedFileStore.gate = GatedDeleteFileStore.gate = None
+    rng = np.random.default_rng(44)
+    below = tier("below", "cache_kit:GatedFileStore", 64, options={"path": str(tmp_path / "b")})
+    cfg = config(
+        tmp_path,
+        8,
+        64,
+        file_backend="cache_kit:GatedDeleteFileStore",
+        extra_tiers=[below],
+        write_policy="write-back",
+    )
+    async with open_cache(cfg) as cache:
+        try:
+            (t1, d1), (t2, d2) = sequence(rng, 1), sequence(rng, 1)  # unrelated pages
+            k1, k2 = keys = [(await cache.store(t, d)).keys[0] for t, d in ((t1, d1), (t2, d2))]
+            await cache.flush()
+            await cache.demote("dram", keys)  # held by "file" alone
+            GatedFileStore.gate = asyncio.Event()  # the write-down to "below" waits
+            demoting = asyncio.create_task(cache.demote("file", keys))
+            await _until(lambda: GatedFileStore.held > 0, "the write-down waits")
+            loading = asyncio.create_task(cache.load([k2]))  # pins k2: it will stay
+            await asyncio.sleep(0.02)
+            GatedDeleteFileStore.gate = asyncio.Event()  # then k1's delete from "file" waits
+            GatedFileStore.gate.set()
+            await _until(lambda: GatedDeleteFileStore.held > 0, "k1's delete waits")
+            loaded = await asyncio.wait_for(loading, 5)  # not held up by k1's delete
+            assert loaded.missing == []
+            assert cache.directory.state(k2, "file") is PageState.COMMITTED
+            cache.release([k2])
+            GatedDeleteFileStore.gate.set()
+            assert await asyncio.wait_for(demoting, 5) == [k2]  # k2 stayed, k1 went down
+            assert cache.directory.state(k1, "file") is None
+            assert [(await cache.lookup(t)).tiers for t in (t1, t2)] == [["below"], ["dram"]]
+            out = np.zeros((2, d1.shape[1]), dtype=np.uint8)
+            assert all(await cache.read(keys, out))
+            assert np.array_equal(out, np.concatenate([d1, d2]))
+        finally:  # a failed check must not leave the cache's close waiting at a gate
+            for gate in (GatedFileStore.gate, GatedDeleteFileStore.gate):
+                if gate is not None:
+                    gate.set()
+    GatedFileStore.gate = GatedDeleteFileStore.gate = None

@@ -114,6 +114,12 @@ class Evictor:
         tier is trimmed sparing it."""
         mover = self.mover
         d = mover.directory
+        busy = [k for k in victims if mover.moving(k, (tier,))]
+        if busy:  # checked before anything changes: a bug here must raise, never hang
+            raise AssertionError(
+                f"{len(busy)} victim(s) in {tier.name} are already being moved "
+                f"(first {busy[0].hex()}): the planner named a page that is not evictable"
+            )
         op = mover.op_future()
         for k in victims:
             d.begin_evict(k, tier.name)
@@ -269,6 +275,7 @@ class Evictor:
         d = mover.directory
         stuck: set[PageKey] = set()
         failed: set[PageKey] = set()
+        released: set[PageKey] = set()
         try:
             plan = mover.planner.evict_plan(tier.index, victims)
             nxt = mover.next(tier)
@@ -289,8 +296,12 @@ class Evictor:
                 stuck |= _ancestors_among(d, stuck, set(victims))
             keep = [k for k in victims if k in stuck]
             go = [k for k in victims if k not in keep]
-            for k in keep:
-                d.cancel_evict(k, tier.name)
+            # the pages that stay are committed again from here on, so their operation
+            # ends now, before the awaits below: a committed page with an operation open
+            # could be named a victim by someone else meanwhile (two operations on one
+            # page), and whoever settles on it would wait for pages it is not waiting for
+            self.release(tier, keep)
+            released.update(keep)
             if go:
                 # decided in the same step as the pin check above: a load pinning one of
                 # these from now on waits for it to leave (Tier.stays)
@@ -310,7 +321,7 @@ class Evictor:
                     mover.metrics.dropped.inc(tier.name, by=dropped)
             return stuck, failed
         finally:
-            self.release(tier, victims)
+            self.release(tier, [k for k in victims if k not in released])
 
 
 def _retrieve(fut: asyncio.Future[Evicted]) -> None:
