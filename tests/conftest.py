@@ -27,3 +27,5 @@ for _name in [m for m in sys.modules if m == "kvtier" or m.startswith("kvtier.")
     _file = getattr(sys.modules[_name], "__file__", None) or ""
     if _file.startswith(str(_ROOT / "kvtier")):
         del sys.modules[_name]
+
+pytest_plugins = ["hang_watch"]  # where a test that hangs waits (tests/hang_watch.py)
