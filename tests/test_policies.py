@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.errors import ConfigError
@@ -97,6 +99,47 @@ def test_prefix_lru_parent_becomes_leaf_after_children_removed() -> None:
     p.on_remove(k(2))
     assert p.victims(1, every) == [k(1)]
     assert len(p) == 1
+
+
+def test_prefix_lru_survives_a_parent_leaving_before_its_child() -> None:
+    """A delete can take a page out before its children: they become roots (victims()
+    used to raise KeyError on the missing parent), and a parent that comes back and
+    loses a child again becomes a leaf again."""
+    p = PrefixLRUPolicy()
+    p.on_insert(k(1))
+    p.on_insert(k(2), k(1))
+    p.on_insert(k(3), k(2))
+    p.on_remove(k(2))  # the middle of the chain goes first
+    assert p.victims(3, every) == [k(1), k(3)]  # 1 lost its only child; 3 is a root now
+    p.on_insert(k(2), k(1))
+    p.on_remove(k(3))
+    assert p.victims(2, every) == [k(2), k(1)]
+    p.on_remove(k(2))
+    assert p.victims(1, every) == [k(1)] and len(p) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("iira"), st.integers(0, 11), st.integers(0, 11))))
+def test_prefix_lru_offers_every_page_after_its_children(ops: list[tuple[str, int, int]]) -> None:
+    """Any sequence of inserts (under a page present or not), removals in any order and
+    accesses: victims() offers every page exactly once, each after all its children."""
+    p = PrefixLRUPolicy()
+    parent: dict[int, int | None] = {}  # the model: a page's parent while both are here
+    for op, a, b in ops:
+        if op == "i" and a not in parent:
+            parent[a] = b if b in parent and b != a else None
+            p.on_insert(k(a), k(b) if parent[a] is not None else None)
+        elif op == "r" and a in parent:
+            del parent[a]
+            parent.update({c: None for c, q in parent.items() if q == a})
+            p.on_remove(k(a))
+        elif op == "a":
+            p.on_access(k(a))
+        order = [int.from_bytes(v, "little") for v in p.victims(len(parent) + 1, every)]
+        assert sorted(order) == sorted(parent)
+        for c, q in parent.items():
+            if q is not None:
+                assert order.index(c) < order.index(q)
 
 
 def test_session_demotes_superseded_tail() -> None:

@@ -7,7 +7,8 @@ tracked child), coldest leaf first by last access; when it evicts a leaf whose p
 becomes a leaf, it keeps walking up that chain, so a request that went cold leaves the
 tier together, from its end back to the first page it shares with another sequence.
 
-Parents come from :meth:`on_insert`; a page inserted without a parent is a root.
+Parents come from :meth:`on_insert`; a page inserted without a parent (or whose parent
+the tier lacks) is a root, and so is a page whose parent leaves before it (a delete).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class PrefixLRUPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         self._parent: dict[PageKey, PageKey | None] = {}
-        self._children: dict[PageKey, int] = {}
+        # children of the pages that have any (a page that leaves hands them no parent)
+        self._kids: dict[PageKey, dict[PageKey, None]] = {}
         self._leaves: OrderedDict[PageKey, None] = OrderedDict()
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
@@ -37,10 +39,9 @@ class PrefixLRUPolicy(EvictionPolicy):
         if parent is not None and parent not in self._parent:
             parent = None  # the parent is not in this tier: treat the page as a root
         self._parent[key] = parent
-        self._children[key] = 0
         self._leaves[key] = None
         if parent is not None:
-            self._children[parent] += 1
+            self._kids.setdefault(parent, {})[key] = None
             self._leaves.pop(parent, None)
 
     def on_access(self, key: PageKey) -> None:
@@ -52,14 +53,18 @@ class PrefixLRUPolicy(EvictionPolicy):
         if key not in self._parent:
             return
         parent = self._parent.pop(key)
-        self._children.pop(key, None)
         self._leaves.pop(key, None)
-        if parent is not None and parent in self._children:
-            self._children[parent] -= 1
-            if self._children[parent] == 0:
-                # The parent becomes a leaf, as cold as the child that just left.
-                self._leaves[parent] = None
-                self._leaves.move_to_end(parent, last=False)
+        for kid in self._kids.pop(key, {}):
+            self._parent[kid] = None  # its prefix left before it (a delete): a root now
+        if parent is None:
+            return
+        kids = self._kids[parent]
+        del kids[key]
+        if not kids:
+            del self._kids[parent]
+            # The parent becomes a leaf, as cold as the child that just left.
+            self._leaves[parent] = None
+            self._leaves.move_to_end(parent, last=False)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         out: list[PageKey] = []
@@ -79,7 +84,7 @@ class PrefixLRUPolicy(EvictionPolicy):
                 parent = self._parent.get(key)
                 if parent is None:
                     break
-                left = pending.get(parent, self._children[parent]) - 1
+                left = pending.get(parent, len(self._kids.get(parent, ()))) - 1
                 pending[parent] = left
                 key = parent if left == 0 else None
         return out
