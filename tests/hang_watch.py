@@ -23,7 +23,7 @@ import pytest
 HANG_S = float(os.environ.get("KVTIER_TEST_HANG_S", "600"))
 
 
-def _await_chain(task: asyncio.Task[Any]) -> Iterator[str]:
+def await_chain(task: asyncio.Task[Any]) -> Iterator[str]:
     """``file:line function`` for each coroutine ``task`` awaits, outermost first."""
     coro: Any = task.get_coro()
     while coro is not None:
@@ -38,10 +38,12 @@ def report(nodeid: str, out: Any, threads: Any = None) -> None:
     ``threads`` (a real file: faulthandler writes to its descriptor; default ``out``)."""
     print(f"\n=== {nodeid} still running after {HANG_S:g} s ===", file=out, flush=True)
     faulthandler.dump_traceback(file=threads or out, all_threads=True)
-    tasks = [o for o in gc.get_objects() if isinstance(o, asyncio.Task) and not o.done()]
+    # type(), not isinstance(): isinstance reads __class__, which some lazy module
+    # attributes (torch.distributed.reduce_op) answer with a warning
+    tasks = [o for o in gc.get_objects() if issubclass(type(o), asyncio.Task) and not o.done()]
     for task in tasks:
         print(f"--- task {task.get_name()}", file=out)
-        for line in _await_chain(task):
+        for line in await_chain(task):
             print(f"    {line}", file=out)
         print(f"    waits on {task._fut_waiter!r}"[:400], file=out, flush=True)
 

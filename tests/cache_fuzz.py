@@ -1,0 +1,254 @@
+"""A concurrent fuzz of :class:`~kvtier.cache.KVCache` over real tiers.
+
+One *run* (one seed) draws a hierarchy (DRAM over one to three file or NVMe-compat stores,
+some with a codec, the last one large), an eviction policy, a write policy, background
+eviction on or off and a batch size; then one to six tasks share the cache and each makes
+40 random calls on a few token sequences that share prefixes: ``store``, ``load`` then
+``release``, ``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint`` and
+``flush``. A page's bytes are a function of its tokens, so every read can be checked.
+
+A run fails (:class:`FuzzFailure`) when:
+
+* a read or a reopened cache serves a byte that is not the page's (a miss is allowed);
+* a call raises anything but :class:`CapacityError` (a pinned-full tier) or
+  :class:`KVTierUsageError` (a delete or demote of a page another task pinned);
+* a background pipeline task fails (logged ``pipeline task failed``, a kvtier bug);
+* the calls, or the close, take longer than ``hang_s`` (the report names where each task
+  waits).
+
+After the close, the cache is opened again on the same directories: the stores recover
+their pages, and every page still found must read back right.
+
+``python tests/cache_fuzz.py FIRST LAST`` runs seeds ``FIRST`` to ``LAST - 1`` and prints a
+summary (``tests/test_cache_fuzz.py`` runs a few seeds in CI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+from hang_watch import await_chain
+
+from kvtier.cache import KVCache
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.spec import preset
+
+SPEC = preset("tiny")
+PAGE = SPEC.page_bytes
+PT = SPEC.page_tokens
+POLICIES = (
+    "adaptive", "lru", "lru-k", "arc", "s3-fifo", "prefix-lru", "session", "density",
+    "interval", "hinted",
+)  # fmt: skip
+OPS_PER_TASK = 40
+
+
+class FuzzFailure(AssertionError):
+    """A run broke a promise; the message says which, with the seed and its config."""
+
+
+def page_bytes(prefix: np.ndarray) -> np.ndarray:
+    """The bytes of the page ending ``prefix`` (smooth float16 KV, so codecs compress)."""
+    digest = hashlib.blake2b(prefix.astype(np.int64).tobytes(), digest_size=8).digest()
+    rng = np.random.default_rng(int.from_bytes(digest, "little"))
+    base = rng.standard_normal((1, 1, 1, SPEC.num_kv_heads, SPEC.head_dim))
+    x = base + 0.01 * rng.standard_normal(SPEC.page_shape)
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(PAGE)
+
+
+def draw_config(r: random.Random, root: Path) -> dict[str, Any]:
+    """A random small hierarchy under ``root``."""
+    tiers: list[dict[str, Any]] = [
+        {"name": "dram", "backend": "dram", "capacity": r.choice([4, 6, 8, 16]) * PAGE}
+    ]
+    for i in range(r.randint(1, 3)):
+        backend = r.choice(["file", "file", "nvme"])
+        options: dict[str, Any] = {"path": str(root / f"t{i}")}
+        if backend == "nvme":
+            options["slab_bytes"] = 1 << 20
+        tier = {"name": f"t{i}", "backend": backend, "options": options,
+                "capacity": r.choice([12, 24, 48, 256]) * PAGE}  # fmt: skip
+        codec = r.choice([None, None, "zstd", "lz4"])
+        if codec is not None:
+            tier["codec"] = codec
+        tiers.append(tier)
+    tiers[-1]["capacity"] = 1024 * PAGE
+    eviction = r.choice(POLICIES)
+    for tier in tiers:
+        tier["eviction"] = eviction
+    return {
+        "model": {"preset": "tiny"},
+        "tiers": tiers,
+        "pipeline": {
+            "write_policy": r.choice(["write-back", "write-through"]),
+            "background_eviction": r.choice([True, False]),
+            "batch_pages": r.choice([1, 2, 4]),
+        },
+    }
+
+
+def draw_sequences(r: random.Random) -> list[np.ndarray]:
+    """Two to eight token sequences of 1-12 pages; about half continue an earlier one."""
+    seqs: list[np.ndarray] = []
+    for _ in range(r.randint(2, 8)):
+        tail = [r.randrange(50_000) for _ in range(r.randint(1, 12) * PT)]
+        if seqs and r.random() < 0.5:
+            base = r.choice(seqs)
+            head = list(base[: r.randint(1, len(base) // PT) * PT])
+            tail = head + tail
+        seqs.append(np.array(tail, dtype=np.int64))
+    return seqs
+
+
+def check_pages(tokens: np.ndarray, out: np.ndarray, ok: list[bool], what: str) -> int:
+    """Raise on a page read back wrong; returns the pages read."""
+    for i, got in enumerate(ok):
+        if got and not np.array_equal(out[i], page_bytes(tokens[: (i + 1) * PT])):
+            raise FuzzFailure(f"{what}: page {i} of a {len(ok)}-page sequence read back wrong")
+    return sum(ok)
+
+
+async def _calls(cache: KVCache, r: random.Random, seqs: list[np.ndarray], seen: Counter) -> None:
+    """One task's random calls."""
+    for _ in range(OPS_PER_TASK):
+        seq = r.choice(seqs)
+        n = r.randint(1, len(seq) // PT)
+        tokens = seq[: n * PT]
+        keys = cache.page_keys(tokens)
+        some = keys[: r.randint(1, min(3, n))]
+        op = r.choices(
+            ["store", "load", "read", "prefetch", "demote", "delete", "lookup", "hint", "flush"],
+            [30, 15, 22, 5, 8, 5, 5, 5, 5],
+        )[0]
+        try:
+            if op == "store":
+                rows = np.stack([page_bytes(tokens[: (i + 1) * PT]) for i in range(n)])
+                await cache.store(tokens, rows)
+            elif op == "load":
+                await cache.load(some)
+                await asyncio.sleep(r.random() * 0.002)
+                cache.release(some)
+            elif op == "read":
+                out = np.zeros((n, PAGE), np.uint8)
+                seen["pages read"] += check_pages(tokens, out, await cache.read(keys, out), "read")
+            elif op == "prefetch":
+                await cache.prefetch(some, r.choice([0.0, 0.01, 1.0]))
+            elif op == "demote":
+                await cache.demote(r.choice([t.name for t in cache.tiers]), some)
+            elif op == "delete":
+                await cache.delete(some)
+            elif op == "lookup":
+                await cache.lookup(tokens)
+            elif op == "hint":
+                kind, value = r.choice([("open", None), ("close", None), ("next_turn", 0.5),
+                                        ("ttl", 2.0), ("priority", 3.0), ("pin", None),
+                                        ("unpin", None)])  # fmt: skip
+                cache.hint(kind, some, value)
+            else:
+                await cache.flush()
+            seen[op] += 1
+        except (CapacityError, KVTierUsageError) as exc:
+            seen[type(exc).__name__] += 1
+
+
+def _where_tasks_wait() -> str:
+    """Each pending task's await chain (for a hang report)."""
+    lines = []
+    for task in asyncio.all_tasks():
+        lines.append(f"task {task.get_name()}:")
+        lines.extend(f"  {line}" for line in await_chain(task))
+    return "\n".join(lines)
+
+
+async def _within(aws: list[Any], hang_s: float, what: str) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    _, pending = await asyncio.wait(tasks, timeout=hang_s)
+    if pending:
+        raise FuzzFailure(f"{what} still running after {hang_s} s:\n{_where_tasks_wait()}")
+    for t in tasks:
+        try:
+            t.result()
+        except FuzzFailure:
+            raise
+        except Exception as exc:
+            raise FuzzFailure(f"{what} raised {exc!r}") from exc
+
+
+class _TaskFailures:
+    """A structlog processor that records ``pipeline task failed`` events."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __call__(self, _logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+        if event.get("event") == "pipeline task failed":
+            self.events.append(str(event.get("error")))
+        return event
+
+
+async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
+    """One fuzz run; returns what it did (calls by kind, errors by type, pages read)."""
+    r = random.Random(seed)
+    failures = _TaskFailures()
+    before = structlog.get_config()["processors"]
+    structlog.configure(processors=[failures, *before])
+    seen: Counter = Counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-fuzz-") as tmp:
+            cfg = draw_config(r, Path(tmp))
+            where = f"seed {seed} ({cfg})"
+            seqs = draw_sequences(r)
+            cache = KVCache(cfg, env={}, configure_log=False)
+            await cache.start()
+            try:
+                workers = [
+                    _calls(cache, random.Random(seed * 1000 + w), seqs, seen)
+                    for w in range(r.randint(1, 6))
+                ]
+                await _within(workers, hang_s, f"{where}: the calls")
+            finally:
+                await _within([cache.close()], hang_s, f"{where}: close")
+            reopened = KVCache(cfg, env={}, configure_log=False)
+            await reopened.start()
+            try:
+                for tokens in seqs:
+                    n = len(tokens) // PT
+                    out = np.zeros((n, PAGE), np.uint8)
+                    ok = await reopened.read(reopened.page_keys(tokens), out)
+                    seen["pages after reopen"] += check_pages(tokens, out, ok, f"{where}: reopen")
+            finally:
+                await reopened.close()
+            if failures.events:
+                raise FuzzFailure(f"{where}: pipeline tasks failed: {failures.events[:3]}")
+    finally:
+        structlog.configure(processors=before)
+    return seen
+
+
+async def _main(first: int, last: int) -> int:
+    total: Counter = Counter()
+    bad = 0
+    for seed in range(first, last):
+        try:
+            total += await run_one(seed)
+        except FuzzFailure as exc:
+            bad += 1
+            print(f"FAIL {exc}", flush=True)
+    print(f"seeds {first}-{last - 1}: {bad} failed; {dict(sorted(total.items()))}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    if len(sys.argv) != 3:
+        sys.exit("usage: python tests/cache_fuzz.py FIRST_SEED LAST_SEED")
+    sys.exit(asyncio.run(_main(int(sys.argv[1]), int(sys.argv[2]))))
