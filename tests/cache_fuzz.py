@@ -1,7 +1,8 @@
 """A concurrent fuzz of :class:`~kvtier.cache.KVCache` over real tiers.
 
-One *run* (one seed) draws a hierarchy (DRAM over one to three file or NVMe-compat stores,
-some with a codec, the last one large), an eviction policy, a write policy, background
+One *run* (one seed) draws a hierarchy (DRAM over one to three file, NVMe-compat or flaky
+file stores, some with a codec, the last one large; a flaky store fails 1-20 % of its
+calls: :class:`FlakyFileStore`), an eviction policy, a write policy, background
 eviction on or off and a batch size; then one to six tasks share the cache and each makes
 40 random calls on a few token sequences that share prefixes: ``store``, ``load`` then
 ``release``, ``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint`` and
@@ -32,14 +33,15 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import structlog
 from hang_watch import await_chain
+from kvtier.backends.filestore import FileStore
 
 from kvtier.cache import KVCache
-from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
 from kvtier.spec import preset
 
 SPEC = preset("tiny")
@@ -50,6 +52,58 @@ POLICIES = (
     "interval", "hinted",
 )  # fmt: skip
 OPS_PER_TASK = 40
+
+
+class FlakyFileStore(FileStore):
+    """A file store whose calls fail at random, as a device or a link that comes and goes
+    does: a whole call raises :class:`TierIOError` before doing anything, or (``get``,
+    ``delete``) some pages answer ``False`` and are left as they were. ``rate`` is the
+    chance per call; ``rng`` is drawn per run from its seed."""
+
+    rate: ClassVar[float] = 0.0
+    rng: ClassVar[random.Random] = random.Random(0)
+    injected: ClassVar[int] = 0
+
+    def _fails(self) -> bool:
+        fails = type(self).rng.random() < type(self).rate
+        type(self).injected += fails
+        return fails
+
+    def _raise_maybe(self, what: str) -> None:
+        if self._fails():
+            raise TierIOError(f"injected: {what} failed")
+
+    async def reserve(self, keys: Any, namespace: str = "") -> Any:
+        self._raise_maybe("reserve")
+        return await super().reserve(keys, namespace)
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        self._raise_maybe("write")
+        return await super().write(reservations, data)
+
+    async def commit(self, reservations: Any) -> list[bool]:
+        self._raise_maybe("commit")
+        return await super().commit(reservations)
+
+    async def contains(self, keys: Any) -> list[bool]:
+        self._raise_maybe("contains")
+        return await super().contains(keys)
+
+    async def get(self, keys: Any, out: Any) -> list[bool]:
+        self._raise_maybe("get")
+        served = [i for i in range(len(keys)) if not self._fails()]
+        got = await super().get([keys[i] for i in served], [out[i] for i in served])
+        answer = [False] * len(keys)
+        for i, g in zip(served, got, strict=True):
+            answer[i] = g
+        return answer
+
+    async def delete(self, keys: Any) -> list[bool]:
+        self._raise_maybe("delete")
+        kept = {i for i in range(len(keys)) if self._fails()}
+        gone = await super().delete([k for i, k in enumerate(keys) if i not in kept])
+        answer = iter(gone)
+        return [False if i in kept else next(answer) for i in range(len(keys))]
 
 
 class FuzzFailure(AssertionError):
@@ -71,7 +125,7 @@ def draw_config(r: random.Random, root: Path) -> dict[str, Any]:
         {"name": "dram", "backend": "dram", "capacity": r.choice([4, 6, 8, 16]) * PAGE}
     ]
     for i in range(r.randint(1, 3)):
-        backend = r.choice(["file", "file", "nvme"])
+        backend = r.choice(["file", "file", "nvme", "cache_fuzz:FlakyFileStore"])
         options: dict[str, Any] = {"path": str(root / f"t{i}")}
         if backend == "nvme":
             options["slab_bytes"] = 1 << 20
@@ -82,6 +136,9 @@ def draw_config(r: random.Random, root: Path) -> dict[str, Any]:
             tier["codec"] = codec
         tiers.append(tier)
     tiers[-1]["capacity"] = 1024 * PAGE
+    FlakyFileStore.rate = r.choice([0.01, 0.05, 0.2])
+    FlakyFileStore.rng = random.Random(r.random())
+    FlakyFileStore.injected = 0
     eviction = r.choice(POLICIES)
     for tier in tiers:
         tier["eviction"] = eviction
@@ -227,6 +284,7 @@ async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
                     seen["pages after reopen"] += check_pages(tokens, out, ok, f"{where}: reopen")
             finally:
                 await reopened.close()
+            seen["injected failures"] += FlakyFileStore.injected
             if failures.events:
                 raise FuzzFailure(f"{where}: pipeline tasks failed: {failures.events[:3]}")
     finally:
@@ -251,4 +309,6 @@ if __name__ == "__main__":
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     if len(sys.argv) != 3:
         sys.exit("usage: python tests/cache_fuzz.py FIRST_SEED LAST_SEED")
-    sys.exit(asyncio.run(_main(int(sys.argv[1]), int(sys.argv[2]))))
+    import cache_fuzz  # the module the config's "cache_fuzz:FlakyFileStore" names
+
+    sys.exit(asyncio.run(cache_fuzz._main(int(sys.argv[1]), int(sys.argv[2]))))
