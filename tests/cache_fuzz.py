@@ -234,8 +234,8 @@ async def _within(aws: list[Any], hang_s: float, what: str) -> None:
     for t in tasks:
         try:
             t.result()
-        except FuzzFailure:
-            raise
+        except FuzzFailure as exc:
+            raise FuzzFailure(f"{what}: {exc}") from exc
         except Exception as exc:
             raise FuzzFailure(f"{what} raised {exc!r}") from exc
 
