@@ -2,7 +2,8 @@
 
 One *run* (one seed) draws a hierarchy (DRAM over one to three file, NVMe-compat or flaky
 file stores, some with a codec, the last one large; a flaky store fails 1-20 % of its
-calls: :class:`FlakyFileStore`), an eviction policy, a write policy, background
+calls: :class:`FlakyFileStore`; given a Redis-protocol server, half the runs put one of the
+stores there), an eviction policy, a write policy, background
 eviction on or off and a batch size; then one to six tasks share the cache and each makes
 40 random calls on a few token sequences that share prefixes: ``store``, ``load`` then
 ``release``, ``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint`` and
@@ -15,7 +16,9 @@ A run fails (:class:`FuzzFailure`) when:
   :class:`KVTierUsageError` (a delete or demote of a page another task pinned);
 * a background pipeline task fails (logged ``pipeline task failed``, a kvtier bug);
 * the calls, or the close, take longer than ``hang_s`` (the report names where each task
-  waits).
+  waits);
+* a page is still pinned once every task is done (each released what it loaded; a cancelled
+  load must leave no pin).
 
 After the close, the cache is opened again on the same directories: the stores recover
 their pages, and every page still found must read back right.
@@ -27,6 +30,7 @@ summary (``tests/test_cache_fuzz.py`` runs a few seeds in CI).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import sys
@@ -43,6 +47,7 @@ from kvtier.backends.filestore import FileStore
 from kvtier.cache import KVCache
 from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
 from kvtier.spec import preset
+from kvtier.testing.servers import RedisServer, unavailable_reason
 
 SPEC = preset("tiny")
 PAGE = SPEC.page_bytes
@@ -119,8 +124,11 @@ def page_bytes(prefix: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(PAGE)
 
 
-def draw_config(r: random.Random, root: Path) -> dict[str, Any]:
-    """A random small hierarchy under ``root``."""
+def draw_config(
+    r: random.Random, root: Path, remote_url: str | None = None, label: str = "fuzz"
+) -> dict[str, Any]:
+    """A random small hierarchy under ``root``; with ``remote_url``, half the time one of
+    the stores is a Redis-protocol tier there (its keys under ``label``)."""
     tiers: list[dict[str, Any]] = [
         {"name": "dram", "backend": "dram", "capacity": r.choice([4, 6, 8, 16]) * PAGE}
     ]
@@ -135,6 +143,10 @@ def draw_config(r: random.Random, root: Path) -> dict[str, Any]:
         if codec is not None:
             tier["codec"] = codec
         tiers.append(tier)
+    if remote_url is not None and r.random() < 0.5:
+        tier = r.choice(tiers[1:])
+        tier["backend"] = "redis"
+        tier["options"] = {"url": remote_url, "key_prefix": f"kvtier-{label}"}
     tiers[-1]["capacity"] = 1024 * PAGE
     FlakyFileStore.rate = r.choice([0.01, 0.05, 0.2])
     FlakyFileStore.rng = random.Random(r.random())
@@ -183,11 +195,30 @@ async def _calls(cache: KVCache, r: random.Random, seqs: list[np.ndarray], seen:
         keys = cache.page_keys(tokens)
         some = keys[: r.randint(1, min(3, n))]
         op = r.choices(
-            ["store", "load", "read", "prefetch", "demote", "delete", "lookup", "hint", "flush"],
-            [30, 15, 22, 5, 8, 5, 5, 5, 5],
-        )[0]
+            ["store", "load", "read", "prefetch", "demote", "delete", "lookup", "hint", "flush",
+             "cancelled"],
+            [30, 15, 22, 5, 8, 5, 5, 5, 5, 6],
+        )[0]  # fmt: skip
         try:
-            if op == "store":
+            if op == "cancelled":  # a caller that gives up: a store, load or read cut short
+                kind = r.choice(["store", "load", "read"])
+                out = np.zeros((n, PAGE), np.uint8)
+                if kind == "store":
+                    rows = np.stack([page_bytes(tokens[: (i + 1) * PT]) for i in range(n)])
+                    task = asyncio.ensure_future(cache.store(tokens, rows))
+                else:
+                    task = asyncio.ensure_future(
+                        cache.load(some) if kind == "load" else cache.read(keys, out)
+                    )
+                await asyncio.sleep(r.random() * 0.003)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, CapacityError, KVTierUsageError):
+                    got = await task  # it finished before the cancel:
+                    if kind == "load":
+                        cache.release(some)  # its pins are the caller's
+                    elif kind == "read":
+                        check_pages(tokens, out, got, "read before its cancel")
+            elif op == "store":
                 rows = np.stack([page_bytes(tokens[: (i + 1) * PT]) for i in range(n)])
                 await cache.store(tokens, rows)
             elif op == "load":
@@ -252,8 +283,9 @@ class _TaskFailures:
         return event
 
 
-async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
-    """One fuzz run; returns what it did (calls by kind, errors by type, pages read)."""
+async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0) -> Counter:
+    """One fuzz run (a Redis-protocol tier at ``remote_url`` in some); returns what it
+    did (calls by kind, errors by type, pages read, failures injected)."""
     r = random.Random(seed)
     failures = _TaskFailures()
     before = structlog.get_config()["processors"]
@@ -261,7 +293,7 @@ async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
     seen: Counter = Counter()
     try:
         with tempfile.TemporaryDirectory(prefix="kvtier-fuzz-") as tmp:
-            cfg = draw_config(r, Path(tmp))
+            cfg = draw_config(r, Path(tmp), remote_url, f"fuzz-{seed}-{Path(tmp).name}")
             where = f"seed {seed} ({cfg})"
             seqs = draw_sequences(r)
             cache = KVCache(cfg, env={}, configure_log=False)
@@ -272,6 +304,9 @@ async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
                     for w in range(r.randint(1, 6))
                 ]
                 await _within(workers, hang_s, f"{where}: the calls")
+                pinned = {t["name"]: t["pinned_pages"] for t in cache.stats()["tiers"]}
+                if any(pinned.values()):  # every load was released, or cancelled
+                    raise FuzzFailure(f"{where}: pins left after the calls: {pinned}")
             finally:
                 await _within([cache.close()], hang_s, f"{where}: close")
             reopened = KVCache(cfg, env={}, configure_log=False)
@@ -285,6 +320,7 @@ async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
             finally:
                 await reopened.close()
             seen["injected failures"] += FlakyFileStore.injected
+            seen["runs with a remote tier"] += any(t["backend"] == "redis" for t in cfg["tiers"])
             if failures.events:
                 raise FuzzFailure(f"{where}: pipeline tasks failed: {failures.events[:3]}")
     finally:
@@ -295,12 +331,17 @@ async def run_one(seed: int, hang_s: float = 60.0) -> Counter:
 async def _main(first: int, last: int) -> int:
     total: Counter = Counter()
     bad = 0
-    for seed in range(first, last):
-        try:
-            total += await run_one(seed)
-        except FuzzFailure as exc:
-            bad += 1
-            print(f"FAIL {exc}", flush=True)
+    reason = unavailable_reason("valkey")
+    if reason:
+        print(f"no Redis-protocol tier in these runs: {reason}", flush=True)
+    with contextlib.ExitStack() as stack:
+        url = None if reason else stack.enter_context(RedisServer("valkey")).url
+        for seed in range(first, last):
+            try:
+                total += await run_one(seed, url)
+            except FuzzFailure as exc:
+                bad += 1
+                print(f"FAIL {exc}", flush=True)
     print(f"seeds {first}-{last - 1}: {bad} failed; {dict(sorted(total.items()))}", flush=True)
     return 1 if bad else 0
 

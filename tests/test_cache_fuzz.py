@@ -1,15 +1,31 @@
-"""A few seeds of the concurrent KVCache fuzz (tests/cache_fuzz.py): random hierarchies,
-policies and calls from several tasks; no wrong byte, no unexpected error, no failed
-background task, no hang, and every page found after a reopen reads back right.
-Longer runs: ``.venv/bin/python tests/cache_fuzz.py 0 800``."""
+"""A few seeds of the concurrent KVCache fuzz (tests/cache_fuzz.py): random hierarchies
+(a Valkey tier in some, when valkey-server is here), policies and calls from several
+tasks; no wrong byte, no unexpected error, no failed background task, no hang, and every
+page found after a reopen reads back right. Longer runs:
+``.venv/bin/python tests/cache_fuzz.py 0 800``."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 from cache_fuzz import run_one
 
+from kvtier.testing.servers import RedisServer, unavailable_reason
+
+
+@pytest.fixture(scope="module")
+def remote_url() -> Iterator[str | None]:
+    """A Valkey server for the runs that draw a remote tier (None: no server here, and
+    those runs keep their file stores)."""
+    if unavailable_reason("valkey"):
+        yield None
+        return
+    with RedisServer("valkey") as server:
+        yield server.url
+
 
 @pytest.mark.parametrize("seed", range(32))
-async def test_concurrent_calls_on_a_random_hierarchy(seed: int) -> None:
-    seen = await run_one(seed)
+async def test_concurrent_calls_on_a_random_hierarchy(seed: int, remote_url: str | None) -> None:
+    seen = await run_one(seed, remote_url)
     assert seen["store"] > 0 and seen["read"] + seen["load"] > 0
