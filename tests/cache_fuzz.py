@@ -328,7 +328,7 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
     return seen
 
 
-async def _main(first: int, last: int) -> int:
+async def main(first: int, last: int) -> int:
     total: Counter = Counter()
     bad = 0
     reason = unavailable_reason("valkey")
@@ -352,4 +352,4 @@ if __name__ == "__main__":
         sys.exit("usage: python tests/cache_fuzz.py FIRST_SEED LAST_SEED")
     import cache_fuzz  # the module the config's "cache_fuzz:FlakyFileStore" names
 
-    sys.exit(asyncio.run(cache_fuzz._main(int(sys.argv[1]), int(sys.argv[2]))))
+    sys.exit(asyncio.run(cache_fuzz.main(int(sys.argv[1]), int(sys.argv[2]))))
