@@ -317,7 +317,9 @@ class Backend(ABC):
 
     @abstractmethod
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Remove committed keys; ``True`` where a key was present and is now gone."""
+        """Remove committed keys; ``True`` where a key was committed and is now gone.
+        A key that is only reserved (another writer's page in flight) answers ``False``
+        and its reservation is left alone: its write and commit still succeed."""
 
     @abstractmethod
     async def keys(self) -> list[PageKey]:

@@ -168,6 +168,15 @@ class LeakyRacingCommits(DramArena):
         return super().used_pages() + self.leaked
 
 
+class DeleteAnswersTrue(DramArena):
+    """Answers True for every key it is asked to delete, committed or not (as a store that
+    reports "no error" instead of "removed" would)."""
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        await super().delete(keys)
+        return [True] * len(keys)
+
+
 class LaxWrite(DramArena):
     """Accepts buffers of any size in write() (truncating or padding them)."""
 
@@ -208,6 +217,7 @@ def _arena(cls: type[DramArena]) -> Any:
         (LaxWrite, "bad_buffers_rejected"),
         (KeepsReference, "write_keeps_no_reference"),
         (LeakyRacingCommits, "racing_commits_keep_one_page"),
+        (DeleteAnswersTrue, "delete_spares_reservations"),
         (ReopenForgets, "open_close_idempotent"),
     ],
     ids=lambda v: v if isinstance(v, str) else v.__name__,

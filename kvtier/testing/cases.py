@@ -27,7 +27,11 @@ from kvtier.testing.case import (
     expect,
     read_back,
 )
-from kvtier.testing.cases_ownership import racing_commits_keep_one_page, write_keeps_no_reference
+from kvtier.testing.cases_ownership import (
+    delete_spares_reservations,
+    racing_commits_keep_one_page,
+    write_keeps_no_reference,
+)
 from kvtier.testing.kit import CaseSkipped, ConformanceError, build
 
 
@@ -458,6 +462,11 @@ CASES: tuple[Case, ...] = (
     ),
     Case("exists_counts_prefix", "exists() counts the leading present keys", exists_counts_prefix),
     Case("delete_removes", "delete removes committed keys, per item", delete_removes),
+    Case(
+        "delete_spares_reservations",
+        "delete of a reserved, uncommitted key answers False and leaves it be",
+        delete_spares_reservations,
+    ),
     Case("capacity_honoured", "reserve answers None when full", capacity_honoured),
     Case("bad_buffers_rejected", "bad buffers raise KVTierUsageError", bad_buffers_rejected),
     Case("missing_keys_miss", "get of missing keys answers False", missing_keys_miss),

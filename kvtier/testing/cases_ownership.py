@@ -1,5 +1,6 @@
 """Conformance cases about who owns a page's bytes: the caller's buffer is the caller's
-once ``write`` returns, and a key committed twice holds one whole page."""
+once ``write`` returns, a key committed twice holds one whole page, and a delete does not
+touch a page still in flight."""
 
 from __future__ import annotations
 
@@ -65,3 +66,30 @@ async def racing_commits_keep_one_page(ctx: CaseContext) -> None:
         "a key committed twice serves bytes that are neither write's: a mix of the two",
     )
     expect(b.used_pages() == 1, f"one key committed twice holds {b.used_pages()} pages, not 1")
+
+
+async def delete_spares_reservations(ctx: CaseContext) -> None:
+    """``delete`` removes committed pages only: for a key that is reserved and written but
+    not committed (another writer's page in flight, on a store two caches share) it answers
+    ``False`` and leaves the reservation as it was; its commit then succeeds and the page
+    is served."""
+    b = await ctx.backend()
+    key = ctx.keys(1)
+    (data,) = ctx.pages(1, b.page_bytes)
+    res = await b.reserve(key)
+    expect(res[0] is not None, "reserve of 1 key in a backend with room failed")
+    taken = [r for r in res if r is not None]
+    expect(await b.write(taken, [data]) == [True], "write of a reserved page failed")
+    expect(
+        await b.delete(key) == [False],
+        "delete() of a key that is reserved but not committed answered True: only a "
+        "committed page can be deleted",
+    )
+    expect(
+        await b.commit(taken) == [True],
+        "commit failed after a delete() of the same key: delete() must leave a reservation "
+        "in flight alone",
+    )
+    ok, (page,) = await read_back(b, key)
+    expect(ok == [True] and np.array_equal(page, data), "the page committed after a delete() "
+           "of its key reads back wrong or not at all")  # fmt: skip
