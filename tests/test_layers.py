@@ -39,7 +39,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("machine", ("kvtier.topology", "kvtier.numa", "kvtier.placement", "kvtier.cuda_streams")),
-    ("contract", ("kvtier.backend", "kvtier.registry", "kvtier.slots", "kvtier.arena")),
+    (
+        "contract",
+        ("kvtier.backend", "kvtier.registry", "kvtier.slots", "kvtier.arena", "kvtier.options"),
+    ),
     ("backends", ("kvtier.backends.*", "kvtier.codec.*")),
     ("index", ("kvtier.index.*",)),
     ("policy", ("kvtier.policy.*",)),

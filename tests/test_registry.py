@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
@@ -17,6 +18,7 @@ from kvtier.backends.filestore import FileStore
 import kvtier.testing
 from kvtier import registry
 from kvtier.backend import Backend
+from kvtier.cache import KVCache
 from kvtier.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -147,6 +149,29 @@ async def test_plugin_from_a_distribution_is_found_and_conforms() -> None:
         lambda: registry.create("example-mem", page_bytes=4096, capacity_pages=8)
     )
     assert "round_trip" in report.passed and "survives_reopen" in report.skipped
+
+
+@pytest.mark.usefixtures("plugin_installed")
+async def test_plugin_options_are_parsed_and_named_from_a_config() -> None:
+    """The example store declares ``latency_s`` with kvtier.options: a config (or the
+    environment) gives it as a TOML literal or a string, and bad values name the backend
+    and the option."""
+    tiers = [{"name": "mem", "backend": "example-mem", "capacity": 8 * 512}]
+    cfg = {"model": {"preset": "tiny"}, "tiers": tiers}
+    env = {"KVTIER_TIERS__MEM__OPTIONS__LATENCY_S": "0.002"}
+    async with KVCache(cfg, env=env, configure_log=False) as cache:
+        (tier,) = cache.tiers
+        assert tier.backend.options.latency_s == 0.002
+        tokens = np.arange(8)
+        pages = np.ones((2, 512), np.uint8)
+        assert all((await cache.store(tokens, pages)).stored)
+    for bad, why in [("-1", r"must be in \[0, 10\], got -1"), ('"soon"', "must be a number")]:
+        env = {"KVTIER_TIERS__MEM__OPTIONS__LATENCY_S": bad}
+        with pytest.raises(ConfigError, match=rf"example-mem option 'latency_s' {why}"):
+            await KVCache(cfg, env=env, configure_log=False).start()
+    unknown = r"example-mem: unknown option\(s\) path; known: latency_s"
+    with pytest.raises(ConfigError, match=unknown):
+        registry.create("example-mem", page_bytes=512, capacity_pages=8, path="/tmp")
 
 
 @pytest.mark.usefixtures("plugin_installed")

@@ -1,20 +1,36 @@
 """``MemoryStore``: pages in a dict, the smallest backend that keeps kvtier's contract.
 
 It shows what a plugin needs: subclass :class:`kvtier.backend.StoreBackend`, accept
-``page_bytes`` and ``capacity_pages`` (and reject unknown options via the base class),
-implement the keyed two-phase methods with per-item results, and run byte copies on the
-backend's executor, one hop per call.
+``page_bytes`` and ``capacity_pages``, declare its own options as a dataclass checked by
+:func:`kvtier.options.parse_options` (which rejects unknown ones, naming them), implement
+the keyed two-phase methods with per-item results, and run byte copies on the backend's
+executor, one hop per call.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtier.backend import Reservation, StoreBackend, check_buffers
 from kvtier.keys import PageKey
+from kvtier.options import option, parse_options
+
+
+@dataclass(frozen=True)
+class MemoryStoreOptions:
+    """The store's own options (``[tiers.options]`` in a config).
+
+    Attributes:
+        latency_s: seconds each ``get`` and ``write`` waits before answering, a stand-in
+            for a remote store's round trip (0, the default: none).
+    """
+
+    latency_s: float = option(0.0, minimum=0.0, maximum=10.0)
 
 
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -25,8 +41,13 @@ def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 class MemoryStore(StoreBackend):
     """Keys -> page copies in process memory. Not persistent."""
 
-    def __init__(self, *, page_bytes: int, capacity_pages: int, **options: Any) -> None:
-        super().__init__(page_bytes=page_bytes, capacity_pages=capacity_pages, **options)
+    def __init__(
+        self, *, page_bytes: int, capacity_pages: int, io_threads: int | None = None, **options: Any
+    ) -> None:
+        self.options = parse_options("example-mem", options, MemoryStoreOptions)
+        super().__init__(
+            page_bytes=page_bytes, capacity_pages=capacity_pages, io_threads=io_threads
+        )
         self._pages: dict[PageKey, np.ndarray] = {}
         self._pending: dict[int, tuple[PageKey, np.ndarray]] = {}
         self._next = 0
@@ -51,9 +72,14 @@ class MemoryStore(StoreBackend):
         entry = self._pending.get(r.handle)
         return entry[1] if entry is not None and entry[0] == r.key else None
 
+    async def _round_trip(self) -> None:
+        if self.options.latency_s:
+            await asyncio.sleep(self.options.latency_s)
+
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         self._check_open()
         bufs = check_buffers(data, len(reservations), self.page_bytes)
+        await self._round_trip()
         ok: list[bool] = []
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         for r, buf in zip(reservations, bufs, strict=True):
@@ -88,6 +114,7 @@ class MemoryStore(StoreBackend):
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         self._check_open()
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        await self._round_trip()
         hits = [k in self._pages for k in keys]
         pairs = [(b, self._pages[k]) for k, b, hit in zip(keys, bufs, hits, strict=True) if hit]
         if pairs:
