@@ -1,13 +1,16 @@
 """A concurrent fuzz of :class:`~kvtier.cache.KVCache` over real tiers.
 
-One *run* (one seed) draws a hierarchy (DRAM over one to three file, NVMe-compat or flaky
-file stores, some with a codec, the last one large; a flaky store fails 1-20 % of its
-calls: :class:`FlakyFileStore`; given a Redis-protocol server, half the runs put one of the
-stores there), an eviction policy, a write policy, background
-eviction on or off and a batch size; then one to six tasks share the cache and each makes
-40 random calls on a few token sequences that share prefixes: ``store``, ``load`` then
-``release``, ``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint`` and
-``flush``. A page's bytes are a function of its tokens, so every read can be checked.
+One *run* (one seed) draws a hierarchy: DRAM over one to three stores (file, NVMe-compat or
+flaky file stores, some with a codec, the last one large; a flaky store fails 1-20 % of
+its calls, :class:`FlakyFileStore`; given a Redis-protocol server, half the runs put one
+of the stores there). It draws an eviction policy, a write policy, background eviction on
+or off and a batch size. Then one to six tasks share the cache and each makes 40 random
+calls on a few token sequences that share prefixes: ``store``, ``load`` then ``release``,
+``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint``, ``flush``, and a
+``store``, ``load`` or ``read`` cancelled 0-3 ms in. In half the runs with a remote tier a
+second cache, DRAM over that remote tier alone, takes part of the tasks: two servers
+sharing a pool, as a prefill and a decode server do. A page's bytes are a function of its
+tokens, so every read can be checked.
 
 A run fails (:class:`FuzzFailure`) when:
 
@@ -296,19 +299,27 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
             cfg = draw_config(r, Path(tmp), remote_url, f"fuzz-{seed}-{Path(tmp).name}")
             where = f"seed {seed} ({cfg})"
             seqs = draw_sequences(r)
-            cache = KVCache(cfg, env={}, configure_log=False)
-            await cache.start()
+            caches = [KVCache(cfg, env={}, configure_log=False)]
+            remote = [t for t in cfg["tiers"] if t["backend"] == "redis"]
+            if remote and r.random() < 0.5:  # a peer sharing the remote tier (P/D, fleet)
+                peer = {**cfg, "tiers": [{**cfg["tiers"][0]}, {**remote[0]}]}
+                caches.append(KVCache(peer, env={}, configure_log=False))
+                seen["runs with a peer cache"] += 1
+            for cache in caches:
+                await cache.start()
             try:
                 workers = [
-                    _calls(cache, random.Random(seed * 1000 + w), seqs, seen)
-                    for w in range(r.randint(1, 6))
+                    _calls(caches[w % len(caches)], random.Random(seed * 1000 + w), seqs, seen)
+                    for w in range(r.randint(len(caches), 6))
                 ]
                 await _within(workers, hang_s, f"{where}: the calls")
-                pinned = {t["name"]: t["pinned_pages"] for t in cache.stats()["tiers"]}
-                if any(pinned.values()):  # every load was released, or cancelled
-                    raise FuzzFailure(f"{where}: pins left after the calls: {pinned}")
+                for cache in caches:
+                    pinned = {t["name"]: t["pinned_pages"] for t in cache.stats()["tiers"]}
+                    if any(pinned.values()):  # every load was released, or cancelled
+                        raise FuzzFailure(f"{where}: pins left after the calls: {pinned}")
             finally:
-                await _within([cache.close()], hang_s, f"{where}: close")
+                closes = [cache.close() for cache in caches]
+                await _within(closes, hang_s, f"{where}: close")
             reopened = KVCache(cfg, env={}, configure_log=False)
             await reopened.start()
             try:
