@@ -6,8 +6,9 @@ its calls, :class:`FlakyFileStore`; given a Redis-protocol server, half the runs
 of the stores there). It draws an eviction policy, a write policy, background eviction on
 or off and a batch size. Then one to six tasks share the cache and each makes 40 random
 calls on a few token sequences that share prefixes: ``store``, ``load`` then ``release``,
-``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint``, ``flush``, and a
-``store``, ``load`` or ``read`` cancelled 0-3 ms in. In half the runs with a remote tier a
+``read``, ``prefetch``, ``demote``, ``delete``, ``lookup``, ``hint``, ``flush``,
+``reserve_private`` then ``release_private`` (an engine's working slots), and a ``store``,
+``load`` or ``read`` cancelled 0-3 ms in. In half the runs with a remote tier a
 second cache, DRAM over that remote tier alone, takes part of the tasks: two servers
 sharing a pool, as a prefill and a decode server do. A page's bytes are a function of its
 tokens, so every read can be checked.
@@ -21,7 +22,8 @@ A run fails (:class:`FuzzFailure`) when:
 * the calls, or the close, take longer than ``hang_s`` (the report names where each task
   waits);
 * a page is still pinned once every task is done (each released what it loaded; a cancelled
-  load must leave no pin).
+  load must leave no pin), or a backend still holds a reservation once the pipeline is idle
+  (each batch committed or aborted, each private slot given back).
 
 After the close, the cache is opened again on the same directories: the stores recover
 their pages, and every page still found must read back right.
@@ -49,6 +51,7 @@ from kvtier.backends.filestore import FileStore
 
 from kvtier.cache import KVCache
 from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
+from kvtier.keys import PageKey
 from kvtier.spec import preset
 from kvtier.testing.servers import RedisServer, unavailable_reason
 
@@ -199,11 +202,16 @@ async def _calls(cache: KVCache, r: random.Random, seqs: list[np.ndarray], seen:
         some = keys[: r.randint(1, min(3, n))]
         op = r.choices(
             ["store", "load", "read", "prefetch", "demote", "delete", "lookup", "hint", "flush",
-             "cancelled"],
-            [30, 15, 22, 5, 8, 5, 5, 5, 5, 6],
+             "cancelled", "private"],
+            [30, 15, 22, 5, 8, 5, 5, 5, 5, 6, 4],
         )[0]  # fmt: skip
         try:
-            if op == "cancelled":  # a caller that gives up: a store, load or read cut short
+            if op == "private":  # an engine's working pages: top-tier slots, never committed
+                private = [PageKey(r.randbytes(16)) for _ in range(r.randint(1, 2))]
+                slots = await cache.reserve_private(private)
+                await asyncio.sleep(r.random() * 0.002)
+                await cache.release_private(slots)
+            elif op == "cancelled":  # a caller that gives up: a store, load or read cut short
                 kind = r.choice(["store", "load", "read"])
                 out = np.zeros((n, PAGE), np.uint8)
                 if kind == "store":
@@ -314,9 +322,14 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
                 ]
                 await _within(workers, hang_s, f"{where}: the calls")
                 for cache in caches:
-                    pinned = {t["name"]: t["pinned_pages"] for t in cache.stats()["tiers"]}
+                    await _within([cache.pipeline.drain()], hang_s, f"{where}: drain")
+                    tiers = cache.stats()["tiers"]
+                    pinned = {t["name"]: t["pinned_pages"] for t in tiers}
                     if any(pinned.values()):  # every load was released, or cancelled
                         raise FuzzFailure(f"{where}: pins left after the calls: {pinned}")
+                    held = {t["name"]: t["backend_stats"].get("reserved_pages", 0) for t in tiers}
+                    if any(held.values()):  # every batch committed or aborted, slots given back
+                        raise FuzzFailure(f"{where}: reservations left once idle: {held}")
             finally:
                 closes = [cache.close() for cache in caches]
                 await _within(closes, hang_s, f"{where}: close")
