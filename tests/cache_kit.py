@@ -135,6 +135,18 @@ class FailingFileStore(FileStore):
         return await super().write(reservations, data)
 
 
+async def _pass_gate(cls: Any) -> None:
+    """Wait at ``cls.gate`` (an asyncio.Event, or None: go through), counted in
+    ``cls.held`` while waiting."""
+    if cls.gate is None:
+        return
+    cls.held += 1
+    try:
+        await cls.gate.wait()
+    finally:
+        cls.held -= 1
+
+
 class GatedFileStore(FileStore):
     """A file store whose writes wait, once ``gate`` is set to an event, until it is set:
     a write-down the test holds back (and counts: ``held`` writes are waiting)."""
@@ -143,13 +155,7 @@ class GatedFileStore(FileStore):
     held: ClassVar[int] = 0
 
     async def write(self, reservations: Any, data: Any) -> list[bool]:
-        cls = type(self)
-        if cls.gate is not None:
-            cls.held += 1
-            try:
-                await cls.gate.wait()
-            finally:
-                cls.held -= 1
+        await _pass_gate(type(self))
         return await super().write(reservations, data)
 
 
@@ -161,13 +167,7 @@ class GatedDeleteFileStore(FileStore):
     held: ClassVar[int] = 0
 
     async def delete(self, keys: Any) -> list[bool]:
-        cls = type(self)
-        if cls.gate is not None:
-            cls.held += 1
-            try:
-                await cls.gate.wait()
-            finally:
-                cls.held -= 1
+        await _pass_gate(type(self))
         return await super().delete(keys)
 
 
