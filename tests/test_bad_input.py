@@ -19,6 +19,7 @@ import pytest
 import torch
 from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, open_cache, sequence
 
+from kvtier.backend import Reservation
 from kvtier.cache import KVCache
 from kvtier.errors import (
     BackendUnavailableError,
@@ -26,6 +27,7 @@ from kvtier.errors import (
     KVTierUsageError,
     UnknownBackendError,
 )
+from kvtier.keys import PageKey
 
 
 @pytest.fixture
@@ -140,6 +142,51 @@ async def test_misuse(cache, tmp_path):
         await cache.lookup(TOKENS_2)
     with pytest.raises(KVTierUsageError, match="closed; create a new one"):
         await cache.start()
+
+
+@pytest.mark.parametrize("pin", ["yes", None, 1, np.array([1, 0])])
+async def test_load_pin_must_be_a_bool(cache, pin):
+    res = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
+    with pytest.raises(KVTierUsageError, match="pin must be True or False"):
+        await cache.load(res.keys, pin)
+    assert cache.stats()["tiers"][0]["pinned_pages"] == 0  # nothing was pinned
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "match"),
+    [
+        ("ttl", True, r"hint 'ttl' needs a number value or None, got True"),
+        ("ttl", "30", r"needs a number value or None, got '30'"),
+        ("next_turn", [1], r"needs a number value or None, got \[1\]"),
+        (["ttl"], 1.0, r"unknown hint kind \['ttl'\]"),
+        (None, None, r"unknown hint kind None"),
+    ],
+)
+async def test_bad_hints_are_named(cache, kind, value, match):
+    keys = cache.page_keys(TOKENS_2)
+    with pytest.raises(KVTierUsageError, match=match):
+        cache.hint(kind, keys, value)
+
+
+async def test_release_private_takes_only_what_reserve_private_gave(cache):
+    """Another reservation given back would free a slot a batch in flight is writing."""
+    (slot,) = await cache.reserve_private([PageKey(b"p" * 16)])
+    stored = await cache.store(TOKENS_2, np.ones((2, PAGE), np.uint8))
+    forged = Reservation(stored.keys[0], 0)
+    for bad, match in [
+        (None, "needs the list reserve_private returned, got NoneType"),
+        ("x", "needs the list reserve_private returned, got str"),
+        ([forged], r"reservations\[0\] is not a private slot this cache holds"),
+        (["x"], r"reservations\[0\] is not a private slot"),
+        ([slot, slot], "a slot is given twice"),
+    ]:
+        with pytest.raises(KVTierUsageError, match=match):
+            await cache.release_private(bad)
+    await cache.release_private([slot])
+    with pytest.raises(KVTierUsageError, match="only what reserve_private returned, once"):
+        await cache.release_private([slot])  # released twice
+    out = np.zeros((2, PAGE), np.uint8)
+    assert await cache.read(stored.keys, out) == [True, True] and out.all()
 
 
 async def test_unknown_backend_names_it(tmp_path):

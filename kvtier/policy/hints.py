@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, Protocol, runtime_checkable
 
 from kvtier.errors import KVTierUsageError
@@ -56,7 +57,7 @@ class Hint:
     value: float | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in HINT_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in HINT_KINDS:
             raise KVTierUsageError(
                 f"unknown hint kind {self.kind!r}; known: {', '.join(HINT_KINDS)}"
             )
@@ -83,6 +84,8 @@ def make_hint(kind: str, keys: Sequence[PageKey], value: float | None = None) ->
     """A :class:`Hint` with ``keys`` as a tuple (validated)."""
     if isinstance(keys, bytes | bytearray | str):
         raise KVTierUsageError("hint keys must be a sequence of page keys, not a single key")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
+        raise KVTierUsageError(f"hint {kind!r:.20} needs a number value or None, got {value!r:.40}")
     return Hint(kind, tuple(keys), None if value is None else float(value))
 
 

@@ -55,6 +55,8 @@ class Fetcher:
     async def load(self, keys: Sequence[PageKey], pin: bool = True) -> LoadResult:
         """Bring ``keys`` to the top tier in one batched pass; pins each (until release)
         when ``pin``. Raises :class:`CapacityError` when they cannot all fit."""
+        if not isinstance(pin, bool | np.bool_):
+            raise KVTierUsageError(f"pin must be True or False, got {pin!r:.40}")
         mover = self.mover
         planner = mover.planner
         top = mover.top

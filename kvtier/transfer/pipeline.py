@@ -134,6 +134,7 @@ class Pipeline:
             max_workers=max_inflight_per_link,
         )
         self.room = Room(self.mover, self.evictor, background=background_eviction)
+        self._private: dict[PageKey, int] = {}  # private slots handed out: key -> handle
         moves = Moves(self.mover, self.room, self.evictor)
         self.moves = moves
         self._fetcher = Fetcher(self.mover, moves)
@@ -338,15 +339,34 @@ class Pipeline:
             raise CapacityError(
                 f"tier {top.name!r} could give only {len(got)} of {len(keys)} private slots"
             )
+        self._private.update((r.key, r.handle) for r in got)
         return got
 
     async def release_private(self, reservations: Sequence[Reservation]) -> None:
-        """Give back slots taken by :meth:`reserve_private` (their bytes are dropped)."""
+        """Give back slots taken by :meth:`reserve_private` (their bytes are dropped).
+        Raises :class:`KVTierUsageError` (before giving anything back) for anything that
+        is not a private slot of this cache still held: another reservation given back
+        here would free a slot a batch in flight is writing."""
+        if isinstance(reservations, str | bytes) or not hasattr(reservations, "__iter__"):
+            raise KVTierUsageError(
+                "release_private needs the list reserve_private returned, got "
+                f"{type(reservations).__name__}"
+            )
+        given = list(reservations)
+        for i, r in enumerate(given):
+            if not isinstance(r, Reservation) or self._private.get(r.key) != r.handle:
+                raise KVTierUsageError(
+                    f"reservations[{i}] is not a private slot this cache holds (only what "
+                    f"reserve_private returned, once): {r!r:.80}"
+                )
+        if len({r.key for r in given}) != len(given):
+            raise KVTierUsageError("release_private: a slot is given twice")
         top = self.top
-        await top.backend.abort(list(reservations))
-        for r in reservations:
-            if self.directory.get(r.key) is not None:
-                self.directory.abort(r.key, top.name)
+        for r in given:
+            del self._private[r.key]
+        await top.backend.abort(given)
+        for r in given:
+            self.directory.abort(r.key, top.name)
         top.notify()
 
     # -- background work and shutdown -----------------------------------------------------------
