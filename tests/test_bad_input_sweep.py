@@ -1,7 +1,8 @@
-"""Every public KVCache call with each of 28 bad values in each argument: the call either
-works (some values are legal there, e.g. an empty key list) or raises a KVTierError (a
-usage error naming the argument), never a TypeError, ValueError or AttributeError from
-deep inside; and the cache serves its pages afterwards."""
+"""Every public KVCache and SequenceManager call with each of 33 bad values in each
+argument: the call either works (some values are legal there, e.g. an empty key list) or
+raises a KVTierError (a usage error naming the argument), never a TypeError, ValueError or
+AttributeError from deep inside; and the cache (or the block tables) serve what they held
+before, afterwards."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from cache_kit import PAGE, config, open_cache
 
 from kvtier.cache import KVCache
 from kvtier.errors import KVTierError
 from kvtier.keys import PageKey
+from kvtier.sequences import SequenceManager
 
 BAD: list[Any] = [
     None, 1, -1, 1.5, math.nan, math.inf, "x", b"x", b"\0" * 16, [], [None], [1, 2], ["a"],
     [b"\0" * 15], [b"\0" * 16], np.zeros(3), np.zeros((2, 2)), np.array([1.5]),
     np.array(["a"]), {"a": 1}, object(), [PageKey(b"\1" * 16)] * 3, np.zeros(4, np.int64),
-    list(range(1000)), True, 10**30, -(10**30), "",
+    list(range(1000)), True, 10**30, -(10**30), "", torch.zeros(3), [-1], 99999,
+    np.zeros((2, 2, 4, 2, 8), ">f2"), np.array([object()]),
 ]  # fmt: skip
 
 
@@ -59,24 +63,75 @@ async def test_every_call_refuses_bad_values_with_a_kvtier_error(tmp_path: Any) 
     async with open_cache(config(tmp_path)) as cache:
         data = np.arange(2 * PAGE, dtype=np.uint64).astype(np.uint8).reshape(2, PAGE)
         keys = (await cache.store(np.arange(8), data)).keys
-        escaped: list[str] = []
-        for name, call in _calls(cache, keys).items():
-            for value in BAD:
-                try:
-                    got = call(value)
-                    if asyncio.iscoroutine(got):
-                        got = await asyncio.wait_for(got, 10)
-                    if name.startswith("load") and got is not None:
-                        cache.release(list(dict.fromkeys(value if name == "load" else keys)))
-                except KVTierError:
-                    pass
-                except Exception as exc:  # the point of the test
-                    escaped.append(f"{name} with {value!r:.30}: {type(exc).__name__}: {exc}")
-        assert escaped == []
+
+        async def after(name: str, value: Any, got: Any) -> None:
+            if name.startswith("load"):  # it worked: give its pins back
+                cache.release(list(dict.fromkeys(value if name == "load" else keys)))
+
+        assert await _escapes(_calls(cache, keys), after) == []
         out = np.zeros_like(data)
         assert await cache.read(keys, out) == [True, True]
         assert np.array_equal(out, data)
         assert cache.stats()["tiers"][0]["pinned_pages"] == 0
+
+
+async def _escapes(calls: dict[str, Callable[[Any], Any]], after: Any = None) -> list[str]:
+    """Each call with each bad value; what escaped as something other than a KVTierError.
+    ``after(name, result)`` cleans up after a call that worked."""
+    escaped: list[str] = []
+    for name, call in calls.items():
+        for value in BAD:
+            try:
+                got = call(value)
+                if asyncio.iscoroutine(got):
+                    got = await asyncio.wait_for(got, 10)
+                if after is not None:
+                    await after(name, value, got)
+            except KVTierError:
+                pass
+            except Exception as exc:  # the point of the test
+                escaped.append(f"{name} with {value!r:.30}: {type(exc).__name__}: {exc}")
+    return escaped
+
+
+async def test_every_sequence_call_refuses_bad_values_with_a_kvtier_error(tmp_path: Any) -> None:
+    async with open_cache(config(tmp_path, dram_pages=64)) as cache:
+        m = await SequenceManager.open(cache, 16)
+        seq = m.create()
+        spec = cache.spec
+        tokens = list(range(spec.page_tokens))
+
+        def kv() -> torch.Tensor:
+            return torch.ones(tuple(spec.page_shape), dtype=torch.float16)
+
+        await m.append(seq, tokens, kv())
+        version = m.snapshot(seq)
+        calls: dict[str, Callable[[Any], Any]] = {
+            "append(seq_id)": lambda a: m.append(a, tokens, kv()),
+            "append(tokens)": lambda a: m.append(seq, a, kv()),
+            "append(kv)": lambda a: m.append(seq, tokens, a),
+            "adopt_prefix(seq_id)": lambda a: m.adopt_prefix(a, tokens),
+            "adopt_prefix(tokens)": lambda a: m.adopt_prefix(seq, a),
+            "fork": lambda a: m.fork(a),
+            "snapshot": lambda a: m.snapshot(a),
+            "rollback(seq_id)": lambda a: m.rollback(a, version),
+            "rollback(version)": lambda a: m.rollback(seq, a),
+            "commit(version)": lambda a: m.commit(seq, a),
+            "commit(keep)": lambda a: m.commit(seq, version, a),
+            "truncate": lambda a: m.truncate(seq, a),
+            "free": lambda a: m.free(a),
+            "publish_pending": lambda a: m.publish_pending(a),
+            "ensure_resident": lambda a: m.ensure_resident(a),
+            "page": lambda a: m.page(a),
+        }
+
+        async def after(name: str, value: Any, got: Any) -> None:
+            if name == "ensure_resident":
+                await m.release(got)
+
+        assert await _escapes(calls, after) == []
+        m.check_invariants()
+        await m.close()
 
 
 @pytest.mark.parametrize("value", [math.nan, -1.0, "soon"])

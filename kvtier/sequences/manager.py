@@ -137,6 +137,10 @@ class SequenceManager:
         self.page(dst)[:, :, :tokens] = self.page(src)[:, :, :tokens]
 
     def _check_kv(self, kv: Any, n: int) -> torch.Tensor:
+        if isinstance(kv, np.ndarray) and (kv.dtype.kind not in "biufc" or not kv.dtype.isnative):
+            raise KVTierUsageError(
+                f"kv must hold numbers in native byte order, got a numpy array of {kv.dtype}"
+            )
         t = torch.from_numpy(kv) if isinstance(kv, np.ndarray) else kv
         if not isinstance(t, torch.Tensor):
             raise KVTierUsageError(f"kv must be a torch tensor or numpy array, got {type(kv)}")
@@ -302,9 +306,16 @@ class SequenceManager:
         :class:`PageFaultError` (naming the lost pages) or :class:`CapacityError`; in
         both cases nothing stays pinned.
         """
+        if isinstance(seq_ids, str | bytes) or not hasattr(seq_ids, "__iter__"):
+            raise KVTierUsageError(
+                f"seq_ids must be a sequence of sequence ids, got {type(seq_ids).__name__}"
+            )
         async with self._lock:
             tables = self.tables
             ids = list(seq_ids)
+            bad = [s for s in ids if isinstance(s, bool) or not isinstance(s, int | np.integer)]
+            if bad:
+                raise KVTierUsageError(f"sequence ids must be ints, got {bad[0]!r:.40}")
             if len(set(ids)) != len(ids):
                 raise KVTierUsageError(f"sequence ids repeat in {ids}")
             rows = [tables.table(s) for s in ids]
