@@ -269,3 +269,20 @@ async def test_a_delete_that_keeps_pages_is_named_when_emptying(tmp_path: Path) 
             lambda: DeleteKeepsStore(page_bytes=PAGE, capacity_pages=8, path=tmp_path),
             persistent=True,
         )
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (None, r"the factory must be a callable taking no arguments .* got NoneType"),
+        (DramArena, r"argument: 'page_bytes'\): pass e\.g\. lambda: DramArena\("),
+        (lambda size: DramArena(page_bytes=size, capacity_pages=8), r"callable with no arguments"),
+        (lambda: "arena", r"factory returned str, not a kvtier Backend"),
+    ],
+    ids=["none", "the-class", "takes-an-argument", "not-a-backend"],
+)
+async def test_a_factory_that_is_not_one_is_named(factory: Any, message: str) -> None:
+    """The usual mistakes of a first kit run (the class itself, a factory taking the page
+    size) are named with the fix, not a TypeError from inside the kit."""
+    with pytest.raises(ConformanceError, match=message):
+        await check_backend(factory)

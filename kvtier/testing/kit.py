@@ -60,6 +60,22 @@ class ConformanceReport:
 
 async def build(factory: BackendFactory) -> Backend:
     """Call the factory and check it gave an unopened backend."""
+    if not callable(factory):
+        raise ConformanceError(
+            f"the factory must be a callable taking no arguments that returns an unopened "
+            f"backend (e.g. lambda: MyStore(page_bytes=4096, capacity_pages=16)), got "
+            f"{type(factory).__name__}"
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:
+        what = factory.__name__ if isinstance(factory, type) else "MyStore"
+        raise ConformanceError(
+            f"the factory must be callable with no arguments ({exc}): pass e.g. "
+            f"lambda: {what}(page_bytes=4096, capacity_pages=16)"
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a builtin): call it and see
     made = factory()
     backend = await made if inspect.isawaitable(made) else made
     if not isinstance(backend, Backend):
