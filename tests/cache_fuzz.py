@@ -192,7 +192,7 @@ def check_pages(tokens: np.ndarray, out: np.ndarray, ok: list[bool], what: str) 
     return sum(ok)
 
 
-async def _calls(cache: KVCache, r: random.Random, seqs: list[np.ndarray], seen: Counter) -> None:
+async def calls(cache: KVCache, r: random.Random, seqs: list[np.ndarray], seen: Counter) -> None:
     """One task's random calls."""
     for _ in range(OPS_PER_TASK):
         seq = r.choice(seqs)
@@ -317,7 +317,7 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
                 await cache.start()
             try:
                 workers = [
-                    _calls(caches[w % len(caches)], random.Random(seed * 1000 + w), seqs, seen)
+                    calls(caches[w % len(caches)], random.Random(seed * 1000 + w), seqs, seen)
                     for w in range(r.randint(len(caches), 6))
                 ]
                 await _within(workers, hang_s, f"{where}: the calls")
