@@ -5,9 +5,10 @@ One *run* (one seed) draws a hierarchy and sequences as :func:`cache_fuzz.run_on
 the kill anyway). A child process opens the cache and makes random calls from several
 tasks until the parent sends it SIGKILL, 0.05-1.5 s after its first pages were flushed
 down: mid-write, mid-commit, mid-eviction, mid-flush. Then the parent opens the same
-configuration, lets the stores recover, and reads every sequence: a page may be missing (it was in DRAM, or
-its write had not committed), but every page served must be the page's bytes. The
-recovered cache must then take new pages and serve them.
+configuration, lets the stores recover, and reads every sequence: a page may be missing
+(it was in DRAM, or its write had not committed), but every page served must be the
+page's bytes. The recovered cache must then take new pages and serve them. (The child
+logs to stderr, which is dropped: its stdout carries only the line saying it is ready.)
 
 ``python tests/cache_crash_fuzz.py FIRST LAST`` runs seeds ``FIRST`` to ``LAST - 1``;
 ``tests/test_cache_fuzz.py`` runs a few in CI.
@@ -24,8 +25,10 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import structlog
 from cache_fuzz import (
     PAGE,
     PT,
@@ -67,6 +70,11 @@ async def child(seed: int, root: Path) -> None:
         workers = [calls(cache, random.Random(seed * 77 + w), seqs, seen) for w in range(4)]
 
 
+def _ready(stdout: Any) -> bool:
+    """Whether the child said :data:`READY` before its stdout closed."""
+    return any(line.strip() == READY for line in stdout)
+
+
 async def crash_one(seed: int, hang_s: float = 60.0) -> Counter:
     """One killed run; returns what the reopened cache found."""
     seen: Counter = Counter()
@@ -83,8 +91,7 @@ async def crash_one(seed: int, hang_s: float = 60.0) -> Counter:
         )
         try:
             assert child.stdout is not None
-            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), hang_s)
-            if line.strip() != READY:
+            if not await asyncio.wait_for(asyncio.to_thread(_ready, child.stdout), hang_s):
                 raise FuzzFailure(f"{where}: the child did not open its cache (rc {child.poll()})")
             await asyncio.sleep(random.Random(seed).uniform(0.05, 1.5))
             if child.poll() is not None:
@@ -135,6 +142,7 @@ if __name__ == "__main__":
     import cache_crash_fuzz  # the module the parent and "cache_fuzz:..." configs share
 
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
         asyncio.run(cache_crash_fuzz.child(int(sys.argv[2]), Path(sys.argv[3])))
     elif len(sys.argv) == 3:
         sys.exit(asyncio.run(cache_crash_fuzz.main(int(sys.argv[1]), int(sys.argv[2]))))
