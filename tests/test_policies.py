@@ -118,6 +118,21 @@ def test_prefix_lru_survives_a_parent_leaving_before_its_child() -> None:
     assert p.victims(1, every) == [k(1)] and len(p) == 1
 
 
+def test_prefix_lru_falls_back_to_the_ancestors_of_a_spared_leaf() -> None:
+    """A batch extending chain 1 -> 2 -> 3 spares 3 (its parent): victims() offers
+    nothing, the fallback (ancestors, which a tier above the last moves down) offers 2
+    then 1, and the other chain's leaf first."""
+    p = PrefixLRUPolicy()
+    p.on_insert(k(1))
+    p.on_insert(k(2), k(1))
+    p.on_insert(k(3), k(2))
+    p.on_insert(k(9))
+    spared = {k(3), k(9)}
+    assert p.victims(2, lambda key: key not in spared) == []
+    assert p.fallback_victims(2, lambda key: key not in spared) == [k(2), k(1)]
+    assert p.fallback_victims(3, lambda key: key != k(3)) == [k(2), k(1), k(9)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("iira"), st.integers(0, 11), st.integers(0, 11))))
 def test_prefix_lru_offers_every_page_after_its_children(ops: list[tuple[str, int, int]]) -> None:

@@ -15,6 +15,7 @@ from kvtier.cache import KVCache
 from kvtier.config.defaults import DEFAULT_EVICTION
 from kvtier.errors import CapacityError
 from kvtier.index.directory import PageState
+from kvtier.policy.eviction import EVICTION_POLICIES
 
 
 def _gated(tmp_path, dram_pages: int, background: bool, **extra) -> dict:
@@ -248,3 +249,24 @@ async def test_a_page_that_stays_is_free_while_the_rest_of_its_eviction_finishes
                 if gate is not None:
                     gate.set()
     GatedFileStore.gate = GatedDeleteFileStore.gate = None
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+async def test_a_sequence_longer_than_the_top_tier_is_stored_under_every_policy(
+    tmp_path, policy, background
+):
+    """12 pages through a 4-page DRAM tier in batches of 4: the batches' parents are
+    spared (leaf-first policies), so room comes from moving ancestors down. Under
+    prefix-lru it used to raise CapacityError: its own order reaches no ancestor of a
+    spared leaf."""
+    rng = np.random.default_rng(45)
+    cfg = config(tmp_path, 4, 256, batch_pages=4, background_eviction=background)
+    for t in cfg["tiers"]:
+        t["eviction"] = policy
+    async with open_cache(cfg) as cache:
+        tokens, data = sequence(rng, 12)
+        assert all((await cache.store(tokens, data)).stored)
+        out = np.zeros_like(data)
+        assert all(await cache.read(cache.page_keys(tokens), out))
+        assert np.array_equal(out, data)

@@ -175,9 +175,12 @@ class LeafFirstPolicy(EvictionPolicy):
     def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Victims for when :meth:`victims` offers none and the tier would otherwise
         refuse room: in a tier above the last, ancestors too (eviction moves them down,
-        so their prefix stays cached); none in the last tier (dropping an ancestor would
-        orphan its descendants)."""
-        return [] if self.last else self.inner.victims(n, evictable)
+        so their prefix stays cached), in the inner policy's fallback order when it has one
+        (prefix-lru's own order reaches no ancestor of a spared leaf), else its order; none
+        in the last tier (dropping an ancestor would orphan its descendants)."""
+        if self.last:
+            return []
+        return self.inner.fallback_victims(n, evictable) or self.inner.victims(n, evictable)
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -89,6 +89,23 @@ class PrefixLRUPolicy(EvictionPolicy):
                 key = parent if left == 0 else None
         return out
 
+    def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
+        """When :meth:`victims` offers none because the leaves are spared (a batch in
+        flight extends them), the pages above them too, up each chain from the coldest
+        leaf: a tier above the last moves them down, so their prefix stays cached."""
+        out: list[PageKey] = []
+        chosen: set[PageKey] = set()
+        for leaf in self._leaves:
+            key: PageKey | None = leaf
+            while key is not None and len(out) < n:
+                if key not in chosen and evictable(key):
+                    out.append(key)
+                    chosen.add(key)
+                key = self._parent.get(key)
+            if len(out) >= n:
+                break
+        return out
+
     def __len__(self) -> int:
         return len(self._parent)
 
