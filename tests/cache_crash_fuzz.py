@@ -38,6 +38,7 @@ from cache_fuzz import (
     draw_config,
     draw_sequences,
     page_bytes,
+    run_seeds,
 )
 
 from kvtier.cache import KVCache
@@ -126,16 +127,7 @@ async def crash_one(seed: int, hang_s: float = 60.0) -> Counter:
 
 
 async def main(first: int, last: int) -> int:
-    total: Counter = Counter()
-    bad = 0
-    for seed in range(first, last):
-        try:
-            total += await crash_one(seed)
-        except FuzzFailure as exc:
-            bad += 1
-            print(f"FAIL {exc}", flush=True)
-    print(f"seeds {first}-{last - 1}: {bad} failed; {dict(total)}", flush=True)
-    return 1 if bad else 0
+    return await run_seeds(range(first, last), crash_one)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import random
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -353,20 +354,25 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
 
 
 async def main(first: int, last: int) -> int:
-    total: Counter = Counter()
-    bad = 0
     reason = unavailable_reason("valkey")
     if reason:
         print(f"no Redis-protocol tier in these runs: {reason}", flush=True)
     with contextlib.ExitStack() as stack:
         url = None if reason else stack.enter_context(RedisServer("valkey")).url
-        for seed in range(first, last):
-            try:
-                total += await run_one(seed, url)
-            except FuzzFailure as exc:
-                bad += 1
-                print(f"FAIL {exc}", flush=True)
-    print(f"seeds {first}-{last - 1}: {bad} failed; {dict(sorted(total.items()))}", flush=True)
+        return await run_seeds(range(first, last), lambda seed: run_one(seed, url))
+
+
+async def run_seeds(seeds: range, one: Callable[[int], Awaitable[Counter]]) -> int:
+    """``one(seed)`` for each seed: prints each failure and a summary; 1 if any failed."""
+    total: Counter = Counter()
+    bad = 0
+    for seed in seeds:
+        try:
+            total += await one(seed)
+        except FuzzFailure as exc:
+            bad += 1
+            print(f"FAIL {exc}", flush=True)
+    print(f"seeds {seeds.start}-{seeds.stop - 1}: {bad} failed; {dict(sorted(total.items()))}")
     return 1 if bad else 0
 
 

@@ -366,7 +366,8 @@ class Pipeline:
             del self._private[r.key]
         await top.backend.abort(given)
         for r in given:
-            self.directory.abort(r.key, top.name)
+            if self.directory.get(r.key) is not None:
+                self.directory.abort(r.key, top.name)
         top.notify()
 
     # -- background work and shutdown -----------------------------------------------------------
