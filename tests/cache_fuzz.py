@@ -29,7 +29,9 @@ After the close, the cache is opened again on the same directories: the stores r
 their pages, and every page still found must read back right.
 
 ``python tests/cache_fuzz.py FIRST LAST`` runs seeds ``FIRST`` to ``LAST - 1`` and prints a
-summary (``tests/test_cache_fuzz.py`` runs a few seeds in CI).
+summary; ``--outages`` also restarts (its data lost) or freezes the Valkey server at random
+while a run with a remote tier makes its calls. ``tests/test_cache_fuzz.py`` runs a few
+seeds in CI, some with outages.
 """
 
 from __future__ import annotations
@@ -295,9 +297,35 @@ class _TaskFailures:
         return event
 
 
-async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0) -> Counter:
+async def _outages(server: RedisServer, r: random.Random, stop: asyncio.Event) -> int:
+    """Restart ``server`` (its data lost) or freeze it for 0.05-0.5 s, every 0.01-0.2 s,
+    until ``stop``; returns how many times."""
+    count = 0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), r.uniform(0.01, 0.2))
+        if stop.is_set():
+            break  # the calls ended: no outage after them
+        count += 1
+        if r.random() < 0.5:
+            await asyncio.to_thread(server.restart)
+        else:
+            server.pause()
+            await asyncio.sleep(r.uniform(0.05, 0.5))
+            server.resume()
+    return count
+
+
+async def run_one(
+    seed: int,
+    remote_url: str | None = None,
+    hang_s: float = 60.0,
+    outages: RedisServer | None = None,
+) -> Counter:
     """One fuzz run (a Redis-protocol tier at ``remote_url`` in some); returns what it
-    did (calls by kind, errors by type, pages read, failures injected)."""
+    did (calls by kind, errors by type, pages read, failures injected). With
+    ``outages`` (the server at ``remote_url``), a run with a remote tier has that server
+    restarted or frozen at random while its calls run."""
     r = random.Random(seed)
     failures = _TaskFailures()
     before = structlog.get_config()["processors"]
@@ -321,7 +349,16 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
                     calls(caches[w % len(caches)], random.Random(seed * 1000 + w), seqs, seen)
                     for w in range(r.randint(len(caches), 6))
                 ]
-                await _within(workers, hang_s, f"{where}: the calls")
+                stop = asyncio.Event()
+                down = None
+                if outages is not None and remote:
+                    down = asyncio.ensure_future(_outages(outages, random.Random(~seed), stop))
+                try:
+                    await _within(workers, hang_s, f"{where}: the calls")
+                finally:
+                    stop.set()
+                    if down is not None:
+                        seen["remote outages"] += await down
                 for cache in caches:
                     await _within([cache.pipeline.drain()], hang_s, f"{where}: drain")
                     tiers = cache.stats()["tiers"]
@@ -353,13 +390,17 @@ async def run_one(seed: int, remote_url: str | None = None, hang_s: float = 60.0
     return seen
 
 
-async def main(first: int, last: int) -> int:
+async def main(first: int, last: int, outages: bool = False) -> int:
     reason = unavailable_reason("valkey")
     if reason:
         print(f"no Redis-protocol tier in these runs: {reason}", flush=True)
     with contextlib.ExitStack() as stack:
-        url = None if reason else stack.enter_context(RedisServer("valkey")).url
-        return await run_seeds(range(first, last), lambda seed: run_one(seed, url))
+        server = None if reason else stack.enter_context(RedisServer("valkey"))
+        url = None if server is None else server.url
+        down = server if outages else None
+        return await run_seeds(
+            range(first, last), lambda seed: run_one(seed, url, 90.0 if down else 60.0, down)
+        )
 
 
 async def run_seeds(seeds: range, one: Callable[[int], Awaitable[Counter]]) -> int:
@@ -378,8 +419,10 @@ async def run_seeds(seeds: range, one: Callable[[int], Awaitable[Counter]]) -> i
 
 if __name__ == "__main__":
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    if len(sys.argv) != 3:
-        sys.exit("usage: python tests/cache_fuzz.py FIRST_SEED LAST_SEED")
+    args = [a for a in sys.argv[1:] if a != "--outages"]
+    if len(args) != 2:
+        sys.exit("usage: python tests/cache_fuzz.py FIRST_SEED LAST_SEED [--outages]")
     import cache_fuzz  # the module the config's "cache_fuzz:FlakyFileStore" names
 
-    sys.exit(asyncio.run(cache_fuzz.main(int(sys.argv[1]), int(sys.argv[2]))))
+    outages = "--outages" in sys.argv
+    sys.exit(asyncio.run(cache_fuzz.main(int(args[0]), int(args[1]), outages)))
