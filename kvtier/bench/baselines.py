@@ -267,27 +267,25 @@ def _entry_point_profile(backend_name: str) -> IOProfile | None:
         ep = next((e for e in eps if e.name == backend_name), None)
         profile = ep.load() if ep is not None else None
     except Exception as exc:  # a broken plugin must not break the benchmark of the others
-        _log.warning(
-            "bench io profile for %r (entry point group %s) cannot load, using the default "
-            "for its kind: %r",
-            backend_name,
-            PROFILE_ENTRY_POINT_GROUP,
-            exc,
-        )
-        return None
-    if profile is not None and not isinstance(profile, IOProfile):
-        _log.warning(
-            "bench io profile for %r (entry point group %s) is a %s, not an IOProfile: "
-            "using the default for its kind",
-            backend_name,
-            PROFILE_ENTRY_POINT_GROUP,
-            type(profile).__name__,
-        )
+        _ignored(backend_name, f"cannot load ({exc!r})")
         return None
     if profile is None:
         return None
+    if not isinstance(profile, IOProfile):
+        _ignored(backend_name, f"is a {type(profile).__name__}, not an IOProfile")
+        return None
     _PROFILES[backend_name] = profile
     return profile
+
+
+def _ignored(backend_name: str, why: str) -> None:
+    """Log that the entry-point profile of ``backend_name`` is not used, and why."""
+    _log.warning(
+        "bench io profile for %r (entry point group %s) %s: using the default for its kind",
+        backend_name,
+        PROFILE_ENTRY_POINT_GROUP,
+        why,
+    )
 
 
 def registered_profile(backend_name: str) -> IOProfile | None:
