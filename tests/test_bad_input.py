@@ -155,9 +155,10 @@ async def test_load_pin_must_be_a_bool(cache, pin):
 @pytest.mark.parametrize(
     ("kind", "value", "match"),
     [
-        ("ttl", True, r"hint 'ttl' needs a number value or None, got True"),
-        ("ttl", "30", r"needs a number value or None, got '30'"),
-        ("next_turn", [1], r"needs a number value or None, got \[1\]"),
+        ("ttl", True, r"hint 'ttl' needs a finite number value, got True"),
+        ("ttl", "30", r"hint 'ttl' needs a finite number value, got '30'"),
+        ("next_turn", [1], r"hint 'next_turn' needs a finite number value, got \[1\]"),
+        ("close", "x", r"hint 'close' takes no value, got 'x'"),
         (["ttl"], 1.0, r"unknown hint kind \['ttl'\]"),
         (None, None, r"unknown hint kind None"),
     ],

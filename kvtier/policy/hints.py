@@ -84,9 +84,10 @@ def make_hint(kind: str, keys: Sequence[PageKey], value: float | None = None) ->
     """A :class:`Hint` with ``keys`` as a tuple (validated)."""
     if isinstance(keys, bytes | bytearray | str):
         raise KVTierUsageError("hint keys must be a sequence of page keys, not a single key")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, Real)):
-        raise KVTierUsageError(f"hint {kind!r:.20} needs a number value or None, got {value!r:.40}")
-    return Hint(kind, tuple(keys), None if value is None else float(value))
+    # numbers (numpy's too) become floats; anything else reaches Hint's check as it is
+    if isinstance(value, Real) and not isinstance(value, bool):
+        value = float(value)
+    return Hint(kind, tuple(keys), value)
 
 
 def parse_hint(row: Mapping[str, Any], key_of: Callable[[int], PageKey], where: str) -> Hint:
