@@ -379,27 +379,29 @@ class HintedPolicy(EvictionPolicy):
                 yield key
         weight = self._weight
 
-        # 2. no forecast: the fallback's order, light pages before heavy ones. Those pages
-        # are known (kept up to date): the fallback's order is read only as far as the
-        # last of them, or (a few, and a fallback such as LRU-K that can) sorted into it.
+        # 2. no forecast (kept up to date): the fallback's order, light pages before heavy
+        # ones, read only as far as the last of them (``left`` counts them down: a walk may
+        # read a few of many), or (a few, and a fallback that can) sorted into it.
         self._catch_up()
-        plain = self._plain.difference(pinned, done)
+        left = len(held := self._plain) - sum(1 for k in {*pinned, *done} if k in held)
         heavy: list[PageKey] = []
-        if plain:
+        if left:
             sort = getattr(self.fallback, "order_of", None)  # a few pages: sorted, not sought
-            if callable(sort) and 4 * len(plain) < len(self._resident):
-                order: Iterator[PageKey] = iter(sort(plain))
+            if callable(sort) and 4 * left < len(self._resident):
+                order: Iterator[PageKey] = iter(sort(held.difference(pinned, done)))
             else:
-                order = self._fallback_order(plain.__contains__)
+                order = self._fallback_order(
+                    lambda k: k in held and k not in pinned and k not in done
+                )
             try:
                 for key in order:
-                    plain.discard(key)
+                    left -= 1
                     if weight.get(key, 1.0) > 1.0:
                         heavy.append(key)
                     elif usable(key):
                         done.add(key)
                         yield key
-                    if not plain:
+                    if not left:
                         break
             finally:
                 close_order(order)
@@ -481,10 +483,8 @@ class HintedPolicy(EvictionPolicy):
                 yield key
 
     def _fallback_order(self, accept: Callable[[PageKey], bool]) -> Iterator[PageKey]:
-        """The fallback policy's order over the pages ``accept`` takes (its
-        ``ordered_keys``, or one ``victims(1)`` question per page: :func:`policy_offers`)."""
-        asked: set[PageKey] = set()
-        order = iter(policy_offers(self.fallback, accept)(asked))
+        """The fallback's order over the pages ``accept`` takes (:func:`policy_offers`)."""
+        order = iter(policy_offers(self.fallback, accept)(asked := set()))
         try:
             for key in order:
                 if key not in asked and accept(key):
