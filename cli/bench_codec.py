@@ -10,7 +10,13 @@ import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.output import console, emit, run_guarded, table
 
-from kvtier.bench.codec import DEFAULT_CODECS, codec_speed, parse_codec, tier_throughput
+from kvtier.bench.codec import (
+    DEFAULT_CODECS,
+    check_throughput_tiers,
+    codec_speed,
+    parse_codec,
+    tier_throughput,
+)
 from kvtier.bench.kvpages import SOURCES, kv_pages
 from kvtier.config import format_size
 from kvtier.errors import KVTierUsageError
@@ -86,6 +92,7 @@ def codec(
     def body() -> None:
         if pages < 1 or repeat < 1 or rounds < 1 or batch_pages < 1:
             raise KVTierUsageError("--pages, --repeat, --rounds and --batch-pages must be >= 1")
+        check_throughput_tiers(tier or [])
         codecs = [parse_codec(c) for c in codec_opt] if codec_opt else DEFAULT_CODECS
         spec, kv, description = kv_pages(source, dtype=dtype, page_tokens=page_tokens, pages=pages)
         report: dict[str, Any] = {
@@ -102,4 +109,4 @@ def codec(
         }
         emit(report, as_json, _render)
 
-    run_guarded(body)
+    run_guarded(body, as_json)

@@ -193,6 +193,24 @@ def bench_run_command(
                     "(the chat workload has no speculative steps)"
                 )
         if workload == "speculative":
+            chat_only = [
+                flag
+                for flag, value, default in (
+                    ("--turns", turns, _DEFAULTS.turns),
+                    ("--system-prompts", system_prompts, _DEFAULTS.system_prompts),
+                    ("--system-tokens", system_tokens, _DEFAULTS.system_tokens),
+                    ("--turn-tokens", turn_tokens, sum(_DEFAULTS.user_tokens) // 2),
+                    ("--concurrency", concurrency, _DEFAULTS.concurrency),
+                    ("--predictor", predictor, "none"),
+                    ("--queue-delay-ms", queue_delay_ms, 0.0),
+                )
+                if value != default
+            ]
+            if chat_only:
+                raise KVTierUsageError(
+                    f"{', '.join(chat_only)} only apply to --workload chat "
+                    "(the speculative workload has no turns; --sessions sets its sequences)"
+                )
             spec_params = SpeculativeParams(
                 sequences=sessions,
                 steps=_SPEC_DEFAULTS.steps if steps is None else steps,

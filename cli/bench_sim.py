@@ -395,6 +395,27 @@ def sim(
         if suite:
             if workload_name is not None:
                 raise KVTierUsageError("--suite picks its own workloads: drop --workload")
+            unused = [
+                flag
+                for flag, value, default in (
+                    ("--tiers", tiers, "hbm"),
+                    ("--tier-scale", tier_scale, 4.0),
+                    ("--block-tokens", block_tokens, 512),
+                    ("--write-policy", write_policy, "write-back"),
+                    ("--admission", admission, "reuse"),
+                    ("--prefetch", prefetch, None),
+                    ("--hints", hints, False),
+                    ("--hardware", hardware, "h200-gen5"),
+                    ("--model", model, "llama3-70b"),
+                    ("--codec", codec or None, None),
+                )
+                if value != default
+            ]
+            if unused:
+                raise KVTierUsageError(
+                    "--suite replays one tier of 512-token blocks, without hints, codecs, "
+                    f"prefetch or the cost model: drop {', '.join(unused)}"
+                )
             if plot_file is not None:
                 check_plot_path(plot_file)
             rep = run_suite_cli(half, requests, trace, policy, capacity, show_progress)
@@ -403,6 +424,8 @@ def sim(
                 rep["plot"] = str(plot_file)
             emit(rep, as_json, render_suite)
             return
+        if half != "held-out":
+            raise KVTierUsageError("--half chooses a part of the policy suite: add --suite")
         names = [t.strip() for t in tiers.split(",") if t.strip()]
         check_args(
             requests,

@@ -37,4 +37,4 @@ def inspect_codecs(
     ] = False,
 ) -> None:
     """List the page codecs found through the ``kvtier.codecs`` entry-point group."""
-    run_guarded(lambda: emit(codecs_report(), as_json, _render))
+    run_guarded(lambda: emit(codecs_report(), as_json, _render), as_json)

@@ -49,6 +49,8 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--capacity", "lots"], "bad capacity 'lots'"),
         (["--requests", "-5"], "--requests must be >= 1"),
         (["--requests", "0"], "--requests must be >= 1"),
+        # before: a generated workload this large was built until memory ran out
+        (["--requests", "1000001"], "requests must be an integer from 1 to 1,000,000"),
         (["--tier-scale", "0"], "--tier-scale must be a finite number > 0"),
         (["--tier-scale", "inf"], "--tier-scale must be a finite number > 0"),
         (["--block-tokens", "0"], "--block-tokens must be >= 1"),
@@ -134,6 +136,16 @@ def test_the_plot_is_readable(tmp_path: Path) -> None:
 def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[str]) -> None:
     error = invoke("bench", "run", "--model", "tiny", *flag, code=2)
     assert f"{flag[0]} only apply to --workload speculative" in error["message"]
+
+
+@pytest.mark.parametrize("flag", [["--turns", "9"], ["--system-prompts", "3"],
+                                  ["--system-tokens", "8"], ["--turn-tokens", "20"],
+                                  ["--concurrency", "4"], ["--predictor", "prefix"],
+                                  ["--queue-delay-ms", "5"]])  # fmt: skip
+def test_bench_run_refuses_chat_flags_with_the_speculative_workload(flag: list[str]) -> None:
+    """Before: the speculative workload ran and ignored them."""
+    error = invoke("bench", "run", "--model", "tiny", "--workload", "speculative", *flag, code=2)
+    assert f"{flag[0]} only apply to --workload chat" in error["message"]
 
 
 def test_the_documented_bench_run_example_is_sized_up_front() -> None:
@@ -279,6 +291,13 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
          "--timeout must be a number of seconds"),
         (["inspect", "stats", "--url", "http://[::1"], "is not a valid URL"),
         (["bench", "run", "-c", str(DATA / "README.md")], "is not valid TOML"),
+        # before: an infinite queue delay was taken, and the run waited forever
+        (["bench", "run", "--model", "tiny", "--queue-delay-ms", "inf"],
+         "queue_delay_ms must be a finite number >= 0, got inf"),
+        (["bench", "run", "--model", "tiny", "--queue-delay-ms", "1e999"],
+         "queue_delay_ms must be a finite number >= 0, got inf"),
+        (["bench", "run", "--model", "tiny", "--queue-delay-ms", "-1"],
+         "queue_delay_ms must be a finite number >= 0, got -1"),
     ],
 )  # fmt: skip
 def test_values_that_would_exhaust_memory_or_make_no_sense_are_refused(
@@ -344,3 +363,36 @@ async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
     assert result.step == ("delete" if fault == "delete_keeps" else "read")
     if fault == "wrong_bytes":  # the probe was deleted on the way out
         assert len(made[0].deleted) == 1
+
+
+@pytest.mark.parametrize("flag", [["--tiers", "hbm,dram"], ["--tier-scale", "2"],
+                                  ["--block-tokens", "16"],
+                                  ["--write-policy", "write-through"], ["--admission", "frequency"],
+                                  ["--prefetch", "lookahead"], ["--hints"], ["--hardware", "cpu"],
+                                  ["--model", "tiny"], ["--codec", "hbm=zstd"]])  # fmt: skip
+def test_bench_sim_suite_refuses_the_options_it_does_not_use(flag: list[str]) -> None:
+    """Before: --suite ran and ignored them (even --tiers hbm,hbm or --hardware bogus)."""
+    error = invoke("bench", "sim", "--suite", "--requests", "20", *flag, code=2)
+    assert error["message"].startswith("--suite replays one tier") and flag[0] in error["message"]
+
+
+def test_bench_sim_half_needs_the_suite() -> None:
+    assert "add --suite" in invoke(*SIM, "--half", "tune", code=2)["message"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--source", "nosuch"], "unknown KV source 'nosuch'"),
+        (["--pages", "0"], "must be >= 1"),
+        (["--codec", "nosuch"], "nosuch"),
+        # checked before the codec speed table is measured (before: after it)
+        (["--tier", "dram"], "tier throughput runs on file, nvme, redis, not 'dram'"),
+    ],
+)
+def test_bench_codec_errors_are_json_objects_with_json(args: list[str], needle: str) -> None:
+    """Before: with --json a failing ``bench codec`` printed nothing on stdout."""
+    assert (
+        needle
+        in invoke("bench", "codec", "--pages", "2", "--repeat", "1", *args, code=2)["message"]
+    )

@@ -156,6 +156,20 @@ def _error(spec: KVSpec, pages: np.ndarray, decoded: np.ndarray) -> dict[str, fl
 # -- tier throughput -----------------------------------------------------------------
 
 
+#: The backends whose throughput ``tier_throughput`` measures.
+THROUGHPUT_TIERS: tuple[str, ...] = ("file", "nvme", "redis")
+
+
+def check_throughput_tiers(backends: Sequence[str]) -> None:
+    """Raise :class:`KVTierUsageError` naming the first of ``backends`` that
+    :func:`tier_throughput` cannot measure (checked before any work starts)."""
+    for backend in backends:
+        if backend not in THROUGHPUT_TIERS:
+            raise KVTierUsageError(
+                f"tier throughput runs on {', '.join(THROUGHPUT_TIERS)}, not {backend!r}"
+            )
+
+
 @contextlib.asynccontextmanager
 async def _tier_options(backend: str, root: Path) -> AsyncIterator[Callable[[str], dict[str, Any]]]:
     """Per codec label, the options of a fresh store of ``backend`` (a Valkey server is
@@ -169,7 +183,7 @@ async def _tier_options(backend: str, root: Path) -> AsyncIterator[Callable[[str
         async with valkey_options(root) as opts:
             yield lambda tag: {**opts, "key_prefix": f"bench-codec-{tag}"}
     else:
-        raise KVTierUsageError(f"tier throughput runs on file, nvme or redis, not {backend!r}")
+        check_throughput_tiers([backend])
 
 
 async def _timed(

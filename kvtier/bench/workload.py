@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from math import inf
 from typing import Any, Protocol
 
 import numpy as np
@@ -80,9 +81,10 @@ class ChatParams:
     queue_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.queue_delay_ms, bool) or not self.queue_delay_ms >= 0:
+        delay = self.queue_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < inf:
             raise KVTierUsageError(
-                f"bench run: queue_delay_ms must be >= 0, got {self.queue_delay_ms!r}"
+                f"bench run: queue_delay_ms must be a finite number >= 0, got {delay!r}"
             )
         for name in ("sessions", "turns", "system_prompts", "concurrency"):
             value = getattr(self, name)

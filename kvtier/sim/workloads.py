@@ -141,12 +141,23 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
 }
 
 
+#: The most requests a generated workload holds (about 1-3 KB each while it is built).
+MAX_GENERATED_REQUESTS = 1_000_000
+
+
 def workload(name: str, **params: object) -> Trace:
-    """Generate the named workload; :class:`KVTierUsageError` listing names otherwise."""
+    """Generate the named workload; :class:`KVTierUsageError` listing names otherwise,
+    or for ``n`` (requests) that is not an integer in 1..``MAX_GENERATED_REQUESTS``."""
     try:
         gen = WORKLOADS[name]
     except KeyError:
         raise KVTierUsageError(
             f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}"
         ) from None
+    n = params.get("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GENERATED_REQUESTS:
+        raise KVTierUsageError(
+            f"workload {name!r}: requests must be an integer from 1 to "
+            f"{MAX_GENERATED_REQUESTS:,}, got {n!r}"
+        )
     return gen(**params)
