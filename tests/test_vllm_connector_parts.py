@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.integrations.vllm import identity
@@ -136,12 +137,29 @@ def test_user_namespace_and_env_are_honoured_but_not_for_geometry(tmp_path: Path
         '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "1MiB"\n'
     )
     env = {"KVTIER_TIERS__DRAM__CAPACITY": "2MiB", "KVTIER_MODEL__NUM_LAYERS": "99"}
-    cfg = resolve(ConnectorSettings(kvtier_config=str(path)), _vllm_config("/nowhere"),
-                  _paged(), "CPU_ATTN", ParallelPlace(), env=env).config  # fmt: skip
+    with capture_logs() as logs:
+        cfg = resolve(ConnectorSettings(kvtier_config=str(path)), _vllm_config("/nowhere"),
+                      _paged(), "CPU_ATTN", ParallelPlace(), env=env).config  # fmt: skip
+    # ignored, and said so (before: silently)
+    warned = [e for e in logs if "KVTIER_MODEL__* variables are ignored" in e["event"]]
+    assert [e["variables"] for e in warned] == [["KVTIER_MODEL__NUM_LAYERS"]]
     assert cfg.namespace.model_id.startswith("my-model#vllm/")
     assert cfg.namespace.revision == "r7"
     assert cfg.spec.num_layers == 2
     assert cfg.tiers[0].capacity_bytes == 2 << 20
+
+
+def test_models_the_connector_cannot_serve_are_refused_by_name() -> None:
+    def config(use_mla: bool) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(model="m", use_mla=use_mla))
+
+    one_group = SimpleNamespace(kv_cache_groups=[object()])
+    identity.check_model(config(False), one_group)
+    identity.check_model(config(False), None)  # vLLM gives no kv_cache_config to some roles
+    with pytest.raises(ConfigError, match="does not support MLA models"):
+        identity.check_model(config(True), one_group)
+    with pytest.raises(ConfigError, match="one KV cache group; this model has 2"):
+        identity.check_model(config(False), SimpleNamespace(kv_cache_groups=[1, 2]))
 
 
 def test_bad_user_config_is_named(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.errors import ConfigError
 from kvtier.log import get_logger
 
-from .identity import parallel_place
+from .identity import check_model, parallel_place
 from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import parse_settings, runtime_dir
@@ -59,12 +59,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"KVTierConnector: kv_role must be one of {', '.join(_ROLES)}, got {ktc.kv_role!r}"
             )
         loads, saves = _ROLES[ktc.kv_role]
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise ConfigError(
-                f"KVTierConnector supports models with one KV cache group; this model has "
-                f"{len(groups)} (hybrid or mixed sliding-window attention)"
-            )
+        check_model(vllm_config, kv_cache_config)
         runtime = runtime_dir(settings)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

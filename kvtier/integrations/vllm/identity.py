@@ -80,6 +80,27 @@ def parallel_place(vllm_config: Any, worker: bool) -> ParallelPlace:
     return ParallelPlace(tp_size, pp_size, tp_rank, pp_rank, dp_rank)
 
 
+def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Raise :class:`ConfigError` for a model the connector cannot serve, naming why: an
+    MLA model (one latent vector per token, not a K/V pair per head) or more than one KV
+    cache group (vLLM's hybrid KV cache manager on, with a hybrid or mixed sliding-window
+    model; without ``SupportsHMA`` vLLM turns that manager off by default and serves such
+    a model with one group of full attention)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "use_mla", False) is True:
+        raise ConfigError(
+            "KVTierConnector does not support MLA models (multi-head latent attention, e.g. "
+            "DeepSeek-V2/V3): their KV cache is one latent vector per token"
+        )
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ConfigError(
+            f"KVTierConnector supports models with one KV cache group; this model has "
+            f"{len(groups)} (hybrid or mixed sliding-window attention with vLLM's hybrid KV "
+            f"cache manager on)"
+        )
+
+
 def weights_fingerprint(directory: Path) -> str | None:
     """A short fingerprint of the model files in ``directory`` (``None`` if it is not a
     directory or holds no weights). Reads the config files whole and 16 samples of 64 KiB
@@ -182,6 +203,13 @@ def resolve(
         if var in env:
             ns_user[field] = env[var]
     # the engine decides geometry and rank; the user's variables may not override them
+    ignored = sorted(k for k in env if k.startswith("KVTIER_MODEL__"))
+    if ignored:
+        _log.warning(
+            "KVTIER_MODEL__* variables are ignored: the engine's KV geometry is used",
+            variables=ignored,
+            engine_model=spec.to_dict(),
+        )
     env = {
         k: v for k, v in env.items() if not k.startswith(("KVTIER_MODEL__", "KVTIER_NAMESPACE__"))
     }

@@ -7,8 +7,10 @@
   ``vllm:kvtier_hit_tokens{tier}``, ``vllm:kvtier_load_bytes``,
   ``vllm:kvtier_load_seconds``, ``vllm:kvtier_save_bytes``, ``vllm:kvtier_save_seconds``,
   ``vllm:kvtier_load_errors``, ``vllm:kvtier_saves_dropped``, ``vllm:kvtier_save_failures``,
-  ``vllm:kvtier_lookup_errors``, ``vllm:kvtier_hinted_pages``, ``vllm:kvtier_hint_errors``
-  (each ``_total``).
+  ``vllm:kvtier_lookup_errors``, ``vllm:kvtier_hinted_pages``, ``vllm:kvtier_hint_errors``,
+  ``vllm:kvtier_lookups``, ``vllm:kvtier_loaded_pages``, ``vllm:kvtier_saved_pages``
+  (each ``_total``). The workers' counts are summed by vLLM: with N ranks a page counts
+  N times (each rank loads, saves or hints its own part of it).
 * :class:`KVTierKVEvents` carries ``BlockStored`` / ``BlockRemoved`` events (the medium is
   the kvtier tier's name, the block hash the 16-byte page key) from the workers to the
   scheduler, which hands them to vLLM's KV event publisher (``take_events``).
