@@ -166,6 +166,8 @@ def test_adaptive_bad_parameters() -> None:
         ({"points": ["1:last", "1:last"]}, "repeat"),
         ({"experts": ["adaptive"]}, "cannot be an expert"),
         ({"experts": ["nope"]}, "unknown eviction policy"),
+        ({"experts": "s3-fifo"}, "experts must be a list of names"),
+        ({"experts": {"s3-fifo": 1}}, "experts must be a list of names"),  # before: its keys
         ({"mini_pages": 4}, "mini_pages"),
         ({"window": 0}, "window"),
         ({"margin": -1}, "margin"),

@@ -156,7 +156,7 @@ class AdaptivePolicy(EvictionPolicy):
             for b, o in self.grid
         ]
         self.names = [f"two-class(bonus={b:g},order={o})" for b, o in self.grid]
-        if isinstance(experts, str):
+        if isinstance(experts, str) or not isinstance(experts, Sequence):
             raise ConfigError(f"adaptive: experts must be a list of names, got {experts!r}")
         #: Experts with their own bookkeeping, by position in ``minis`` / ``names``.
         self.experts: dict[int, EvictionPolicy] = {}
