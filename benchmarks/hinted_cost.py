@@ -8,12 +8,15 @@ on a large tier). Two kinds of traffic:
 * ``rates``: every page is referenced three times, one millisecond apart, and no hint
   comes: every page has an unforeseen rate (the forecast ranking's worst case);
 * ``predicted``: every page is covered by a ``next_turn`` hint (16 pages per hint,
-  1,000-1,100 s ahead): every page has a live prediction.
+  1,000-1,100 s ahead): every page has a live prediction;
+* ``once``: every page is referenced once and no hint comes: no page has a forecast, and
+  every walk reads the fallback's order (prefill traffic: most pages are used once).
 
 ``lru-k`` runs the same references (and ignores the hints): the baseline measured in the
 same run. Prints microseconds per evicted-and-stored page and the ratio.
 
     .venv/bin/python benchmarks/hinted_cost.py --pages 20000 --pages 100000
+    .venv/bin/python benchmarks/hinted_cost.py --pages 20000 --policy adaptive
 
 A benchmark, not a test: nothing here asserts a speed.
 """
@@ -57,7 +60,7 @@ def store(policy: EvictionPolicy, clock: Clock, keys: list[PageKey], traffic: st
             for _ in range(2):
                 clock.tick()
                 policy.on_access(k)
-        elif i % 16 == 15 and target is not None:
+        elif traffic == "predicted" and i % 16 == 15 and target is not None:
             target.on_hint(
                 Hint("next_turn", tuple(keys[i - 15 : i + 1]), 1000.0 + i % 97), clock.now
             )
@@ -80,16 +83,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, action="append", default=[])
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--policy", default="hinted", help="the policy set beside lru-k")
     ap.add_argument(
         "--batches", type=int, default=200, help="rounds (enough for several ranking rebuilds)"
     )
     args = ap.parse_args()
-    print("traffic    pages | hinted us/page | lru-k us/page | ratio")
+    print(f"traffic    pages | {args.policy} us/page | lru-k us/page | ratio")
     for pages in args.pages or [20000]:
-        for traffic in ("rates", "predicted"):
-            h = cost("hinted", traffic, pages, args.batch, args.batches)
+        for traffic in ("rates", "predicted", "once"):
+            h = cost(args.policy, traffic, pages, args.batch, args.batches)
             b = cost("lru-k", traffic, pages, args.batch, args.batches)
-            print(f"{traffic:9s} {pages:6d} | {h:14.1f} | {b:13.1f} | {h / b:5.1f}", flush=True)
+            print(f"{traffic:9s} {pages:6d} | {h:10.1f} | {b:13.1f} | {h / b:5.1f}", flush=True)
 
 
 if __name__ == "__main__":

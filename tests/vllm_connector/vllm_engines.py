@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 DRIVER = Path(__file__).with_name("driver.py")
+#: A ``sitecustomize`` that keeps the engines off vLLM's AMX attention kernel.
+NO_AMX = Path(__file__).with_name("no_amx")
 #: seconds an engine may take to start (a cold start compiles nothing: enforce_eager)
 START_TIMEOUT_S = float(os.environ.get("KVTIER_VLLM_START_TIMEOUT", "420"))
 CONNECTOR = {
@@ -47,6 +49,9 @@ def base_env(runtime_dir: Path, **extra: str) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    if env.get("KVTIER_TEST_VLLM_AMX") != "1":  # see no_amx/sitecustomize.py
+        paths = [str(NO_AMX), *filter(None, [env.get("PYTHONPATH")])]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(extra)
     return env
 
