@@ -11,6 +11,7 @@ from kvtier.cli.app import bench_app
 from kvtier.cli.bench_speculative import run_speculative_cli
 from kvtier.cli.output import (
     EXIT_FAILURE,
+    changed_options,
     console,
     emit,
     fail,
@@ -80,6 +81,7 @@ def _ms(value: float | None) -> str:
 
 @bench_app.command("run")
 def bench_run_command(
+    ctx: typer.Context,
     config: Annotated[
         Path | None,
         typer.Option("--config", "-c", help="TOML file (default: $KVTIER_CONFIG or embedded)."),
@@ -179,33 +181,19 @@ def bench_run_command(
     def body() -> None:
         if workload not in ("chat", "speculative"):
             raise KVTierUsageError(f"--workload must be chat or speculative, got {workload!r}")
-        speculative_only = {
-            "--steps": steps,
-            "--draft-tokens": draft_tokens,
-            "--accept-rate": accept_rate,
-            "--fork-every": fork_every,
-        }
         if workload == "chat":
-            given = [flag for flag, value in speculative_only.items() if value is not None]
+            given = changed_options(ctx, ["steps", "draft_tokens", "accept_rate", "fork_every"])
             if given:
                 raise KVTierUsageError(
                     f"{', '.join(given)} only apply to --workload speculative "
                     "(the chat workload has no speculative steps)"
                 )
         if workload == "speculative":
-            chat_only = [
-                flag
-                for flag, value, default in (
-                    ("--turns", turns, _DEFAULTS.turns),
-                    ("--system-prompts", system_prompts, _DEFAULTS.system_prompts),
-                    ("--system-tokens", system_tokens, _DEFAULTS.system_tokens),
-                    ("--turn-tokens", turn_tokens, sum(_DEFAULTS.user_tokens) // 2),
-                    ("--concurrency", concurrency, _DEFAULTS.concurrency),
-                    ("--predictor", predictor, "none"),
-                    ("--queue-delay-ms", queue_delay_ms, 0.0),
-                )
-                if value != default
-            ]
+            chat_only = changed_options(
+                ctx,
+                ["turns", "system_prompts", "system_tokens", "turn_tokens", "concurrency",
+                 "predictor", "queue_delay_ms"],
+            )  # fmt: skip
             if chat_only:
                 raise KVTierUsageError(
                     f"{', '.join(chat_only)} only apply to --workload chat "

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.bench_suite import render_suite, run_suite_cli
-from kvtier.cli.output import console, emit, progress, run_guarded, table
+from kvtier.cli.output import changed_options, console, emit, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.admission import admission_names, make_admission
@@ -350,6 +350,7 @@ def _render(report: dict[str, Any]) -> None:
 
 @bench_app.command("sim")
 def sim(
+    ctx: typer.Context,
     trace: Annotated[Path | None, typer.Option(help="Mooncake-format JSONL trace")] = None,
     workload_name: Annotated[
         str | None, typer.Option("--workload", help=" | ".join(WORKLOADS))
@@ -395,22 +396,11 @@ def sim(
         if suite:
             if workload_name is not None:
                 raise KVTierUsageError("--suite picks its own workloads: drop --workload")
-            unused = [
-                flag
-                for flag, value, default in (
-                    ("--tiers", tiers, "hbm"),
-                    ("--tier-scale", tier_scale, 4.0),
-                    ("--block-tokens", block_tokens, 512),
-                    ("--write-policy", write_policy, "write-back"),
-                    ("--admission", admission, "reuse"),
-                    ("--prefetch", prefetch, None),
-                    ("--hints", hints, False),
-                    ("--hardware", hardware, "h200-gen5"),
-                    ("--model", model, "llama3-70b"),
-                    ("--codec", codec or None, None),
-                )
-                if value != default
-            ]
+            unused = changed_options(
+                ctx,
+                ["tiers", "tier_scale", "block_tokens", "write_policy", "admission",
+                 "prefetch", "hints", "hardware", "model", "codec"],
+            )  # fmt: skip
             if unused:
                 raise KVTierUsageError(
                     "--suite replays one tier of 512-token blocks, without hints, codecs, "
@@ -424,7 +414,7 @@ def sim(
                 rep["plot"] = str(plot_file)
             emit(rep, as_json, render_suite)
             return
-        if half != "held-out":
+        if changed_options(ctx, ["half"]):
             raise KVTierUsageError("--half chooses a part of the policy suite: add --suite")
         names = [t.strip() for t in tiers.split(",") if t.strip()]
         check_args(

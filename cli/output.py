@@ -177,6 +177,21 @@ def _describe(exc: BaseException) -> tuple[str, int]:
     )
 
 
+def changed_options(ctx: typer.Context, names: Sequence[str]) -> list[str]:
+    """The flags of the options ``names`` (parameter names, in that order) whose value is
+    not the command's declared default (an empty repeatable option counts as unset): for
+    refusing, by name, the options that the mode a command runs in does not use."""
+    params = {p.name: p for p in ctx.command.params}
+    out = []
+    for name in names:
+        value = ctx.params.get(name)
+        if value in ((), []):
+            value = None
+        if value != params[name].default:
+            out.append(params[name].opts[0])
+    return out
+
+
 def run_guarded(fn: Callable[[], None], as_json: bool = False) -> None:
     """Run a command body, mapping errors to a message (and, with ``as_json``, a JSON
     error object on stdout) and exit codes 2 (usage) / 1 (anything else)."""
