@@ -194,12 +194,17 @@ def test_exact_hints_reach_0_8_of_min_at_1_percent(name: str) -> None:
     assert with_hints > without
 
 
-@pytest.mark.parametrize("name", ["chat", "tenants"])
-def test_half_wrong_hints_never_below_no_hints(name: str) -> None:
-    tr = workload(name, n=2000, seed=6)
+@pytest.mark.parametrize(
+    ("name", "seed"),
+    # toolagent seed 2: half-wrong hints led for a while and ended 0.0002 below no hints
+    # before the hint audit barred their expert (kvtier/policy/hint_audit.py)
+    [("chat", 6), ("tenants", 6), ("toolagent", 2)],
+)
+def test_half_wrong_hints_never_below_no_hints(name: str, seed: int) -> None:
+    tr = workload(name, n=2000, seed=seed)
     cap = max(1, tr.distinct_blocks() // 100)
     without = _rate(tr, cap, "adaptive", hints=False)
-    half_wrong = _rate(corrupt_hints(tr, 0.5, seed=7), cap, "adaptive")
+    half_wrong = _rate(corrupt_hints(tr, 0.5, seed=seed + 1), cap, "adaptive")
     assert half_wrong >= without
 
 
