@@ -18,9 +18,23 @@ def k(i: int) -> PageKey:
     return PageKey(i.to_bytes(16, "little"))
 
 
+#: Every page counts as held by the audited tier.
+ALL = range(0, 10**6)
+
+
+class Held:
+    """The keys ``k(i)`` for ``i`` in ``ids``."""
+
+    def __init__(self, ids: range | set[int]) -> None:
+        self.ids = ids
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and int.from_bytes(key, "little") in self.ids
+
+
 def test_a_next_turn_is_true_when_the_page_comes_back_in_its_window() -> None:
     audit = HintAudit()
-    audit.hint(Hint("next_turn", (k(1), k(2)), 10.0), 0.0, 100)
+    audit.hint(Hint("next_turn", (k(1), k(2)), 10.0), 0.0, 100, Held(ALL))
     audit.referenced(k(1), 5.0)  # early: another session's use, not this forecast's
     assert audit.judged == 0
     audit.referenced(k(1), 10.5)  # in the window
@@ -31,23 +45,26 @@ def test_a_next_turn_is_true_when_the_page_comes_back_in_its_window() -> None:
     assert audit.judged == 2
 
 
-def test_a_forecast_whose_window_passed_is_false_once_superseded() -> None:
+def test_nothing_is_judged_without_a_reference_the_tier_saw() -> None:
     audit = HintAudit()
-    audit.hint(Hint("next_turn", (k(1),), 10.0), 0.0, 100)
-    audit.hint(Hint("next_turn", (k(1),), 10.0), 5.0, 100)  # window not over: no judgement
+    audit.hint(Hint("next_turn", (k(1), k(2), k(3)), 10.0), 0.0, 100, Held({1, 2}))
+    audit.hint(Hint("next_turn", (k(1),), 10.0), 40.0, 100, Held(ALL))  # supersedes
+    audit.forget(k(2))  # left the tier (an upper tier may serve it now)
+    audit.referenced(k(2), 60.0)
+    audit.referenced(k(3), 60.0)  # not held when hinted: never audited
     assert audit.judged == 0
-    audit.hint(Hint("next_turn", (k(1),), 10.0), 40.0, 100)  # the one at 5 s ran out at 26 s
-    assert (audit.judged, audit.accuracy) == (1, 0.0)
+    audit.referenced(k(1), 50.5)  # the newer hint's window
+    assert (audit.judged, audit.accuracy) == (1, 1.0)
 
 
 def test_a_close_is_false_when_used_again_and_never_counted_true() -> None:
     audit = HintAudit(history=1.0)
-    audit.hint(Hint("close", (k(1), k(2))), 0.0, 1)
+    audit.hint(Hint("close", (k(1), k(2))), 0.0, 1, Held(ALL))
     audit.referenced(k(1), 1.0)
     assert (audit.judged, audit.accuracy) == (1, 0.0)
     # k(2) is forgotten, unused, once 64 (the floor of history x capacity) newer pages are
     # hinted: nothing is judged (a close cannot be proved true)
-    audit.hint(Hint("close", tuple(k(i) for i in range(100, 170))), 2.0, 1)
+    audit.hint(Hint("close", tuple(k(i) for i in range(100, 170))), 2.0, 1, Held(ALL))
     assert audit.judged == 1
     audit.referenced(k(2), 3.0)  # forgotten: judges nothing either
     assert audit.judged == 1
@@ -58,7 +75,7 @@ def test_a_close_is_false_when_used_again_and_never_counted_true() -> None:
 def test_wishes_are_not_judged() -> None:
     audit = HintAudit()
     for kind, value in (("pin", None), ("unpin", None), ("ttl", 5.0), ("priority", 2.0)):
-        audit.hint(Hint(kind, (k(1),), value), 0.0, 100)
+        audit.hint(Hint(kind, (k(1),), value), 0.0, 100, Held(ALL))
     audit.referenced(k(1), 100.0)
     assert (audit.judged, audit.accuracy) == (0, 1.0)
 

@@ -38,7 +38,7 @@ This policy covers that range with one bookkeeping and picks the point that fits
    (:mod:`kvtier.policy.hint_audit`: a ``next_turn`` that came true, a ``close`` of a page
    used again): once 32 were judged and fewer than 80 % came true, the ``hinted`` expert
    neither leads nor stays leader until they improve, so the tier does what it would do
-   without hints (exact hints: all true; half of them wrong: 17-46 % true).
+   without hints (exact hints: all true; half of them wrong: 20-50 % true).
 
 Nothing is tied to a trace: the points, the experts and four numbers are the whole
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
@@ -82,7 +82,7 @@ DEFAULT_EXPERTS: tuple[str, ...] = ("s3-fifo", "interval")
 
 #: The ``hinted`` expert may not lead once ``TRUST_JUDGED`` hints were judged and fewer
 #: than this share came true (:mod:`kvtier.policy.hint_audit`; exact hints: 1.0, half of
-#: them wrong: 0.17-0.46 on the session generators).
+#: them wrong: 0.2-0.5 on the session generators).
 TRUST_ACCURACY = 0.8
 TRUST_JUDGED = 32
 
@@ -328,7 +328,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.on_time(now_s)
         if self.audit is None:
             self.audit = HintAudit(self.history)
-        self.audit.hint(hint, self._now, self.c)
+        self.audit.hint(hint, self._now, self.c, self.book.resident)
         target = hint_target(expert)
         if target is not None:
             target.on_hint(hint, now_s)
@@ -371,6 +371,8 @@ class AdaptivePolicy(EvictionPolicy):
             return
         self.book.remove(key)
         self.forest.remove(key)
+        if self.audit is not None:
+            self.audit.forget(key)
         for expert in self.experts.values():
             expert.on_remove(key)
 

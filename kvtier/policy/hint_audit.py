@@ -1,31 +1,33 @@
 """How often the engine's hints came true, page by page, so a policy can stop following
 hints that are often wrong.
 
-:class:`HintAudit` keeps, for each page, the last *checkable* hint given for it:
+:class:`HintAudit` keeps, for each page its tier holds when the hint comes, the last
+*checkable* hint given for it, and judges it by the page's next reference the tier sees:
 
 * ``next_turn`` (and ``open``, with the typical gap of the ``next_turn`` hints so far)
-  says the page is used again at ``at``: it comes **true** when the page is referenced in
-  the hint's window (from ``at - tolerance`` to ``overdue``, the window in which
-  ``hinted`` consumes a prediction) and is **false** when the first reference after
-  ``at - tolerance`` comes after the window, or when the window passes with none (noticed
-  when the page gets a new hint, or the hint is forgotten). A reference before the
-  window judges nothing: other sessions may share the page.
-* ``close`` says nothing more comes for the page: it is **false** when the page is
-  referenced again. It cannot be proved true in finite time, so it is never counted
-  true: an engine that closes correctly is not judged by it, one that closes sessions
-  that continue is.
+  says the page is used again at ``at``: **true** when the reference falls in the hint's
+  window (from ``at - tolerance`` to ``overdue``, the window in which ``hinted`` consumes
+  a prediction), **false** when it comes after the window. A reference before the window
+  judges nothing (other sessions may share the page).
+* ``close`` says nothing more comes for the page: **false** when it is referenced again.
 
-``pin``, ``unpin``, ``ttl`` and ``priority`` are not checked (they state a wish, not a
-forecast). Pending hints are kept for ``history`` x the tier's pages (at least 64 pages).
+Nothing is judged without a reference the tier saw: a hint superseded by a newer one for
+the page, forgotten (``history`` x the tier's pages of newer hinted pages, at least 64),
+or whose page left the tier (:meth:`forget`) is dropped unjudged. A tier below another
+sees only the references the upper one does not serve, so silence proves nothing; and a
+close, which only time could prove true, is never counted true. ``pin``, ``unpin``,
+``ttl`` and ``priority`` are not checked (they state a wish, not a forecast).
+
 :attr:`accuracy` is the share of judged hints that came true, decayed (``window``
 judgements of memory) so an engine that turns unreliable is noticed. On kvtier's session
-generators exact hints score 1.0 and half of them wrong (:mod:`kvtier.sim.hintnoise`)
-0.17-0.46. Everything is O(1) amortised per event.
+generators (one tier at 1 %) exact hints score 1.0 and half of them wrong
+(:mod:`kvtier.sim.hintnoise`) 0.2-0.5. Everything is O(1) amortised per event.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 
 from kvtier.keys import PageKey
 from kvtier.policy.hints import Hint
@@ -64,15 +66,9 @@ class HintAudit:
             self.wrong += 1.0
         self.judged += 1
 
-    def _settle(self, pending: Pending, now: float) -> None:
-        """Judge a hint superseded or forgotten without a reference: a forecast whose
-        window passed is false; one whose window is not over, and a close, judge nothing."""
-        kind, _, end = pending
-        if kind != "close" and end < now:
-            self._judge(False)
-
-    def hint(self, hint: Hint, now: float, capacity: int) -> None:
-        """Note ``hint`` at ``now``; ``capacity``: the tier's pages."""
+    def hint(self, hint: Hint, now: float, capacity: int, held: Container[PageKey]) -> None:
+        """Note ``hint`` at ``now`` for its pages in ``held`` (the tier's pages);
+        ``capacity``: the tier's size in pages."""
         if hint.kind == "close":
             pending: Pending = ("close", 0.0, 0.0)
         elif hint.kind in ("next_turn", "open"):
@@ -85,14 +81,16 @@ class HintAudit:
         else:
             return
         for key in hint.keys:
-            old = self._pending.pop(key, None)
-            if old is not None:
-                self._settle(old, now)
-            self._pending[key] = pending
+            if key in held:
+                self._pending.pop(key, None)
+                self._pending[key] = pending
         limit = max(self.history * capacity, 64.0)
         while len(self._pending) > limit:
-            _, old = self._pending.popitem(last=False)
-            self._settle(old, now)
+            self._pending.popitem(last=False)
+
+    def forget(self, key: PageKey) -> None:
+        """The page left the tier: its pending hint is dropped unjudged."""
+        self._pending.pop(key, None)
 
     def referenced(self, key: PageKey, now: float) -> None:
         """A reference of ``key`` at ``now``: judges its pending hint, if any."""
