@@ -6,9 +6,10 @@ hints that are often wrong.
 
 * ``next_turn`` (and ``open``, with the typical gap of the ``next_turn`` hints so far)
   says the page is used again at ``at``: **true** when the reference falls in the hint's
-  window (from ``at - tolerance`` to ``overdue``, the window in which ``hinted`` consumes
-  a prediction), **false** when it comes after the window. A reference before the window
-  judges nothing (other sessions may share the page).
+  window (from ``at - tolerance`` to ``overdue``: :class:`~kvtier.policy.hints.NextUse`,
+  the window in which ``hinted`` consumes a prediction), **false** when it comes after
+  the window. A reference before the window judges nothing (other sessions may share the
+  page).
 * ``close`` says nothing more comes for the page: **false** when it is referenced again.
 
 Nothing is judged without a reference the tier saw: a hint superseded by a newer one for
@@ -30,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Container
 
 from kvtier.keys import PageKey
-from kvtier.policy.hints import Hint
+from kvtier.policy.hints import Hint, NextUse
 
 #: A pending hint: (kind, window start, window end); ``close`` has no window.
 Pending = tuple[str, float, float]
@@ -45,7 +46,7 @@ class HintAudit:
         self.history = float(history)
         self._keep = 1.0 - 1.0 / float(window)
         self._pending: OrderedDict[PageKey, Pending] = OrderedDict()
-        self._typical_gap = 60.0
+        self._next_use = NextUse()
         self.right = 0.0
         self.wrong = 0.0
         #: Judgements made (not decayed).
@@ -69,15 +70,12 @@ class HintAudit:
     def hint(self, hint: Hint, now: float, capacity: int, held: Container[PageKey]) -> None:
         """Note ``hint`` at ``now`` for its pages in ``held`` (the tier's pages);
         ``capacity``: the tier's size in pages."""
+        use = self._next_use.window(hint, now)
         if hint.kind == "close":
             pending: Pending = ("close", 0.0, 0.0)
-        elif hint.kind in ("next_turn", "open"):
-            gap = self._typical_gap
-            if hint.kind == "next_turn" and hint.value is not None:
-                gap = hint.value
-                self._typical_gap += 0.05 * (gap - self._typical_gap)
-            at = now + gap
-            pending = ("next", at - (0.1 * gap + 1.0), now + 2 * gap + 1.0)
+        elif use is not None:
+            at, overdue, tolerance = use
+            pending = ("next", at - tolerance, overdue)
         else:
             return
         for key in hint.keys:

@@ -43,7 +43,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, close_order, victims_in_order
-from kvtier.policy.hints import Hint
+from kvtier.policy.hints import Hint, NextUse
 from kvtier.policy.prefix_cut import policy_offers
 from kvtier.policy.rate_table import RateTable
 
@@ -129,7 +129,7 @@ class HintedPolicy(EvictionPolicy):
         self._expiry: dict[PageKey, float] = {}
         # Hinted pages the tier does not hold, oldest first (bounded by ``history``).
         self._absent: OrderedDict[PageKey, None] = OrderedDict()
-        self._typical_gap = 60.0
+        self._next_use = NextUse()
         self.hints_seen = 0
 
     @property
@@ -179,16 +179,9 @@ class HintedPolicy(EvictionPolicy):
         now = self.now
         self.hints_seen += 1
         kind = hint.kind
-        if kind == "next_turn":
-            assert hint.value is not None
-            gap = hint.value
-            self._typical_gap += 0.05 * (gap - self._typical_gap)
+        if (use := self._next_use.window(hint, now)) is not None:
             for k in hint.keys:
-                self._predict(k, now + gap, now + 2 * gap + 1.0, 0.1 * gap + 1.0)
-        elif kind == "open":
-            gap = self._typical_gap
-            for k in hint.keys:
-                self._predict(k, now + gap, now + 2 * gap + 1.0, 0.1 * gap + 1.0)
+                self._predict(k, *use)
         elif kind == "close":
             for k in hint.keys:
                 self._predicted.pop(k, None)

@@ -80,6 +80,29 @@ class Hint:
                 )
 
 
+class NextUse:
+    """When a ``next_turn`` or ``open`` hint says its pages are used next. ``next_turn``
+    gives the gap (and moves the typical gap towards it); ``open`` takes the typical gap
+    of the ``next_turn`` hints so far (60 s before the first)."""
+
+    def __init__(self) -> None:
+        self.typical_gap = 60.0
+
+    def window(self, hint: Hint, now: float) -> tuple[float, float, float] | None:
+        """``(at, overdue, tolerance)`` for a ``next_turn`` or ``open`` hint given at
+        ``now``: the use is expected at ``at``, counts as on time from ``at - tolerance``
+        and is overdue after ``overdue``; ``None`` for the other kinds."""
+        if hint.kind == "next_turn":
+            assert hint.value is not None
+            gap = hint.value
+            self.typical_gap += 0.05 * (gap - self.typical_gap)
+        elif hint.kind == "open":
+            gap = self.typical_gap
+        else:
+            return None
+        return now + gap, now + 2 * gap + 1.0, 0.1 * gap + 1.0
+
+
 def make_hint(kind: str, keys: Sequence[PageKey], value: float | None = None) -> Hint:
     """A :class:`Hint` with ``keys`` as a tuple (validated)."""
     if isinstance(keys, bytes | bytearray | str):
