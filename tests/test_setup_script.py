@@ -9,6 +9,7 @@ policy-rc.d path: nothing on the machine is installed or changed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -104,11 +105,48 @@ def test_without_root_it_installs_nothing_and_says_so(tmp_path: Path) -> None:
     assert not log.exists()
 
 
+#: ``kill [-SIG] "$VAR"``: a signal to the pid held in one variable
+_KILL = re.compile(r'\bkill\s+(?:-[A-Z0-9]+\s+)?"?\$\{?(\w+)\}?"?(?=[\s;|&)]|$)')
+
+
+def foreign_kills(text: str) -> list[str]:
+    """The lines of a script that stop or kill a process it may not have started: any
+    ``pkill``, ``killall``, service stop, and every ``kill`` except one whose only target is
+    a variable the same script set from ``$!`` (the pid of a job it started itself)."""
+    own = set(re.findall(r"\b(\w+)=\$!", text))
+    bad = []
+    for line in text.splitlines():
+        code = line.split("#", 1)[0]
+        if any(
+            w in code for w in ("pkill", "killall", "service redis-server stop", "systemctl stop")
+        ):
+            bad.append(line)
+        elif re.search(r"\bkill\b", code):
+            targets = _KILL.findall(code)
+            every_kill_names_a_variable = len(targets) == len(re.findall(r"\bkill\b", code))
+            if not (targets and every_kill_names_a_variable and set(targets) <= own):
+                bad.append(line)
+    return bad
+
+
+def test_the_kill_check_tells_own_jobs_from_others() -> None:
+    mine = 'sleep 9 &\nPID=$!\nkill -INT "$PID"\nkill -0 "$PID" 2>/dev/null || true\n'
+    assert foreign_kills(mine) == []
+    for text in (
+        'kill -INT "$PID"\n',  # not set from $!
+        "PID=$!\nkill 1234\n",  # a literal pid
+        "PID=$!\nkill $(pgrep redis)\n",
+        "PID=$!\nkill -- -$PID\n",  # a process group
+        "pkill redis-server\n",
+        "killall valkey-server\n",
+        "systemctl stop redis\n",
+    ):
+        assert foreign_kills(text), text
+
+
 def test_no_setup_script_stops_or_kills_processes() -> None:
     for path in (ROOT / "scripts").iterdir():
-        text = path.read_text()
-        for word in ("pkill", "killall", "service redis-server stop", "systemctl stop", "kill "):
-            assert word not in text, f"{path.name} contains {word!r}"
+        assert foreign_kills(path.read_text()) == [], path.name
     assert os.access(SCRIPT, os.X_OK)
 
 

@@ -1,6 +1,7 @@
 """Engines under test: :class:`Engine` runs ``driver.py`` (one vLLM ``LLM``) in a fresh
-process and talks to it; every engine is stopped at the end of its ``with`` block (killed
-if it does not stop), and its stderr is kept in a log file shown when a test fails."""
+process and talks to it; every engine is stopped at the end of its ``with`` block, or when
+its start fails or is interrupted (killed if it does not stop), and its stderr is kept in a
+log file shown when a test fails."""
 
 from __future__ import annotations
 
@@ -100,7 +101,11 @@ class Engine:
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self._wait(START_TIMEOUT_S)
+        try:
+            self._wait(START_TIMEOUT_S)
+        except BaseException:  # a start that failed, timed out or was interrupted
+            self.close(timeout=5.0)
+            raise
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
