@@ -27,6 +27,7 @@ import argparse
 import functools
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from multiprocessing import Pool
 from pathlib import Path
@@ -81,12 +82,32 @@ def factory(spec: str) -> Callable[[], EvictionPolicy]:
     return functools.partial(make_policy, name, **params)
 
 
-def check_label(label: str, trace: Path | None) -> None:
+@functools.cache
+def _trace_requests(trace: Path) -> int:
+    return len(read_mooncake(trace).requests)
+
+
+def check_label(label: str, trace: Path | None, requests: int = 4000) -> None:
     """Exit with a message naming the problem if ``label`` names no trace (see the module
-    docstring); run before the replays start (a worker process cannot stop the pool)."""
+    docstring) or a window ``mwLO`` past the end of ``trace`` (a window cut short by the
+    end is noted on stderr); run before the replays start (a worker process cannot stop
+    the pool)."""
     if label in ("mooncake-a", "mooncake-b") or (label.startswith("mw") and label[2:].isdigit()):
         if trace is None:
             raise SystemExit(f"cell {label!r} needs --trace")
+        if label.startswith("mw"):
+            lo, total = int(label[2:]), _trace_requests(trace)
+            if lo >= total:
+                raise SystemExit(
+                    f"cell {label!r}: {trace} has {total} requests; a window from request "
+                    f"{lo} holds none"
+                )
+            if lo + requests > total:
+                print(
+                    f"note: cell {label!r} holds {total - lo} requests, not {requests}: "
+                    f"{trace} has {total}",
+                    file=sys.stderr,
+                )
         return
     _, sep, seed = label.partition("/s")
     if not sep or not seed.isdigit():
@@ -140,7 +161,7 @@ def main() -> None:
         label, sep, share = cell.rpartition("@")
         if not sep:
             raise SystemExit(f"cell {cell!r}: use LABEL@SHARE")
-        check_label(label, args.trace)
+        check_label(label, args.trace, args.requests)
         jobs.append((label, float(share), specs, args.requests, args.trace))
     gains: dict[str, list[float]] = {s: [] for s in specs if s not in CLASSIC}
     with Pool(max(1, args.jobs)) as pool:
