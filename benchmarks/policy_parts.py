@@ -87,6 +87,12 @@ def _trace_requests(trace: Path) -> int:
     return len(read_mooncake(trace).requests)
 
 
+@functools.cache
+def _note(text: str) -> None:
+    """Print ``text`` on stderr once."""
+    print(text, file=sys.stderr)
+
+
 def check_label(label: str, trace: Path | None, requests: int = 4000) -> None:
     """Exit with a message naming the problem if ``label`` names no trace (see the module
     docstring) or a window ``mwLO`` past the end of ``trace`` (a window cut short by the
@@ -103,11 +109,7 @@ def check_label(label: str, trace: Path | None, requests: int = 4000) -> None:
                     f"{lo} holds none"
                 )
             if lo + requests > total:
-                print(
-                    f"note: cell {label!r} holds {total - lo} requests, not {requests}: "
-                    f"{trace} has {total}",
-                    file=sys.stderr,
-                )
+                _note(f"note: cell {label!r} holds {total - lo} requests, not {requests}: {trace}")
         return
     _, sep, seed = label.partition("/s")
     if not sep or not seed.isdigit():
