@@ -217,9 +217,10 @@ async def test_a_call_racing_close_raises_backend_closed(mooncake: MooncakeClust
 
 #: Run in a child process: a crash there fails the test instead of killing the test run.
 _CLOSE_WHILE_STUCK = """
-import asyncio, os, signal, sys, time
+import asyncio, os, sys, time
 import numpy as np
 from kvtier.keys import PageKey
+from kvtier.testing.freeze import freeze, thaw
 from kvtier_mooncake.store import MooncakeStore
 
 async def main() -> None:
@@ -229,14 +230,14 @@ async def main() -> None:
     await s.open()
     ks = [PageKey(os.urandom(16))]
     assert await s.put(ks, [np.ones(4096, np.uint8)]) == [True]
-    os.kill(pool_pid, signal.SIGSTOP)
+    freeze(pool_pid)
     try:
         assert await s.get(ks, [np.zeros(4096, np.uint8)]) == [False]  # stuck in the client
         start = time.monotonic()
         await s.close()
         print(f"closed in {time.monotonic() - start:.2f} s", flush=True)
     finally:
-        os.kill(pool_pid, signal.SIGCONT)
+        thaw(pool_pid)
     await asyncio.sleep(2.0)  # the stuck read returns meanwhile
     print("ok", flush=True)
 

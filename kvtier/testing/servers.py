@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Literal, Self
 
 from kvtier.errors import BackendUnavailableError, KVTierUsageError
+from kvtier.testing.freeze import freeze, thaw
 
 Flavor = Literal["valkey", "redis"]
 
@@ -272,14 +273,17 @@ class RedisServer:
         self.start()
 
     def pause(self) -> None:
-        """Freeze the process (SIGSTOP): it keeps its sockets but answers nothing."""
+        """Freeze the process (SIGSTOP): it keeps its sockets but answers nothing.
+
+        Returns once every thread of it is stopped (see :func:`kvtier.testing.freeze.freeze`).
+        """
         if self._proc is not None:
-            os.kill(self._proc.pid, signal.SIGSTOP)
+            freeze(self._proc.pid)
 
     def resume(self) -> None:
         """Undo :meth:`pause`."""
         if self._proc is not None:
-            os.kill(self._proc.pid, signal.SIGCONT)
+            thaw(self._proc.pid)
 
     def close(self) -> None:
         """Stop the process and remove its directory."""

@@ -38,6 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Literal, Self
 
+from kvtier.testing.freeze import freeze, thaw
+
 
 def master_binary() -> str:
     """Path of ``mooncake_master``; raises :class:`RuntimeError` naming what is missing."""
@@ -200,14 +202,17 @@ class MooncakeCluster:
         return self._pool.pid if self._pool is not None and self._pool.poll() is None else None
 
     def pause_pool(self) -> None:
-        """Freeze the pool process (SIGSTOP): transfers from its memory stall unanswered."""
+        """Freeze the pool process (SIGSTOP): transfers from its memory stall unanswered.
+
+        Returns once every thread of the pool is stopped (see :func:`kvtier.testing.freeze.freeze`).
+        """
         if self._pool is not None:
-            os.kill(self._pool.pid, signal.SIGSTOP)
+            freeze(self._pool.pid)
 
     def resume_pool(self) -> None:
         """Undo :meth:`pause_pool`."""
         if self._pool is not None:
-            os.kill(self._pool.pid, signal.SIGCONT)
+            thaw(self._pool.pid)
 
     def stop_master(self) -> None:
         """Stop ``mooncake_master`` only (the metadata server and pool stay)."""
