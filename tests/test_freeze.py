@@ -61,8 +61,23 @@ def test_nothing_happens_after_freeze_returns(
             time.sleep(0.01)
 
 
-def test_freezing_a_process_that_is_gone_names_it() -> None:
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_process_that_never_stops_is_named(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()  # reaped: the pid no longer exists
+    try:
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        # exited, not reaped: the pid stays ours, and a zombie never reaches "stopped"
+        with pytest.raises(TimeoutError, match=rf"process {proc.pid} .*\(thread states: Z\)"):
+            freeze(proc.pid, timeout_s=0.2)
+    finally:
+        proc.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/sys/kernel/pid_max").exists(), reason="needs Linux /proc")
+def test_a_pid_that_cannot_exist_raises_process_lookup_error() -> None:
+    beyond = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a process's pid
     with pytest.raises(ProcessLookupError):
-        freeze(proc.pid)
+        freeze(beyond)

@@ -37,9 +37,11 @@ def _thread_states(pid: int) -> list[str]:
 def freeze(pid: int, timeout_s: float = 5.0) -> None:
     """Send SIGSTOP to ``pid`` and wait until all its threads are stopped.
 
-    Raises :class:`TimeoutError` naming the process if they are not stopped within
-    ``timeout_s``. Where ``/proc`` is not available (not Linux) it returns after sending
-    the signal, as ``os.kill`` does.
+    If they are not all stopped within ``timeout_s`` (a process that has exited and not
+    been reaped never stops), it sends SIGCONT, so the process is not left half frozen, and
+    raises :class:`TimeoutError` naming the process and its threads' states. Where
+    ``/proc`` is not available (not Linux) it returns after sending the signal, as
+    ``os.kill`` does; a ``pid`` that does not exist raises :class:`ProcessLookupError`.
     """
     os.kill(pid, signal.SIGSTOP)
     if not Path(f"/proc/{pid}/task").is_dir():
@@ -50,6 +52,7 @@ def freeze(pid: int, timeout_s: float = 5.0) -> None:
         if states and all(s in _STOPPED for s in states):
             return
         if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGCONT)
             raise TimeoutError(
                 f"process {pid} was sent SIGSTOP but not all of its threads stopped within "
                 f"{timeout_s:g} s (thread states: {''.join(sorted(states))})"
