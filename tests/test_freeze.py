@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing.freeze import freeze, thaw
+from kvtier.testing.freeze import freeze, thaw, thread_states
 
 #: A child with four threads that each append to a file as fast as they can.
 _BUSY = """
@@ -66,7 +66,7 @@ def test_a_process_that_never_stops_is_named(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         deadline = time.monotonic() + 10
-        while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "Z":
+        while thread_states(proc.pid) != ["Z"]:
             assert time.monotonic() < deadline, "the child did not exit"
             time.sleep(0.01)
         # exited, not reaped: the pid stays ours, and a zombie never reaches "stopped"

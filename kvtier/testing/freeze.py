@@ -21,7 +21,7 @@ from pathlib import Path
 _STOPPED = {"T", "t"}
 
 
-def _thread_states(pid: int) -> list[str]:
+def thread_states(pid: int) -> list[str]:
     """The state letter of every thread of ``pid``; empty when ``/proc`` cannot tell."""
     states = []
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
@@ -48,7 +48,7 @@ def freeze(pid: int, timeout_s: float = 5.0) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while True:
-        states = _thread_states(pid)
+        states = thread_states(pid)
         if states and all(s in _STOPPED for s in states):
             return
         if time.monotonic() > deadline:
