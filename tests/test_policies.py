@@ -70,6 +70,37 @@ def test_s3fifo_one_hit_pages_leave_through_small_queue() -> None:
     assert k(1) in s3.main
 
 
+def test_s3fifo_copy_holding_tracks_exactly_the_given_pages_and_leaves_the_original() -> None:
+    s3 = S3FIFOPolicy(small_ratio=0.25)
+    for i in range(8):
+        s3.on_insert(k(i))
+    s3.on_access(k(0))
+    s3.on_access(k(1))
+    s3.on_remove(s3.victims(1, every)[0])  # k(0), k(1) move to main; k(2) leaves for the ghost
+    assert list(s3.main) == [k(0), k(1)] and list(s3.ghost) == [k(2)]
+    before = (list(s3.small), list(s3.main), list(s3.ghost), dict(s3.freq))
+
+    # Keeps k(1) and k(3)..k(7) but not k(0); k(2) (in the ghost) and k(9) are new to it.
+    keys = [k(9), k(2), k(1), *(k(i) for i in range(3, 8))]
+    copy = s3.copy_holding(keys)
+    assert sorted(copy.freq) == sorted(keys) and len(copy) == len(keys)
+    assert k(0) not in copy and k(2) not in copy.ghost
+    assert list(copy.main) == [k(9), k(2), k(1)]  # the new ones first, in the order given
+    assert all(copy.freq[x] == 0 for x in (k(9), k(2)))
+    assert (list(s3.small), list(s3.main), list(s3.ghost), dict(s3.freq)) == before
+
+    copy.on_access(k(3))
+    assert s3.freq[k(3)] == 0  # independent counters
+    # Small queue (k(3)..k(7), 5 pages) above its share: it goes first; k(3) was used.
+    assert copy.victims(1, every) == [k(4)]
+    small = S3FIFOPolicy(small_ratio=0.9)
+    for i in range(4):
+        small.on_insert(k(i))
+    moved = small.copy_holding([k(7), k(0), k(1), k(2), k(3)])
+    # The small queue (4 of 5 pages) is at its share: the new page at the main head goes.
+    assert moved.victims(2, every) == [k(7), k(0)]
+
+
 def test_s3fifo_bad_ratio() -> None:
     with pytest.raises(ConfigError, match="small_ratio"):
         S3FIFOPolicy(small_ratio=1.5)

@@ -332,3 +332,82 @@ def test_two_class_order_is_its_victims(point: tuple[float, str]) -> None:
     for n in (1, 5, 40):
         assert pol.victims(n, ok) == order[:n]
     assert TwoClassPolicy(*point, probation=0.5).ordered_keys() is None
+
+
+def _expert_at(pol: AdaptivePolicy, name: str) -> int:
+    return pol.names.index(name)
+
+
+def test_s3fifo_taking_the_lead_takes_over_its_exact_miniatures_state() -> None:
+    """While another part leads, the tier's S3-FIFO never chooses, so its queues drift
+    from those of the S3-FIFO that ran alone in its miniature (used pages are never moved
+    to the main queue); when it takes the lead from an exact miniature (sample rate 1) the
+    tier gets a copy of the miniature's S3-FIFO holding exactly the tier's pages, and the
+    miniature's own policy is left as it was. ``interval`` (no ``copy_holding``) keeps
+    its own state."""
+    tr = workload("rag", n=300, seed=1).without_hints()
+    # A margin no lead reaches: the tier follows LRU throughout.
+    pol = AdaptivePolicy(capacity=tr.distinct_blocks() // 20, start="0:last", margin=1e9)
+    pols = iter([pol])
+    replay(tr, make_tiers([pol.c], lambda: next(pols)))
+    assert pol.sampler.rate == 1.0 and pol.minis[0].evicted and pol.switches == 0
+    s3 = _expert_at(pol, "s3-fifo")
+    mini = pol.minis[s3].policy.inner  # type: ignore[attr-defined]
+    both = pol.book.resident & pol.minis[s3].resident
+
+    def queues(p: object) -> tuple[list[PageKey], list[PageKey]]:
+        return (
+            [x for x in p.small if x in both],  # type: ignore[attr-defined]
+            [x for x in p.main if x in both],  # type: ignore[attr-defined]
+        )
+
+    drifted = pol.experts[s3]
+    assert queues(drifted) != queues(mini)
+    mini_state = (list(mini.small), list(mini.main), dict(mini.freq))
+
+    pol._follow(s3)
+    took = pol.experts[s3]
+    assert took is not drifted and pol.takeovers == 1 and pol.switches == 1
+    assert sorted(took.freq) == sorted(pol.book.resident)  # type: ignore[attr-defined]
+    assert queues(took) == queues(mini)
+    assert (list(mini.small), list(mini.main), dict(mini.freq)) == mini_state
+
+    iv = _expert_at(pol, "interval")
+    kept = pol.experts[iv]
+    pol._follow(iv)
+    assert pol.experts[iv] is kept and pol.takeovers == 1 and pol.switches == 2
+
+
+def test_no_takeover_from_a_sampled_miniature() -> None:
+    """A sampled miniature saw only some pages: its expert does not take over."""
+    pol = AdaptivePolicy(mini_pages=16, capacity=1000, start="0:last")
+    for i in range(1200):
+        pol.on_insert(k(i % 1100))
+        if len(pol) > 1000:
+            pol.on_remove(pol.victims(1, every)[0])
+    assert pol.sampler.rate < 1
+    s3 = _expert_at(pol, "s3-fifo")
+    kept = pol.experts[s3]
+    pol._follow(s3)
+    assert pol.experts[s3] is kept and pol.takeovers == 0
+
+
+def test_adaptive_experts_track_the_tiers_pages_through_takeovers() -> None:
+    """Replayed where S3-FIFO takes the lead (``rag`` at 5 %), every expert tracks
+    exactly the tier's pages at the end, and the replay is repeatable."""
+    tr = workload("rag", n=1500, seed=4).without_hints()
+    cap = tr.distinct_blocks() // 20
+    pols: list[AdaptivePolicy] = []
+
+    def fac() -> AdaptivePolicy:
+        pols.append(AdaptivePolicy())
+        return pols[-1]
+
+    a = replay(tr, make_tiers([cap], fac))
+    b = replay(tr, make_tiers([cap], fac))
+    assert a.req_hits.tolist() == b.req_hits.tolist()
+    pol = pols[0]
+    assert pol.takeovers >= 1, pol.describe()
+    assert pol.describe()["takeovers"] == pol.takeovers
+    for expert in pol.experts.values():
+        assert len(expert) == len(pol) and all(x in expert for x in pol.book.resident)

@@ -25,7 +25,12 @@ This policy covers that range with one bookkeeping and picks the point that fits
    evict, plus 4 hits (so noise does not make it thrash). Until then the tier follows
    ``interval`` (LRU-2's order for pages used once, forecasts for the rest), the part
    that is level with or ahead of LRU-2 alone in most cells, so a short trace does not
-   pay for a weak start.
+   pay for a weak start. An expert is fed every event of the tier while another leads,
+   but S3-FIFO's queues only take their shape when it chooses; so when an expert that
+   offers ``copy_holding`` (:mod:`kvtier.policy.base`) takes the lead and its miniature
+   is exact (sample rate 1, tiers up to ``2 x mini_pages`` pages), the tier takes a copy
+   of the miniature's policy, holding the tier's pages (those the miniature evicted go
+   first once its small queue is down to its share): a *takeover*.
 3. **Prefix cuts** (:mod:`kvtier.policy.prefix_cut`): orphans go first and a victim's
    descendants leave before it, deepest first, whatever the point; the miniatures apply
    the same rule, so they measure what the tier really does.
@@ -43,8 +48,8 @@ This policy covers that range with one bookkeeping and picks the point that fits
 Nothing is tied to a trace: the points, the experts and four numbers are the whole
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
 the other half and on fresh seeds (docs/benchmarks.md, "Policy suite"), where the policy
-is ahead of the best classic policy in 31 of 44 held-out and 25 of 40 fresh cells, level
-in 6 and 3, and behind by at most 0.0073 in the rest, while each classic policy is 0.04 to
+is ahead of the best classic policy in 33 of 44 held-out and 27 of 40 fresh cells, level
+in 6 and 3, and behind by at most 0.0045 in the rest, while each classic policy is 0.04 to
 0.12 behind somewhere.
 
 ``capacity`` is the tier's size in pages when known; without it the policy uses the most
@@ -66,7 +71,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy, victims_in_order
+from kvtier.policy.base import EvictionPolicy, copy_holding_of, victims_in_order
 from kvtier.policy.eviction import LRUPolicy
 from kvtier.policy.hint_audit import HintAudit
 from kvtier.policy.hints import Hint, HintAware, hint_target
@@ -181,6 +186,9 @@ class AdaptivePolicy(EvictionPolicy):
         # The leader until the miniatures tell.
         self.leader = self._start_index(start)
         self.switches = 0
+        #: Switches on which an expert took over its miniature's state (see the module
+        #: docstring).
+        self.takeovers = 0
         self._since_check = 0
         self._refs_decayed = 0.0
         self._hinted: EvictionPolicy | None = None
@@ -253,8 +261,7 @@ class AdaptivePolicy(EvictionPolicy):
             # hints that came true too rarely: their expert neither leads nor stays leader
             choices = [i for i in choices if i != self._hinted_at]
             if self.leader == self._hinted_at:
-                self.leader = max(choices, key=scores.__getitem__)
-                self.switches += 1
+                self._follow(max(choices, key=scores.__getitem__))
                 return
         best = max(choices, key=scores.__getitem__)
         lead = scores[best] - scores[self.leader]
@@ -270,8 +277,30 @@ class AdaptivePolicy(EvictionPolicy):
         else:
             need = self.margin * self._refs_decayed + 4.0
         if best != self.leader and lead > need:
-            self.leader = best
-            self.switches += 1
+            self._follow(best)
+
+    def _follow(self, i: int) -> None:
+        """Make ``minis[i]``'s point or expert the leader. An expert that offers
+        ``copy_holding`` takes over its miniature's state when that miniature is exact
+        (sample rate 1: it saw every reference, so its policy is the expert as if it had
+        chosen all along), given the tier's pages oldest first."""
+        self.leader = i
+        self.switches += 1
+        if i not in self.experts or self.sampler.rate < 1.0:
+            return
+        mini_policy = self.minis[i].policy
+        alone = getattr(mini_policy, "inner", mini_policy)  # inside its prefix cuts
+        refs = self.book.refs
+        copied = copy_holding_of(alone, sorted(self.book.resident, key=lambda k: refs[k][2]))
+        if copied is None:
+            return
+        old_clock, new_clock = hint_target(self.experts[i]), hint_target(copied)
+        self._clocked = [t for t in self._clocked if t is not old_clock]
+        if new_clock is not None:
+            new_clock.on_time(self._now)
+            self._clocked.append(new_clock)
+        self.experts[i] = copied
+        self.takeovers += 1
 
     def _hints_trusted(self) -> bool:
         """Whether the hints may be followed: not once ``TRUST_JUDGED`` of them were
@@ -392,11 +421,12 @@ class AdaptivePolicy(EvictionPolicy):
         return self.forest.order(lambda _done: self.book.ordered(bonus, order), evictable)
 
     def describe(self) -> dict[str, Any]:
-        """The leader, how often it changed, the sampling rate and every point's
-        miniature hit ratio."""
+        """The leader, how often it changed (and how often an expert took over its
+        miniature's state), the sampling rate and every point's miniature hit ratio."""
         return {
             "leader": self.names[self.leader],
             "switches": self.switches,
+            "takeovers": self.takeovers,
             "sample_rate": self.sampler.rate,
             **(
                 {"hint_accuracy": self.audit.accuracy, "hints_judged": self.audit.judged}

@@ -27,6 +27,15 @@ ancestors that precede each leaf in the order, quadratic in the chain length).
 with that order may also offer ``order_of(keys)``: the resident ones of ``keys`` in it,
 sorted directly (LRU-K does); ``hinted`` uses it to place a few pages in its fallback's
 order without walking the whole order.
+
+**Optional hook: a copy that takes over.** A policy whose state takes its shape only when
+it chooses victims (S3-FIFO's queues) drifts when it is fed the events of a tier that
+another policy evicts for, as an expert of ``adaptive`` that is not leading is. Such a
+policy may offer ``copy_holding(keys)``: a copy of itself that tracks exactly ``keys``
+(given oldest first; the pages it lacks come in as the next to go, the pages ``keys``
+lacks leave as if evicted), leaving itself unchanged. :func:`copy_holding_of` gives it,
+or ``None`` for a policy without the hook. ``adaptive`` hands the tier such a copy of
+the expert that ran alone in an exact miniature when that expert takes the lead.
 """
 
 from __future__ import annotations
@@ -124,6 +133,16 @@ def ordered_keys_of(
         return None
     keys: Iterator[PageKey] | None = order(evictable)
     return keys
+
+
+def copy_holding_of(policy: EvictionPolicy, keys: Iterable[PageKey]) -> EvictionPolicy | None:
+    """``policy``'s copy tracking exactly ``keys`` (its optional ``copy_holding``, see
+    the module docstring), or ``None`` when it has no such hook."""
+    copier = getattr(policy, "copy_holding", None)
+    if not callable(copier):
+        return None
+    copied: EvictionPolicy = copier(keys)
+    return copied
 
 
 def close_order(order: Iterator[PageKey]) -> None:

@@ -8,13 +8,19 @@ queue). Evicting from the main queue gives an accessed page another round (count
 Most one-hit pages therefore leave quickly through the small queue.
 
 ``victims`` reorganises the queues as it scans (moves, counter decrements) but removes
-nothing: removal happens in :meth:`on_remove`, as the interface requires.
+nothing: removal happens in :meth:`on_remove`, as the interface requires. So the queues
+only take their shape when the policy chooses: fed the events of a tier that another
+policy evicts for (an expert of ``adaptive`` that is not leading), the small queue holds
+nearly every page. :meth:`S3FIFOPolicy.copy_holding` (the optional hook of
+:mod:`kvtier.policy.base`) lets ``adaptive`` hand the tier a copy of the S3-FIFO that
+ran alone in its miniature instead.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
@@ -67,6 +73,31 @@ class S3FIFOPolicy(EvictionPolicy):
                 self.ghost.popitem(last=False)
         else:
             self.main.pop(key, None)
+
+    def copy_holding(self, keys: Iterable[PageKey]) -> S3FIFOPolicy:
+        """A copy of this policy (queues, counters, ghost queue; this one is left as it
+        is) that tracks exactly ``keys``: its pages that ``keys`` lacks leave as if
+        evicted (:meth:`on_remove`), and those of ``keys`` it does not track, in the
+        order given, come in unused at the head of the main queue (they leave the ghost
+        queue): the next to go once the small queue is down to its share."""
+        wanted = dict.fromkeys(keys)
+        new = copy.copy(self)
+        new.small = OrderedDict(self.small)
+        new.main = OrderedDict(self.main)
+        new.ghost = OrderedDict(self.ghost)
+        new.freq = dict(self.freq)
+        for key in [k for k in new.freq if k not in wanted]:
+            new.on_remove(key)
+        extra = [k for k in wanted if k not in new.freq]
+        if extra:
+            for key in extra:
+                new.ghost.pop(key, None)
+                new.freq[key] = 0
+            main = OrderedDict.fromkeys(extra)
+            main.update(new.main)
+            new.main = main
+            new._seen_c = max(new._seen_c, len(new.freq))
+        return new
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         out: list[PageKey] = []
