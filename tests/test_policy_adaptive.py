@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.errors import ConfigError
@@ -411,3 +413,42 @@ def test_adaptive_experts_track_the_tiers_pages_through_takeovers() -> None:
     assert pol.describe()["takeovers"] == pol.takeovers
     for expert in pol.experts.values():
         assert len(expert) == len(pol) and all(x in expert for x in pol.book.resident)
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert"] * 5 + ["access"] * 3 + ["remove", "evict", "follow"]),
+        st.integers(0, 63),
+    ),
+    min_size=60,
+    max_size=300,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=_OPS)
+def test_every_expert_tracks_the_tiers_pages_whatever_leads(ops: list[tuple[str, int]]) -> None:
+    """Inserts (chained to the page before), hits, removals, evictions to the capacity and
+    forced switches to any part in any order: after each step every expert, the ones
+    that took over included, tracks exactly the tier's pages, and victims are resident."""
+    pol = AdaptivePolicy(capacity=24)
+    last: PageKey | None = None
+    for op, i in ops:
+        key = k(i % 40)
+        if op == "insert":
+            pol.on_insert(key, last if last in pol else None)
+            last = key
+        elif op == "access":
+            pol.on_access(key)
+        elif op == "remove":
+            pol.on_remove(key)
+        elif op == "evict":
+            victims = pol.victims(max(len(pol) - 24, 0) + i % 2, every)
+            assert all(v in pol for v in victims) and len(set(victims)) == len(victims)
+            for v in victims:
+                pol.on_remove(v)
+        else:
+            pol._follow(i % len(pol.minis))
+        for expert in pol.experts.values():
+            assert len(expert) == len(pol) and all(x in expert for x in pol.book.resident)
+    assert pol.takeovers <= pol.switches
