@@ -319,3 +319,30 @@ async def test_corrupted_page_on_disk_is_a_miss(tmp_path):
         assert np.array_equal(out[1], data[1])
         assert cache.directory.locate(keys[0]) is None  # the bad copy is forgotten
         assert (await cache.load(keys, pin=False)).missing == [keys[0]]
+
+
+async def test_store_pages_parents_that_close_a_cycle_do_not_jam_a_tier(tmp_path) -> None:
+    """A caller's parents may contradict the chain stored before: a -> b -> c stored, a
+    deleted (b and c stay), a stored again "after c". Recorded, that closes a cycle in
+    which no page is ever a leaf, and leaf-first eviction of the lowest tier offered
+    nothing: its writes blocked and it stayed full. Now the contradicting parent is not
+    recorded and the tiers keep making room."""
+
+    def key(i: int) -> PageKey:
+        return PageKey(i.to_bytes(2, "little") * 8)
+
+    page = np.ones((1, PAGE), np.uint8)
+    async with open_cache(config(tmp_path, dram_pages=8, file_pages=32)) as cache:
+        for r in range(20):
+            a, b, c = key(3 * r + 1), key(3 * r + 2), key(3 * r + 3)
+            await cache.store_pages([a, b, c], np.ones((3, PAGE), np.uint8), parents=[None, a, b])
+            await cache.store_pages([key(1000 + r)], page)
+            await cache.delete([a])
+            await cache.store_pages([a], page, parents=[c])
+            assert cache.prefix_tree.parent_of(a) is None
+        for r in range(40):
+            await cache.store_pages([key(2000 + r)], page)
+        await cache.flush()
+        for t in cache.stats()["tiers"]:
+            assert t["used_pages"] <= t["high_pages"], t
+        assert cache.directory.locate(key(2039)) is not None

@@ -97,6 +97,45 @@ def test_page_forest_cuts_from_the_tail_and_orphans_go_first() -> None:
     assert f.orphans == {} and f.parent[k(3)] == k(2)
 
 
+def _roots_reached(f: PageForest) -> bool:
+    """Whether every page's chain of parents ends at a root within ``len(f)`` steps."""
+    for key in f.parent:
+        node: PageKey | None = key
+        for _ in range(len(f) + 1):
+            node = f.parent[node] if node is not None else None
+            if node is None:
+                break
+        else:
+            return False
+    return True
+
+
+def test_page_forest_refuses_a_parent_that_would_close_a_cycle() -> None:
+    """Parents given by a caller (``KVCache.store_pages`` takes any) may contradict the
+    ones before: 2 came after 1 and 3 after 2, then 1 comes back "after 3". Linking it
+    would close a cycle (1 gets its orphan 2 back), which no walk ends: 1 becomes a root
+    instead, and every page is offered once."""
+    f = PageForest()
+    f.add(k(1), None)
+    f.add(k(2), k(1))
+    f.add(k(3), k(2))
+    f.remove(k(1))  # 2 waits for 1
+    f.add(k(1), k(3))
+    assert f.parent[k(1)] is None and f.parent[k(2)] == k(1) and _roots_reached(f)
+    assert list(f.order(lambda _done: [k(3), k(1)])) == [k(3), k(2), k(1)]
+    f.remove(k(2))  # 3 waits for 2; 2 "after 3" would close 2 -> 3 -> 2
+    f.add(k(2), k(3))
+    assert f.parent[k(2)] is None and f.parent[k(3)] == k(2) and _roots_reached(f)
+    f.add(k(4), k(3))  # a consistent parent still links
+    assert f.parent[k(4)] == k(3)
+    pol = AdaptivePolicy(capacity=8)
+    pol.on_insert(k(1))
+    pol.on_insert(k(2), k(1))
+    pol.on_remove(k(1))
+    pol.on_insert(k(1), k(2))
+    assert sorted(pol.victims(4, every)) == [k(1), k(2)]
+
+
 def test_prefix_cut_never_beats_min_and_helps_lru_on_long_shared_prompts() -> None:
     tr = workload("toolagent", n=800, seed=3).without_hints()
     cap = tr.distinct_blocks() // 100
@@ -367,7 +406,7 @@ def test_s3fifo_taking_the_lead_takes_over_its_exact_miniatures_state() -> None:
     assert queues(drifted) != queues(mini)
     mini_state = (list(mini.small), list(mini.main), dict(mini.freq))
 
-    pol._follow(s3)
+    pol.follow("s3-fifo")
     took = pol.experts[s3]
     assert took is not drifted and pol.takeovers == 1 and pol.switches == 1
     assert sorted(took.freq) == sorted(pol.book.resident)  # type: ignore[attr-defined]
@@ -376,7 +415,7 @@ def test_s3fifo_taking_the_lead_takes_over_its_exact_miniatures_state() -> None:
 
     iv = _expert_at(pol, "interval")
     kept = pol.experts[iv]
-    pol._follow(iv)
+    pol.follow("interval")
     assert pol.experts[iv] is kept and pol.takeovers == 1 and pol.switches == 2
 
 
@@ -390,7 +429,7 @@ def test_no_takeover_from_a_sampled_miniature() -> None:
     assert pol.sampler.rate < 1
     s3 = _expert_at(pol, "s3-fifo")
     kept = pol.experts[s3]
-    pol._follow(s3)
+    pol.follow("s3-fifo")
     assert pol.experts[s3] is kept and pol.takeovers == 0
 
 
@@ -428,16 +467,17 @@ _OPS = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops=_OPS)
 def test_every_expert_tracks_the_tiers_pages_whatever_leads(ops: list[tuple[str, int]]) -> None:
-    """Inserts (chained to the page before), hits, removals, evictions to the capacity and
-    forced switches to any part in any order: after each step every expert, the ones
-    that took over included, tracks exactly the tier's pages, and victims are resident."""
+    """Inserts (page ``j`` after page ``j - 1``, as content-addressed keys chain: never
+    a cycle), hits, removals, evictions to the capacity and forced switches to any part
+    in any order: after each step every expert, the ones that took over included, tracks
+    exactly the tier's pages, and victims are resident."""
     pol = AdaptivePolicy(capacity=24)
-    last: PageKey | None = None
     for op, i in ops:
-        key = k(i % 40)
+        j = i % 40
+        key = k(j)
         if op == "insert":
-            pol.on_insert(key, last if last in pol else None)
-            last = key
+            parent = k(j - 1) if j else None
+            pol.on_insert(key, parent if parent in pol else None)
         elif op == "access":
             pol.on_access(key)
         elif op == "remove":
@@ -448,7 +488,10 @@ def test_every_expert_tracks_the_tiers_pages_whatever_leads(ops: list[tuple[str,
             for v in victims:
                 pol.on_remove(v)
         else:
-            pol._follow(i % len(pol.minis))
+            parts = [f"{b:g}:{o}" for b, o in pol.grid] + pol.names[len(pol.grid) :]
+            pol.follow(parts[i % len(parts)])
         for expert in pol.experts.values():
             assert len(expert) == len(pol) and all(x in expert for x in pol.book.resident)
     assert pol.takeovers <= pol.switches
+    with pytest.raises(ConfigError, match="neither one of the points"):
+        pol.follow("lru")

@@ -75,6 +75,32 @@ def test_child_added_before_parent_links_up() -> None:
     assert tree.match(keys).tiers == ["dram", "disk"]
 
 
+def test_a_parent_that_contradicts_the_chain_is_not_recorded() -> None:
+    """Parents given by a caller (``store_pages`` takes any) may contradict the chain:
+    a page after itself, or a hollow page (it left every tier, its children stayed) said
+    to follow one of its own descendants. Recording either would close a cycle in which
+    no page is ever a leaf; the tree keeps the page a root instead."""
+    a, b, c = (PageKey(bytes([i]) * 16) for i in (1, 2, 3))
+    tree = PrefixTree(TIERS)
+    tree.insert([a, b, c], "dram")
+    tree.discard(a, "dram")  # hollow: b and c keep it
+    tree.add(a, c, "dram")  # "a after c": a -> b -> c -> a
+    assert tree.parent_of(a) is None and tree.parent_of(b) == a
+    assert tree.is_leaf(c, "dram") and tree.evictable("dram")(c)
+    tree.add(b, b, "disk")
+    tree.insert([c, c], "remote")
+    assert tree.parent_of(b) == a and tree.parent_of(c) == b
+    d = PageKey(bytes([4]) * 16)
+    tree.insert([d], "dram", parent=d)
+    assert tree.parent_of(d) is None and tree.is_leaf(d, "dram")
+    tree.add(a, None, "disk")
+    tree.discard(a, "dram")
+    tree.discard(a, "disk")
+    e = PageKey(bytes([5]) * 16)
+    tree.add(a, e, "disk")  # a consistent parent is still learned
+    assert tree.parent_of(a) == e and not tree.is_leaf(e, "disk")
+
+
 def test_bad_input() -> None:
     with pytest.raises(KVTierUsageError, match="at least one tier"):
         PrefixTree([])

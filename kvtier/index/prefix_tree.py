@@ -102,11 +102,14 @@ class PrefixTree:
 
     def add(self, key: PageKey, parent: PageKey | None, tier: str) -> None:
         """Record that ``key`` (child of ``parent``; ``ROOT_KEY`` or ``None`` for a first
-        page) is committed in ``tier``. Adding a page already recorded there is a no-op."""
+        page) is committed in ``tier``. Adding a page already recorded there is a no-op.
+        A parent that contradicts the chain recorded before (``key`` itself, or a page
+        below ``key``: parents given by a caller, as ``KVCache.store_pages`` takes them)
+        is not recorded: it would close a cycle in which no page is ever a leaf."""
         t = self._tier_index(tier)
         if len(key) != KEY_BYTES:
             raise KVTierUsageError(f"page key must be {KEY_BYTES} bytes, got {len(key)}")
-        if parent == ROOT_KEY:
+        if parent in (ROOT_KEY, key):
             parent = None
         nodes = self._nodes
         node = nodes.get(key)
@@ -115,7 +118,7 @@ class PrefixTree:
             nodes[key] = node
             if parent is not None:
                 self._link(parent)
-        elif node.parent is None and parent is not None:
+        elif node.parent is None and parent is not None and not self._below(parent, key):
             node.parent = parent  # a hollow node learns its parent
             self._link(parent)
             if node.mask:
@@ -127,6 +130,18 @@ class PrefixTree:
         self._pages_per_tier[t] += 1
         if node.parent is not None:
             nodes[node.parent].child_tiers += 1 << (_FIELD * t)
+
+    def _below(self, page: PageKey, key: PageKey) -> bool:
+        """Whether ``page`` descends from ``key`` (walks up from ``page``; the tree has no
+        cycle, so the walk ends). Asked only when a hollow node learns its parent."""
+        nodes = self._nodes
+        at: PageKey | None = page
+        while at is not None:
+            if at == key:
+                return True
+            node = nodes.get(at)
+            at = None if node is None else node.parent
+        return False
 
     def _link(self, parent: PageKey) -> None:
         """Count one more child under ``parent``, creating it hollow if unknown."""
@@ -159,8 +174,9 @@ class PrefixTree:
         try:
             for key in keys:
                 node = nodes.get(key)
-                if node is not None or len(key) != KEY_BYTES:
-                    self.add(key, prev, tier)  # the general path: existing node, bad key
+                if node is not None or len(key) != KEY_BYTES or key == prev:
+                    # the general path: existing node, bad key, a page after itself
+                    self.add(key, prev, tier)
                     prev = key
                     continue
                 # fast path: a new page whose parent is known (or the root)

@@ -279,6 +279,13 @@ class AdaptivePolicy(EvictionPolicy):
         if best != self.leader and lead > need:
             self._follow(best)
 
+    def follow(self, part: str) -> None:
+        """Follow ``part`` from now on, as a switch to it would (an expert may take over,
+        see the module docstring): one of the points as ``"bonus:order"`` or an expert's
+        name, as for ``start``. The miniatures may choose another part at their next
+        check. Raises :class:`ConfigError` naming the parts for an unknown one."""
+        self._follow(self._start_index(str(part)))
+
     def _follow(self, i: int) -> None:
         """Make ``minis[i]``'s point or expert the leader. An expert that offers
         ``copy_holding`` takes over its miniature's state when that miniature is exact

@@ -53,8 +53,11 @@ class PageForest:
         return len(self.parent)
 
     def add(self, key: PageKey, parent: PageKey | None) -> None:
-        """``key`` entered the tier after ``parent`` (a root if the tier lacks it)."""
-        if parent is not None and parent not in self.parent:
+        """``key`` entered the tier after ``parent`` (a root if the tier lacks it, or if
+        ``parent`` descends from ``key`` through orphans that ``key`` gets back: parents
+        given by a caller that contradict the ones before would otherwise close a cycle,
+        which no walk of the forest ends)."""
+        if parent is not None and (parent not in self.parent or self._descends(parent, key)):
             parent = None
         self.parent[key] = parent
         kids: dict[PageKey, None] = {}
@@ -66,6 +69,18 @@ class PageForest:
             self.parent[kid] = key
             kids[kid] = None
             self.orphans.pop(kid, None)
+
+    def _descends(self, page: PageKey, key: PageKey) -> bool:
+        """Whether ``page`` is in the subtree that ``key``, coming back, gets: its root
+        is an orphan that lost ``key``. Walks up only when ``key`` has orphans waiting."""
+        if key not in self._waiting:
+            return False
+        node: PageKey | None = page
+        while node is not None:
+            if self._lost.get(node) == key:
+                return True
+            node = self.parent.get(node)
+        return False
 
     def remove(self, key: PageKey) -> None:
         """``key`` left the tier; its children become orphans."""

@@ -10,10 +10,11 @@ Most one-hit pages therefore leave quickly through the small queue.
 ``victims`` reorganises the queues as it scans (moves, counter decrements) but removes
 nothing: removal happens in :meth:`on_remove`, as the interface requires. So the queues
 only take their shape when the policy chooses: fed the events of a tier that another
-policy evicts for (an expert of ``adaptive`` that is not leading), the small queue holds
-nearly every page. :meth:`S3FIFOPolicy.copy_holding` (the optional hook of
-:mod:`kvtier.policy.base`) lets ``adaptive`` hand the tier a copy of the S3-FIFO that
-ran alone in its miniature instead.
+policy evicts for (an expert of ``adaptive`` that is not leading), used pages never move
+from the small to the main queue and no counter ever falls (most reach their cap), so
+when it starts choosing, its order says little about recent use.
+:meth:`S3FIFOPolicy.copy_holding` (the optional hook of :mod:`kvtier.policy.base`) lets
+``adaptive`` hand the tier a copy of the S3-FIFO that ran alone in its miniature instead.
 """
 
 from __future__ import annotations
