@@ -22,6 +22,7 @@ from kvtier.policy.shadow import KeySampler, MiniCache, key_hash
 from kvtier.policy.twoclass import TwoClassPolicy
 from kvtier.sim.belady import belady_min
 from kvtier.sim.replay import make_tiers, replay
+from kvtier.sim.trace import Trace
 from kvtier.sim.workloads import workload
 
 
@@ -174,9 +175,9 @@ def test_adaptive_alone_with_one_point_is_that_point_with_cuts() -> None:
     assert one == cut
 
 
-def test_adaptive_is_deterministic_and_below_min() -> None:
-    tr = workload("docqa", n=500, seed=1)
-    cap = tr.distinct_blocks() // 20
+def _replayed_twice(tr: Trace, cap: int) -> tuple[AdaptivePolicy, float]:
+    """``tr`` replayed twice through a tier of ``cap`` pages under ``adaptive``: the first
+    run's policy and prefix hit rate, once the two runs were checked to hit alike."""
     pols: list[AdaptivePolicy] = []
 
     def fac() -> AdaptivePolicy:
@@ -186,9 +187,16 @@ def test_adaptive_is_deterministic_and_below_min() -> None:
     a = replay(tr, make_tiers([cap], fac))
     b = replay(tr, make_tiers([cap], fac))
     assert a.req_hits.tolist() == b.req_hits.tolist()
-    assert 0 < a.prefix_hit_rate <= belady_min([r.blocks for r in tr.requests], cap).prefix_hit_rate
-    info = pols[0].describe()
-    assert info["leader"] in pols[0].names and 0 < info["sample_rate"] <= 1
+    return pols[0], a.prefix_hit_rate
+
+
+def test_adaptive_is_deterministic_and_below_min() -> None:
+    tr = workload("docqa", n=500, seed=1)
+    cap = tr.distinct_blocks() // 20
+    pol, hit_rate = _replayed_twice(tr, cap)
+    assert 0 < hit_rate <= belady_min([r.blocks for r in tr.requests], cap).prefix_hit_rate
+    info = pol.describe()
+    assert info["leader"] in pol.names and 0 < info["sample_rate"] <= 1
 
 
 def test_adaptive_samples_large_tiers() -> None:
@@ -437,17 +445,7 @@ def test_adaptive_experts_track_the_tiers_pages_through_takeovers() -> None:
     """Replayed where S3-FIFO takes the lead (``rag`` at 5 %), every expert tracks
     exactly the tier's pages at the end, and the replay is repeatable."""
     tr = workload("rag", n=1500, seed=4).without_hints()
-    cap = tr.distinct_blocks() // 20
-    pols: list[AdaptivePolicy] = []
-
-    def fac() -> AdaptivePolicy:
-        pols.append(AdaptivePolicy())
-        return pols[-1]
-
-    a = replay(tr, make_tiers([cap], fac))
-    b = replay(tr, make_tiers([cap], fac))
-    assert a.req_hits.tolist() == b.req_hits.tolist()
-    pol = pols[0]
+    pol, _ = _replayed_twice(tr, tr.distinct_blocks() // 20)
     assert pol.takeovers >= 1, pol.describe()
     assert pol.describe()["takeovers"] == pol.takeovers
     for expert in pol.experts.values():
