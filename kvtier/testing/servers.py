@@ -20,9 +20,7 @@ Nothing here is imported by the library itself.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -250,7 +248,7 @@ class RedisServer:
             return
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)  # a paused server cannot handle SIGTERM
+                thaw(proc.pid)  # a paused server cannot handle SIGTERM
                 proc.terminate()
             try:
                 proc.wait(timeout)

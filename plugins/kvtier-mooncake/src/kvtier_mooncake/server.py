@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -233,7 +232,7 @@ class MooncakeCluster:
         if proc is None or proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)  # a paused process cannot handle SIGTERM
+            thaw(proc.pid)  # a paused process cannot handle SIGTERM
         proc.terminate()
         try:
             proc.wait(10)
