@@ -297,8 +297,7 @@ class AdaptivePolicy(EvictionPolicy):
             return
         mini_policy = self.minis[i].policy
         alone = getattr(mini_policy, "inner", mini_policy)  # inside its prefix cuts
-        refs = self.book.refs
-        copied = copy_holding_of(alone, sorted(self.book.resident, key=lambda k: refs[k][2]))
+        copied = copy_holding_of(alone, self._oldest_first())
         if copied is None:
             return
         old_clock, new_clock = hint_target(self.experts[i]), hint_target(copied)
@@ -308,6 +307,12 @@ class AdaptivePolicy(EvictionPolicy):
             self._clocked.append(new_clock)
         self.experts[i] = copied
         self.takeovers += 1
+
+    def _oldest_first(self) -> Generator[PageKey, None, None]:
+        """The tier's pages by last reference, oldest first; sorted only once read (an
+        expert without ``copy_holding`` never reads them)."""
+        refs = self.book.refs
+        yield from sorted(self.book.resident, key=lambda k: refs[k][2])
 
     def _hints_trusted(self) -> bool:
         """Whether the hints may be followed: not once ``TRUST_JUDGED`` of them were
