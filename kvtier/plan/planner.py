@@ -11,7 +11,11 @@ replay's resident sets) and answers:
   :meth:`Planner.trim_victims`;
 * **where a victim goes** — :meth:`Planner.evict_plan`: already held below (just free
   it), down to the next tier (the write policy sends it), or dropped (the last tier, or
-  a page ``selective`` does not admit);
+  a page ``selective`` does not admit); which victims that cannot go down because the
+  tier below has no room may be dropped instead (:meth:`Planner.droppable`);
+* **what stores in progress extend** — the parents of the pages a store is adding
+  (:meth:`Planner.expect`): the last tier never drops one of them, since that would
+  leave a hole in the prefix the store is about to extend;
 * **what the write policy copies down now** — :meth:`Planner.write_through`, and what a
   flush writes (:meth:`Planner.dirty`);
 * **where a fetch reads from** — :meth:`Planner.source`: the highest tier below the top
@@ -26,6 +30,7 @@ decides, and reports what really happened through the hooks.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -134,6 +139,8 @@ class Planner:
         self.write_policy = WritePolicy.parse(write_policy, "write policy")
         self.admission = admission
         self.batch_pages = batch_pages
+        #: Parents of the pages stores in progress are adding (with multiplicity).
+        self.expected: Counter[PageKey] = Counter()
 
     # -- room ----------------------------------------------------------------------------
 
@@ -214,18 +221,53 @@ class Planner:
 
     def _evictable(self, name: str, spare: Collection[PageKey]) -> Callable[[PageKey], bool]:
         evictable = self.view.evictable
+        expected = self.expected if name == self.tiers[-1].name else ()
 
         def ok(key: PageKey) -> bool:
-            return key not in spare and evictable(key, name)
+            return key not in spare and key not in expected and evictable(key, name)
 
         return ok
+
+    # -- stores in progress --------------------------------------------------------------
+
+    def expect(self, parents: Iterable[PageKey | None]) -> list[PageKey]:
+        """A store is about to add children to ``parents`` (``None`` entries ignored):
+        until :meth:`unexpect`, the last tier neither names one of them a victim nor lets
+        one already chosen leave (under leaf-first its child is not cached yet, so the
+        page looks like a leaf; dropping it would orphan the page about to land). Returns
+        what to hand to :meth:`unexpect`."""
+        held = [p for p in parents if p is not None]
+        self.expected.update(held)
+        return held
+
+    def unexpect(self, parents: Iterable[PageKey]) -> None:
+        """The store that :meth:`expect` announced ``parents`` for has ended."""
+        self.expected.subtract(parents)
+        for p in [p for p, c in self.expected.items() if c <= 0]:
+            del self.expected[p]
 
     # -- where pages go ------------------------------------------------------------------
 
     def keeps(self, tier: int, key: PageKey) -> bool:
         """Whether a victim of ``tier`` should stay after all (asked just before it
-        leaves; see :meth:`~kvtier.policy.base.EvictionPolicy.should_keep`)."""
+        leaves; see :meth:`~kvtier.policy.base.EvictionPolicy.should_keep`); in the last
+        tier, also a page a store in progress extends (:meth:`expect`)."""
+        if tier == len(self.tiers) - 1 and key in self.expected:
+            return True
         return self.tiers[tier].policy.should_keep(key)
+
+    def droppable(self, tier: int, victims: Sequence[PageKey]) -> set[PageKey]:
+        """The victims of ``tier`` (children before parents) that may leave the hierarchy
+        when the tier below has no room for them, as the last tier would drop them: only
+        under a policy that keeps parents (leaf-first, where a lower tier whose every page
+        has a descendant up here could otherwise never free itself), only pages no cached
+        page depends on once the others go
+        (:meth:`~kvtier.policy.base.EvictionPolicy.may_drop`), and never one a store in
+        progress extends. The others stay, as when a write-down fails."""
+        policy = self.tiers[tier].policy
+        if not policy.keeps_parents:
+            return set()
+        return policy.may_drop([k for k in victims if k not in self.expected])
 
     def next_tier(self, tier: int) -> int | None:
         """The tier under ``tier``, ``None`` for the last."""

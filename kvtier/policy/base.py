@@ -41,7 +41,7 @@ the expert that ran alone in an exact miniature when that expert takes the lead.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from kvtier.keys import PageKey
@@ -80,6 +80,13 @@ class EvictionPolicy(ABC):
         (its eviction ran in the background meanwhile). Leaf-first: it gained a child in
         the tier. ``False`` by default."""
         return False
+
+    def may_drop(self, keys: Sequence[PageKey]) -> set[PageKey]:
+        """The pages of ``keys`` (victims, children before parents) that could leave the
+        whole hierarchy together without orphaning a cached page (leaf-first: those whose
+        cached children all leave too). All of them by default: a policy that does not
+        keep parents drops any page from the last tier."""
+        return set(keys)
 
     def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Victims for when :meth:`victims` offers none and the tier would otherwise refuse

@@ -172,6 +172,21 @@ class LeafFirstPolicy(EvictionPolicy):
         being evicted) stays: a parent never leaves before its child."""
         return not self.tree.is_leaf(key, None if self.last else self.tier)
 
+    def may_drop(self, keys: Sequence[PageKey]) -> set[PageKey]:
+        """The pages of ``keys`` (children before parents) with no child cached anywhere
+        but among the pages before them that may go: a cold chain goes tail first."""
+        out: set[PageKey] = set()
+        going: dict[PageKey, int] = {}  # page -> its children among ``out``
+        links = self.tree.links
+        for key in keys:
+            node = links(key, self.tier)
+            if node is not None and node[1] > going.get(key, 0):
+                continue
+            out.add(key)
+            if node is not None and node[2] is not None:
+                going[node[2]] = going.get(node[2], 0) + 1
+        return out
+
     def fallback_victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
         """Victims for when :meth:`victims` offers none and the tier would otherwise
         refuse room: in a tier above the last, ancestors too (eviction moves them down,

@@ -277,17 +277,30 @@ class Evictor:
         failed: set[PageKey] = set()
         released: set[PageKey] = set()
         try:
-            plan = mover.planner.evict_plan(tier.index, victims)
+            planner = mover.planner
+            plan = planner.evict_plan(tier.index, victims)
             nxt = mover.next(tier)
             if plan.down and nxt is not None:
                 try:
                     ok = await self.write_down(tier, nxt, plan.down, priority)
+                    stuck = {k for k, o in zip(plan.down, ok, strict=True) if not o}
+                    failed |= stuck
                 except CapacityError as exc:
-                    _log.warning("write-down blocked", tier=nxt.name, reason=str(exc))
-                    ok = [False] * len(plan.down)
-                stuck = {k for k, o in zip(plan.down, ok, strict=True) if not o}
-                failed |= stuck
-            planner = mover.planner
+                    # No room below: what fills it is pinned, or (leaf-first) every page
+                    # there has a descendant up here. Victims no cached page depends on
+                    # leave the hierarchy, as the last tier would drop them (else such a
+                    # hierarchy never frees itself); the others stay without having
+                    # failed: room may be made below once these are gone.
+                    gone = planner.droppable(tier.index, plan.down)
+                    plan.drop.extend(k for k in plan.down if k in gone)
+                    stuck = {k for k in plan.down if k not in gone}
+                    _log.warning(
+                        "write-down blocked",
+                        tier=nxt.name,
+                        reason=str(exc),
+                        dropped=len(gone),
+                        staying=len(stuck),
+                    )
             kept = {k for k in watched if planner.keeps(tier.index, k)}
             self._kept_by_policy += len(kept)
             stuck |= kept

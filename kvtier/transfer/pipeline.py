@@ -139,7 +139,7 @@ class Pipeline:
         self.moves = moves
         self._fetcher = Fetcher(self.mover, moves)
         self._prefetcher = Prefetcher(self.mover, moves)
-        self._writer = Writer(self.mover, moves)
+        self._writer = Writer(self.mover, moves, self.drop)
 
     # -- what the pipeline is made of -------------------------------------------------------
 
@@ -259,19 +259,26 @@ class Pipeline:
                 raise KVTierUsageError(f"page {bytes(k).hex()} is pinned: release it first")
         removed = 0
         for tier in self.tiers:
-            await self._quiesce(uniq, tier)
-            here = [k for k in uniq if d.is_committed(k, tier.name) and not d.is_pinned(k)]
-            if not here:
-                continue
-            fut = self.mover.op_future()
-            for k in here:
-                d.begin_evict(k, tier.name)
-                self.mover.begin_op(k, tier, fut)
-            tier.leaving.update(here)  # whatever pins them from now on
-            # its own task: a cancelled caller cannot leave the index and the backend apart
-            lingering = await asyncio.shield(self.mover.spawn(self._remove(tier, here)))
-            removed += len(here) - len(lingering)
+            removed += len(await self.drop(tier, uniq))
         return removed
+
+    async def drop(self, tier: Tier, keys: list[PageKey]) -> list[PageKey]:
+        """Remove the unpinned pages of ``keys`` (distinct) that ``tier`` holds from it,
+        once work on them there has settled, without writing them down; returns those
+        removed."""
+        d = self.directory
+        await self._quiesce(keys, tier)
+        here = [k for k in keys if d.is_committed(k, tier.name) and not d.is_pinned(k)]
+        if not here:
+            return []
+        fut = self.mover.op_future()
+        for k in here:
+            d.begin_evict(k, tier.name)
+            self.mover.begin_op(k, tier, fut)
+        tier.leaving.update(here)  # whatever pins them from now on
+        # its own task: a cancelled caller cannot leave the index and the backend apart
+        lingering = await asyncio.shield(self.mover.spawn(self._remove(tier, here)))
+        return [k for k in here if k not in lingering]
 
     async def _quiesce(self, keys: list[PageKey], tier: Tier) -> None:
         """Wait until no operation or copy of ``keys`` is under way in ``tier``."""

@@ -9,7 +9,7 @@ leaves them to eviction). :meth:`Writer.flush` writes every dirty page of a memo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -25,12 +25,18 @@ from kvtier.transfer.tier import Tier
 _log = get_logger("kvtier.pipeline")
 
 
-class Writer:
-    """Stores, write-downs and flushes over ``mover`` with batches from ``moves``."""
+#: Removes pages from a tier without writing them down; returns those removed.
+Drop = Callable[[Tier, list[PageKey]], Awaitable[list[PageKey]]]
 
-    def __init__(self, mover: Mover, moves: Moves) -> None:
+
+class Writer:
+    """Stores, write-downs and flushes over ``mover`` with batches from ``moves``;
+    ``drop`` removes what a store committed past a page it could not keep."""
+
+    def __init__(self, mover: Mover, moves: Moves, drop: Drop) -> None:
         self.mover = mover
         self.moves = moves
+        self.drop = drop
 
     async def store(
         self,
@@ -62,22 +68,33 @@ class Writer:
                 todo.append(i)
         jobs: list[tuple[list[int], Job]] = []
         size = planner.batch_size(top.index)
-        for start in range(0, len(todo), size):
-            idx = todo[start : start + size]
-            job = self.moves.launch(
-                None,
-                top,
-                [keys[i] for i in idx],
-                Priority.FETCH,
-                data=[bufs[i] for i in idx],
-                parents=[parents[i] for i in idx],
-                namespace=namespace,
-            )
-            jobs.append((idx, job))
-        results = await mover.await_jobs([j for _, j in jobs])
+        # until every batch has landed, the last tier keeps the pages they extend (their
+        # children are not cached yet, so leaf-first would take them for leaves)
+        expected = planner.expect(parents[i] for i in todo)
+        try:
+            for start in range(0, len(todo), size):
+                idx = todo[start : start + size]
+                job = self.moves.launch(
+                    None,
+                    top,
+                    [keys[i] for i in idx],
+                    Priority.FETCH,
+                    data=[bufs[i] for i in idx],
+                    parents=[parents[i] for i in idx],
+                    namespace=namespace,
+                )
+                jobs.append((idx, job))
+            results = await mover.await_jobs([j for _, j in jobs])
+        finally:
+            planner.unexpect(expected)
         for (idx, _), res in zip(jobs, results, strict=True):
             for i, r in zip(idx, res, strict=True):
                 out[i] = r
+        orphans = self._orphans(keys, parents, first, todo, out)
+        if orphans:
+            # the batches ran side by side: one may have landed after one before it failed
+            for k in await self.drop(top, orphans):
+                out[first[k]] = False
         for i, k in enumerate(keys):
             out[i] = out[first[k]]
         if d.used(top.name) > top.high_pages:
@@ -86,6 +103,26 @@ class Writer:
         if stored and planner.write_policy.copies_on_store and len(mover.tiers) > 1:
             mover.spawn(self.write_through(top, stored))
         return out
+
+    def _orphans(
+        self,
+        keys: Sequence[PageKey],
+        parents: Sequence[PageKey | None],
+        first: dict[PageKey, int],
+        todo: list[int],
+        out: list[bool],
+    ) -> list[PageKey]:
+        """Pages this store committed (``todo`` where ``out``) that follow, in the chain
+        the call gave, a page of the same call that is cached nowhere now: no lookup
+        reaches them, so they would only take room. A parent outside the call is not
+        judged (another call may be storing it)."""
+        d = self.mover.directory
+        lost: set[PageKey] = set()
+        for i, k in enumerate(keys):
+            p = parents[i]
+            if p is not None and p in first and (p in lost or d.locate(p) is None):
+                lost.add(k)
+        return [keys[i] for i in todo if out[i] and keys[i] in lost]
 
     async def write_through(self, src: Tier, keys: list[PageKey]) -> None:
         """Copy freshly committed pages down the hierarchy (background)."""
