@@ -191,8 +191,9 @@ class NvmeStoreBase(StoreBackend):
         :class:`~kvtier.backends.nvme_index.StoreVersionError` (newer format),
         :class:`~kvtier.backends.nvme_index.StoreLockedError` (opened elsewhere),
         :class:`~kvtier.backends.nvme_index.StoreReadOnlyError` (cannot write),
-        :class:`ConfigError` (page size differs from the store's, O_DIRECT required but
-        unsupported).
+        :class:`ConfigError` (the store holds pages of another size, O_DIRECT required
+        but unsupported). A store that holds no page but was made for another page size
+        is re-initialised for this one, with a warning (``nvme.page_size_reset``).
         """
         if self._opened:
             return
