@@ -24,10 +24,11 @@ from kvtier.backends.nvme_engines import (
 from kvtier.backends.nvme_index import PageRow, StoreIndex, StoreLock
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_open import OpenedStore, open_store
+from kvtier.backends.nvme_preflight import preflight_store
 from kvtier.backends.nvme_slabs import SlabFiles
 from kvtier.backends.store_files import Modes, check_path_text
 
-from kvtier.backend import BackendClosedError, Medium, StoreBackend
+from kvtier.backend import BackendClosedError, Medium, Preflight, StoreBackend
 from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
 from kvtier.health import LogOnce
 from kvtier.keys import KEY_BYTES
@@ -183,6 +184,13 @@ class NvmeStoreBase(StoreBackend):
         self.dropped_index_rows = 0
 
     # -- lifecycle ---------------------------------------------------------------------
+
+    def preflight(self) -> Preflight:
+        """What :meth:`open` would find, creating, locking and changing nothing
+        (:func:`~kvtier.backends.nvme_preflight.preflight_store`): raises what open would
+        raise, except for a store holding pages of another size
+        (:attr:`~kvtier.backend.Preflight.page_size_conflict`)."""
+        return preflight_store(self.path, self.page_bytes)
 
     async def open(self) -> None:
         """Open (creating or recovering) the store. Idempotent.

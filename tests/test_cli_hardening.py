@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -261,6 +260,9 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     checks = json.loads(result.stdout)["checks"]
     assert [(c["tier"], c["ok"]) for c in checks] == [("dram", True), ("f", True)]
+    # the file store is checked without being created (before: --check created it)
+    assert checks[1]["note"] == f"{tmp_path / 'fs'} will be created ({tmp_path} is writable)"
+    assert not (tmp_path / "fs").exists()
     bad = _write(
         tmp_path,
         DRAM + '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
@@ -276,7 +278,6 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     err = " ".join(result.stderr.split())
     assert "remote (redis) failed at write" in err and "onnect" in err
     assert "locked (nvme) failed at open" in err and "not a kvtier store index" in err
-    shutil.rmtree(tmp_path / "fs")
 
 
 @pytest.mark.parametrize(
