@@ -78,6 +78,23 @@ def test_bench_sim_checks_the_plot_path_before_the_replay(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--hardware", "cpu"], "--hardware cpu has no tier 'hbm' (from --tiers hbm); its tiers "
+         "are dram, nvme, remote: choose --tiers among them, e.g. --tiers dram,nvme"),
+        (["--hardware", "h200-gen5", "--tiers", "hbm,ssd"], "has no tier 'ssd'"),
+        (["--codec", "nvme=fp8-e4m3"], "--codec names tier(s) ['nvme']; tiers are ['hbm'] "
+         "(--tiers, default hbm): add them, e.g. --tiers hbm,nvme"),
+    ],
+)  # fmt: skip
+def test_bench_sim_names_the_tiers_that_fit_before_the_replay(args: list[str], needle: str) -> None:
+    """Before: --hardware cpu with the default --tiers failed after the whole replay, with
+    no hint of --tiers (the workload is not even generated here: --requests is huge)."""
+    error = invoke("bench", "sim", "--workload", "chat", "--requests", "100000000", *args, code=2)
+    assert needle in error["message"]
+
+
+@pytest.mark.parametrize(
     ("content", "needle"),
     [(b"", "holds no request"), (b"\xff\xfe\x00binary\x00" * 50, "not UTF-8 text")],
     ids=["empty", "binary"],
