@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.bench_suite import render_suite, run_suite_cli
-from kvtier.cli.output import changed_options, console, emit, progress, run_guarded, table
+from kvtier.cli.output import console, emit, given_options, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.admission import admission_names, make_admission
@@ -415,7 +415,7 @@ def sim(
         if suite:
             if workload_name is not None:
                 raise KVTierUsageError("--suite picks its own workloads: drop --workload")
-            unused = changed_options(
+            unused = given_options(
                 ctx,
                 ["tiers", "tier_scale", "block_tokens", "write_policy", "admission",
                  "prefetch", "hints", "hardware", "model", "codec"],
@@ -433,7 +433,7 @@ def sim(
                 rep["plot"] = str(plot_file)
             emit(rep, as_json, render_suite)
             return
-        if changed_options(ctx, ["half"]):
+        if given_options(ctx, ["half"]):
             raise KVTierUsageError("--half chooses a part of the policy suite: add --suite")
         names = [t.strip() for t in tiers.split(",") if t.strip()]
         check_args(

@@ -148,7 +148,7 @@ def test_the_plot_is_readable(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flag", [["--steps", "4"], ["--accept-rate", "0.5"], ["--fork-every", "2"],
-                                  ["--draft-tokens", "3"]])  # fmt: skip
+                                  ["--draft-tokens", "3"], ["--fork-every", "0"]])  # fmt: skip
 def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[str]) -> None:
     error = invoke("bench", "run", "--model", "tiny", *flag, code=2)
     assert f"{flag[0]} only apply to --workload speculative" in error["message"]
@@ -157,7 +157,9 @@ def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[s
 @pytest.mark.parametrize("flag", [["--turns", "9"], ["--system-prompts", "3"],
                                   ["--system-tokens", "8"], ["--turn-tokens", "20"],
                                   ["--concurrency", "4"], ["--predictor", "prefix"],
-                                  ["--queue-delay-ms", "5"]])  # fmt: skip
+                                  ["--queue-delay-ms", "5"],
+                                  # given with the default value: refused all the same
+                                  ["--turns", "4"], ["--predictor", "none"]])  # fmt: skip
 def test_bench_run_refuses_chat_flags_with_the_speculative_workload(flag: list[str]) -> None:
     """Before: the speculative workload ran and ignored them."""
     error = invoke("bench", "run", "--model", "tiny", "--workload", "speculative", *flag, code=2)
@@ -387,15 +389,23 @@ async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
                                   ["--block-tokens", "16"],
                                   ["--write-policy", "write-through"], ["--admission", "frequency"],
                                   ["--prefetch", "lookahead"], ["--hints"], ["--hardware", "cpu"],
-                                  ["--model", "tiny"], ["--codec", "hbm=zstd"]])  # fmt: skip
+                                  ["--model", "tiny"], ["--codec", "hbm=zstd"],
+                                  # given with their default value: refused all the same
+                                  # (before: they passed and the suite ran)
+                                  ["--tiers", "hbm"], ["--tier-scale", "4.0"],
+                                  ["--block-tokens", "512"], ["--write-policy", "write-back"],
+                                  ["--admission", "reuse"], ["--no-hints"],
+                                  ["--hardware", "h200-gen5"],
+                                  ["--model", "llama3-70b"]])  # fmt: skip
 def test_bench_sim_suite_refuses_the_options_it_does_not_use(flag: list[str]) -> None:
     """Before: --suite ran and ignored them (even --tiers hbm,hbm or --hardware bogus)."""
     error = invoke("bench", "sim", "--suite", "--requests", "20", *flag, code=2)
     assert error["message"].startswith("--suite replays one tier") and flag[0] in error["message"]
 
 
-def test_bench_sim_half_needs_the_suite() -> None:
-    assert "add --suite" in invoke(*SIM, "--half", "tune", code=2)["message"]
+@pytest.mark.parametrize("half", ["tune", "held-out"])
+def test_bench_sim_half_needs_the_suite(half: str) -> None:
+    assert "add --suite" in invoke(*SIM, "--half", half, code=2)["message"]
 
 
 @pytest.mark.parametrize(
