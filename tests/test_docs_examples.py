@@ -69,6 +69,19 @@ def _vllm_configs() -> list[tuple[str, str]]:
     return found
 
 
+def test_every_vllm_serve_command_listens_on_loopback() -> None:
+    """What kvtier's docs start listens on 127.0.0.1 unless told otherwise; vLLM listens
+    on every interface without --host (the README's command had none)."""
+    found = 0
+    for doc in (README, INTEGRATIONS):
+        for block in blocks(doc, "bash"):
+            for command in block.split("vllm serve")[1:]:
+                words = shlex.split(command, comments=False)
+                assert words[words.index("--host") + 1] == "127.0.0.1", (doc.name, command)
+                found += 1
+    assert found >= 3
+
+
 def test_the_vllm_commands_name_a_configuration_that_works(tmp_path: Path) -> None:
     configs = _vllm_configs()
     assert {doc for doc, _ in configs} == {"README.md", "integrations.md"}
