@@ -26,6 +26,7 @@ from kvtier.bench.speculative import SpeculativeParams
 from kvtier.bench.workload import ChatParams
 from kvtier.config import format_size, load_config, parse_size
 from kvtier.errors import KVTierUsageError
+from kvtier.spec import preset
 
 _DEFAULTS = ChatParams()
 _SPEC_DEFAULTS = SpeculativeParams()
@@ -181,6 +182,11 @@ def bench_run_command(
     def body() -> None:
         if workload not in ("chat", "speculative"):
             raise KVTierUsageError(f"--workload must be chat or speculative, got {workload!r}")
+        if model is not None:
+            try:
+                preset(model)
+            except KVTierUsageError as exc:  # named as the flag, not as a config key
+                raise KVTierUsageError(f"--model: {exc}") from None
         if workload == "chat":
             given = given_options(ctx, ["steps", "draft_tokens", "accept_rate", "fork_every"])
             if given:
