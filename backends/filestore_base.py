@@ -22,16 +22,19 @@ from kvtier.backends.store_files import (
     Modes,
     StorePathError,
     UnsafeStoreError,
+    check_creatable,
     check_no_symlink,
     check_path_text,
+    check_writable,
     describe_os_error,
+    lock_holder,
     make_store_root,
     open_private,
     private_dir,
     set_mode,
 )
 
-from kvtier.backend import CHUNK_MIN_BYTES, Medium, StoreBackend
+from kvtier.backend import CHUNK_MIN_BYTES, Medium, Preflight, StoreBackend
 from kvtier.errors import ConfigError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE
@@ -121,6 +124,32 @@ class FileStoreBase(StoreBackend):
         return self.path / h[:2] / h
 
     # -- lifecycle ---------------------------------------------------------------------
+
+    def preflight(self) -> Preflight:
+        """What :meth:`open` would find, creating, locking and changing nothing: a
+        missing directory will be created (its nearest existing parent is writable); an
+        existing one must be a writable directory whose ``.lock`` and ``.tmp`` are no
+        symlinks and that no other store object has open. Raises
+        :class:`~kvtier.backends.store_files.StorePathError`,
+        :class:`~kvtier.backends.store_files.UnsafeStoreError` or
+        :class:`~kvtier.backends.nvme_index.StoreLockedError` naming the problem. (Files
+        of another page size are not a conflict here: opening skips them.)"""
+        root = self.path
+        if not os.path.exists(root):
+            if os.path.lexists(root):
+                raise StorePathError(f"file store {root} is a symlink to nothing")
+            parent = check_creatable(root, "file store")
+            return Preflight(f"{root} will be created ({parent} is writable)")
+        if not root.is_dir():
+            raise StorePathError(f"file store: {root} exists and is not a directory")
+        check_no_symlink(root / LOCK_NAME, root)
+        check_no_symlink(root / TMP_SUFFIX, root, want="dir")
+        check_writable(root, "file store")
+        if lock_holder(root / LOCK_NAME, root) is not None:
+            raise StoreLockedError(
+                f"file store {root} is already open in another process or store object"
+            )
+        return Preflight(f"{root} exists (opening indexes the pages in it)")
 
     async def open(self) -> None:
         """Create the directory if needed, clear ``.tmp`` and index committed pages.

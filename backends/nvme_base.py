@@ -24,10 +24,11 @@ from kvtier.backends.nvme_engines import (
 from kvtier.backends.nvme_index import PageRow, StoreIndex, StoreLock
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_open import OpenedStore, open_store
+from kvtier.backends.nvme_preflight import preflight_store
 from kvtier.backends.nvme_slabs import SlabFiles
 from kvtier.backends.store_files import Modes, check_path_text
 
-from kvtier.backend import BackendClosedError, Medium, StoreBackend
+from kvtier.backend import BackendClosedError, Medium, Preflight, StoreBackend
 from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
 from kvtier.health import LogOnce
 from kvtier.keys import KEY_BYTES
@@ -184,6 +185,13 @@ class NvmeStoreBase(StoreBackend):
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def preflight(self) -> Preflight:
+        """What :meth:`open` would find, creating, locking and changing nothing
+        (:func:`~kvtier.backends.nvme_preflight.preflight_store`): raises what open would
+        raise, except for a store holding pages of another size
+        (:attr:`~kvtier.backend.Preflight.page_size_conflict`)."""
+        return preflight_store(self.path, self.page_bytes)
+
     async def open(self) -> None:
         """Open (creating or recovering) the store. Idempotent.
 
@@ -191,8 +199,9 @@ class NvmeStoreBase(StoreBackend):
         :class:`~kvtier.backends.nvme_index.StoreVersionError` (newer format),
         :class:`~kvtier.backends.nvme_index.StoreLockedError` (opened elsewhere),
         :class:`~kvtier.backends.nvme_index.StoreReadOnlyError` (cannot write),
-        :class:`ConfigError` (page size differs from the store's, O_DIRECT required but
-        unsupported).
+        :class:`ConfigError` (the store holds pages of another size, O_DIRECT required
+        but unsupported). A store that holds no page but was made for another page size
+        is re-initialised for this one, with a warning (``nvme.page_size_reset``).
         """
         if self._opened:
             return

@@ -29,7 +29,7 @@ STORE_FORMAT_VERSION = 1
 INDEX_FILE = "index.sqlite"
 LOCK_FILE = "lock"
 #: Files that may sit in a store directory; anything else there means it is not a store.
-_STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
+STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
 
 
 class NotAStoreError(KVTierUsageError):
@@ -97,7 +97,7 @@ def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> boo
         names = [p.name for p in root.iterdir()]
     except OSError as exc:
         raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
-    foreign = sorted(n for n in names if n not in _STORE_FILES)
+    foreign = sorted(n for n in names if n not in STORE_FILES)
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise NotAStoreError(

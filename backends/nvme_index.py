@@ -30,6 +30,7 @@ from pathlib import Path
 from kvtier.backends.nvme_dir import (
     INDEX_FILE,
     LOCK_FILE,
+    STORE_FILES,
     STORE_FORMAT_VERSION,
     DamagedStoreError,
     NotAStoreError,
@@ -50,6 +51,7 @@ from kvtier.backends.store_files import (
 __all__ = [
     "INDEX_FILE",
     "LOCK_FILE",
+    "STORE_FILES",
     "STORE_FORMAT_VERSION",
     "DamagedStoreError",
     "NotAStoreError",
@@ -114,10 +116,25 @@ class PageRow:
 
 
 def _connect_readonly(path: Path) -> sqlite3.Connection:
-    """Open the index read-only; on read-only media (no ``-shm`` file can be made) fall
-    back to ``immutable=1``, which is exact there because nothing can change the file."""
+    """Open the index read-only, creating nothing beside it.
+
+    An index whose WAL is missing or empty holds everything in its main file (a writer
+    removes both WAL and ``-shm`` when it closes; an empty WAL is what a reader leaves):
+    it is read with ``immutable=1``, since ``mode=ro`` would create or touch ``-wal``
+    and ``-shm`` files beside it. Otherwise (a live store, or one whose writer crashed)
+    ``mode=ro`` reads the WAL too; on read-only media (no ``-shm`` file can be made)
+    that falls back to ``immutable=1``, exact there because nothing can change the file."""
     if not path.is_file():
         raise NotAStoreError(f"{path} is missing: not a kvtier store")
+    wal = Path(f"{path}-wal")
+    if not wal.exists() or wal.stat().st_size == 0:
+        db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except BaseException:
+            db.close()
+            raise
+        return db
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
         db.execute("SELECT count(*) FROM sqlite_master").fetchone()

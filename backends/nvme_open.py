@@ -9,7 +9,11 @@ and returns what the store needs to run. It repairs what it can, loudly:
   present is **rebuilt from the slabs** (:mod:`~kvtier.backends.nvme_rebuild`), with a
   warning, instead of silently starting an empty store over the old slabs;
 * invalid index rows are dropped and their slots quarantined, each logged as an error
-  (the first :data:`~kvtier.backends.nvme_validate.MAX_LISTED`, then a count).
+  (the first :data:`~kvtier.backends.nvme_validate.MAX_LISTED`, then a count);
+* a store that holds no page but was made for another page size is re-initialised for
+  this one, with a warning (``nvme.page_size_reset``): nothing can be lost, and a store
+  that a check or an earlier run created for another model does not make the tier
+  unusable. A store that holds pages of another size is refused (:class:`ConfigError`).
 
 What it cannot repair it refuses with an error that names it: an index file that is not a
 database (:class:`~kvtier.backends.nvme_index.NotAStoreError`), a meta record that does
@@ -20,6 +24,8 @@ when it raises.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +48,14 @@ from kvtier.backends.nvme_rebuild import (
     scan_slabs,
     write_index,
 )
-from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io
+from kvtier.backends.nvme_slabs import SlabFiles, probe_direct_io, slab_path
 from kvtier.backends.nvme_validate import (
     MAX_LISTED,
     check_index,
     free_slots,
     parse_meta,
     slab_extents,
+    slab_files,
 )
 from kvtier.backends.store_files import Modes
 
@@ -96,8 +103,8 @@ def open_store(
     modes: Modes,
 ) -> OpenedStore:
     """Open (creating, repairing or rebuilding) the store at ``root``; see the module
-    docstring. Raises the store errors named there and :class:`ConfigError` (page size
-    differs from the store's, O_DIRECT required but refused)."""
+    docstring. Raises the store errors named there and :class:`ConfigError` (the store
+    holds pages of another size, O_DIRECT required but refused)."""
     check_store_dir(root, create=True, modes=modes)
     lock = StoreLock(root, exclusive=True, modes=modes)
     index: StoreIndex | None = None
@@ -161,25 +168,19 @@ def _meta_or_rebuild(
     lost_pages = meta is not None and "pages" not in index.tables_at_open
     lost_record = meta is None and index.count("pages") > 0
     if meta is not None and meta.layout.page_bytes != page_bytes:
-        raise ConfigError(
-            f"NVMe store {root} holds pages of {meta.layout.page_bytes} bytes, not "
-            f"{page_bytes}: use another directory for this page size"
-        )
+        held = index.count("pages") if not lost_pages else None
+        if held != 0:
+            raise ConfigError(
+                f"NVMe store {root} holds pages of {meta.layout.page_bytes} bytes, not "
+                f"{page_bytes}: use another directory for this page size"
+            )
+        return index, _reset_page_size(root, index, meta.layout.page_bytes, page_bytes,
+                                       slab_bytes, capacity_pages), None  # fmt: skip
     if meta is not None and not lost_pages:
         return index, meta.layout, None
     if not has_slab_data(root) and not lost_record:
         if meta is None:  # a new store
-            layout = SlotLayout.for_page(page_bytes, slab_bytes, capacity_pages)
-            index.set_meta(
-                {
-                    "format_version": STORE_FORMAT_VERSION,
-                    "page_bytes": page_bytes,
-                    "slot_bytes": layout.slot_bytes,
-                    "slots_per_slab": layout.slots_per_slab,
-                    "created": time.time(),
-                }
-            )
-            return index, layout, None
+            return index, _new_layout(index, page_bytes, slab_bytes, capacity_pages), None
         return index, meta.layout, None  # lost an empty pages table: nothing was lost
     why = (
         "has lost its pages table"
@@ -208,6 +209,51 @@ def _meta_or_rebuild(
         seconds=round(result.seconds, 3),
     )
     return index, layout, result
+
+
+def _new_layout(
+    index: StoreIndex, page_bytes: int, slab_bytes: int, capacity_pages: int
+) -> SlotLayout:
+    """The layout of a new store, recorded in its meta record."""
+    layout = SlotLayout.for_page(page_bytes, slab_bytes, capacity_pages)
+    index.set_meta(
+        {
+            "format_version": STORE_FORMAT_VERSION,
+            "page_bytes": page_bytes,
+            "slot_bytes": layout.slot_bytes,
+            "slots_per_slab": layout.slots_per_slab,
+            "created": time.time(),
+        }
+    )
+    return layout
+
+
+def _reset_page_size(
+    root: Path,
+    index: StoreIndex,
+    old_page_bytes: int,
+    page_bytes: int,
+    slab_bytes: int,
+    capacity_pages: int,
+) -> SlotLayout:
+    """Re-initialise a store that holds no page for another page size (no data can be
+    lost: its slabs hold no committed page), with a warning: its slab files (cut for the
+    old slot size) and quarantine rows are removed, then the meta record is rewritten.
+    A crash half-way leaves a store that holds no page, which the next open resets again."""
+    _log().warning(
+        "nvme.page_size_reset",
+        path=str(root),
+        old_page_bytes=old_page_bytes,
+        page_bytes=page_bytes,
+        reason="the store holds no pages: re-initialised for the new page size",
+    )
+    for number in slab_files(root):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slab_path(root, number))
+    quarantined = [rowid for rowid, *_ in index.raw_quarantine() if isinstance(rowid, int)]
+    if quarantined:
+        index.drop_rows([], quarantined, [])
+    return _new_layout(index, page_bytes, slab_bytes, capacity_pages)
 
 
 def _report_bad_rows(root: Path, index: StoreIndex, checked: Any) -> None:

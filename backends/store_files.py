@@ -22,6 +22,7 @@ the reason in plain words.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from dataclasses import dataclass
@@ -231,3 +232,69 @@ def create_private_file(path: Path, modes: Modes, root: Path | None) -> None:
     exists."""
     fd = open_private(path, os.O_RDWR | os.O_CREAT, modes, root)
     os.close(fd)
+
+
+# -- checking without side effects (``kvtier inspect config --check``) --------------------
+
+
+def check_creatable(path: Path, what: str) -> Path:
+    """Check, creating nothing, that the missing directory ``path`` (and its missing
+    parents) could be made as :func:`make_store_root` makes them: the nearest existing
+    ancestor is a directory this process may write into, on a writable file system, and
+    no missing name is too long. Returns that ancestor; raises :class:`StorePathError`
+    naming it and why."""
+    missing: list[Path] = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    try:
+        if not p.is_dir():
+            raise StorePathError(f"{what}: cannot create {path}: {p} exists and is not a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            why = "read-only file system" if _read_only_fs(p) else "permission denied"
+            raise StorePathError(f"{what}: cannot create {path}: {p} is not writable ({why})")
+        longest = os.pathconf(p, "PC_NAME_MAX")
+    except OSError as exc:
+        raise StorePathError(f"{what}: cannot use {path}: {describe_os_error(exc)}") from exc
+    for d in missing:
+        if len(os.fsencode(d.name)) > longest:
+            raise StorePathError(f"{what}: cannot create {path}: file name too long ({d.name!r})")
+    return p
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_writable(path: Path, what: str) -> None:
+    """:class:`StorePathError` when the existing directory ``path`` cannot be written
+    (files created or removed in it), naming why; checks without writing anything."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        why = "read-only file system" if _read_only_fs(path) else "permission denied"
+        raise StorePathError(f"{what} {path} is not writable ({why}); the store needs write access")
+
+
+def lock_holder(path: Path, root: Path) -> str | None:
+    """Whether a store object holds the ``flock`` on the lock file ``path``, creating and
+    changing nothing: the file (when it exists) is opened read-only and a shared lock
+    tried, then dropped. ``None`` when it is free (or missing), else what the file says
+    of its holder (a pid, or ``""``). :class:`UnsafeStoreError` for a symlink."""
+    try:
+        fd = open_private(path, os.O_RDONLY, Modes(), root, fix_mode=False)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

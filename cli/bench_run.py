@@ -11,10 +11,10 @@ from kvtier.cli.app import bench_app
 from kvtier.cli.bench_speculative import run_speculative_cli
 from kvtier.cli.output import (
     EXIT_FAILURE,
-    changed_options,
     console,
     emit,
     fail,
+    given_options,
     progress,
     render_config,
     run_guarded,
@@ -26,6 +26,7 @@ from kvtier.bench.speculative import SpeculativeParams
 from kvtier.bench.workload import ChatParams
 from kvtier.config import format_size, load_config, parse_size
 from kvtier.errors import KVTierUsageError
+from kvtier.spec import preset
 
 _DEFAULTS = ChatParams()
 _SPEC_DEFAULTS = SpeculativeParams()
@@ -181,15 +182,20 @@ def bench_run_command(
     def body() -> None:
         if workload not in ("chat", "speculative"):
             raise KVTierUsageError(f"--workload must be chat or speculative, got {workload!r}")
+        if model is not None:
+            try:
+                preset(model)
+            except KVTierUsageError as exc:  # named as the flag, not as a config key
+                raise KVTierUsageError(f"--model: {exc}") from None
         if workload == "chat":
-            given = changed_options(ctx, ["steps", "draft_tokens", "accept_rate", "fork_every"])
+            given = given_options(ctx, ["steps", "draft_tokens", "accept_rate", "fork_every"])
             if given:
                 raise KVTierUsageError(
                     f"{', '.join(given)} only apply to --workload speculative "
                     "(the chat workload has no speculative steps)"
                 )
         if workload == "speculative":
-            chat_only = changed_options(
+            chat_only = given_options(
                 ctx,
                 ["turns", "system_prompts", "system_tokens", "turn_tokens", "concurrency",
                  "predictor", "queue_delay_ms"],

@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.bench_suite import render_suite, run_suite_cli
-from kvtier.cli.output import changed_options, console, emit, progress, run_guarded, table
+from kvtier.cli.output import console, emit, given_options, progress, run_guarded, table
 
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.admission import admission_names, make_admission
@@ -92,6 +92,21 @@ def check_args(
         check_plot_path(plot_file)
 
 
+def check_hardware_tiers(hardware: str, tiers: list[str]) -> None:
+    """Every tier of ``--tiers`` has a link in the ``--hardware`` profile (the cost model
+    needs it): :class:`KVTierUsageError` naming the profile's tiers and a ``--tiers``
+    that fits it, before the replay (which can take minutes)."""
+    hw = profile(hardware)
+    missing = [t for t in tiers if t not in hw.links]
+    if missing:
+        fits = [t for t in hw.links if t in hw.tier_bytes] or list(hw.links)
+        raise KVTierUsageError(
+            f"--hardware {hardware} has no tier {missing[0]!r} (from --tiers "
+            f"{','.join(tiers)}); its tiers are {', '.join(hw.links)}: choose --tiers "
+            f"among them, e.g. --tiers {','.join(fits)}"
+        )
+
+
 def check_plot_path(path: Path) -> None:
     """The plot can be written there: the directory exists and is writable, and the file
     type is one matplotlib writes (by the suffix)."""
@@ -154,6 +169,7 @@ def run_sim(
         raise KVTierUsageError(f"unknown prefetch predictor {prefetch!r}; known: lookahead")
     if write_policy not in WRITE_POLICIES:
         raise KVTierUsageError(f"unknown write policy {write_policy!r}; known: {WRITE_POLICIES}")
+    check_hardware_tiers(hardware, tier_names)
     hw = profile(hardware)
     spec = preset(model)
     factors = codec_page_factors(codecs or {}, tier_names, spec)
@@ -235,7 +251,10 @@ def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any)
 
     unknown = sorted(set(codecs) - set(tier_names))
     if unknown:
-        raise KVTierUsageError(f"--codec names tier(s) {unknown}; tiers are {tier_names}")
+        raise KVTierUsageError(
+            f"--codec names tier(s) {unknown}; tiers are {tier_names} (--tiers, default "
+            f"hbm): add them, e.g. --tiers {','.join([*tier_names, *unknown])}"
+        )
     out = []
     for name in tier_names:
         codec = codecs.get(name, NO_CODEC)
@@ -396,7 +415,7 @@ def sim(
         if suite:
             if workload_name is not None:
                 raise KVTierUsageError("--suite picks its own workloads: drop --workload")
-            unused = changed_options(
+            unused = given_options(
                 ctx,
                 ["tiers", "tier_scale", "block_tokens", "write_policy", "admission",
                  "prefetch", "hints", "hardware", "model", "codec"],
@@ -414,7 +433,7 @@ def sim(
                 rep["plot"] = str(plot_file)
             emit(rep, as_json, render_suite)
             return
-        if changed_options(ctx, ["half"]):
+        if given_options(ctx, ["half"]):
             raise KVTierUsageError("--half chooses a part of the policy suite: add --suite")
         names = [t.strip() for t in tiers.split(",") if t.strip()]
         check_args(
@@ -426,6 +445,7 @@ def sim(
             capacity or ["1%", "5%", "10%"],
             plot_file,
         )
+        check_hardware_tiers(hardware, names)
         codecs: dict[str, str] = {}
         for item in codec or []:
             tier_name, eq, codec_name = item.partition("=")

@@ -30,7 +30,9 @@ def config_report(path: Path | None, check: bool = False) -> dict[str, Any]:
 
     Returns ``{"config": <file-shaped dict>, "values": [{"key", "value", "source"}, ...],
     "sources": {key: source}}`` plus, with ``check``, ``"checks": [{tier, backend, ok,
-    step, error}, ...]`` (each tier opened and probed). A source is ``default``,
+    step, error, note}, ...]`` (:func:`~kvtier.tier_check.check_tiers`: stores checked
+    without being created or changed, other tiers opened and probed; the model counts as
+    known when any ``model.*`` value has a source other than the default). A source is ``default``,
     ``file:PATH``, ``python`` or ``env:NAME``. Raises
     :class:`~kvtier.errors.ConfigError` (or the registry's errors) naming a bad key, value,
     backend or backend option.
@@ -53,7 +55,11 @@ def config_report(path: Path | None, check: bool = False) -> dict[str, Any]:
         "sources": dict(resolved.sources),
     }
     if check:
-        report["checks"] = [c.to_dict() for c in asyncio.run(check_tiers(config))]
+        model_known = any(
+            k.startswith("model.") and src != "default" for k, src in resolved.sources.items()
+        )
+        checks = asyncio.run(check_tiers(config, model_known))
+        report["checks"] = [c.to_dict() for c in checks]
     return report
 
 
@@ -69,10 +75,11 @@ def _render(data: dict[str, Any]) -> None:
     console.print(table("kvtier config", ["key", "value", "source"], rows))
     if "checks" in data:
         checks = [
-            (c["tier"], c["backend"], "ok" if c["ok"] else f"failed at {c['step']}", c["error"])
+            (c["tier"], c["backend"], "ok" if c["ok"] else f"failed at {c['step']}",
+             c["error"] if not c["ok"] else c["note"])
             for c in data["checks"]
-        ]
-        console.print(table("tier checks", ["tier", "backend", "result", "why"], checks))
+        ]  # fmt: skip
+        console.print(table("tier checks", ["tier", "backend", "result", "detail"], checks))
 
 
 @inspect_app.command("config")
@@ -87,9 +94,10 @@ def inspect_config(
         bool,
         typer.Option(
             "--check",
-            help="Also open each tier and store, read back and delete a probe page "
-            "(reachable, authenticated, writable); exits 1 naming each tier that fails. "
-            "Creates a store directory that does not exist yet, as starting a cache would.",
+            help="Also check each tier; exits 1 naming each tier that fails. Stores on "
+            "disk (file, nvme) are checked without being created or changed (a missing "
+            "directory: whether it can be created); other tiers are opened and store, "
+            "read back and delete a probe page (reachable, authenticated, writable).",
         ),
     ] = False,
     as_json: Annotated[

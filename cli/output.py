@@ -177,18 +177,21 @@ def _describe(exc: BaseException) -> tuple[str, int]:
     )
 
 
-def changed_options(ctx: typer.Context, names: Sequence[str]) -> list[str]:
-    """The flags of the options ``names`` (parameter names, in that order) whose value is
-    not the command's declared default (an empty repeatable option counts as unset): for
-    refusing, by name, the options that the mode a command runs in does not use."""
+def given_options(ctx: typer.Context, names: Sequence[str]) -> list[str]:
+    """The flags of the options ``names`` (parameter names, in that order) that the command
+    line gave, whatever their value (``--tiers hbm`` or ``--no-hints``, equal to the
+    default, count): for refusing, by name, the options that the mode a command runs in
+    does not use. An option left to its default is not listed; an on/off pair is named
+    as both (``--hints/--no-hints``)."""
     params = {p.name: p for p in ctx.command.params}
     out = []
     for name in names:
-        value = ctx.params.get(name)
-        if value in ((), []):
-            value = None
-        if value != params[name].default:
-            out.append(params[name].opts[0])
+        # compared by name: typer carries its own copy of click's ParameterSource
+        source = getattr(ctx.get_parameter_source(name), "name", "DEFAULT")
+        if source not in ("DEFAULT", "DEFAULT_MAP"):
+            param = params[name]
+            other = getattr(param, "secondary_opts", None)  # --hints/--no-hints
+            out.append(f"{param.opts[0]}/{other[0]}" if other else param.opts[0])
     return out
 
 

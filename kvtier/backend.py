@@ -148,6 +148,24 @@ def check_buffers(
     return out
 
 
+@dataclass(frozen=True)
+class Preflight:
+    """What :meth:`Backend.preflight` found, without creating or changing anything.
+
+    Attributes:
+        note: what was found, in words (``.kvtier-cache/vllm will be created``, ``holds
+            12 pages of 2097152 bytes``).
+        page_size_conflict: when the store holds pages of another size than the
+            backend's ``page_bytes``, the error opening it would raise, else ``None``. It
+            is the one finding that depends on the model rather than on the store, so a
+            caller that does not know the model (a configuration checked without one)
+            may report it instead of failing.
+    """
+
+    note: str
+    page_size_conflict: str | None = None
+
+
 class BackendClosedError(KVTierError):
     """A backend was used before :meth:`Backend.open` or after :meth:`Backend.close`."""
 
@@ -215,6 +233,20 @@ class Backend(ABC):
         """Why this backend cannot run on this machine, or ``None`` when it can.
 
         Must be cheap and must not raise: discovery calls it for every backend.
+        """
+        return None
+
+    def preflight(self) -> Preflight | None:
+        """Check what :meth:`open` would find, creating and changing nothing; call it on
+        a backend that is not open (it may block: run it off the event loop).
+
+        ``None`` (this default): the backend has no such check, and ``kvtier inspect
+        config --check`` opens it and stores, reads back and deletes a probe page
+        instead. A persistent store overrides it, so that checking a configuration
+        never creates or modifies the store (the built-in ``file`` and ``nvme`` stores
+        do). Raises an exception naming what would make :meth:`open` fail (a directory
+        that cannot be created, a path that is not a store, a store open elsewhere),
+        except a store of another page size: see :attr:`Preflight.page_size_conflict`.
         """
         return None
 

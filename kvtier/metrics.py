@@ -313,40 +313,48 @@ class CacheMetrics(Metrics):
         self.link_batches.inc(link)
 
     def snapshot(self) -> dict[str, Any]:
-        tiers: dict[str, dict[str, float]] = {}
+        """See the class docstring. Counts of pages, bytes, batches and queued batches
+        are ``int``; seconds, rates and latencies are ``float``."""
+        tiers: dict[str, dict[str, int]] = {}
         names = {
             k[0] for fam in (self.hits, self.misses, self.stored, self.used) for k in fam.values
         }
         for t in sorted(names):
             tiers[t] = {
-                "hits": self.hits.get(t),
-                "misses": self.misses.get(t),
-                "stored_pages": self.stored.get(t),
-                "evicted_pages": self.evicted.get(t),
-                "dropped_pages": self.dropped.get(t),
-                "failed_pages": self.failed.get(t),
-                "used_pages": self.used.get(t),
-                "capacity_pages": self.capacity.get(t),
+                "hits": _count(self.hits.get(t)),
+                "misses": _count(self.misses.get(t)),
+                "stored_pages": _count(self.stored.get(t)),
+                "evicted_pages": _count(self.evicted.get(t)),
+                "dropped_pages": _count(self.dropped.get(t)),
+                "failed_pages": _count(self.failed.get(t)),
+                "used_pages": _count(self.used.get(t)),
+                "capacity_pages": _count(self.capacity.get(t)),
             }
-        links: dict[str, dict[str, float | None]] = {}
+        links: dict[str, dict[str, float | int | None]] = {}
         for (link,) in sorted(self.link_batches.values):
             secs = self.link_seconds.get(link)
             nbytes = self.link_bytes.get(link)
             links[link] = {
-                "pages": self.link_pages.get(link),
-                "bytes": nbytes,
+                "pages": _count(self.link_pages.get(link)),
+                "bytes": _count(nbytes),
                 "seconds": secs,
-                "batches": self.link_batches.get(link),
-                "failed_pages": self.link_failed.get(link),
+                "batches": _count(self.link_batches.get(link)),
+                "failed_pages": _count(self.link_failed.get(link)),
                 "gb_per_s": nbytes / secs / 1e9 if secs > 0 else None,
             }
         return {
             "tiers": tiers,
             "links": links,
-            "queues": {q: self.queue_depth.get(q) for q in ("fetch", "prefetch", "evict")},
+            "queues": {q: _count(self.queue_depth.get(q)) for q in ("fetch", "prefetch", "evict")},
             "fetch_latency_s": self.fetch_latency.summary(),
             "prefetch": {
-                o: self.prefetch_pages.get(o) for o in ("arrived", "late", "cancelled", "missing")
+                o: _count(self.prefetch_pages.get(o))
+                for o in ("arrived", "late", "cancelled", "missing")
             },
             "raw": self.raw(),
         }
+
+
+def _count(value: float) -> int:
+    """A counter or gauge that counts whole things (pages, bytes, batches), as an int."""
+    return round(value)

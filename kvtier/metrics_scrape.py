@@ -106,11 +106,20 @@ def _rows(series: Series, fields: dict[str, str], label: str) -> dict[str, dict[
     return {n: {k: per_field[k].get(n, 0.0) for k in fields} for n in names}
 
 
+def _whole(value: float | None) -> float | int | None:
+    """A count read back from the text format (where every number is a float) as an int
+    when it is a whole number (a count is; an odd exporter's fraction stays a float)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
     """Per tier ``used_pages``, ``capacity_pages``, ``occupancy``, ``hits``, ``misses``,
     ``hit_rate``, ``stored_pages``, ``evicted_pages``, ``dropped_pages``,
     ``failed_pages``; per link ``pages``, ``bytes``, ``seconds``, ``gb_per_s``,
-    ``failed_pages``; fetch latency count and mean; queue depths."""
+    ``failed_pages``; fetch latency count and mean; queue depths. Counts (pages, bytes,
+    fetches, queued batches) are ints; seconds, rates and shares are floats."""
     if not any(name.startswith(PREFIX) for name in series):
         raise ScrapeError(f"no kvtier metrics (names starting with {PREFIX!r}) at {source}")
     fields = {
@@ -129,6 +138,8 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
         looked = (row["hits"] or 0.0) + (row["misses"] or 0.0)
         row["occupancy"] = used / cap if cap else None
         row["hit_rate"] = (row["hits"] or 0.0) / looked if looked else None
+        for key in fields:
+            row[key] = _whole(row[key])
     link_fields = {
         "pages": "link_pages_total",
         "bytes": "link_bytes_total",
@@ -139,12 +150,15 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
     for lrow in links.values():
         secs, nbytes = lrow["seconds"] or 0.0, lrow["bytes"] or 0.0
         lrow["gb_per_s"] = nbytes / secs / 1e9 if secs > 0 else None
+        for key in ("pages", "bytes", "failed_pages"):
+            lrow[key] = _whole(lrow[key])
     count = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_count", []))
     total = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_sum", []))
+    queues = {q: _whole(v) for q, v in _by(series, "queue_depth", "queue").items()}
     return {
         "source": source,
         "tiers": tiers,
         "links": links,
-        "queues": _by(series, "queue_depth", "queue"),
-        "fetch_latency_s": {"count": count, "mean": total / count if count else None},
+        "queues": queues,
+        "fetch_latency_s": {"count": _whole(count), "mean": total / count if count else None},
     }

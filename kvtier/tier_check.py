@@ -4,16 +4,25 @@
   :class:`~kvtier.cache.KVCache` does, so every backend name and option is validated:
   an unknown backend, an unknown option or a missing required one (``nvme`` without
   ``path``) raises, naming the tier; so is its codec (``tiers[i].codec``).
-* :func:`check_tiers` (``--check``) also opens each tier and stores, reads back and
+* :func:`check_tiers` (``--check``) checks each tier. A backend with a check without
+  side effects (:meth:`~kvtier.backend.Backend.preflight`: the persistent ``file`` and
+  ``nvme`` stores) gets that check only, so checking never creates or modifies a store: a
+  missing store directory is reported as one that will be created (its nearest existing
+  parent is writable); a codec on it encodes and decodes a probe page in memory. Any
+  other backend (memory arenas, a remote pool) is opened and stores, reads back and
   deletes one probe page (:func:`probe_page`) under a random key: the tier is reachable,
   authenticated and writable, and returns what it stored (a tier with a lossy codec: the
-  codec's rounding of it, :meth:`~kvtier.codec.store.CodecStore.round_trip`). Like
-  starting a cache, opening a store creates its directory when missing. Each tier gets a
-  :class:`TierCheck` saying what failed.
+  codec's rounding of it, :meth:`~kvtier.codec.store.CodecStore.round_trip`). Each tier
+  gets a :class:`TierCheck` saying what failed, or what was found.
+
+A store that holds pages of another size than the configuration's model makes is a
+failure when the configuration names its model; when it does not (``model_known``
+false: the page size then comes from the engine, as under vLLM), it is a note saying so.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from dataclasses import asdict, dataclass
@@ -21,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.backend import Backend
+from kvtier.backend import Backend, Preflight
 from kvtier.codec import tiers as codec_tiers
 from kvtier.codec.scaled import INPUT_DTYPES, np_dtype
 from kvtier.codec.store import CodecStore
@@ -76,9 +85,14 @@ class TierCheck:
 
     Attributes:
         tier / backend: the tier's name and backend.
-        ok: opened, stored, read back and deleted a probe page.
-        step: the step that failed (``create``, ``open``, ``write``, ``read``, ``delete``).
+        ok: the check passed: opened, stored, read back and deleted a probe page, or,
+            for a backend checked without side effects, found that it would open.
+        step: the step that failed (``create``, ``open``, ``write``, ``read``, ``delete``;
+            ``open`` also for what a check without side effects finds would fail it).
         error: why, in words.
+        note: what a check without side effects found (``.kvtier-cache/vllm will be
+            created (.kvtier-cache is writable)``, ``holds 12 pages of 2097152 bytes``);
+            ``None`` for a backend that was opened and probed.
     """
 
     tier: str
@@ -86,6 +100,7 @@ class TierCheck:
     ok: bool = False
     step: str | None = None
     error: str | None = None
+    note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,8 +116,10 @@ def _why(backend: Backend, default: str) -> str:
     return f"{default}: {reason}" if reason else default
 
 
-async def check_tier(config: KVTierConfig, i: int) -> TierCheck:
-    """Create, open, probe (store, read back, delete one page) and close tier ``i``."""
+async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> TierCheck:
+    """Create tier ``i`` and check it: :meth:`~kvtier.backend.Backend.preflight` when the
+    backend has it (nothing is created or changed), else open, probe (store, read back,
+    delete one page) and close it. ``model_known``: see the module docstring."""
     tc = config.tiers[i]
     result = TierCheck(tc.name, tc.backend)
     try:
@@ -110,6 +127,13 @@ async def check_tier(config: KVTierConfig, i: int) -> TierCheck:
     except Exception as exc:
         result.step, result.error = "create", str(exc)
         return result
+    try:
+        found = await asyncio.to_thread(backend.preflight)
+    except Exception as exc:
+        result.step, result.error = "open", f"{type(exc).__name__}: {exc}"
+        return result
+    if found is not None:
+        return _judge(config, backend, found, result, model_known)
     try:
         await backend.open()
     except Exception as exc:
@@ -144,6 +168,39 @@ async def check_tier(config: KVTierConfig, i: int) -> TierCheck:
         await backend.close()
 
 
-async def check_tiers(config: KVTierConfig) -> list[TierCheck]:
+def _judge(
+    config: KVTierConfig, backend: Backend, found: Preflight, result: TierCheck, model_known: bool
+) -> TierCheck:
+    """The outcome of a check without side effects; a codec on the tier encodes and
+    decodes a probe page in memory (a lossless one must give it back unchanged)."""
+    result.note = found.note
+    if found.page_size_conflict is not None:
+        if model_known:
+            result.step, result.error = "open", f"ConfigError: {found.page_size_conflict}"
+            return result
+        spec = config.spec
+        want = backend.inner.page_bytes if isinstance(backend, CodecStore) else spec.page_bytes
+        result.note = (
+            f"{found.note}, not {want} as with the default model "
+            f"({spec.name}): the page size comes from the model, which this configuration "
+            "does not name (under vLLM, from the engine); while the store holds pages, a "
+            "cache with another page size cannot open it. To check for a model, give its "
+            "geometry: a [model] section or KVTIER_MODEL__* variables"
+        )
+    if isinstance(backend, CodecStore):
+        try:
+            page = probe_page(config.spec)
+            back = backend.round_trip(page)
+        except Exception as exc:
+            result.step, result.error = "write", f"{type(exc).__name__}: {exc}"
+            return result
+        if not backend.codec.lossy and not np.array_equal(back, page):
+            result.step, result.error = "read", "the codec did not give the probe page back"
+            return result
+    result.ok = True
+    return result
+
+
+async def check_tiers(config: KVTierConfig, model_known: bool = True) -> list[TierCheck]:
     """:func:`check_tier` for every tier, top first (one at a time)."""
-    return [await check_tier(config, i) for i in range(len(config.tiers))]
+    return [await check_tier(config, i, model_known) for i in range(len(config.tiers))]

@@ -105,7 +105,9 @@ def runner() -> CliRunner:
     [
         (["--dram-capacity", "12 bananas"], "--dram-capacity"),
         (["--dram-capacity", "1KiB"], "smaller than one page"),
-        (["--model", "gpt-17"], "gpt-17"),
+        # named as the flag it came from (before: "model.preset: ... (from python)")
+        (["--model", "gpt-17"], "--model: unknown KVSpec preset 'gpt-17'"),
+        (["--model", "gpt-17", "--workload", "speculative"], "--model: unknown KVSpec preset"),
         (["--sessions", "0"], "sessions"),
         (["--turn-tokens", "0"], "--turn-tokens"),
     ],
@@ -115,6 +117,8 @@ def test_bench_run_usage_errors_exit_2(runner: CliRunner, args: list[str], needl
     assert result.exit_code == 2, result.stderr
     assert json.loads(result.stdout)["error"]["exit_code"] == 2  # the error, as JSON
     assert needle in result.stderr
+    if args[0] == "--model":
+        assert "(from python)" not in result.stderr
 
 
 def test_bench_run_bad_config_key_exit_2(runner: CliRunner, tmp_path: Path) -> None:

@@ -71,6 +71,14 @@ def test_bench_run_spills_and_reads_back_every_page(runner: CliRunner) -> None:
     assert 0 < lat["p50"] <= lat["p99"] <= lat["max"]
     assert data["disk_kept"] is False and not Path(data["disk_dir"]).exists()
     assert data["params"]["sessions"] == 4
+    # counts and byte sizes are JSON integers (docs/cli.md); before: 66.0 pages
+    for link in [*data["links"].values(), *data["metrics"]["links"].values()]:
+        for key in ("pages", "bytes", "failed_pages"):
+            assert type(link[key]) is int, (key, link)
+        assert type(link["seconds"]) is float
+    for tier in data["metrics"]["tiers"].values():
+        assert all(type(v) is int for v in tier.values()), tier
+    assert all(type(v) is int for v in data["metrics"]["queues"].values())
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -79,6 +78,23 @@ def test_bench_sim_checks_the_plot_path_before_the_replay(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--hardware", "cpu"], "--hardware cpu has no tier 'hbm' (from --tiers hbm); its tiers "
+         "are dram, nvme, remote: choose --tiers among them, e.g. --tiers dram,nvme"),
+        (["--hardware", "h200-gen5", "--tiers", "hbm,ssd"], "has no tier 'ssd'"),
+        (["--codec", "nvme=fp8-e4m3"], "--codec names tier(s) ['nvme']; tiers are ['hbm'] "
+         "(--tiers, default hbm): add them, e.g. --tiers hbm,nvme"),
+    ],
+)  # fmt: skip
+def test_bench_sim_names_the_tiers_that_fit_before_the_replay(args: list[str], needle: str) -> None:
+    """Before: --hardware cpu with the default --tiers failed after the whole replay, with
+    no hint of --tiers (the workload is not even generated here: --requests is huge)."""
+    error = invoke("bench", "sim", "--workload", "chat", "--requests", "100000000", *args, code=2)
+    assert needle in error["message"]
+
+
+@pytest.mark.parametrize(
     ("content", "needle"),
     [(b"", "holds no request"), (b"\xff\xfe\x00binary\x00" * 50, "not UTF-8 text")],
     ids=["empty", "binary"],
@@ -132,7 +148,7 @@ def test_the_plot_is_readable(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("flag", [["--steps", "4"], ["--accept-rate", "0.5"], ["--fork-every", "2"],
-                                  ["--draft-tokens", "3"]])  # fmt: skip
+                                  ["--draft-tokens", "3"], ["--fork-every", "0"]])  # fmt: skip
 def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[str]) -> None:
     error = invoke("bench", "run", "--model", "tiny", *flag, code=2)
     assert f"{flag[0]} only apply to --workload speculative" in error["message"]
@@ -141,7 +157,9 @@ def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[s
 @pytest.mark.parametrize("flag", [["--turns", "9"], ["--system-prompts", "3"],
                                   ["--system-tokens", "8"], ["--turn-tokens", "20"],
                                   ["--concurrency", "4"], ["--predictor", "prefix"],
-                                  ["--queue-delay-ms", "5"]])  # fmt: skip
+                                  ["--queue-delay-ms", "5"],
+                                  # given with the default value: refused all the same
+                                  ["--turns", "4"], ["--predictor", "none"]])  # fmt: skip
 def test_bench_run_refuses_chat_flags_with_the_speculative_workload(flag: list[str]) -> None:
     """Before: the speculative workload ran and ignored them."""
     error = invoke("bench", "run", "--model", "tiny", "--workload", "speculative", *flag, code=2)
@@ -261,6 +279,9 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     checks = json.loads(result.stdout)["checks"]
     assert [(c["tier"], c["ok"]) for c in checks] == [("dram", True), ("f", True)]
+    # the file store is checked without being created (before: --check created it)
+    assert checks[1]["note"] == f"{tmp_path / 'fs'} will be created ({tmp_path} is writable)"
+    assert not (tmp_path / "fs").exists()
     bad = _write(
         tmp_path,
         DRAM + '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
@@ -276,7 +297,6 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     err = " ".join(result.stderr.split())
     assert "remote (redis) failed at write" in err and "onnect" in err
     assert "locked (nvme) failed at open" in err and "not a kvtier store index" in err
-    shutil.rmtree(tmp_path / "fs")
 
 
 @pytest.mark.parametrize(
@@ -369,15 +389,23 @@ async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
                                   ["--block-tokens", "16"],
                                   ["--write-policy", "write-through"], ["--admission", "frequency"],
                                   ["--prefetch", "lookahead"], ["--hints"], ["--hardware", "cpu"],
-                                  ["--model", "tiny"], ["--codec", "hbm=zstd"]])  # fmt: skip
+                                  ["--model", "tiny"], ["--codec", "hbm=zstd"],
+                                  # given with their default value: refused all the same
+                                  # (before: they passed and the suite ran)
+                                  ["--tiers", "hbm"], ["--tier-scale", "4.0"],
+                                  ["--block-tokens", "512"], ["--write-policy", "write-back"],
+                                  ["--admission", "reuse"], ["--no-hints"],
+                                  ["--hardware", "h200-gen5"],
+                                  ["--model", "llama3-70b"]])  # fmt: skip
 def test_bench_sim_suite_refuses_the_options_it_does_not_use(flag: list[str]) -> None:
     """Before: --suite ran and ignored them (even --tiers hbm,hbm or --hardware bogus)."""
     error = invoke("bench", "sim", "--suite", "--requests", "20", *flag, code=2)
     assert error["message"].startswith("--suite replays one tier") and flag[0] in error["message"]
 
 
-def test_bench_sim_half_needs_the_suite() -> None:
-    assert "add --suite" in invoke(*SIM, "--half", "tune", code=2)["message"]
+@pytest.mark.parametrize("half", ["tune", "held-out"])
+def test_bench_sim_half_needs_the_suite(half: str) -> None:
+    assert "add --suite" in invoke(*SIM, "--half", half, code=2)["message"]
 
 
 @pytest.mark.parametrize(

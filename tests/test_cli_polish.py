@@ -171,6 +171,14 @@ def test_inspect_stats_reads_a_running_caches_endpoint(
         tiers["dram"]["used_pages"] / tiers["dram"]["capacity_pages"]
     )
     assert "dram->file" in data["links"] and data["links"]["dram->file"]["gb_per_s"] > 0
+    # counts and byte sizes are JSON integers (docs/cli.md); before: "used_pages": 85.0
+    for t in data["tiers"].values():
+        counts = {k: v for k, v in t.items() if k not in ("occupancy", "hit_rate")}
+        assert all(type(v) is int for v in counts.values()), t
+    for link in data["links"].values():
+        assert [type(link[k]) for k in ("pages", "bytes", "failed_pages")] == [int, int, int]
+    assert type(data["fetch_latency_s"]["count"]) is int
+    assert all(type(v) is int for v in data["queues"].values())
     table = CliRunner().invoke(get_app(), ["inspect", "stats", "--url", f"{base}/metrics"])
     assert table.exit_code == 0 and "hit rate" in table.stdout and "dram->file" in table.stdout
 

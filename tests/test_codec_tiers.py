@@ -104,8 +104,9 @@ def test_only_lossy_codecs_change_the_namespace(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 async def test_inspect_config_check_probes_codec_tiers(tmp_path: Path, dtype: str) -> None:
-    """``kvtier inspect config --check`` stores and reads back a probe page through each
-    codec tier: a lossy tier's answer is the codec's rounding of the page, not a failure."""
+    """``kvtier inspect config --check`` checks each codec tier's file store without
+    creating it and runs a probe page through its codec in memory: a lossy codec's answer
+    is its rounding of the page, not a failure."""
     codecs = ["fp8-e4m3", "int8", "zstd", "lz4"]
     cfg = _config(tmp_path, *({"codec": c} for c in codecs))
     cfg["model"] = {"preset": "tiny", "dtype": dtype}
@@ -113,6 +114,7 @@ async def test_inspect_config_check_probes_codec_tiers(tmp_path: Path, dtype: st
     checks = await check_tiers(config)
     assert [(c.tier, c.ok, c.error) for c in checks] == [(t.name, True, None) for t in config.tiers]
     assert isinstance(create_backend(config, 1), CodecStore)
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_codec_on_a_memory_tier_fails_its_config_check(tmp_path: Path) -> None:

@@ -69,14 +69,27 @@ def _vllm_configs() -> list[tuple[str, str]]:
     return found
 
 
+def test_every_vllm_serve_command_listens_on_loopback() -> None:
+    """What kvtier's docs start listens on 127.0.0.1 unless told otherwise; vLLM listens
+    on every interface without --host (the README's command had none)."""
+    found = 0
+    for doc in (README, INTEGRATIONS):
+        for block in blocks(doc, "bash"):
+            for command in block.split("vllm serve")[1:]:
+                words = shlex.split(command, comments=False)
+                assert words[words.index("--host") + 1] == "127.0.0.1", (doc.name, command)
+                found += 1
+    assert found >= 3
+
+
 def test_the_vllm_commands_name_a_configuration_that_works(tmp_path: Path) -> None:
     configs = _vllm_configs()
     assert {doc for doc, _ in configs} == {"README.md", "integrations.md"}
     for doc, name in configs:
         path = ROOT / name
         assert path.is_file(), f"{doc}: {name} does not exist"
-        # --check opens every tier; run it from a scratch directory so the relative
-        # NVMe path of the example lands there (vLLM resolves it from where it starts)
+        # run it from a scratch directory, where the relative NVMe path of the example
+        # points (vLLM resolves it from where it starts)
         text = path.read_text()
         (tmp_path / "kvtier.toml").write_text(text)
         done = subprocess.run(
@@ -85,3 +98,5 @@ def test_the_vllm_commands_name_a_configuration_that_works(tmp_path: Path) -> No
             cwd=tmp_path, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert done.returncode == 0, (doc, done.stdout[-2000:], done.stderr[-2000:])
+        # the check creates no store: vLLM later makes it for its own page size
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["kvtier.toml"]

@@ -12,6 +12,7 @@ from kvtier.backends.nvme import NvmeStore
 from kvtier.backends.nvme_engines import kvikio_unavailable_reason
 from kvtier.backends.nvme_index import INDEX_FILE, StoreIndex
 from kvtier.backends.nvme_layout import BLOCK, SlotLayout, aligned_empty, is_aligned
+from structlog.testing import capture_logs
 
 from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
 from kvtier.keys import PageKey
@@ -153,9 +154,44 @@ async def test_bad_input(tmp_path: Path) -> None:
             await s.put([key(1)], [np.zeros(PAGE + 1, np.uint8)])
         with pytest.raises(KVTierUsageError, match="dtype uint8"):
             await s.put([key(1)], [np.zeros(PAGE, np.float32)])
-    # Reopening with another page size names both sizes.
-    with pytest.raises(ConfigError, match=f"holds pages of {PAGE} bytes"):
+    # Reopening a store that holds pages with another page size names both sizes.
+    async with store(tmp_path / "s") as s:
+        assert await s.put([key(1)], [page(1)]) == [True]
+    with pytest.raises(ConfigError, match=f"holds pages of {PAGE} bytes, not {PAGE * 2}"):
         async with NvmeStore(page_bytes=PAGE * 2, capacity_pages=4, path=tmp_path / "s"):
+            pass
+
+
+async def test_an_empty_store_is_reinitialised_for_another_page_size(tmp_path: Path) -> None:
+    """A store that holds no page (a check or an earlier run created it for another
+    model; its pages were all deleted) opens with another page size: nothing can be lost.
+    Before: the open failed, and a tier below the top was silently skipped."""
+    async with store(tmp_path / "s") as s:
+        assert await s.put([key(1), key(2)], [page(1), page(2)]) == [True, True]
+        assert await s.delete([key(1), key(2)]) == [True, True]
+    bigger = 2 * PAGE + 7
+    s = NvmeStore(page_bytes=bigger, capacity_pages=4, path=tmp_path / "s", engine="posix")
+    with capture_logs() as logs:
+        await s.open()
+    async with s:
+        assert s.stats()["page_bytes"] == bigger
+        assert await s.put([key(3)], [page(3, bigger)]) == [True]
+    reset = [e for e in logs if e["event"] == "nvme.page_size_reset"]
+    assert [(e["log_level"], e["old_page_bytes"], e["page_bytes"]) for e in reset] == [
+        ("warning", PAGE, bigger)
+    ]
+    index = StoreIndex(tmp_path / "s" / INDEX_FILE, readonly=True)
+    try:
+        assert int(index.meta()["page_bytes"]) == bigger
+    finally:
+        index.close()
+    # reopened with its new size, the page is there; the old size is now refused
+    async with NvmeStore(page_bytes=bigger, capacity_pages=4, path=tmp_path / "s") as s:
+        out = np.empty(bigger, np.uint8)
+        assert await s.get([key(3)], [out]) == [True]
+        np.testing.assert_array_equal(out, page(3, bigger))
+    with pytest.raises(ConfigError, match=f"holds pages of {bigger} bytes, not {PAGE}"):
+        async with store(tmp_path / "s"):
             pass
 
 

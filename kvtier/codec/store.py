@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvtier.backend import Reservation, StoreBackend, check_buffers
+from kvtier.backend import Preflight, Reservation, StoreBackend, check_buffers
 from kvtier.codec.base import Codec, CodecError
 from kvtier.codec.frame import (
     FLAG_RAW,
@@ -109,6 +109,11 @@ class CodecStore(StoreBackend):
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    def preflight(self) -> Preflight | None:
+        """The inner store's :meth:`~kvtier.backend.Backend.preflight` (its page size is
+        the codec's slot size)."""
+        return self.inner.preflight()
+
     async def open(self) -> None:
         """Open the executor and the inner store. Idempotent."""
         if self._opened:
@@ -169,14 +174,13 @@ class CodecStore(StoreBackend):
         return out
 
     def round_trip(self, page: Any) -> np.ndarray:
-        """The page this tier gives back for ``page`` (``page_bytes`` uint8): the page
-        itself for a lossless codec, what the codec decodes for a lossy one. Raises
-        :class:`CodecError` when the codec cannot encode it (such a page is never stored).
-        Runs on the caller's thread (for a probe, not for the data path)."""
+        """The page this tier gives back for ``page`` (``page_bytes`` uint8), encoded and
+        decoded by the codec in memory: the page itself for a lossless codec that works,
+        what the codec decodes for a lossy one. Raises :class:`CodecError` when the codec
+        cannot encode it (such a page is never stored). Runs on the caller's thread (for
+        a probe, not for the data path)."""
         (buf,) = check_buffers([page], 1, self.page_bytes)
         out = np.array(buf, copy=True)
-        if not self.codec.lossy:
-            return out
         body = np.empty(self.slot - FRAME_SIZE, dtype=np.uint8)
         n = self.codec.encode(buf, body)
         if n is not None:
