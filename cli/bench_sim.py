@@ -62,6 +62,33 @@ def parse_capacity(text: str, distinct: int) -> int:
     return int(v)
 
 
+#: The most pages a simulated tier may hold (page counts are 64-bit integers).
+MAX_TIER_PAGES = 2**63 - 1
+
+
+def tier_pages(
+    capacity: str, top: int, tier_scale: float, names: list[str], factors: list[float]
+) -> list[int]:
+    """Pages per tier for a top tier of ``top`` pages (``--capacity capacity``): each lower
+    tier ``tier_scale`` times the one above, each times its codec page factor, at least 1.
+    Raises :class:`KVTierUsageError` naming the tier that would hold more than
+    :data:`MAX_TIER_PAGES` (or a number of pages beyond the float range)."""
+    out = []
+    for i, (name, factor) in enumerate(zip(names, factors, strict=True)):
+        try:
+            scaled = top if i == 0 else int(top * tier_scale**i)
+            pages = max(1, int(scaled * factor))
+        except OverflowError:
+            pages = MAX_TIER_PAGES + 1
+        if pages > MAX_TIER_PAGES:
+            what = f"--capacity {capacity}" + ("" if i == 0 else f" --tier-scale {tier_scale:g}")
+            raise KVTierUsageError(
+                f"{what}: tier {name!r} would hold more than 2**63 - 1 pages, the most a tier holds"
+            )
+        out.append(pages)
+    return out
+
+
 def check_args(
     requests: int | None,
     block_tokens: int,
@@ -86,8 +113,8 @@ def check_args(
         raise KVTierUsageError(
             f"--admission: unknown admission policy {admission!r}; known: {known}"
         )
-    for c in capacities:
-        parse_capacity(c, 1)
+    for c in capacities:  # page counts now; shares of the trace once it is read
+        tier_pages(c, parse_capacity(c, 1), tier_scale, tiers, [1.0] * len(tiers))
     if plot_file is not None:
         check_plot_path(plot_file)
 
@@ -161,11 +188,12 @@ def run_sim(
     blocks = [r.blocks for r in tr.requests]
     runs: list[dict[str, Any]] = []
     n_req = len(tr.requests)
+    sizes = [
+        tier_pages(c, parse_capacity(c, distinct), tier_scale, tier_names, factors)
+        for c in capacities
+    ]  # all checked before the first replay
     with progress(show_progress, "replay", len(policies) * len(capacities) * n_req) as adv:
-        for cap_text in capacities:
-            top = parse_capacity(cap_text, distinct)
-            caps = [top] + [int(top * tier_scale**i) for i in range(1, len(tier_names))]
-            caps = [max(1, int(c * f)) for c, f in zip(caps, factors, strict=True)]
+        for cap_text, caps in zip(capacities, sizes, strict=True):
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
