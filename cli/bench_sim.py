@@ -258,7 +258,9 @@ def run_sim(
 def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any) -> list[float]:
     """Per tier, pages held per page of uncoded capacity: ``page_bytes / slot_bytes`` of its
     codec (``fp8-e4m3`` about 2; a lossless codec slightly under 1, since capacity counts
-    a raw page plus the frame), 1 without a codec."""
+    a raw page plus the frame), 1 without a codec. A codec is written as for ``kvtier
+    bench codec``: ``NAME[:key=value,...]`` (:func:`kvtier.bench.codec.parse_codec`)."""
+    from kvtier.bench.codec import parse_codec
     from kvtier.codec import NO_CODEC, make_codec, slot_bytes
 
     unknown = sorted(set(codecs) - set(tier_names))
@@ -266,11 +268,11 @@ def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any)
         raise KVTierUsageError(f"--codec names tier(s) {unknown}; tiers are {tier_names}")
     out = []
     for name in tier_names:
-        codec = codecs.get(name, NO_CODEC)
-        if codec == NO_CODEC:
+        codec, params = parse_codec(codecs.get(name, NO_CODEC))
+        if codec == NO_CODEC and not params:
             out.append(1.0)
             continue
-        out.append(spec.page_bytes / slot_bytes(make_codec(codec, spec)))
+        out.append(spec.page_bytes / slot_bytes(make_codec(codec, spec, **params)))
     return out
 
 
@@ -414,7 +416,9 @@ def sim(
     show_progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     codec: Annotated[
         list[str] | None,
-        typer.Option(help="TIER=CODEC: that tier's bytes hold pages encoded so (repeat)"),
+        typer.Option(
+            help="TIER=CODEC[:key=value,...]: that tier's bytes hold pages encoded so (repeat)"
+        ),
     ] = None,
 ) -> None:
     """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model.
@@ -458,7 +462,9 @@ def sim(
         for item in codec or []:
             tier_name, eq, codec_name = item.partition("=")
             if not eq or not tier_name or not codec_name:
-                raise KVTierUsageError(f"--codec {item!r}: use TIER=CODEC, e.g. nvme=fp8-e4m3")
+                raise KVTierUsageError(
+                    f"--codec {item!r}: use TIER=CODEC[:key=value,...], e.g. nvme=fp8-e4m3"
+                )
             codecs[tier_name] = codec_name
         codec_page_factors(codecs, names, preset(model))  # bad tier or codec names: now
         tr = _load(trace, workload_name, requests, block_tokens)
