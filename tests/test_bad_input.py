@@ -65,6 +65,11 @@ async def test_store_rejects_bad_tokens(cache):
         await cache.store(np.zeros(PT, np.float32), np.zeros((1, PAGE), np.uint8))
     with pytest.raises(KVTierUsageError, match="1-D"):
         await cache.store(np.zeros((2, PT), np.int64), np.zeros((2, PAGE), np.uint8))
+    # ragged: numpy's own ValueError came out of np.asarray before
+    with pytest.raises(KVTierUsageError, match="cannot make one array of this list"):
+        await cache.store([[1, 2], [3]], np.zeros((1, PAGE), np.uint8))
+    with pytest.raises(KVTierUsageError, match="1-D sequence of integers"):
+        cache.page_keys([list(range(PT)), [1]])
 
 
 async def test_read_rejects_bad_output(cache):
