@@ -174,6 +174,16 @@ async def test_bad_hints_are_named(cache, kind, value, match):
         cache.hint(kind, keys, value)
 
 
+@pytest.mark.parametrize("namespace", [5, b"ns", ["ns"]])
+async def test_reserve_private_checks_the_namespace_as_store_pages_does(cache, namespace):
+    """An int namespace was accepted here while store_pages refused it."""
+    with pytest.raises(KVTierUsageError, match=r"namespace must be a Namespace, a label string"):
+        await cache.reserve_private([PageKey(b"p" * 16)], namespace=namespace)
+    assert len(cache.directory) == 0  # nothing was reserved
+    slots = await cache.reserve_private([PageKey(b"q" * 16)], namespace=cache.namespace)
+    await cache.release_private(slots)
+
+
 async def test_release_private_takes_only_what_reserve_private_gave(cache):
     """Another reservation given back would free a slot a batch in flight is writing."""
     (slot,) = await cache.reserve_private([PageKey(b"p" * 16)])
