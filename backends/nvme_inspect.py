@@ -3,7 +3,8 @@
 :func:`inspect_store` never modifies the store (it opens the index read-only and the slab
 files ``O_RDONLY | O_NOFOLLOW``) and never prints; ``kvtier inspect store`` renders its
 report. Every index row is checked as opening the store checks it
-(:func:`~kvtier.backends.nvme_validate.check_index`): invalid rows are counted and listed.
+(:func:`~kvtier.backends.nvme_validate.check_index`): invalid rows are counted and listed,
+and left out of the page, byte and namespace totals (opening the store drops them).
 With ``verify`` every committed page is also read back and checked exactly as the store's
 ``get`` checks it (header, key, namespace, length, payload checksum, index checksum); the
 bad ones, and the invalid rows, are listed with their key, slab and offset. Verification
@@ -68,7 +69,8 @@ def inspect_store(
     Keys: ``path``, ``format_version``, ``page_bytes``, ``slot_bytes``, ``slots_per_slab``,
     ``capacity_pages``, ``pages``, ``bytes``, ``slabs``, ``slab_bytes_on_disk``, ``fill``
     (pages / capacity), ``namespaces`` (label -> pages, bytes), ``quarantined``,
-    ``invalid_index_rows`` (rows opening the store would drop) and ``index_problems``
+    ``invalid_index_rows`` (rows opening the store would drop; ``pages``, ``bytes``,
+    ``fill`` and ``namespaces`` count the valid rows only) and ``index_problems``
     (the first of them); with ``verify`` also ``verified`` (rows checked) and ``bad``
     (list of key, slab, offset, reason: damaged pages and invalid rows). ``progress`` is
     called with the number of pages verified since its last call.
@@ -116,7 +118,7 @@ def inspect_store(
         finally:
             index.close()
         capacity = parsed.capacity_pages or 0
-        pages = int(summary["pages"])  # type: ignore[call-overload]
+        pages = len(checked.rows)  # the valid rows only: what opening the store keeps
         report: dict[str, Any] = {
             "path": str(root),
             "format_version": parsed.format_version,
@@ -125,11 +127,11 @@ def inspect_store(
             "slots_per_slab": layout.slots_per_slab,
             "capacity_pages": capacity,
             "pages": pages,
-            "bytes": summary["bytes"],
+            "bytes": sum(r.length for r in checked.rows),
             "slabs": len(sizes),
             "slab_bytes_on_disk": sum(sizes.values()),
             "fill": pages / capacity if capacity else None,
-            "namespaces": summary["namespaces"],
+            "namespaces": _namespaces(checked.rows),
             "quarantined": summary["quarantined"],
             "invalid_index_rows": checked.bad_rows,
             "index_problems": checked.problems,
@@ -143,6 +145,16 @@ def inspect_store(
     finally:
         if lock is not None:
             lock.release()
+
+
+def _namespaces(rows: list[PageRow]) -> dict[str, dict[str, int]]:
+    """Pages and bytes per namespace label of ``rows``, by label."""
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        ns = out.setdefault(r.namespace, {"pages": 0, "bytes": 0})
+        ns["pages"] += 1
+        ns["bytes"] += r.length
+    return dict(sorted(out.items()))
 
 
 def _invalid_rows(checked: CheckedIndex, layout: SlotLayout) -> list[dict[str, Any]]:

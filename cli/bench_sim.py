@@ -62,6 +62,33 @@ def parse_capacity(text: str, distinct: int) -> int:
     return int(v)
 
 
+#: The most pages a simulated tier may hold (page counts are 64-bit integers).
+MAX_TIER_PAGES = 2**63 - 1
+
+
+def tier_pages(
+    capacity: str, top: int, tier_scale: float, names: list[str], factors: list[float]
+) -> list[int]:
+    """Pages per tier for a top tier of ``top`` pages (``--capacity capacity``): each lower
+    tier ``tier_scale`` times the one above, each times its codec page factor, at least 1.
+    Raises :class:`KVTierUsageError` naming the tier that would hold more than
+    :data:`MAX_TIER_PAGES` (or a number of pages beyond the float range)."""
+    out = []
+    for i, (name, factor) in enumerate(zip(names, factors, strict=True)):
+        try:
+            scaled = top if i == 0 else int(top * tier_scale**i)
+            pages = max(1, int(scaled * factor))
+        except OverflowError:
+            pages = MAX_TIER_PAGES + 1
+        if pages > MAX_TIER_PAGES:
+            what = f"--capacity {capacity}" + ("" if i == 0 else f" --tier-scale {tier_scale:g}")
+            raise KVTierUsageError(
+                f"{what}: tier {name!r} would hold more than 2**63 - 1 pages, the most a tier holds"
+            )
+        out.append(pages)
+    return out
+
+
 def check_args(
     requests: int | None,
     block_tokens: int,
@@ -86,8 +113,8 @@ def check_args(
         raise KVTierUsageError(
             f"--admission: unknown admission policy {admission!r}; known: {known}"
         )
-    for c in capacities:
-        parse_capacity(c, 1)
+    for c in capacities:  # page counts now; shares of the trace once it is read
+        tier_pages(c, parse_capacity(c, 1), tier_scale, tiers, [1.0] * len(tiers))
     if plot_file is not None:
         check_plot_path(plot_file)
 
@@ -177,11 +204,12 @@ def run_sim(
     blocks = [r.blocks for r in tr.requests]
     runs: list[dict[str, Any]] = []
     n_req = len(tr.requests)
+    sizes = [
+        tier_pages(c, parse_capacity(c, distinct), tier_scale, tier_names, factors)
+        for c in capacities
+    ]  # all checked before the first replay
     with progress(show_progress, "replay", len(policies) * len(capacities) * n_req) as adv:
-        for cap_text in capacities:
-            top = parse_capacity(cap_text, distinct)
-            caps = [top] + [int(top * tier_scale**i) for i in range(1, len(tier_names))]
-            caps = [max(1, int(c * f)) for c, f in zip(caps, factors, strict=True)]
+        for cap_text, caps in zip(capacities, sizes, strict=True):
             ceiling = belady_min(blocks, sum(caps))
             for pol in policies:
                 t0 = time.perf_counter()
@@ -246,7 +274,9 @@ def run_sim(
 def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any) -> list[float]:
     """Per tier, pages held per page of uncoded capacity: ``page_bytes / slot_bytes`` of its
     codec (``fp8-e4m3`` about 2; a lossless codec slightly under 1, since capacity counts
-    a raw page plus the frame), 1 without a codec."""
+    a raw page plus the frame), 1 without a codec. A codec is written as for ``kvtier
+    bench codec``: ``NAME[:key=value,...]`` (:func:`kvtier.bench.codec.parse_codec`)."""
+    from kvtier.bench.codec import parse_codec
     from kvtier.codec import NO_CODEC, make_codec, slot_bytes
 
     unknown = sorted(set(codecs) - set(tier_names))
@@ -257,11 +287,11 @@ def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any)
         )
     out = []
     for name in tier_names:
-        codec = codecs.get(name, NO_CODEC)
-        if codec == NO_CODEC:
+        codec, params = parse_codec(codecs.get(name, NO_CODEC))
+        if codec == NO_CODEC and not params:
             out.append(1.0)
             continue
-        out.append(spec.page_bytes / slot_bytes(make_codec(codec, spec)))
+        out.append(spec.page_bytes / slot_bytes(make_codec(codec, spec, **params)))
     return out
 
 
@@ -405,7 +435,9 @@ def sim(
     show_progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
     codec: Annotated[
         list[str] | None,
-        typer.Option(help="TIER=CODEC: that tier's bytes hold pages encoded so (repeat)"),
+        typer.Option(
+            help="TIER=CODEC[:key=value,...]: that tier's bytes hold pages encoded so (repeat)"
+        ),
     ] = None,
 ) -> None:
     """Replay a trace through eviction policies; hit rates beside Belady MIN, cost model.
@@ -450,7 +482,9 @@ def sim(
         for item in codec or []:
             tier_name, eq, codec_name = item.partition("=")
             if not eq or not tier_name or not codec_name:
-                raise KVTierUsageError(f"--codec {item!r}: use TIER=CODEC, e.g. nvme=fp8-e4m3")
+                raise KVTierUsageError(
+                    f"--codec {item!r}: use TIER=CODEC[:key=value,...], e.g. nvme=fp8-e4m3"
+                )
             codecs[tier_name] = codec_name
         codec_page_factors(codecs, names, preset(model))  # bad tier or codec names: now
         tr = _load(trace, workload_name, requests, block_tokens)

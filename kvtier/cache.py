@@ -400,17 +400,17 @@ class KVCache:
         self.hooks.hint(make_hint(kind, check_keys(keys, "hint keys"), value))
 
     async def reserve_private(
-        self, keys: Sequence[PageKey], namespace: str = ""
+        self, keys: Sequence[PageKey], namespace: Namespace | str = ""
     ) -> list[Reservation]:
         """Reserve one top-tier slot per key, never to be committed: an engine's private
         working pages (e.g. unverified speculative KV), invisible to lookups and never
         written down. Other pages are evicted per policy to make room; the slots stay
-        taken (and count against the tier) until :meth:`release_private`.
-
-        Raises :class:`KVTierUsageError` when the top tier is not an arena or a key is
-        already known, and :class:`~kvtier.errors.CapacityError` when room cannot be made
-        (what fills the tier is pinned or reserved)."""
-        return await self.pipeline.reserve_private(check_keys(keys), namespace)
+        taken (and count against the tier) until :meth:`release_private`. Raises
+        :class:`KVTierUsageError` when the top tier is not an arena, a key is already known
+        or ``namespace`` is not a label or Namespace (as :meth:`store_pages` checks), and
+        :class:`~kvtier.errors.CapacityError` when what fills the tier is pinned/reserved."""
+        label = namespace_label(namespace, self.namespace)
+        return await self.pipeline.reserve_private(check_keys(keys), label)
 
     async def release_private(self, reservations: Sequence[Reservation]) -> None:
         """Give back slots taken by :meth:`reserve_private` (their bytes are dropped)."""

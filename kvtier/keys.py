@@ -137,8 +137,15 @@ class Namespace:
 
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Validate token ids and return them as a little-endian uint32 array."""
-    arr = np.asarray(tokens)
+    """Validate token ids and return them as a little-endian uint32 array;
+    :class:`KVTierUsageError` naming what is wrong otherwise."""
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError):  # ragged nesting: numpy makes no array of it
+        raise KVTierUsageError(
+            "token ids must be a 1-D sequence of integers; numpy cannot make one array of "
+            f"this {type(tokens).__name__} (nested sequences of different lengths?)"
+        ) from None
     if arr.ndim != 1:
         raise KVTierUsageError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:

@@ -3,7 +3,8 @@
 * :func:`create_backend` builds tier ``i``'s backend (not opened) exactly as
   :class:`~kvtier.cache.KVCache` does, so every backend name and option is validated:
   an unknown backend, an unknown option or a missing required one (``nvme`` without
-  ``path``) raises, naming the tier; so is its codec (``tiers[i].codec``).
+  ``path``) raises, naming the tier; so is its codec (``tiers[i].codec``), and a top
+  tier too small to take a page beside the page it extends (:func:`check_top_tier_room`).
 * :func:`check_tiers` (``--check``) checks each tier. A backend with a check without
   side effects (:meth:`~kvtier.backend.Backend.preflight`: the persistent ``file`` and
   ``nvme`` stores) gets that check only, so checking never creates or modifies a store: a
@@ -50,7 +51,7 @@ def create_backend(config: KVTierConfig, i: int) -> Backend:
     'nvme')``, ``tiers[1].codec (nvme)``)."""
     tc = config.tiers[i]
     try:
-        return codec_tiers.create_backend(
+        backend = codec_tiers.create_backend(
             tc.backend,
             spec=config.spec,
             capacity_bytes=tc.capacity_bytes,
@@ -66,6 +67,32 @@ def create_backend(config: KVTierConfig, i: int) -> Backend:
         raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
     except KVTierUsageError as exc:
         raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
+    check_top_tier_room(config, i, backend.capacity_pages)
+    return backend
+
+
+def check_top_tier_room(config: KVTierConfig, i: int, capacity_pages: int) -> None:
+    """Raise :class:`ConfigError` when tier ``i`` is the top tier and, holding
+    ``capacity_pages`` pages, cannot take a batch of one page beside the page it extends.
+
+    Under leaf-first eviction (``pipeline.leaf_first``, the default) room made for a batch
+    never evicts the batch's parents: the page before the batch stays while the batch
+    lands. A top tier of one page therefore made ``store`` raise
+    :class:`~kvtier.errors.CapacityError` on the second page of every sequence, even with
+    a lower tier to take the ancestors; with two pages or more (and a high watermark below
+    1) a batch, sized to the high watermark, always fits beside its parent. The message
+    names the minimum. Lower tiers are not checked: there a batch that finds no room is
+    not written (its pages stay where they are, or ``store`` answers ``False``)."""
+    if i != 0 or not config.leaf_first or capacity_pages >= 2:
+        return
+    tc = config.tiers[i]
+    size = f" ({2 * config.spec.page_bytes} bytes)" if tc.codec == "none" else ""
+    raise ConfigError(
+        f"tiers[{i}].capacity ({tc.name}): {capacity_pages} page cannot hold a page beside "
+        "the one it extends, which leaf-first eviction keeps while the page lands (storing "
+        f"any sequence of more than one page would raise CapacityError): the tier needs at "
+        f"least 2 pages{size}, or set pipeline.leaf_first = false"
+    )
 
 
 def probe_page(spec: KVSpec) -> np.ndarray:

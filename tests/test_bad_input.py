@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, open_cache, sequence
+from kvtier.cli.app import get_app
+from typer.testing import CliRunner
 
 from kvtier.backend import Reservation
 from kvtier.cache import KVCache
@@ -65,6 +67,11 @@ async def test_store_rejects_bad_tokens(cache):
         await cache.store(np.zeros(PT, np.float32), np.zeros((1, PAGE), np.uint8))
     with pytest.raises(KVTierUsageError, match="1-D"):
         await cache.store(np.zeros((2, PT), np.int64), np.zeros((2, PAGE), np.uint8))
+    # ragged: numpy's own ValueError came out of np.asarray before
+    with pytest.raises(KVTierUsageError, match="cannot make one array of this list"):
+        await cache.store([[1, 2], [3]], np.zeros((1, PAGE), np.uint8))
+    with pytest.raises(KVTierUsageError, match="1-D sequence of integers"):
+        cache.page_keys([list(range(PT)), [1]])
 
 
 async def test_read_rejects_bad_output(cache):
@@ -169,6 +176,16 @@ async def test_bad_hints_are_named(cache, kind, value, match):
         cache.hint(kind, keys, value)
 
 
+@pytest.mark.parametrize("namespace", [5, b"ns", ["ns"]])
+async def test_reserve_private_checks_the_namespace_as_store_pages_does(cache, namespace):
+    """An int namespace was accepted here while store_pages refused it."""
+    with pytest.raises(KVTierUsageError, match=r"namespace must be a Namespace, a label string"):
+        await cache.reserve_private([PageKey(b"p" * 16)], namespace=namespace)
+    assert len(cache.directory) == 0  # nothing was reserved
+    slots = await cache.reserve_private([PageKey(b"q" * 16)], namespace=cache.namespace)
+    await cache.release_private(slots)
+
+
 async def test_release_private_takes_only_what_reserve_private_gave(cache):
     """Another reservation given back would free a slot a batch in flight is writing."""
     (slot,) = await cache.reserve_private([PageKey(b"p" * 16)])
@@ -224,6 +241,58 @@ def test_bad_config_and_capacity_below_one_page(tmp_path):
         open_cache(cfg)
     with pytest.raises(ConfigError, match=r"write_policy: must be one of"):
         KVCache(config(tmp_path), env={"KVTIER_PIPELINE__WRITE_POLICY": "lazy"})
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["above-a-file-tier", "alone"])
+async def test_a_one_page_tier_is_refused_at_open_naming_the_minimum(tmp_path, alone):
+    """Before: storing a sequence of two pages raised CapacityError ("0 of its 1 pages are
+    pinned ...") even above a file tier: leaf-first eviction spares the page a batch
+    extends, and a one-page tier cannot hold it beside the batch."""
+    cfg = config(tmp_path, dram_pages=1)
+    if alone:
+        del cfg["tiers"][1:]
+    match = (
+        r"tiers\[0\]\.capacity \(dram\): 1 page cannot hold a page beside the one it "
+        r"extends, .*the tier needs at least 2 pages \(1024 bytes\), or set "
+        r"pipeline\.leaf_first = false"
+    )
+    with pytest.raises(ConfigError, match=match):
+        await open_cache(cfg).start()
+    result = CliRunner().invoke(get_app(), ["inspect", "config", "-c", _toml(tmp_path, cfg)])
+    assert result.exit_code == 2 and "needs at least 2 pages" in result.output
+
+
+@pytest.mark.parametrize(
+    ("dram", "extra"),
+    [
+        ({"capacity": 2 * PAGE}, {}),  # the smallest tier that works with the defaults
+        ({"capacity": 4 * PAGE, "high_watermark": 1.0}, {"batch_pages": 3}),
+        ({}, {"leaf_first": False}),  # one page: no parent is spared
+    ],
+)
+async def test_the_smallest_tiers_that_take_a_batch_store_every_page(tmp_path, dram, extra):
+    """12 pages in batches through a small top tier over a file tier: each is stored."""
+    cfg = config(tmp_path, dram_pages=1, **extra)
+    cfg["tiers"][0].update(dram)
+    tokens, data = sequence(np.random.default_rng(9), 12)
+    async with open_cache(cfg) as cache:
+        assert all((await cache.store(tokens, data)).stored)
+        out = np.zeros_like(data)
+        assert all(await cache.read(cache.page_keys(tokens), out))
+        assert np.array_equal(out, data)
+
+
+def _toml(tmp_path, cfg) -> str:
+    """``cfg`` (pipeline and tiers of cache_kit's config) as a TOML file."""
+    lines = ['[model]\npreset = "tiny"\n[pipeline]']
+    lines += [f"{k} = {str(v).lower()}" for k, v in cfg["pipeline"].items()]
+    for t in cfg["tiers"]:
+        lines.append("[[tiers]]")
+        lines += [f"{k} = {v!r}" for k, v in t.items() if k != "options"]
+        lines += [f"options = {{ path = {v!r} }}" for v in t.get("options", {}).values()]
+    path = tmp_path / "kvtier.toml"
+    path.write_text("\n".join(lines).replace("'", '"') + "\n")
+    return str(path)
 
 
 async def test_tier_raising_mid_run_degrades_to_misses(tmp_path):

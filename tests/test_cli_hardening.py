@@ -52,6 +52,12 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--requests", "1000001"], "requests must be an integer from 1 to 1,000,000"),
         (["--tier-scale", "0"], "--tier-scale must be a finite number > 0"),
         (["--tier-scale", "inf"], "--tier-scale must be a finite number > 0"),
+        # before: OverflowError / int(inf), reported as a kvtier bug
+        (["--tiers", "hbm,dram,nvme", "--tier-scale", "1e300"], "tier 'dram' would hold more"),
+        (["--tiers", "hbm,dram", "--tier-scale", "1e300", "--capacity", "1e18"], "than 2**63"),
+        (["--capacity", "1e19"], "--capacity 1e19: tier 'hbm' would hold more than 2**63 - 1"),
+        # a share: checked once the trace is read, still before the first replay
+        (["--tiers", "a,b", "--tier-scale", "1e18", "--capacity", "100%"], "tier 'b' would hold"),
         (["--block-tokens", "0"], "--block-tokens must be >= 1"),
         (["--admission", "bogus"], "unknown admission policy 'bogus'"),
         (["--tiers", ","], "--tiers must name distinct tiers"),

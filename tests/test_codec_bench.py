@@ -52,6 +52,28 @@ def test_bench_sim_codec_gives_a_tier_the_pages_its_bytes_hold() -> None:
     assert bad.exit_code == 2 and "disk" in bad.output
 
 
+def test_bench_sim_codec_takes_the_bench_codec_syntax() -> None:
+    """``NAME:key=value`` was read as a ``module:Class`` path ("No module named 'zstd'")."""
+    common = ["sim", "--workload", "chat", "--requests", "50", "--capacity", "50",
+              "--policy", "lru", "--tiers", "dram,nvme", "--model", "llama3-8b",
+              "--no-progress"]  # fmt: skip
+    spec = preset("llama3-8b")
+    for text, name, params in [
+        ("zstd:level=3,shuffle=false", "zstd", {"level": 3, "shuffle": False}),
+        ("fp8-e4m3:scale=token", "fp8-e4m3", {"scale": "token"}),
+    ]:
+        data = _run(*common, "--codec", f"nvme={text}")
+        factor = spec.page_bytes / slot_bytes(make_codec(name, spec, **params))
+        assert data["codecs"] == {"nvme": text}
+        assert data["codec_page_factors"] == {"dram": 1.0, "nvme": factor}
+    for text, needle in [
+        ("nvme=zstd:level", "'level' in 'zstd:level' is not key=value"),
+        ("nvme=zstd:level=99", "'level' must be an integer in"),
+    ]:
+        bad = CliRunner().invoke(get_app(), ["bench", *common, "--codec", text])
+        assert bad.exit_code == 2 and needle in " ".join(bad.output.split()), bad.output
+
+
 def test_codec_option_parsing() -> None:
     assert parse_codec("zstd") == ("zstd", {})
     assert parse_codec("zstd:level=3,shuffle=false") == ("zstd", {"level": 3, "shuffle": False})

@@ -133,6 +133,22 @@ BAD_ROWS = [
 ]
 
 
+@pytest.mark.parametrize("change", ["length = 999999999999", "namespace = x'00ff'"])
+async def test_totals_count_only_the_valid_rows(tmp_path: Path, change: str) -> None:
+    """Before: a row with length 999999999999 made ``bytes`` 1,000,000,002,559 while the
+    same report called the row invalid (opening the store drops it)."""
+    root = tmp_path / "s"
+    await filled(root)
+    sql(root, f"UPDATE pages SET {change} WHERE key = ?", key(5))
+    report = inspect_store(root)
+    assert report["invalid_index_rows"] == 1
+    assert (report["pages"], report["bytes"]) == (N - 1, (N - 1) * PAGE)
+    assert report["namespaces"] == {"ns@x/f": {"pages": N - 1, "bytes": (N - 1) * PAGE}}
+    assert report["fill"] == (N - 1) / report["capacity_pages"]
+    result = cli("inspect", "store", str(root), "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["bytes"] == (N - 1) * PAGE
+
+
 @pytest.mark.parametrize(("change", "reason"), BAD_ROWS, ids=[c for c, _ in BAD_ROWS])
 async def test_every_index_field_is_validated(tmp_path: Path, change: str, reason: str) -> None:
     root = tmp_path / "s"

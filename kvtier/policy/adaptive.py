@@ -117,7 +117,7 @@ def _points(points: Sequence[str]) -> list[tuple[float, str]]:
             bonus = float(b)
         except ValueError:
             raise ConfigError(f"adaptive: bad point {p!r}: use 'bonus:order'") from None
-        check_two_class(bonus, o, 8.0, None)
+        check_two_class(bonus, o, 8.0, None, owner=f"adaptive: point {p!r}")
         out.append((bonus, o))
     if len(set(out)) != len(out):
         raise ConfigError(f"adaptive: points repeat: {list(points)}")
@@ -150,9 +150,9 @@ class AdaptivePolicy(EvictionPolicy):
         used once, forecasts for the rest: level with or ahead of LRU-2 alone in most suite
         cells), else LRU-2 when ``interval`` is not an expert. Raises :class:`ConfigError`
         for a bad value, naming it."""
-        if isinstance(points, str) or not points:
+        if isinstance(points, str) or not isinstance(points, Sequence) or not points:
             raise ConfigError(f"adaptive: points must be a list of 'bonus:order', got {points!r}")
-        check_two_class(0.0, "last", history, capacity)
+        check_two_class(0.0, "last", history, capacity, owner="adaptive")
         if isinstance(mini_pages, bool) or not isinstance(mini_pages, int) or mini_pages < 16:
             raise ConfigError(f"adaptive: mini_pages must be an integer >= 16, got {mini_pages!r}")
         if isinstance(window, bool) or not isinstance(window, int | float) or not window > 0:
@@ -173,6 +173,8 @@ class AdaptivePolicy(EvictionPolicy):
         self.names = [f"two-class(bonus={b:g},order={o})" for b, o in self.grid]
         if isinstance(experts, str) or not isinstance(experts, Sequence):
             raise ConfigError(f"adaptive: experts must be a list of names, got {experts!r}")
+        if len({str(e) for e in experts}) != len(experts):
+            raise ConfigError(f"adaptive: experts repeat: {list(experts)}")
         #: Experts with their own bookkeeping, by position in ``minis`` / ``names``.
         self.experts: dict[int, EvictionPolicy] = {}
         #: The experts and miniature policies that keep time.

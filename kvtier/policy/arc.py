@@ -20,6 +20,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.params import capacity_param, number_param
 
 
 class ARCPolicy(EvictionPolicy):
@@ -28,11 +29,13 @@ class ARCPolicy(EvictionPolicy):
     name: ClassVar[str] = "arc"
 
     def __init__(self, capacity: int | None = None, ghost_factor: float = 1.0) -> None:
-        if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
-            raise ConfigError(f"arc: capacity must be a positive number of pages, got {capacity!r}")
-        if not ghost_factor >= 1.0:
-            raise ConfigError(f"arc: ghost_factor must be >= 1, got {ghost_factor!r}")
-        self.ghost_factor = ghost_factor
+        """``capacity``: the tier's pages when known (an integer >= 1), else ``None``.
+        ``ghost_factor``: ghost entries kept, in capacities (>= 1). Raises
+        :class:`ConfigError` naming a bad value."""
+        capacity = capacity_param(self.name, capacity)
+        if not number_param(self.name, "ghost_factor", ghost_factor) >= 1.0:
+            raise ConfigError(f"{self.name}: ghost_factor must be >= 1, got {ghost_factor!r}")
+        self.ghost_factor = float(ghost_factor)
         self._fixed_c = capacity
         self._seen_c = 0
         self.p = 0.0

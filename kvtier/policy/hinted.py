@@ -57,11 +57,14 @@ EXACT_RANKING_PAGES = 8192
 RANKING_REUSE_SHARE = 0.125
 
 
-def _fallback(name: str) -> EvictionPolicy:
+def _fallback(name: str, owner: str) -> EvictionPolicy:
+    """The fallback policy ``name`` of policy ``owner`` (``hinted`` or ``interval``)."""
     from kvtier.policy.eviction import make_policy
 
+    if not isinstance(name, str):
+        raise ConfigError(f"{owner}: fallback must be a policy name, got {name!r}")
     if name == "hinted":
-        raise ConfigError("hinted: the fallback cannot be 'hinted' itself")
+        raise ConfigError(f"{owner}: the fallback cannot be 'hinted'")
     return make_policy(name)
 
 
@@ -83,18 +86,19 @@ class HintedPolicy(EvictionPolicy):
         capacities of evicted pages with two or more unforeseen references keep their
         rate. ``pin_share``: pins are honoured while pinned pages fill at most this share
         of the tier (an engine pinning more than fits gets plain eviction for them).
-        Raises :class:`ConfigError` for a bad value."""
+        Raises :class:`ConfigError` for a bad value, naming this policy (``interval``
+        for the subclass)."""
         for label, value in (("history", history), ("rate_history", rate_history)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ConfigError(f"hinted: {label} must be a number >= 0, got {value!r}")
+                raise ConfigError(f"{self.name}: {label} must be a number >= 0, got {value!r}")
         if (
             isinstance(pin_share, bool)
             or not isinstance(pin_share, int | float)
             or not (0.0 <= pin_share <= 1.0)
         ):
-            raise ConfigError(f"hinted: pin_share must lie in [0, 1], got {pin_share!r}")
+            raise ConfigError(f"{self.name}: pin_share must lie in [0, 1], got {pin_share!r}")
         self.pin_share = float(pin_share)
-        self.fallback = _fallback(fallback)
+        self.fallback = _fallback(fallback, self.name)
         self.history = float(history)
         self.rate_history = float(rate_history)
         self.now = 0.0

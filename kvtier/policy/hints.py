@@ -109,7 +109,13 @@ def make_hint(kind: str, keys: Sequence[PageKey], value: float | None = None) ->
         raise KVTierUsageError("hint keys must be a sequence of page keys, not a single key")
     # numbers (numpy's too) become floats; anything else reaches Hint's check as it is
     if isinstance(value, Real) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer beyond the float range
+            raise KVTierUsageError(
+                f"hint {kind!r}: value is an integer too large for a float "
+                f"({len(str(abs(int(value))))} digits)"
+            ) from None
     return Hint(kind, tuple(keys), value)
 
 

@@ -27,6 +27,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.params import number_param
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -35,9 +36,9 @@ class S3FIFOPolicy(EvictionPolicy):
     name: ClassVar[str] = "s3-fifo"
 
     def __init__(self, small_ratio: float = 0.1, ghost_factor: float = 1.0) -> None:
-        if not 0.0 < small_ratio < 1.0:
+        if not 0.0 < number_param(self.name, "small_ratio", small_ratio) < 1.0:
             raise ConfigError(f"s3-fifo: small_ratio must lie in (0, 1), got {small_ratio!r}")
-        if not ghost_factor > 0:
+        if not number_param(self.name, "ghost_factor", ghost_factor) > 0:
             raise ConfigError(f"s3-fifo: ghost_factor must be > 0, got {ghost_factor!r}")
         self.small_ratio = small_ratio
         self.ghost_factor = ghost_factor

@@ -31,7 +31,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import ClassVar
 
-from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.arc import ARCPolicy
 
@@ -46,11 +45,8 @@ class SessionPolicy(ARCPolicy):
     name: ClassVar[str] = "session"
 
     def __init__(self, ghost_factor: float = 4.0, capacity: int | None = None) -> None:
-        if isinstance(ghost_factor, bool) or not ghost_factor >= 1.0:
-            raise ConfigError(f"session: ghost_factor must be >= 1, got {ghost_factor!r}")
-        if capacity is not None and (isinstance(capacity, bool) or capacity < 1):
-            raise ConfigError(f"session: capacity must be >= 1 page, got {capacity!r}")
-        super().__init__(capacity, float(ghost_factor))
+        # ARC's constructor checks both, naming this policy (``self.name``)
+        super().__init__(capacity, ghost_factor)
         self._parent: dict[PageKey, PageKey | None] = {}
         self._kids: dict[PageKey, set[PageKey]] = {}
         self._reused: set[PageKey] = set()  # accessed since a child was last added

@@ -291,15 +291,18 @@ class TwoClassPolicy(EvictionPolicy):
         return key in self.book.resident
 
 
-def check_two_class(bonus: object, order: object, history: object, capacity: object) -> None:
-    """Raise :class:`ConfigError` naming a bad ``two-class`` parameter."""
+def check_two_class(
+    bonus: object, order: object, history: object, capacity: object, owner: str = "two-class"
+) -> None:
+    """Raise :class:`ConfigError` naming a bad ``two-class`` parameter and ``owner``, the
+    policy that was given it (``adaptive`` checks its own parameters here too)."""
     if isinstance(bonus, bool) or not isinstance(bonus, int | float) or not bonus >= 0:
-        raise ConfigError(f"two-class: bonus must be a number >= 0 (or inf), got {bonus!r}")
+        raise ConfigError(f"{owner}: bonus must be a number >= 0 (or inf), got {bonus!r}")
     if order not in ORDERS:
-        raise ConfigError(f"two-class: order must be one of {', '.join(ORDERS)}, got {order!r}")
+        raise ConfigError(f"{owner}: order must be one of {', '.join(ORDERS)}, got {order!r}")
     if isinstance(history, bool) or not isinstance(history, int | float) or not history >= 0:
-        raise ConfigError(f"two-class: history must be a number >= 0, got {history!r}")
+        raise ConfigError(f"{owner}: history must be a number >= 0, got {history!r}")
     if capacity is not None and (
         isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
     ):
-        raise ConfigError(f"two-class: capacity must be an integer >= 1 page, got {capacity!r}")
+        raise ConfigError(f"{owner}: capacity must be an integer >= 1 page, got {capacity!r}")

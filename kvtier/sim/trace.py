@@ -26,6 +26,7 @@ import csv
 import gzip
 import io
 import json
+import math
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,11 +37,30 @@ from kvtier.errors import KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.policy.hints import Hint, parse_hint
 
+#: Block ids become 16-byte page keys: they lie in ``[0, BLOCK_ID_LIMIT)`` (2**128).
+BLOCK_ID_LIMIT = 1 << (8 * KEY_BYTES)
+
+#: Token counts of a request lie in ``[0, MAX_TOKENS]`` (the replay keeps them as int64).
+MAX_TOKENS = 2**63 - 1
+
+
+def _brief(value: object) -> str:
+    """``repr(value)`` for an error message, a huge integer shortened to its first digits
+    and its length."""
+    text = repr(value)
+    if isinstance(value, int) and len(text) > 40:
+        return f"{text[:20]}... ({len(text.lstrip('-'))} digits)"
+    return text
+
 
 def block_key(block_id: int) -> PageKey:
-    """The page key standing for trace block ``block_id`` (16 bytes, little-endian)."""
-    if block_id < 0:
-        raise KVTierUsageError(f"block ids must be >= 0, got {block_id}")
+    """The page key standing for trace block ``block_id`` (16 bytes, little-endian).
+    Raises :class:`KVTierUsageError` unless ``0 <= block_id < 2**128``."""
+    if not 0 <= block_id < BLOCK_ID_LIMIT:
+        raise KVTierUsageError(
+            f"block ids must lie in [0, 2**{8 * KEY_BYTES}) (they become {KEY_BYTES}-byte "
+            f"page keys), got {_brief(block_id)}"
+        )
     return PageKey(block_id.to_bytes(KEY_BYTES, "little"))
 
 
@@ -155,9 +175,61 @@ def requests_from_ids(
 
 def _int_field(row: dict[str, object], name: str, where: str) -> int:
     value = row.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise KVTierUsageError(f"{where}: field {name!r} must be an integer >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+        raise KVTierUsageError(
+            f"{where}: field {name!r} must be an integer from 0 to 2**63 - 1, got {_brief(value)}"
+        )
     return value
+
+
+def _block_ids(row: dict[str, object], where: str) -> list[int]:
+    ids = row.get("hash_ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
+    ):
+        raise KVTierUsageError(f"{where}: field 'hash_ids' must be a list of ints >= 0")
+    big = next((b for b in ids if b >= BLOCK_ID_LIMIT), None)
+    if big is not None:
+        raise KVTierUsageError(
+            f"{where}: field 'hash_ids': block id {_brief(big)} is not below 2**{8 * KEY_BYTES} "
+            f"(block ids become {KEY_BYTES}-byte page keys)"
+        )
+    return ids
+
+
+def _timestamp_s(row: dict[str, object], where: str) -> float:
+    """The line's ``timestamp`` (ms) in seconds: a finite number >= 0."""
+    ts = row.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise KVTierUsageError(f"{where}: field 'timestamp' must be a number")
+    try:
+        t_s = float(ts) / 1000.0
+    except OverflowError:  # an integer beyond the float range
+        t_s = math.inf
+    if not math.isfinite(t_s):
+        raise KVTierUsageError(
+            f"{where}: field 'timestamp' must be a finite number of ms, got {_brief(ts)}"
+        )
+    if t_s < 0:
+        raise KVTierUsageError(
+            f"{where}: field 'timestamp' must not be negative (ms since the trace start), "
+            f"got {_brief(ts)}"
+        )
+    return t_s
+
+
+def _json_line(line: str, where: str) -> dict[str, object]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise KVTierUsageError(f"{where}: invalid JSON: {exc.msg}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise KVTierUsageError(f"{where}: unreadable number: {str(exc).split(';')[0]}") from None
+    except RecursionError:
+        raise KVTierUsageError(f"{where}: invalid JSON: nested too deeply") from None
+    if not isinstance(row, dict):
+        raise KVTierUsageError(f"{where}: expected a JSON object per line")
+    return row
 
 
 @contextlib.contextmanager
@@ -201,12 +273,15 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
     see :mod:`kvtier.policy.hints`): ``{"timestamp": ms, "hint": "next_turn", "hash_ids":
     [...], "value": 42.0}``, given after the requests above it. ``limit`` counts requests.
     Raises :class:`KVTierUsageError` for a missing file, invalid JSON, a missing or
-    ill-typed field, or timestamps that go backwards (naming the line).
+    ill-typed field, a block id of 2**128 or more (it would not fit a page key), a
+    timestamp that is not a finite number >= 0, or timestamps that go backwards (naming
+    the line). Times are ms since the trace start, so they are never negative: hint-aware
+    policies keep a clock that starts at 0 and only moves forward.
     """
     p = Path(path)
     rows: list[tuple[float, int, int, list[int]]] = []
     hint_rows: list[tuple[int, float, Hint]] = []
-    last_ts = -1.0
+    last: tuple[float, object] = (0.0, 0)  # seconds, and the timestamp as written
     with open_trace(p) as fh:
         for lineno, line in enumerate(fh, 1):
             if limit is not None and len(rows) >= limit:
@@ -214,33 +289,20 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
             if not line.strip():
                 continue
             where = f"{p}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise KVTierUsageError(f"{where}: invalid JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise KVTierUsageError(f"{where}: expected a JSON object per line")
-            ts = row.get("timestamp")
-            if isinstance(ts, bool) or not isinstance(ts, int | float):
-                raise KVTierUsageError(f"{where}: field 'timestamp' must be a number")
+            row = _json_line(line, where)
+            t_s = _timestamp_s(row, where)
+            if t_s < last[0]:
+                raise KVTierUsageError(
+                    f"{where}: timestamps must not decrease: {_brief(row['timestamp'])} ms "
+                    f"after {_brief(last[1])} ms"
+                )
+            last = (t_s, row["timestamp"])
             if "hint" in row:
-                t_h = float(ts) / 1000.0
-                if t_h < last_ts:
-                    raise KVTierUsageError(f"{where}: timestamps must not decrease")
-                last_ts = t_h
-                hint_rows.append((len(rows), t_h, parse_hint(row, block_key, where)))
+                hint_rows.append((len(rows), t_s, parse_hint(row, block_key, where)))
                 continue
-            ids = row.get("hash_ids")
-            if not isinstance(ids, list) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
-            ):
-                raise KVTierUsageError(f"{where}: field 'hash_ids' must be a list of ints >= 0")
+            ids = _block_ids(row, where)
             n_in = _int_field(row, "input_length", where)
             n_out = _int_field(row, "output_length", where)
-            t_s = float(ts) / 1000.0
-            if t_s < last_ts:
-                raise KVTierUsageError(f"{where}: timestamps must not decrease")
-            last_ts = t_s
             rows.append((t_s, n_in, n_out, ids))
     if not rows:
         raise KVTierUsageError(f"trace {p} holds no request (empty file?)")
