@@ -270,3 +270,21 @@ async def test_a_sequence_longer_than_the_top_tier_is_stored_under_every_policy(
         out = np.zeros_like(data)
         assert all(await cache.read(cache.page_keys(tokens), out))
         assert np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+async def test_a_top_tier_with_high_watermark_1_takes_a_sequence_twice_its_size(
+    tmp_path, background
+):
+    """4 DRAM pages with ``high_watermark = 1`` and ``batch_pages`` 8: batches were of 4
+    pages, the whole tier, but room for a batch spares the page it extends, so the second
+    batch raised CapacityError. Under leaf-first a batch now leaves that page room."""
+    rng = np.random.default_rng(46)
+    cfg = config(tmp_path, 4, 64, batch_pages=8, background_eviction=background)
+    cfg["tiers"][0].update(high_watermark=1.0, low_watermark=1.0)
+    async with open_cache(cfg) as cache:
+        tokens, data = sequence(rng, 10)
+        assert all((await cache.store(tokens, data)).stored)
+        out = np.zeros_like(data)
+        assert all(await cache.read(cache.page_keys(tokens), out))
+        assert np.array_equal(out, data)

@@ -146,8 +146,15 @@ class Planner:
 
     def batch_size(self, tier: int) -> int:
         """Pages per batch into ``tier``: ``batch_pages``, but never more than the tier
-        holds under its high watermark (so a batch can always be made room for)."""
-        return max(1, min(self.batch_pages, self.tiers[tier].limits.high))
+        holds under its high watermark (so a batch can always be made room for), and,
+        when its policy keeps parents (leaf-first), fewer than its capacity: room for a
+        batch spares the page the batch extends, so a batch of the whole tier could
+        never be made room for (with ``high_watermark = 1``)."""
+        t = self.tiers[tier]
+        n = min(self.batch_pages, t.limits.high)
+        if t.policy.keeps_parents and n >= t.limits.capacity > 1:
+            n = t.limits.capacity - 1
+        return max(1, n)
 
     def batches(self, tier: int, keys: Sequence[PageKey]) -> list[list[PageKey]]:
         """``keys`` cut into batches of :meth:`batch_size` for ``tier``."""
