@@ -57,7 +57,10 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--tiers", "hbm,dram", "--tier-scale", "1e300", "--capacity", "1e18"], "than 2**63"),
         (["--capacity", "1e19"], "--capacity 1e19: tier 'hbm' would hold more than 2**63 - 1"),
         # a share: checked once the trace is read, still before the first replay
-        (["--tiers", "a,b", "--tier-scale", "1e18", "--capacity", "100%"], "tier 'b' would hold"),
+        (
+            ["--tiers", "hbm,dram", "--tier-scale", "1e18", "--capacity", "100%"],
+            "tier 'dram' would hold",
+        ),
         (["--block-tokens", "0"], "--block-tokens must be >= 1"),
         (["--admission", "bogus"], "unknown admission policy 'bogus'"),
         (["--tiers", ","], "--tiers must name distinct tiers"),
