@@ -97,13 +97,7 @@ def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> boo
         names = [p.name for p in root.iterdir()]
     except OSError as exc:
         raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
-    foreign = sorted(n for n in names if n not in STORE_FILES)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise NotAStoreError(
-            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
-            f"({shown}); pick an empty or new directory"
-        )
+    check_only_store_files(root, names)
     if not create and not (root / "slabs").is_dir():
         raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
     return False
@@ -196,3 +190,15 @@ def _only_readers(fd: int) -> bool:
         return False
     fcntl.flock(fd, fcntl.LOCK_UN)
     return True
+
+
+def check_only_store_files(root: Path, names: list[str]) -> None:
+    """:class:`NotAStoreError` when ``names`` (the entries of ``root``, which has no
+    index) hold anything but a store's own files: ``root`` is some other directory."""
+    foreign = sorted(n for n in names if n not in STORE_FILES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise NotAStoreError(
+            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
+            f"({shown}); pick an empty or new directory"
+        )

@@ -17,11 +17,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvtier.backends.nvme_dir import check_only_store_files
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
     LOCK_FILE,
-    STORE_FILES,
-    NotAStoreError,
     StoreIndex,
     StoreLockedError,
     StoreReadOnlyError,
@@ -88,13 +87,7 @@ def _check_empty(root: Path) -> None:
         names = os.listdir(root)
     except OSError as exc:
         raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
-    foreign = sorted(n for n in names if n not in STORE_FILES)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        raise NotAStoreError(
-            f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
-            f"({shown}); pick an empty or new directory"
-        )
+    check_only_store_files(root, names)
 
 
 def _read_index(root: Path, page_bytes: int) -> Preflight:

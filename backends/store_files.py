@@ -100,13 +100,9 @@ def _link_text(path: Path) -> str:
         return "a symlink"
 
 
-def make_store_root(path: Path, modes: Modes, what: str) -> bool:
-    """Create the store directory ``path`` (and missing parents, each with ``modes.dir``)
-    or check the existing one; bring it to ``modes.dir``. Returns whether it was created.
-
-    The root itself may be a symlink to a directory (the user's path). Raises
-    :class:`StorePathError` when it exists and is not a directory, or cannot be created.
-    """
+def _missing_parents(path: Path) -> tuple[list[Path], Path]:
+    """The missing directories of ``path`` (itself first, then its missing parents) and
+    its nearest existing ancestor (or the root, when nothing exists)."""
     missing: list[Path] = []
     p = path
     while not os.path.lexists(p):
@@ -114,6 +110,17 @@ def make_store_root(path: Path, modes: Modes, what: str) -> bool:
         if p.parent == p:
             break
         p = p.parent
+    return missing, p
+
+
+def make_store_root(path: Path, modes: Modes, what: str) -> bool:
+    """Create the store directory ``path`` (and missing parents, each with ``modes.dir``)
+    or check the existing one; bring it to ``modes.dir``. Returns whether it was created.
+
+    The root itself may be a symlink to a directory (the user's path). Raises
+    :class:`StorePathError` when it exists and is not a directory, or cannot be created.
+    """
+    missing, p = _missing_parents(path)
     try:
         if missing and not p.is_dir() and os.path.lexists(p):
             raise StorePathError(f"{what}: cannot create {path}: {p} exists and is not a directory")
@@ -243,13 +250,7 @@ def check_creatable(path: Path, what: str) -> Path:
     ancestor is a directory this process may write into, on a writable file system, and
     no missing name is too long. Returns that ancestor; raises :class:`StorePathError`
     naming it and why."""
-    missing: list[Path] = []
-    p = path
-    while not os.path.lexists(p):
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
+    missing, p = _missing_parents(path)
     try:
         if not p.is_dir():
             raise StorePathError(f"{what}: cannot create {path}: {p} exists and is not a directory")

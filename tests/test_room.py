@@ -29,6 +29,15 @@ def _gated(tmp_path, dram_pages: int, background: bool, **extra) -> dict:
     )
 
 
+async def _stored_whole(cache: KVCache, rng: np.random.Generator, pages: int) -> None:
+    """Store a random sequence of ``pages`` pages: every page is stored and reads back."""
+    tokens, data = sequence(rng, pages)
+    assert all((await cache.store(tokens, data)).stored)
+    out = np.zeros_like(data)
+    assert all(await cache.read(cache.page_keys(tokens), out))
+    assert np.array_equal(out, data)
+
+
 async def _until(cond, what: str) -> None:
     for _ in range(2000):
         if cond():
@@ -265,11 +274,7 @@ async def test_a_sequence_longer_than_the_top_tier_is_stored_under_every_policy(
     for t in cfg["tiers"]:
         t["eviction"] = policy
     async with open_cache(cfg) as cache:
-        tokens, data = sequence(rng, 12)
-        assert all((await cache.store(tokens, data)).stored)
-        out = np.zeros_like(data)
-        assert all(await cache.read(cache.page_keys(tokens), out))
-        assert np.array_equal(out, data)
+        await _stored_whole(cache, rng, 12)
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
@@ -283,8 +288,4 @@ async def test_a_top_tier_with_high_watermark_1_takes_a_sequence_twice_its_size(
     cfg = config(tmp_path, 4, 64, batch_pages=8, background_eviction=background)
     cfg["tiers"][0].update(high_watermark=1.0, low_watermark=1.0)
     async with open_cache(cfg) as cache:
-        tokens, data = sequence(rng, 10)
-        assert all((await cache.store(tokens, data)).stored)
-        out = np.zeros_like(data)
-        assert all(await cache.read(cache.page_keys(tokens), out))
-        assert np.array_equal(out, data)
+        await _stored_whole(cache, rng, 10)
