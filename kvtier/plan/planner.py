@@ -249,9 +249,13 @@ class Planner:
 
     def unexpect(self, parents: Iterable[PageKey]) -> None:
         """The store that :meth:`expect` announced ``parents`` for has ended."""
-        self.expected.subtract(parents)
-        for p in [p for p, c in self.expected.items() if c <= 0]:
-            del self.expected[p]
+        expected = self.expected
+        for p in parents:
+            left = expected[p] - 1
+            if left > 0:
+                expected[p] = left
+            else:
+                expected.pop(p, None)
 
     # -- where pages go ------------------------------------------------------------------
 
@@ -270,7 +274,8 @@ class Planner:
         has a descendant up here could otherwise never free itself), only pages no cached
         page depends on once the others go
         (:meth:`~kvtier.policy.base.EvictionPolicy.may_drop`), and never one a store in
-        progress extends. The others stay, as when a write-down fails."""
+        progress extends. The others stay (not as failed: once these are gone, the tier
+        below may make room for them)."""
         policy = self.tiers[tier].policy
         if not policy.keeps_parents:
             return set()
