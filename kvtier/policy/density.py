@@ -52,6 +52,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.params import capacity_param, number_param
 
 #: Age buckets per doubling of age.
 _SUB = 4
@@ -92,14 +93,9 @@ class HitDensityPolicy(EvictionPolicy):
         Raises :class:`~kvtier.errors.ConfigError` for a value out of range."""
         if isinstance(max_refs, bool) or not isinstance(max_refs, int) or max_refs < 1:
             raise ConfigError(f"density: max_refs must be an integer >= 1, got {max_refs!r}")
-        if isinstance(ghost_factor, bool) or not isinstance(ghost_factor, int | float):
-            raise ConfigError(f"density: ghost_factor must be a number, got {ghost_factor!r}")
-        if not ghost_factor >= 1.0:
+        if not number_param("density", "ghost_factor", ghost_factor) >= 1.0:
             raise ConfigError(f"density: ghost_factor must be >= 1, got {ghost_factor!r}")
-        if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-        ):
-            raise ConfigError(f"density: capacity must be an integer >= 1 page, got {capacity!r}")
+        capacity = capacity_param("density", capacity)
         self.max_refs = max_refs
         self.ghost_factor = float(ghost_factor)
         self._fixed_c = capacity

@@ -14,6 +14,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, first_evictable
+from kvtier.policy.params import capacity_param
 
 
 class LRUPolicy(EvictionPolicy):
@@ -80,10 +81,7 @@ class LRUKPolicy(EvictionPolicy):
             raise ConfigError(f"lru-k: k must be an integer >= 1, got {k!r}")
         if isinstance(history, bool) or not isinstance(history, int | float) or not history >= 0:
             raise ConfigError(f"lru-k: history must be a number >= 0 (capacities), got {history!r}")
-        if capacity is not None and (
-            isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-        ):
-            raise ConfigError(f"lru-k: capacity must be an integer >= 1 page, got {capacity!r}")
+        capacity = capacity_param("lru-k", capacity)
         self.k = k
         self.history = float(history)
         self._fixed_c = capacity

@@ -39,6 +39,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.params import capacity_param
 
 ORDERS: tuple[str, ...] = ("last", "kth", "freq")
 
@@ -302,7 +303,4 @@ def check_two_class(
         raise ConfigError(f"{owner}: order must be one of {', '.join(ORDERS)}, got {order!r}")
     if isinstance(history, bool) or not isinstance(history, int | float) or not history >= 0:
         raise ConfigError(f"{owner}: history must be a number >= 0, got {history!r}")
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-    ):
-        raise ConfigError(f"{owner}: capacity must be an integer >= 1 page, got {capacity!r}")
+    capacity_param(owner, capacity)
