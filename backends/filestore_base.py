@@ -22,13 +22,13 @@ from kvtier.backends.store_files import (
     Modes,
     StorePathError,
     UnsafeStoreError,
-    check_creatable,
     check_no_symlink,
     check_path_text,
     check_writable,
     describe_os_error,
     lock_holder,
     make_store_root,
+    missing_store_note,
     open_private,
     private_dir,
     set_mode,
@@ -135,11 +135,9 @@ class FileStoreBase(StoreBackend):
         :class:`~kvtier.backends.nvme_index.StoreLockedError` naming the problem. (Files
         of another page size are not a conflict here: opening skips them.)"""
         root = self.path
-        if not os.path.exists(root):
-            if os.path.lexists(root):
-                raise StorePathError(f"file store {root} is a symlink to nothing")
-            parent = check_creatable(root, "file store")
-            return Preflight(f"{root} will be created ({parent} is writable)")
+        missing = missing_store_note(root, "file store")
+        if missing is not None:
+            return Preflight(missing)
         if not root.is_dir():
             raise StorePathError(f"file store: {root} exists and is not a directory")
         check_no_symlink(root / LOCK_NAME, root)

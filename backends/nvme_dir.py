@@ -202,3 +202,12 @@ def check_only_store_files(root: Path, names: list[str]) -> None:
             f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
             f"({shown}); pick an empty or new directory"
         )
+
+
+def page_size_conflict(root: Path, held: int, page_bytes: int) -> str:
+    """Why the store at ``root``, holding pages of ``held`` bytes, cannot serve pages of
+    ``page_bytes`` bytes (opening raises it; a check without side effects reports it)."""
+    return (
+        f"NVMe store {root} holds pages of {held} bytes, not {page_bytes}: use another "
+        "directory for this page size"
+    )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.backends.nvme_dir import page_size_conflict
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
     STORE_FORMAT_VERSION,
@@ -170,10 +171,7 @@ def _meta_or_rebuild(
     if meta is not None and meta.layout.page_bytes != page_bytes:
         held = index.count("pages") if not lost_pages else None
         if held != 0:
-            raise ConfigError(
-                f"NVMe store {root} holds pages of {meta.layout.page_bytes} bytes, not "
-                f"{page_bytes}: use another directory for this page size"
-            )
+            raise ConfigError(page_size_conflict(root, meta.layout.page_bytes, page_bytes))
         return index, _reset_page_size(root, index, meta.layout.page_bytes, page_bytes,
                                        slab_bytes, capacity_pages), None  # fmt: skip
     if meta is not None and not lost_pages:

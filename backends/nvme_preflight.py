@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.backends.nvme_dir import check_only_store_files
+from kvtier.backends.nvme_dir import check_only_store_files, page_size_conflict
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
     LOCK_FILE,
@@ -32,11 +32,11 @@ from kvtier.backends.nvme_slabs import SLAB_DIR
 from kvtier.backends.nvme_validate import parse_meta
 from kvtier.backends.store_files import (
     StorePathError,
-    check_creatable,
     check_path_text,
     check_writable,
     describe_os_error,
     lock_holder,
+    missing_store_note,
 )
 
 from kvtier.backend import Preflight
@@ -55,11 +55,9 @@ def preflight_store(path: str | os.PathLike[str], page_bytes: int) -> Preflight:
     size when the index lost its pages table (opening cannot tell how many it holds).
     """
     root = check_path_text(path, "NVMe store")
-    if not os.path.exists(root):
-        if os.path.lexists(root):
-            raise StorePathError(f"NVMe store {root} is a symlink to nothing")
-        parent = check_creatable(root, "NVMe store")
-        return Preflight(f"{root} will be created ({parent} is writable)")
+    missing = missing_store_note(root, "NVMe store")
+    if missing is not None:
+        return Preflight(missing)
     has_index = (root / INDEX_FILE).exists()
     if has_index or (root / SLAB_DIR).is_dir():
         check_store_dir(root, create=False)  # a store: no symlink inside, no foreign file
@@ -112,10 +110,7 @@ def _read_index(root: Path, page_bytes: int) -> Preflight:
     held = meta.layout.page_bytes
     if held == page_bytes:
         return Preflight(f"holds {_pages(pages or 0)} of {held} bytes")
-    conflict = (
-        f"NVMe store {root} holds pages of {held} bytes, not {page_bytes}: use another "
-        "directory for this page size"
-    )
+    conflict = page_size_conflict(root, held, page_bytes)
     if pages is None:
         raise ConfigError(conflict)
     if pages == 0:

@@ -244,6 +244,18 @@ def create_private_file(path: Path, modes: Modes, root: Path | None) -> None:
 # -- checking without side effects (``kvtier inspect config --check``) --------------------
 
 
+def missing_store_note(path: Path, what: str) -> str | None:
+    """For a check without side effects: ``None`` when ``path`` exists, else what opening
+    would do, after checking that it could (``"X will be created (Y is writable)"``).
+    Raises :class:`StorePathError` for a symlink to nothing, or a path that cannot be
+    created (:func:`check_creatable`)."""
+    if os.path.exists(path):
+        return None
+    if os.path.lexists(path):
+        raise StorePathError(f"{what} {path} is a symlink to nothing")
+    return f"{path} will be created ({check_creatable(path, what)} is writable)"
+
+
 def check_creatable(path: Path, what: str) -> Path:
     """Check, creating nothing, that the missing directory ``path`` (and its missing
     parents) could be made as :func:`make_store_root` makes them: the nearest existing
