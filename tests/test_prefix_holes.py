@@ -10,6 +10,8 @@ somewhere: a hole.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 
 import numpy as np
@@ -99,6 +101,43 @@ async def test_random_sessions_never_leave_a_hole(tmp_path, background, policy):
                 pages = sessions.get(session, 0) + rng.randint(1, 8) if grow else rng.randint(1, 20)
                 sessions[session] = pages
                 await _store(cache, session, pages)
+                if rng.random() < 0.3:
+                    await cache.flush()
+                await cache.pipeline.drain()
+                assert _holes(cache) == 0, f"seed {seed} step {step}: session {session}"
+
+
+async def _cancelled_store(cache: KVCache, session: int, pages: int, ticks: int) -> None:
+    """Start a store and cancel it after ``ticks`` turns of the event loop."""
+    task = asyncio.ensure_future(_store(cache, session, pages))
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+@pytest.mark.parametrize("policy", [None, "s3-fifo"], ids=["default", "s3-fifo"])
+async def test_cancelled_stores_never_leave_a_hole(tmp_path, background, policy):
+    """A cancelled store's started batches finish in the background: the last tier keeps
+    the pages they extend until they end, and the pages they commit past a page of the
+    store cached nowhere are removed once they end. Without that, with background
+    eviction, the S3-FIFO walk held a hole in each of 4 runs and the default policy's in
+    2 of 4 (which seeds depends on the file store's thread timing)."""
+    for seed in (2, 4, 8):
+        rng = random.Random(seed)
+        sessions: dict[int, int] = {}
+        path = tmp_path / f"seed{seed}"
+        async with open_cache(_config(path, background, policy)) as cache:
+            for step in range(80):
+                session = rng.randrange(6)
+                pages = sessions.get(session, 0) + rng.randint(1, 8)
+                sessions[session] = pages if pages <= 30 else 0
+                if rng.random() < 0.6:
+                    await _cancelled_store(cache, session, pages, rng.randint(0, 20))
+                else:
+                    await _store(cache, session, pages)
                 if rng.random() < 0.3:
                     await cache.flush()
                 await cache.pipeline.drain()

@@ -9,7 +9,9 @@ leaves them to eviction). :meth:`Writer.flush` writes every dirty page of a memo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +29,16 @@ _log = get_logger("kvtier.pipeline")
 
 #: Removes pages from a tier without writing them down; returns those removed.
 Drop = Callable[[Tier, list[PageKey]], Awaitable[list[PageKey]]]
+
+
+def _fill(out: list[bool], jobs: list[tuple[list[int], Job]], results: Sequence[Any]) -> None:
+    """Set ``out[i]`` for the pages of each job from its result (a job that raised, or
+    was cancelled, stored none of its pages)."""
+    for (idx, _), res in zip(jobs, results, strict=True):
+        if isinstance(res, BaseException):
+            continue
+        for i, r in zip(idx, res, strict=True):
+            out[i] = r
 
 
 class Writer:
@@ -85,11 +97,12 @@ class Writer:
                 )
                 jobs.append((idx, job))
             results = await mover.await_jobs([j for _, j in jobs])
-        finally:
-            planner.unexpect(expected)
-        for (idx, _), res in zip(jobs, results, strict=True):
-            for i, r in zip(idx, res, strict=True):
-                out[i] = r
+        except BaseException:
+            # cancelled (or failed): batches that started still land, in the background
+            mover.spawn(self._finish_abandoned(keys, parents, first, todo, jobs, expected))
+            raise
+        planner.unexpect(expected)
+        _fill(out, jobs, results)
         orphans = self._orphans(keys, parents, first, todo, out)
         if orphans:
             # the batches ran side by side: one may have landed after one before it failed
@@ -103,6 +116,30 @@ class Writer:
         if stored and planner.write_policy.copies_on_store and len(mover.tiers) > 1:
             mover.spawn(self.write_through(top, stored))
         return out
+
+    async def _finish_abandoned(
+        self,
+        keys: Sequence[PageKey],
+        parents: Sequence[PageKey | None],
+        first: dict[PageKey, int],
+        todo: list[int],
+        jobs: list[tuple[list[int], Job]],
+        expected: list[PageKey],
+    ) -> None:
+        """The rest of a store whose caller stopped waiting (cancelled, or an error):
+        once its batches have ended (started ones always finish), the last tier may drop
+        the pages they extend again, and the pages they committed past a page of the
+        store cached nowhere are removed, as :meth:`store` does for its own."""
+        tasks = [j.task for _, j in jobs if j.task is not None]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self.mover.planner.unexpect(expected)
+        out = [False] * len(keys)
+        _fill(out, jobs, results)
+        orphans = self._orphans(keys, parents, first, todo, out)
+        if orphans:
+            await self.drop(self.mover.top, orphans)
 
     def _orphans(
         self,
