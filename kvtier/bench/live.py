@@ -70,12 +70,15 @@ def run_config(
     capacity below one page, no disk tier to put ``disk_dir`` on).
     """
     raw = copy.deepcopy(base.config.to_dict())
+    origins = dict(base.sources)
     if model is not None:
         if raw["namespace"].get("model_id") == raw["model"].get("name"):
             raw["namespace"].pop("model_id", None)
         raw["model"] = {"preset": model}
+        origins.update((k, "--model") for k in list(origins) if k.startswith("model."))
     if top_capacity is not None:
         raw["tiers"][0]["capacity"] = top_capacity
+        origins["tiers[0].capacity"] = "--dram-capacity"
     if disk_dir is not None:
         idx = next(
             (i for i, t in enumerate(raw["tiers"]) if t["backend"] in DISK_BACKENDS and i > 0),
@@ -99,7 +102,7 @@ def run_config(
             tier["options"]["path"] = str(disk_dir)
     for tier in raw["tiers"]:  # a benchmark measures the tiers it was given, all of them
         tier["on_open_error"] = "fail"
-    return load_config(raw, env={}).config
+    return load_config(raw, env={}, origins=origins).config
 
 
 def check_top_capacity(config: KVTierConfig, params: ChatParams) -> None:

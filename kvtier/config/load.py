@@ -45,6 +45,7 @@ def read_file(path: Path) -> dict[str, Any]:
 def load_config(
     source: str | Path | Mapping[str, Any] | KVTierConfig | ResolvedConfig | None = None,
     env: Mapping[str, str] | None = None,
+    origins: Mapping[str, str] | None = None,
 ) -> ResolvedConfig:
     """Resolve a configuration from the default, a source and the environment.
 
@@ -54,6 +55,9 @@ def load_config(
             else the embedded default).
         env: environment to read ``KVTIER_*`` overrides from (default ``os.environ``; pass
             ``{}`` to ignore the environment).
+        origins: where keys of a dict ``source`` came from (``"tiers[0].capacity"`` ->
+            ``"--dram-capacity"``), as messages and :attr:`ResolvedConfig.sources` name
+            them; other keys of a dict come from ``"python"``.
 
     Raises:
         ConfigError: unknown key, bad value, capacity below one page, unreadable file.
@@ -84,6 +88,8 @@ def load_config(
     if layer is not None:
         check_shape(layer, origin)
         merge(raw, layer, sources, origin)
+        if origins:
+            sources.update((k, v) for k, v in origins.items() if k in sources)
     apply_env(raw, env, sources)
     check_shape(raw, "the environment")
     return ResolvedConfig(validate_raw(raw, sources), sources)

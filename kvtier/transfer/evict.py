@@ -294,7 +294,9 @@ class Evictor:
                     gone = planner.droppable(tier.index, plan.down)
                     plan.drop.extend(k for k in plan.down if k in gone)
                     stuck = {k for k in plan.down if k not in gone}
-                    _log.warning(
+                    # dropping tails is leaf-first's normal way out: no warning for it
+                    log = _log.info if gone else _log.warning
+                    log(
                         "write-down blocked",
                         tier=nxt.name,
                         reason=str(exc),
