@@ -339,30 +339,6 @@ class StoreIndex:
                 [(slot, key, reason, now) for slot, key, reason in items],
             )
 
-    def summary(self) -> dict[str, object]:
-        """Counts for inspection: pages, payload bytes, pages per namespace, quarantined."""
-        with self._lock:
-            try:
-                n, total = self._db.execute(
-                    "SELECT count(*), coalesce(total(length), 0) FROM pages"
-                ).fetchone()
-                per_ns = self._db.execute(
-                    "SELECT namespace, count(*), total(length) FROM pages GROUP BY namespace "
-                    "ORDER BY namespace"
-                ).fetchall()
-                q = self._db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
-            except sqlite3.DatabaseError as exc:
-                raise DamagedStoreError(
-                    f"{self.path}: the index cannot be read ({exc}); rebuild it from the "
-                    f"slabs with 'kvtier inspect store {self.path.parent} --rebuild-index'"
-                ) from exc
-        return {
-            "pages": int(n),
-            "bytes": int(total),
-            "namespaces": {str(ns): {"pages": int(c), "bytes": int(b)} for ns, c, b in per_ns},
-            "quarantined": int(q),
-        }
-
     def close(self) -> None:
         """Close the database (checkpointing the WAL when writable)."""
         with self._lock:

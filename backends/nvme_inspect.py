@@ -68,7 +68,8 @@ def inspect_store(
 
     Keys: ``path``, ``format_version``, ``page_bytes``, ``slot_bytes``, ``slots_per_slab``,
     ``capacity_pages``, ``pages``, ``bytes``, ``slabs``, ``slab_bytes_on_disk``, ``fill``
-    (pages / capacity), ``namespaces`` (label -> pages, bytes), ``quarantined``,
+    (pages / capacity), ``namespaces`` (label -> pages, bytes), ``quarantined`` (slots
+    opening the store holds unusable),
     ``invalid_index_rows`` (rows opening the store would drop; ``pages``, ``bytes``,
     ``fill`` and ``namespaces`` count the valid rows only) and ``index_problems``
     (the first of them); with ``verify`` also ``verified`` (rows checked) and ``bad``
@@ -108,7 +109,6 @@ def inspect_store(
                     "--rebuild-index'"
                 )
             layout = parsed.layout
-            summary = index.summary()
             sizes = slab_files(root)
             extents = {
                 i: min(layout.slots_per_slab, size // layout.slot_bytes)
@@ -132,7 +132,7 @@ def inspect_store(
             "slab_bytes_on_disk": sum(sizes.values()),
             "fill": pages / capacity if capacity else None,
             "namespaces": _namespaces(checked.rows),
-            "quarantined": summary["quarantined"],
+            "quarantined": len(checked.quarantined),  # as opening the store would hold them
             "invalid_index_rows": checked.bad_rows,
             "index_problems": checked.problems,
         }

@@ -149,6 +149,22 @@ async def test_totals_count_only_the_valid_rows(tmp_path: Path, change: str) -> 
     assert result.exit_code == 0 and json.loads(result.stdout)["bytes"] == (N - 1) * PAGE
 
 
+async def test_quarantined_counts_the_slots_opening_the_store_holds(tmp_path: Path) -> None:
+    """Before: ``quarantined`` counted every quarantine row, a row naming a slot outside
+    the slab files included (opening the store deletes it), and not the slot of an
+    invalid page row (opening the store quarantines it)."""
+    root = tmp_path / "s"
+    await filled(root)
+    for slot in (10**9, 10**9 + 1, -3):
+        sql(root, "INSERT INTO quarantine (slot, key, reason, at) VALUES (?, NULL, 'x', 0)", slot)
+    sql(root, "UPDATE pages SET length = 1 WHERE key = ?", key(5))
+    report = inspect_store(root)
+    assert (report["quarantined"], report["invalid_index_rows"]) == (1, 4)
+    s = store(root)
+    async with s:
+        assert s.stats()["quarantined_slots"] == report["quarantined"]
+
+
 @pytest.mark.parametrize(("change", "reason"), BAD_ROWS, ids=[c for c, _ in BAD_ROWS])
 async def test_every_index_field_is_validated(tmp_path: Path, change: str, reason: str) -> None:
     root = tmp_path / "s"
