@@ -43,6 +43,10 @@ BAD_LINES = [
     (_request("0", n_in="1" + "0" * 30), r":2: field 'input_length' must be an integer from 0"),
     (_request("1" + "0" * 5000), r":2: unreadable number: Exceeds the limit \(4300 digits\)"),
     (_request("0", "[" * 100_000 + "]" * 100_000), r":2: invalid JSON: nested too deeply"),
+    # a missing field is named as missing (it was "must be an integer ..., got None")
+    ('{"timestamp": 1, "input_length": 5, "hash_ids": [0]}', r":2: missing field 'output_length'"),
+    ('{"timestamp": 1, "input_length": 5}', r":2: missing fields 'output_length', 'hash_ids'"),
+    ('{"input_length": 5, "output_length": 1}', r":2: missing field 'timestamp'"),
 ]
 
 

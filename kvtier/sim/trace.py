@@ -173,6 +173,20 @@ def requests_from_ids(
     return out
 
 
+_REQUEST_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _check_request_fields(row: dict[str, object], where: str) -> None:
+    """Name the fields a request line lacks (rather than call a missing one ill-typed)."""
+    missing = [f for f in _REQUEST_FIELDS if f not in row]
+    if missing:
+        names = ", ".join(repr(f) for f in missing)
+        raise KVTierUsageError(
+            f"{where}: missing field{'s' if len(missing) > 1 else ''} {names} (a Mooncake "
+            f"request line has {', '.join(_REQUEST_FIELDS)}; a hint line has 'hint')"
+        )
+
+
 def _int_field(row: dict[str, object], name: str, where: str) -> int:
     value = row.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
@@ -200,6 +214,8 @@ def _block_ids(row: dict[str, object], where: str) -> list[int]:
 def _timestamp_s(row: dict[str, object], where: str) -> float:
     """The line's ``timestamp`` (ms) in seconds: a finite number >= 0."""
     ts = row.get("timestamp")
+    if ts is None and "timestamp" not in row:
+        raise KVTierUsageError(f"{where}: missing field 'timestamp' (ms since the trace start)")
     if isinstance(ts, bool) or not isinstance(ts, int | float):
         raise KVTierUsageError(f"{where}: field 'timestamp' must be a number")
     try:
@@ -300,6 +316,7 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
             if "hint" in row:
                 hint_rows.append((len(rows), t_s, parse_hint(row, block_key, where)))
                 continue
+            _check_request_fields(row, where)
             ids = _block_ids(row, where)
             n_in = _int_field(row, "input_length", where)
             n_out = _int_field(row, "output_length", where)
