@@ -92,7 +92,9 @@ def load_config(
             sources.update((k, v) for k, v in origins.items() if k in sources)
     apply_env(raw, env, sources)
     check_shape(raw, "the environment")
-    return ResolvedConfig(validate_raw(raw, sources), sources)
+    config = validate_raw(raw, sources)
+    preset = raw["model"].get("preset") if isinstance(raw.get("model"), dict) else None
+    return ResolvedConfig(config, sources, preset if isinstance(preset, str) else None)
 
 
 def default_config() -> KVTierConfig:

@@ -137,11 +137,13 @@ class ResolvedConfig:
     """A validated configuration and the source of each of its values.
 
     ``sources`` maps dotted keys (``model.preset``, ``tiers[0].capacity``,
-    ``pipeline.batch_pages``) to ``default``, ``file:PATH``, ``python`` or ``env:NAME``.
+    ``pipeline.batch_pages``) to ``default``, ``file:PATH``, ``python`` or ``env:NAME``;
+    ``preset`` is the model preset the model's fields started from (``None``: none).
     """
 
     config: KVTierConfig
     sources: dict[str, str]
+    preset: str | None = None
 
     def as_rows(self) -> list[tuple[str, Any, str]]:
         """(key, value, source) rows of every leaf value, in file order.
@@ -152,7 +154,7 @@ class ResolvedConfig:
         rows: list[tuple[str, Any, str]] = []
         preset_src = self.sources.get("model.preset")
         if preset_src is not None:
-            rows.append(("model.preset", self.config.spec.name, preset_src))
+            rows.append(("model.preset", self.preset or self.config.spec.name, preset_src))
         for key, value in flatten(self.config.to_dict()):
             fallback = preset_src if key.startswith("model.") and preset_src else "default"
             rows.append((key, value, self.sources.get(key, fallback)))
@@ -192,18 +194,38 @@ def _table(value: Any, key: str, sources: Mapping[str, str]) -> dict[str, Any]:
     return dict(value)
 
 
+_GEOMETRY = ("num_layers", "num_kv_heads", "head_dim", "mla")
+
+
+def _geometry_name(base: str, spec: KVSpec) -> str:
+    """``base`` with the geometry written out: the name of a model whose shape a config
+    gave without naming it (dtype and page size are in the namespace already)."""
+    mla = "-mla" if spec.mla else ""
+    return f"{base}-L{spec.num_layers}H{spec.num_kv_heads}D{spec.head_dim}{mla}"
+
+
 def _build_spec(model: Mapping[str, Any], sources: Mapping[str, str]) -> KVSpec:
+    """The model of a ``[model]`` section: a preset, with the fields given replacing its
+    own, or every geometry field. Without a ``name``, a geometry that is not the preset's
+    is named after it (``llama3-8b-L2H8D128``, ``custom-L4H2D64``): the name is the
+    namespace's default model id, so two shapes never share pages."""
     fields = {k: v for k, v in model.items() if k != "preset"}
     try:
         if "preset" in model:
             base = preset(_str(model["preset"], "model.preset", sources))
-            return dataclasses.replace(base, **fields) if fields else base
+            spec = dataclasses.replace(base, **fields) if fields else base
+            if "name" in fields or all(getattr(spec, f) == getattr(base, f) for f in _GEOMETRY):
+                return spec
+            return dataclasses.replace(spec, name=_geometry_name(base.name, spec))
         missing = [f for f in ("num_layers", "num_kv_heads", "head_dim") if f not in fields]
         if missing:
             raise ConfigError(
                 f"model: give a preset or every geometry field; missing {', '.join(missing)}"
             )
-        return KVSpec(**fields)
+        spec = KVSpec(**fields)
+        if "name" in fields:
+            return spec
+        return dataclasses.replace(spec, name=_geometry_name(spec.name, spec))
     except ConfigError:
         raise
     except KVTierUsageError as exc:
