@@ -232,3 +232,30 @@ async def test_bridge_needs_an_arena_top_tier(model: LlamaForCausalLM, tmp_path:
             KVTierBridge(cache, asyncio.get_running_loop())
     with pytest.raises(KVTierUsageError, match="open KVCache"):
         KVTierBridge(cache, asyncio.get_running_loop())
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "model_id", "warned"),
+    [
+        ("/models/llama-a", None, True),  # the namespace names only the shape: warned
+        ("/models/llama-a", "org/llama-a", False),  # named by the user
+        ("/models/llama-a", "llama-a", False),  # named as the checkpoint's folder
+        ("", None, False),  # no checkpoint (a model built in code): nothing to name
+    ],
+)
+def test_a_checkpoint_the_namespace_does_not_name_is_warned_about_once(
+    model: LlamaForCausalLM, tmp_path: Path, checkpoint: str, model_id: str | None, warned: bool
+) -> None:
+    from structlog.testing import capture_logs
+
+    cfg = config(model, tmp_path / "nvme", dram_pages=16)
+    cfg["namespace"] = {} if model_id is None else {"model_id": model_id}
+    model_config = LlamaConfig.from_dict(model.config.to_dict())
+    model_config._name_or_path = checkpoint
+    with KVTierBridge.start(cfg, env={}) as bridge, capture_logs() as logs:
+        for _ in range(2):
+            bridge.new_cache(model_config).close()
+    events = [e for e in logs if e["event"] == "hf.namespace_not_the_checkpoint"]
+    assert len(events) == (1 if warned else 0)
+    if warned:
+        assert events[0]["checkpoint"] == checkpoint and events[0]["model_id"] == "llama"

@@ -68,6 +68,7 @@ from kvtier.integrations.hf_parts import (
     arena_pages,
     spec_for_model,
 )
+from kvtier.log import get_logger
 from kvtier.spec import KVSpec
 
 __all__ = [
@@ -83,6 +84,26 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_log = get_logger("kvtier.transformers")
+
+
+def warn_unnamed_checkpoint(cache: KVCache, model_config: Any) -> bool:
+    """Warn (and return True) when ``model_config`` comes from a checkpoint
+    (``_name_or_path``) while the cache's namespace model id is only its shape's name
+    (``namespace.model_id`` unset): pages are keyed by the namespace, so another checkpoint
+    of the same shape and dtype would read this one's KV."""
+    source = str(getattr(model_config, "_name_or_path", "") or "")
+    model_id = cache.namespace.model_id
+    if not source or model_id != cache.spec.name or model_id in (source, Path(source).name):
+        return False
+    _log.warning(
+        "hf.namespace_not_the_checkpoint",
+        model_id=model_id,
+        checkpoint=source,
+        advice="set namespace.model_id (and namespace.revision) to this checkpoint: "
+        "another checkpoint of the same shape would share its pages",
+    )
+    return True
 
 
 class KVTierBridge:
@@ -117,6 +138,7 @@ class KVTierBridge:
         self.spec: KVSpec = cache.spec
         self._pages = arena_pages(top, cache.spec)
         self._thread: threading.Thread | None = None
+        self._identity_checked = False
 
     # -- running coroutines on the cache's loop -----------------------------------------
 
@@ -144,7 +166,10 @@ class KVTierBridge:
 
     def new_cache(self, model_config: Any = None, layer_prefetch: bool = True) -> KVTierCache:
         """A fresh :class:`KVTierCache` for one sequence (checked against ``model_config``
-        when given)."""
+        when given; a checkpoint the namespace does not name is warned about once)."""
+        if model_config is not None and not self._identity_checked:
+            self._identity_checked = True
+            warn_unnamed_checkpoint(self.cache, model_config)
         return KVTierCache(self, model_config, layer_prefetch=layer_prefetch)
 
     @property
