@@ -19,7 +19,6 @@ from kvtier.spec import preset
 def _config(path: Path, model: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": model,
-        "log": {"level": "critical"},
         "tiers": [
             tier("d", "dram", 8),
             tier("f", "file", 64, options={"path": str(path)}),
