@@ -30,16 +30,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-import numpy as np
-
 from kvtier.backend import Backend, Reservation
 from kvtier.cache_hooks import CacheHooks, CacheObserver
-from kvtier.cache_input import PageInput, check_key, check_keys, check_parents, namespace_label
+from kvtier.cache_input import (
+    NamespaceArg,
+    PageInput,
+    Tokens,
+    check_key,
+    check_keys,
+    check_parents,
+    namespace_label,
+    namespace_of,
+)
+from kvtier.cache_open import open_backends
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import (
     KVTierError,
     KVTierUsageError,
-    TierOpenError,
 )
 from kvtier.index.directory import Directory
 from kvtier.index.prefix_tree import PrefixTree
@@ -207,39 +214,10 @@ class KVCache:
                 self._state = "new"
             raise
 
-    async def _open_backends(self) -> list[tuple[int, Backend]]:
-        """Construct and open every tier's backend; skip (log, record) those whose open
-        fails when their tier says so. Returns the opened ones with their tier index."""
-        backends = [self._make_backend(i) for i in range(len(self.config.tiers))]
-        opened: list[tuple[int, Backend]] = []
-        try:
-            for i, b in enumerate(backends):
-                tc = self.config.tiers[i]
-                try:
-                    await b.open()
-                except Exception as exc:
-                    if tc.on_open_error != "skip":
-                        raise TierOpenError.of(tc.name, tc.backend, exc) from exc
-                    self.skipped_tiers[tc.name] = f"{type(exc).__name__}: {exc}"
-                    _log.error(
-                        "tier skipped: it cannot open",
-                        tier=tc.name,
-                        backend=tc.backend,
-                        error=str(exc),
-                        error_type=type(exc).__name__,
-                    )
-                    continue
-                opened.append((i, b))
-        except BaseException:
-            for _, b in reversed(opened):
-                await b.close()
-            raise
-        return opened
-
     async def _start(self) -> None:
         if self._configure_log:
             configure_logging(self.config.log_format, self.config.log_level)
-        opened = await self._open_backends()
+        opened = await open_backends(self.config, self._make_backend, self.skipped_tiers)
         if self.skipped_tiers:  # the cache runs on the tiers that opened
             self.config = dataclasses.replace(
                 self.config, tiers=[self.config.tiers[i] for i, _ in opened]
@@ -319,25 +297,28 @@ class KVCache:
     # -- the API -------------------------------------------------------------------------
 
     def page_keys(
-        self, tokens: Sequence[int] | np.ndarray, parent: PageKey = ROOT_KEY
+        self, tokens: Tokens, parent: PageKey = ROOT_KEY, namespace: NamespaceArg = None
     ) -> list[PageKey]:
-        """Keys of every full page of ``tokens`` in this cache's namespace."""
-        return page_keys(tokens, self.namespace, check_key(parent, "parent"))
+        """Keys of every full page of ``tokens`` in ``namespace`` (a :class:`Namespace` or
+        its label; default: this cache's)."""
+        ns = namespace_of(namespace, self.namespace)
+        return page_keys(tokens, ns, check_key(parent, "parent"))
 
     async def store(
-        self, tokens: Sequence[int] | np.ndarray, pages: Any, parent: PageKey = ROOT_KEY
+        self, tokens: Tokens, pages: Any, parent: PageKey = ROOT_KEY, namespace: NamespaceArg = None
     ) -> StoreResult:
-        """Store one page per full page of ``tokens`` (a trailing partial page is ignored).
+        """Store one page per full page of ``tokens`` (a trailing partial page is ignored),
+        keyed in ``namespace`` (default: this cache's).
 
         ``pages``: uint8 ``[n, page_bytes]``, or ``[n, *spec.page_shape]`` of the spec
         dtype (numpy or CPU torch), or a list of ``n`` page buffers. Raises
         :class:`KVTierUsageError` for a wrong shape, dtype or count.
         """
-        keys = self.page_keys(tokens, parent)
+        ns = namespace_of(namespace, self.namespace)
+        keys = self.page_keys(tokens, parent, ns)
         rows = self._input.rows(pages, len(keys), "pages")
         parents: list[PageKey | None] = [parent, *keys[:-1]] if keys else []
-        stored = await self.pipeline.store(keys, rows, parents, self.namespace.label)
-        return StoreResult(keys, stored)
+        return StoreResult(keys, await self.pipeline.store(keys, rows, parents, ns.label))
 
     async def store_pages(
         self,
@@ -354,15 +335,17 @@ class KVCache:
         return await self.pipeline.store(ks, rows, pars, label)
 
     async def lookup(
-        self, tokens: Sequence[int] | np.ndarray, parent: PageKey = ROOT_KEY
+        self, tokens: Tokens, parent: PageKey = ROOT_KEY, namespace: NamespaceArg = None
     ) -> LookupResult:
         """The longest cached prefix of ``tokens`` (pages readable in some tier) and the
-        highest tier of each page. No page bytes move; past the pages this process knows,
-        tiers on shared backends (a remote pool) are asked whether other processes stored
-        the rest, and what they hold is indexed so that :meth:`load` finds it."""
+        highest tier of each page, keyed in ``namespace`` (default: this cache's). No page
+        bytes move; past the pages this process knows, tiers on shared backends (a remote
+        pool) are asked whether other processes stored the rest, and what they hold is
+        indexed so that :meth:`load` finds it."""
         pipe = self.pipeline  # raises when not open
-        label = self.namespace.label
-        keys = self.page_keys(tokens, parent)
+        ns = namespace_of(namespace, self.namespace)
+        label = ns.label
+        keys = self.page_keys(tokens, parent, ns)
         found: list[PageKey] = []
         tiers: list[str] = []
         for attempt in range(2):

@@ -60,6 +60,28 @@ def check_parents(parents: Sequence[Any] | None, n: int) -> list[PageKey | None]
     ]
 
 
+#: Token ids, as the API takes them.
+Tokens = Sequence[int] | np.ndarray
+#: A namespace as the API takes it: a :class:`~kvtier.keys.Namespace`, its label, or
+#: ``None`` for the cache's own.
+NamespaceArg = Namespace | str | None
+
+
+def namespace_of(namespace: NamespaceArg, default: Namespace) -> Namespace:
+    """``namespace`` as a :class:`~kvtier.keys.Namespace` (``default`` when ``None``, a
+    label parsed); :class:`KVTierUsageError` for anything else or a string that is not a
+    namespace label."""
+    if isinstance(namespace, Namespace):
+        return namespace
+    if namespace is None:
+        return default
+    if isinstance(namespace, str):
+        return Namespace.from_label(namespace)
+    raise KVTierUsageError(
+        f"namespace must be a Namespace, a label string or None, got {type(namespace).__name__}"
+    )
+
+
 def namespace_label(namespace: Namespace | str | None, default: Namespace) -> str:
     """The label of ``namespace`` (``default`` when ``None``); :class:`KVTierUsageError`
     for anything but a :class:`~kvtier.keys.Namespace`, a label string or ``None``."""

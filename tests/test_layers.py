@@ -58,6 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvtier.cache",
             "kvtier.cache_hooks",
             "kvtier.cache_input",
+            "kvtier.cache_open",
             "kvtier.observers",
             "kvtier.prefetcher",
             "kvtier.tier_check",
