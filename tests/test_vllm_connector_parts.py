@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -220,9 +221,12 @@ def test_lookup_round_trip_min_over_ranks_and_errors_are_misses(tmp_path: Path) 
     loop = LoopThread("test-lookup")
     seen: list[np.ndarray] = []
 
+    scopes: list[str] = []
+
     def answerer(pages: int):  # type: ignore[no-untyped-def]
-        async def answer(tokens: np.ndarray, flags: int) -> LookupAnswer:
+        async def answer(tokens: np.ndarray, flags: int, scope: str) -> LookupAnswer:
             seen.append(tokens.copy())
+            scopes.append(scope)
             if flags == 7:
                 raise RuntimeError("boom")
             return LookupAnswer(pages, lookup_answer_runs(["dram"] * 2 + ["nvme"] * (pages - 2)),
@@ -240,7 +244,12 @@ def test_lookup_round_trip_min_over_ranks_and_errors_are_misses(tmp_path: Path) 
         ans = client.lookup(list(range(100)))
         assert ans is not None and ans.pages == 3  # every rank must hold its shard
         assert ans.tier_pages(1, 2) == {"dram": 1, "nvme": 1}
-        assert seen[0].tolist() == list(range(100))
+        assert seen[0].tolist() == list(range(100)) and scopes[:2] == ["", ""]
+        scoped_ans = client.lookup([7] * 40, scope="+lora=ä@1f")  # the scope travels as is
+        assert scoped_ans is not None and scopes[-1] == "+lora=ä@1f"
+        assert seen[-1].tolist() == [7] * 40
+        with pytest.raises(ValueError, match="at most 4096 bytes"):
+            client.lookup([1], scope="x" * 5000)
         bad = client.lookup([1, 2, 3], flags=7)  # the worker's lookup failed: a miss
         assert bad is not None and bad.pages == 0
         with pytest.raises(ValueError, match="32 bits"):
@@ -258,12 +267,50 @@ def test_lookup_server_refuses_to_replace_a_non_socket(tmp_path: Path) -> None:
     path = tmp_path / "x.sock"
     path.write_text("not a socket")
 
-    async def answer(tokens: np.ndarray, flags: int) -> LookupAnswer:
+    async def answer(tokens: np.ndarray, flags: int, scope: str) -> LookupAnswer:
         return LookupAnswer(0)
 
     with pytest.raises(FileExistsError):
         asyncio.run(LookupServer(path, answer).start())
     assert path.read_text() == "not a socket"
+
+
+def test_a_second_server_on_a_live_socket_is_refused_and_never_removes_it(
+    tmp_path: Path,
+) -> None:
+    """Two engines with one engine_id and runtime directory: the second worker took over
+    the first one's socket (deleting it as stale), and the first one's close then deleted
+    the second one's: its scheduler's lookups all failed (kvtier silently off)."""
+    path = socket_path(tmp_path, "shared-engine-id", 0, 0)
+
+    def answerer(pages: int):  # type: ignore[no-untyped-def]
+        async def answer(tokens: np.ndarray, flags: int, scope: str) -> LookupAnswer:
+            return LookupAnswer(pages)
+
+        return answer
+
+    loop = LoopThread("test-takeover")
+    first, second = LookupServer(path, answerer(1)), LookupServer(path, answerer(2))
+    try:
+        loop.run(first.start())
+        with pytest.raises(FileExistsError, match=r"another kvtier worker .* engine_id"):
+            loop.run(second.start())
+        ans = LookupClient([path], timeout_s=2.0).lookup([1] * 64)
+        assert ans is not None and ans.pages == 1  # still the first server
+        loop.run(second.close())  # never started: leaves the first one's socket alone
+        assert path.is_socket()
+        loop.run(first.close())
+        assert not path.exists()
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(path))  # a socket file nobody listens on (a dead worker's)
+        stale.close()
+        loop.run(second.start())  # a stale socket is taken over
+        ans = LookupClient([path], timeout_s=2.0).lookup([1] * 64)
+        assert ans is not None and ans.pages == 2
+    finally:
+        loop.run(first.close())
+        loop.run(second.close())
+        loop.stop()
 
 
 def test_loop_thread_runs_coroutines_and_refuses_reentry() -> None:

@@ -9,6 +9,9 @@ each prefixed with ``@@`` (vLLM prints to stdout too):
   ``kv_transfer_params``, as a client passes them) ->
   ``{"tokens": [[...]], "cached": [...], "logprobs": [[...]]}`` (greedy; ``cached`` is
   vLLM's ``num_cached_tokens``: local prefix-cache hits plus tokens loaded by a connector);
+  ``"extras"`` (optional, one per prompt, or null): ``{"lora": [name, id, path]}`` (a LoRA
+  adapter), ``{"cache_salt": str}``, ``{"embeds": true}`` (the prompt sent as prompt
+  embeddings: the model's embedding rows of its ids; needs ``enable_prompt_embeds``);
 * ``{"op": "metrics"}`` -> ``{"metrics": {name: value}}``: vLLM's Prometheus counters whose
   name contains ``kvtier`` (summed over labels; ``hit_tokens`` also per tier);
 * ``{"op": "exit"}``: shut the engine down (the connector closes its cache) and exit 0.
@@ -30,6 +33,31 @@ def _logprobs(completion: Any) -> list[float]:
     """The logprob of each generated token."""
     steps = completion.logprobs or []
     return [step[t].logprob for step, t in zip(steps, completion.token_ids, strict=False)]
+
+
+def _prompt(model: str, ids: list[int], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """One prompt as vLLM takes it: token ids, or their embeddings; with a cache salt."""
+    extra = extra or {}
+    if extra.get("embeds"):
+        import torch
+        from safetensors.torch import load_file
+
+        table = load_file(f"{model}/model.safetensors")["model.embed_tokens.weight"]
+        out: dict[str, Any] = {"prompt_embeds": table[torch.tensor(ids)]}
+    else:
+        out = {"prompt_token_ids": ids}
+    if extra.get("cache_salt"):
+        out["cache_salt"] = extra["cache_salt"]
+    return out
+
+
+def _lora(extra: dict[str, Any] | None) -> Any:
+    if not extra or not extra.get("lora"):
+        return None
+    from vllm.lora.request import LoRARequest
+
+    name, number, path = extra["lora"]
+    return LoRARequest(name, number, path)
 
 
 def main() -> None:
@@ -59,8 +87,12 @@ def main() -> None:
                 )
                 for kv in kv_params
             ]
+            extras = cmd.get("extras") or [None] * len(cmd["prompts"])
+            pairs = zip(cmd["prompts"], extras, strict=True)
+            inputs = [_prompt(spec["model"], p, x) for p, x in pairs]
+            loras = [_lora(x) for x in extras]
             outs = llm.generate(
-                [{"prompt_token_ids": p} for p in cmd["prompts"]], params, use_tqdm=False
+                inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None
             )
             result: dict[str, Any] = {
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],

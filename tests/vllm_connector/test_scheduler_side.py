@@ -17,11 +17,13 @@ class FakeLookup:
     def __init__(self, pages: int) -> None:
         self.pages = pages
         self.calls: list[int] = []
+        self.scopes: list[str] = []
 
-    def lookup(self, tokens: Any, flags: int = 0) -> Any:
+    def lookup(self, tokens: Any, flags: int = 0, scope: str = "") -> Any:
         from kvtier.integrations.vllm.lookup import LookupAnswer
 
         self.calls.append(len(tokens))
+        self.scopes.append(scope)
         return LookupAnswer(
             min(self.pages, len(tokens) // BS), [("nvme", self.pages)], {"nvme": "store"}
         )
@@ -44,10 +46,10 @@ def _side(tmp_path: Path, pages: int, loads: bool = True, saves: bool = True) ->
     return side
 
 
-def _request(rid: str, n: int, computed: int = 0) -> Any:
+def _request(rid: str, n: int, computed: int = 0, **fields: Any) -> Any:
     tokens = list(range(n))
     return SimpleNamespace(
-        request_id=rid, all_token_ids=tokens, num_tokens=n, num_computed_tokens=computed
+        request_id=rid, all_token_ids=tokens, num_tokens=n, num_computed_tokens=computed, **fields
     )
 
 
@@ -184,3 +186,41 @@ def test_malformed_hints_are_counted_and_the_request_served(tmp_path: Path) -> N
     side.build_meta(_output({"a": 3 * BS}))
     _held, meta = _finish(side, req, BS)
     assert meta.hints == []
+
+
+def test_a_lora_or_salted_request_is_looked_up_and_saved_in_its_own_scope(
+    tmp_path: Path,
+) -> None:
+    side = _side(tmp_path, pages=2)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    lora = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql")
+    req = _request("a", 4 * BS + 1, lora_request=lora, cache_salt="tenant")
+    assert side.match(req, 0) == 2 * BS
+    scope = side.client.scopes[-1]
+    assert scope.startswith("+lora=sql@") and "+salt=" in scope and "tenant" not in scope
+    side.after_alloc(req, Blocks(list(range(10))), 2 * BS)
+    req.num_computed_tokens = 2 * BS
+    meta = side.build_meta(_output({"a": 2 * BS + 1}))
+    assert meta.tokens and all(d.scope == scope for d in meta.tokens)
+    plain = _request("b", 4 * BS + 1)
+    side.match(plain, 0)
+    assert side.client.scopes[-1] == ""
+
+
+@pytest.mark.parametrize(
+    "fields", [{"prompt_embeds": object()}, {"mm_features": [object()]}], ids=["embeds", "mm"]
+)
+def test_requests_kvtier_cannot_key_are_neither_loaded_nor_saved(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    """Before: two prompt-embeds prompts of one length had the same (placeholder) token
+    ids, so the second one loaded the first one's KV and the engine answered wrongly."""
+    side = _side(tmp_path, pages=4)
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
+    req = _request("a", 5 * BS, **fields)
+    assert side.match(req, 0) == 0 and side.client.calls == []
+    req.num_computed_tokens = 5 * BS
+    meta = side.build_meta(_output({"a": 1}))
+    assert meta.empty
+    assert side.finished(req, list(range(5))) is False
+    assert side.take_stats().data["unkeyed_requests"] == 1

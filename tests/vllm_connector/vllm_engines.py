@@ -145,6 +145,7 @@ class Engine:
         max_tokens: int = 8,
         logprobs: int | None = None,
         kv_params: list[dict[str, Any] | None] | None = None,
+        extras: list[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
         return self.call(
             op="generate",
@@ -152,6 +153,7 @@ class Engine:
             max_tokens=max_tokens,
             logprobs=logprobs,
             kv_params=kv_params,
+            extras=extras,
         )
 
     def metrics(self) -> dict[str, float]:

@@ -15,8 +15,10 @@ The answer is a hint, not a lease: a page can leave every tier before the worker
 The worker then reports the block as a load error and vLLM recomputes it (with
 ``kv_load_failure_policy = "recompute"``); wrong KV is never loaded.
 
-Wire format (little-endian): request ``b"KVL1"``, token count (u32), flags (u32), 0 (u32),
-then the token ids as u32; response ``b"KVR1"``, JSON length (u32), JSON
+Wire format (little-endian): request ``b"KVL1"``, token count (u32), flags (u32), scope
+length (u32, at most :data:`~.scope.MAX_SCOPE_BYTES`), the scope (UTF-8: what extends the
+namespace's model id for this request, :mod:`.scope`), then the token ids as u32;
+response ``b"KVR1"``, JSON length (u32), JSON
 ``{"pages": int, "tiers": [[tier, pages], ...], "kinds": {tier: kind}}``.
 """
 
@@ -36,6 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.log import get_logger
+
+from .scope import MAX_SCOPE_BYTES
 
 _log = get_logger("kvtier.vllm.lookup")
 
@@ -91,13 +95,13 @@ def socket_path(directory: Path, engine_id: str, dp_rank: int, rank: int) -> Pat
     return directory / f"{safe}-dp{dp_rank}-r{rank}.sock"
 
 
-Answerer = Callable[[np.ndarray, int], Awaitable[LookupAnswer]]
+Answerer = Callable[[np.ndarray, int, str], Awaitable[LookupAnswer]]
 
 
 class LookupServer:
     """Serves lookups on a Unix socket from the worker's event loop.
 
-    ``answer(tokens, flags)`` runs on the loop for each request; an exception there
+    ``answer(tokens, flags, scope)`` runs on the loop for each request; an exception there
     answers ``pages = 0`` (a miss) and is logged."""
 
     def __init__(self, path: Path, answer: Answerer) -> None:
@@ -105,12 +109,19 @@ class LookupServer:
         self._answer = answer
         self._server: asyncio.AbstractServer | None = None
         self._clients: set[asyncio.Task[None]] = set()
+        self._inode: int | None = None  # the socket file this server bound
         self.served = 0
 
     async def start(self) -> None:
         """Bind the socket (a stale socket file left by a dead process is replaced)."""
         if self.path.is_symlink() or (self.path.exists() and not self.path.is_socket()):
             raise FileExistsError(f"{self.path} exists and is not a socket; not replacing it")
+        if self.path.exists() and _socket_alive(self.path):
+            raise FileExistsError(
+                f"another kvtier worker is serving lookups on {self.path} (two engines with "
+                f"one engine_id and runtime directory?): give each engine its own "
+                f"kv_transfer_config.engine_id or kvtier_runtime_dir"
+            )
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # a stale socket of a dead process
         old = os.umask(0o177)  # the socket file is created 0600
@@ -118,6 +129,7 @@ class LookupServer:
             self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
         finally:
             os.umask(old)
+        self._inode = self.path.lstat().st_ino
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -129,13 +141,17 @@ class LookupServer:
                     head = await reader.readexactly(REQUEST.size)
                 except asyncio.IncompleteReadError:
                     return
-                magic, n, flags, _ = REQUEST.unpack(head)
-                if magic != REQUEST_MAGIC or n > MAX_TOKENS:
-                    _log.warning("bad lookup request; closing", magic=magic, tokens=n)
+                magic, n, flags, scope_bytes = REQUEST.unpack(head)
+                if magic != REQUEST_MAGIC or n > MAX_TOKENS or scope_bytes > MAX_SCOPE_BYTES:
+                    _log.warning(
+                        "bad lookup request; closing", magic=magic, tokens=n, scope=scope_bytes
+                    )
                     return
+                raw_scope = await reader.readexactly(scope_bytes)
                 tokens = np.frombuffer(await reader.readexactly(4 * n), dtype="<u4")
                 try:
-                    ans = await self._answer(tokens, flags)
+                    scope = raw_scope.decode("utf-8", "surrogatepass")
+                    ans = await self._answer(tokens, flags, scope)
                 except Exception as exc:  # a lookup that fails is a miss
                     _log.warning("lookup failed; answering a miss", error=repr(exc))
                     ans = LookupAnswer(0)
@@ -164,7 +180,8 @@ class LookupServer:
                 await self._server.wait_closed()
             self._server = None
         with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+            if self._inode is not None and self.path.lstat().st_ino == self._inode:
+                self.path.unlink()  # ours: never another server's socket at this path
 
 
 class LookupClient:
@@ -211,11 +228,22 @@ class LookupClient:
             raise ValueError(f"bad lookup response header {magic!r}")
         return LookupAnswer.from_json(_recv_exact(sock, size))
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, flags: int = 0) -> LookupAnswer | None:
+    def lookup(
+        self, tokens: Sequence[int] | np.ndarray, flags: int = 0, scope: str = ""
+    ) -> LookupAnswer | None:
+        """The workers' answer for ``tokens`` in the namespace extended by ``scope``
+        (:mod:`.scope`); ``None`` when no worker answered."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= 1 << 32):
             raise ValueError("token ids must fit in 32 bits")
-        request = REQUEST.pack(REQUEST_MAGIC, ids.size, flags, 0) + ids.astype("<u4").tobytes()
+        head = scope.encode("utf-8", "surrogatepass")
+        if len(head) > MAX_SCOPE_BYTES:
+            raise ValueError(f"a lookup scope holds at most {MAX_SCOPE_BYTES} bytes")
+        request = (
+            REQUEST.pack(REQUEST_MAGIC, ids.size, flags, len(head))
+            + head
+            + ids.astype("<u4").tobytes()
+        )
         best: LookupAnswer | None = None
         for i in range(len(self.paths)):
             deadline = time.monotonic() + self.timeout_s
@@ -247,6 +275,19 @@ class LookupClient:
     def close(self) -> None:
         for i in range(len(self._socks)):
             self._drop(i)
+
+
+def _socket_alive(path: Path) -> bool:
+    """Whether a server accepts connections on the Unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

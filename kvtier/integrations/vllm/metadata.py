@@ -24,6 +24,8 @@ class TokenDelta:
     req_id: str
     first_page: int
     tokens: np.ndarray  # uint32, a whole number of pages
+    #: what extends the namespace's model id for this request (:mod:`.scope`)
+    scope: str = ""
 
 
 @dataclass

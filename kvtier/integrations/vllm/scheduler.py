@@ -20,6 +20,10 @@ one kvtier page):
   report that through ``get_finished``. The hints in the request's
   ``kv_transfer_params["kvtier"]`` (:mod:`.hints`) go to the workers with those saves.
 
+Requests whose KV is not a function of their token ids alone (a LoRA adapter, a cache
+salt: their own namespace; prompt embeddings, multimodal inputs: left alone) follow
+:mod:`.scope`.
+
 Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only
 loads.
 """
@@ -40,6 +44,7 @@ from .hints import HintRun, RequestHints, parse_request_hints
 from .identity import ParallelPlace, engine_id
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupClient, socket_path
 from .metadata import KVTierMetadata, PageRun, TokenDelta
+from .scope import RequestScope, request_scope
 from .settings import ConnectorSettings
 from .stats import KVTierConnectorStats
 
@@ -60,6 +65,7 @@ class _Request:
     sent_pages: int = 0  # pages whose token ids the workers have
     loads: list[PageRun] = field(default_factory=list)
     hints: RequestHints | None = None
+    scope: RequestScope = field(default_factory=RequestScope)
 
 
 class SchedulerSide:
@@ -99,7 +105,10 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Request:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = _Request(request)
+            st = self._reqs[request.request_id] = _Request(request, scope=request_scope(request))
+            if st.scope.skip is not None:  # kvtier cannot name its KV: left alone
+                self._stats.add("unkeyed_requests", 1)
+                return st
             try:
                 st.hints = parse_request_hints(getattr(request, "kv_transfer_params", None))
             except Exception as exc:  # advice only: a bad hint never fails the request
@@ -115,14 +124,14 @@ class SchedulerSide:
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         limit = (int(request.num_tokens) - 1) // self.block_size  # keep >= 1 token to compute
-        if limit <= 0:
+        if limit <= 0 or st.scope.skip is not None:
             return 0
         now = time.monotonic()
         if st.answered_pages != limit or now - st.answered_at > ANSWER_TTL_S:
             tokens = request.all_token_ids[: limit * self.block_size]
             flags = FLAG_PREFETCH if self.loads_enabled and self.settings.prefetch_on_lookup else 0
             self._stats.add("lookups", 1)
-            ans = self.client.lookup(tokens, flags)
+            ans = self.client.lookup(tokens, flags, st.scope.suffix)
             if ans is None:
                 self._stats.add("lookup_errors", 1)
             st.answer, st.answered_at, st.answered_pages = ans, now, limit
@@ -177,7 +186,9 @@ class SchedulerSide:
             return
         bs = self.block_size
         ids = np.asarray(st.request.all_token_ids[st.sent_pages * bs : end_page * bs])
-        meta.tokens.append(TokenDelta(st.request.request_id, st.sent_pages, ids.astype(np.uint32)))
+        meta.tokens.append(
+            TokenDelta(st.request.request_id, st.sent_pages, ids.astype(np.uint32), st.scope.suffix)
+        )
         st.sent_pages = end_page
 
     def build_meta(self, scheduler_output: Any) -> KVTierMetadata:
@@ -194,7 +205,7 @@ class SchedulerSide:
             spec = scheduler_output.scheduled_spec_decode_tokens or {}
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
                 st = self._reqs.get(req_id)
-                if st is None:
+                if st is None or st.scope.skip is not None:
                     continue
                 req = st.request
                 verified = int(req.num_computed_tokens) + int(n_sched) - len(spec.get(req_id, ()))
@@ -241,7 +252,7 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._hit_tiers.pop(rid, None)
-        if st is None:
+        if st is None or st.scope.skip is not None:
             return False
         kv_tokens = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
         full = min(kv_tokens // self.block_size, len(block_ids))

@@ -8,6 +8,7 @@
   ``vllm:kvtier_load_seconds``, ``vllm:kvtier_save_bytes``, ``vllm:kvtier_save_seconds``,
   ``vllm:kvtier_load_errors``, ``vllm:kvtier_saves_dropped``, ``vllm:kvtier_save_failures``,
   ``vllm:kvtier_lookup_errors``, ``vllm:kvtier_hinted_pages``, ``vllm:kvtier_hint_errors``,
+  ``vllm:kvtier_unkeyed_requests``,
   ``vllm:kvtier_lookups``, ``vllm:kvtier_loaded_pages``, ``vllm:kvtier_saved_pages``
   (each ``_total``). The workers' counts are summed by vLLM: with N ranks a page counts
   N times (each rank loads, saves or hints its own part of it).
@@ -44,6 +45,7 @@ COUNTERS = (
     "saves_dropped",
     "hinted_pages",
     "hint_errors",
+    "unkeyed_requests",
 )
 
 
@@ -110,6 +112,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         "lookups": "Prompt lookups the scheduler made.",
         "hinted_pages": "Pages named by hints from requests' kv_transfer_params (per hint).",
         "hint_errors": "Requests whose kv_transfer_params.kvtier was malformed (ignored).",
+        "unkeyed_requests": "Requests kvtier left alone: prompt embeddings or multimodal "
+        "inputs (their token ids do not name their KV).",
     }
 
     def __init__(

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kvtier.cache import KVCache
+from kvtier.errors import ConfigError
 from kvtier.keys import ROOT_KEY, PageKey, page_keys
 from kvtier.log import get_logger
 
@@ -49,9 +50,10 @@ from .loop_thread import LoopThread
 from .metadata import KVTierMetadata, PageRun
 from .metrics_http import MetricsServer
 from .paged import PagedKV
+from .scope import scoped
 from .settings import ConnectorSettings
 from .stats import KVTierConnectorStats, KVTierKVEvents
-from .worker_parts import DirectoryEvents, LoadJob, layer_index
+from .worker_parts import DirectoryEvents, LoadJob, SaveBatch, label_runs, layer_index
 
 _log = get_logger("kvtier.vllm.worker")
 
@@ -91,6 +93,7 @@ class WorkerSide:
         self._metrics: MetricsServer | None = None
         self._scatter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._keys: dict[str, list[PageKey]] = {}
+        self._labels: dict[str, str] = {}  # request -> its namespace label (.scope)
         self._load: LoadJob | None = None
         self._load_errors: set[int] = set()
         self._acks: list[tuple[str, Any]] = []
@@ -155,8 +158,17 @@ class WorkerSide:
                     self.settings.metrics_host,
                     port + self.place.rank if port else 0,
                 )
-                self.metrics_port = await self._metrics.start()
+                try:
+                    self.metrics_port = await self._metrics.start()
+                except OSError as exc:  # a bad host, a port in use: name the setting
+                    raise ConfigError(
+                        f"kv_connector_extra_config.kvtier_metrics_host/kvtier_metrics_port: "
+                        f"cannot serve kvtier metrics on {self.settings.metrics_host!r} port "
+                        f"{port + self.place.rank if port else 0} (rank {self.place.rank}): {exc}"
+                    ) from None
         except BaseException:
+            if self._lookup is not None:
+                await self._lookup.close()
             await cache.close()
             raise
         return cache
@@ -166,11 +178,12 @@ class WorkerSide:
         if not task.cancelled() and task.exception() is not None:
             _log.warning("kvtier lookup prefetch failed", error=repr(task.exception()))
 
-    async def _answer(self, tokens: np.ndarray, flags: int) -> LookupAnswer:
-        """The lookup service: leading pages of ``tokens`` kvtier holds, by tier."""
+    async def _answer(self, tokens: np.ndarray, flags: int, scope: str) -> LookupAnswer:
+        """The lookup service: leading pages of ``tokens`` kvtier holds, by tier, in the
+        namespace ``scope`` extends (:mod:`.scope`)."""
         cache = self.cache
         assert cache is not None
-        hit = await cache.lookup(tokens)
+        hit = await cache.lookup(tokens, namespace=scoped(cache.namespace, scope))
         kinds = {t.name: t.backend.kind.value for t in cache.tiers}
         if flags & FLAG_PREFETCH and hit.keys:
             top = cache.tiers[0].name
@@ -185,8 +198,10 @@ class WorkerSide:
 
     def _apply_tokens(self, meta: KVTierMetadata) -> None:
         assert self.cache is not None
-        ns = self.cache.namespace
+        base = self.cache.namespace
         for d in meta.tokens:
+            ns = scoped(base, d.scope)
+            self._labels[d.req_id] = ns.label
             keys = self._keys.setdefault(d.req_id, [])
             if d.first_page != len(keys):
                 _log.error(
@@ -357,23 +372,8 @@ class WorkerSide:
         if hints:
             with self._stats_lock:
                 self._stats.add("hinted_pages", sum(len(k) for _, k, _ in hints))
-        keys: list[PageKey] = []
-        parents: list[PageKey | None] = []
-        blocks: list[int] = []
-        seen: set[PageKey] = set()
-        for run in runs:
-            run_keys = self._run_keys(run)
-            if run_keys is None:
-                continue
-            all_keys = self._keys[run.req_id]
-            for j, (k, block) in enumerate(zip(run_keys, run.block_ids, strict=True)):
-                if k in seen:  # two requests sharing a prefix block save it once
-                    continue
-                seen.add(k)
-                p = run.first_page + j
-                keys.append(k)
-                parents.append(all_keys[p - 1] if p else ROOT_KEY)
-                blocks.append(block)
+        batch = SaveBatch.of(runs, self._keys, self._labels, self.cache.namespace.label)
+        keys, parents, labels, blocks = batch.keys, batch.parents, batch.labels, batch.blocks
         gather_event = None
         if keys:
             nbytes = len(keys) * self.paged.page_bytes
@@ -387,7 +387,7 @@ class WorkerSide:
                 try:
                     buffer = self.paged.host_buffer(len(keys))
                     gather_event = self.paged.gather(blocks, buffer)
-                    store = self._store(keys, parents, buffer, nbytes, gather_event)
+                    store = self._store(keys, parents, labels, buffer, nbytes, gather_event)
                     fut = self.loop.submit(store)
                 except Exception as exc:  # a save that cannot start is a future miss
                     _log.warning("kvtier save could not start", pages=len(keys), error=repr(exc))
@@ -408,6 +408,7 @@ class WorkerSide:
         self,
         keys: list[PageKey],
         parents: list[PageKey | None],
+        labels: list[str],
         buffer: torch.Tensor,
         nbytes: int,
         gather_event: Any,
@@ -419,8 +420,9 @@ class WorkerSide:
         try:
             if gather_event is not None:
                 await asyncio.get_running_loop().run_in_executor(None, gather_event.synchronize)
-            result = await cache.store_pages(keys, buffer, parents)
-            stored = sum(result)
+            for label, a, b in label_runs(labels):
+                result = await cache.store_pages(keys[a:b], buffer[a:b], parents[a:b], label)
+                stored += sum(result)
         except Exception as exc:
             _log.warning("kvtier save failed", pages=len(keys), error=repr(exc))
         finally:
@@ -443,6 +445,7 @@ class WorkerSide:
         self._acks = keep
         for req_id in finished_req_ids:
             self._keys.pop(req_id, None)
+            self._labels.pop(req_id, None)
         return done
 
     def load_errors(self) -> set[int]:

@@ -1,6 +1,6 @@
-"""Pieces of the connector's worker side (:mod:`.worker`): a step's load job, the
-directory listener that turns page commits and removals into vLLM KV events, and the
-layer number of a vLLM layer name."""
+"""Pieces of the connector's worker side (:mod:`.worker`): a step's load job, a step's
+pages to save, the directory listener that turns page commits and removals into vLLM KV
+events, and the layer number of a vLLM layer name."""
 
 from __future__ import annotations
 
@@ -8,9 +8,63 @@ import collections
 import concurrent.futures
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtier.keys import PageKey
+from kvtier.keys import ROOT_KEY, PageKey
+
+if TYPE_CHECKING:  # .metadata imports vLLM; these parts run (and are tested) without it
+    from .metadata import PageRun
+
+
+@dataclass
+class SaveBatch:
+    """One step's pages to save, each once: key, parent, namespace label, vLLM block;
+    pages of one label are neighbours (:func:`label_runs`: one store call each)."""
+
+    keys: list[PageKey] = field(default_factory=list)
+    parents: list[PageKey | None] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        runs: list[PageRun],
+        keys_of: dict[str, list[PageKey]],
+        labels_of: dict[str, str],
+        default_label: str,
+    ) -> SaveBatch:
+        """The pages of ``runs`` whose keys are known (``keys_of``: a request's page
+        keys; ``labels_of``: its namespace label, else ``default_label``)."""
+        out = cls()
+        seen: set[PageKey] = set()
+        for run in sorted(runs, key=lambda r: labels_of.get(r.req_id, default_label)):
+            all_keys = keys_of.get(run.req_id, [])
+            end = run.first_page + len(run.block_ids)
+            if end > len(all_keys):
+                continue
+            label = labels_of.get(run.req_id, default_label)
+            for p, block in zip(range(run.first_page, end), run.block_ids, strict=True):
+                k = all_keys[p]
+                if k in seen:  # two requests sharing a prefix block save it once
+                    continue
+                seen.add(k)
+                out.keys.append(k)
+                out.parents.append(all_keys[p - 1] if p else ROOT_KEY)
+                out.labels.append(label)
+                out.blocks.append(block)
+        return out
+
+
+def label_runs(labels: list[str]) -> list[tuple[str, int, int]]:
+    """``(label, start, end)`` for each run of equal neighbours in ``labels``."""
+    out: list[tuple[str, int, int]] = []
+    start = 0
+    for i in range(1, len(labels) + 1):
+        if i == len(labels) or labels[i] != labels[start]:
+            out.append((labels[start], start, i))
+            start = i
+    return out
 
 
 def layer_index(name: str) -> int:
