@@ -339,3 +339,42 @@ def test_engine_id_is_shared_and_fingerprint_reads_samples(tmp_path: Path) -> No
     assert weights_fingerprint(tmp_path / "nope") is None
     d = _model_dir(tmp_path, os.urandom(1 << 20))
     assert weights_fingerprint(d) == weights_fingerprint(d)
+
+
+_EXIT_SCRIPT = """
+import asyncio, sys
+from kvtier.integrations.vllm.loop_thread import LoopThread, close_at_exit
+
+class Owner:
+    def __init__(self):
+        self.loop = LoopThread("exit-test")
+    def shutdown(self):
+        async def work():  # what closing a cache does: executor calls
+            return await asyncio.get_running_loop().run_in_executor(None, lambda: "closed")
+        try:
+            print(self.loop.run(work(), timeout=10))
+        except Exception as exc:
+            print("failed:", exc)
+        self.loop.stop()
+
+owner = Owner()
+if sys.argv[1] == "hook":
+    close_at_exit(owner)
+else:
+    import atexit
+    atexit.register(owner.shutdown)
+"""
+
+
+@pytest.mark.parametrize(("how", "printed"), [("hook", "closed"), ("atexit", "failed:")])
+def test_close_at_exit_runs_before_executors_stop(how: str, printed: str) -> None:
+    """An engine that is never shut down closes kvtier at interpreter exit; from a plain
+    atexit hook, every executor call fails there ("cannot schedule new futures")."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, how], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith(printed), done.stdout

@@ -10,14 +10,42 @@ from the loop's own thread raises instead of deadlocking.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook must be registered before ours
+import contextlib
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from kvtier.errors import KVTierUsageError
 
 T = TypeVar("T")
+
+
+def close_at_exit(owner: Any, method: str = "shutdown") -> None:
+    """Call ``owner.<method>()`` at interpreter exit (unless ``owner`` is gone by then),
+    before :mod:`concurrent.futures` stops taking work: its exit hook runs in threading's
+    shutdown, and closing a cache needs executors (a single-process vLLM engine that is
+    never shut down explicitly ended with "cannot schedule new futures after interpreter
+    shutdown" from every backend). threading runs its exit hooks in reverse order of
+    registration, and concurrent.futures registers its own when it is imported, so a hook
+    registered here runs first. Falls back to :mod:`atexit` where threading has no such
+    hook."""
+    ref = weakref.ref(owner)
+
+    def close() -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)()
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - CPython has had it since 3.9
+        atexit.register(close)
+        return
+    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down already
+        register(close)
 
 
 class LoopThread:

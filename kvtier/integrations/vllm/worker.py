@@ -46,7 +46,7 @@ from . import identity
 from .hints import HintCall, apply_hints_after, hint_calls
 from .identity import ParallelPlace
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupServer, lookup_answer_runs, socket_path
-from .loop_thread import LoopThread
+from .loop_thread import LoopThread, close_at_exit
 from .metadata import KVTierMetadata, PageRun
 from .metrics_http import MetricsServer
 from .paged import PagedKV
@@ -119,6 +119,7 @@ class WorkerSide:
         )
         self.loop = LoopThread(f"kvtier-vllm-r{self.place.rank}")
         self.cache = self.loop.run(self._open(resolved), timeout=CLOSE_TIMEOUT_S)
+        close_at_exit(self)  # an engine that is never shut down still closes kvtier
         _log.info(
             "kvtier connector worker ready",
             rank=self.place.rank,
