@@ -1,5 +1,6 @@
 """The transformers ``Cache`` over kvtier pages: :class:`KVTierCache` (see
-:mod:`kvtier.integrations.transformers`), and :func:`attach`, which lets it see token ids."""
+:mod:`kvtier.integrations.transformers`; :func:`~kvtier.integrations.hf_attach.attach` lets
+it see token ids)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,8 @@ class KVTierCache(Cache):  # type: ignore[misc]
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if not self.bridge.cache.is_open:
+            return  # closing the KVCache freed the working slot and every pin
         self.bridge.call(self._close_async())
 
     async def _close_async(self) -> None:
@@ -286,6 +289,11 @@ class KVTierCache(Cache):  # type: ignore[misc]
     async def _pin_pages(self) -> list[int]:
         """Reserve the working slot (once) and pin every published page in the top tier."""
         cache = self.bridge.cache
+        if self._pinned:
+            # the previous forward raised before its last layer (Ctrl-C, a hook, OOM):
+            # drop its pins, or they outlive this cache and block the top tier for good
+            cache.release(self._pinned)
+            self._pinned = []
         if self._reservation is None:
             key = WORKING_KEYS.next()
             # makes room per policy; CapacityError when the top tier is pinned full
@@ -416,7 +424,11 @@ class KVTierCache(Cache):  # type: ignore[misc]
         self._keys.extend(keys[:stored])
         self.stats.pages_published += stored
         if stored < count:
-            # the KV of the unstored pages is gone: never let generation run on without it
+            # the KV of the unstored pages is gone: never let generation run on without it.
+            # The working slot holds the tokens after them: drop it too, so that the cache
+            # ends at its last stored page and a retry recomputes the rest (not KV of later
+            # tokens counted at the lost pages' positions)
+            self._tail = 0
             raise TierIOError(
                 f"kvtier could not store pages {list(range(first + stored, first + count))} "
                 "of this sequence (top tier full or failing); recompute the sequence"
@@ -443,6 +455,25 @@ class KVTierCache(Cache):  # type: ignore[misc]
             stored += 1
         return stored
 
+    def check_forward_done(self) -> None:
+        """After the model's forward (the :func:`attach` hook): a forward that began must
+        have ended at layer ``num_layers - 1``. Otherwise some layers do not write KV (they
+        reuse another layer's, as Gemma 3n's ``num_kv_shared_layers`` do) and the cache
+        never counts, publishes or unpins this forward's tokens: raise instead of letting
+        the next step attend to nothing."""
+        if self._index is None:
+            return
+        self._index = None
+        self._ahead.clear()
+        pinned, self._pinned = self._pinned, []
+        if pinned:
+            self.bridge.call(_release(self.bridge, pinned))
+        raise KVTierUsageError(
+            f"the model's forward ended before layer {self.spec.num_layers - 1} wrote its KV: "
+            "the kvtier spec must count exactly the layers that call cache.update (build it "
+            "with spec_for_model, which leaves out layers that reuse another layer's KV)"
+        )
+
     # -- unsupported transformers features -------------------------------------------------
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -459,27 +490,6 @@ class KVTierCache(Cache):  # type: ignore[misc]
         raise KVTierUsageError("KVTierCache holds one sequence; batch selection is not supported")
 
 
-_HOOKED = "_kvtier_token_hook"
-
-
-def attach(model: torch.nn.Module) -> None:
-    """Let :class:`KVTierCache` see token ids: a forward pre-hook on ``model`` hands each
-    forward's ``input_ids`` to the ``KVTierCache`` passed as ``cache=`` (or the deprecated
-    ``past_key_values=``). Idempotent; other caches are left alone."""
-    if getattr(model, _HOOKED, False):
-        return
-
-    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if not isinstance(cache, KVTierCache):
-            return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            raise KVTierUsageError(
-                "KVTierCache needs input_ids (token ids key its pages); inputs_embeds alone "
-                "is not supported"
-            )
-        cache.observe_tokens(ids)
-
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    setattr(model, _HOOKED, True)
+async def _release(bridge: BridgeLike, keys: list[PageKey]) -> None:
+    if bridge.cache.is_open:
+        bridge.cache.release(keys)

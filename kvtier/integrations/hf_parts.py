@@ -70,13 +70,21 @@ def spec_for_model(
     Raises :class:`KVTierUsageError` when the config lacks a field kvtier needs.
     """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    check_supported(text)
     try:
-        layers = int(text.num_hidden_layers)
+        # layers that reuse an earlier layer's KV (Gemma 3n) never call cache.update
+        layers = int(text.num_hidden_layers) - int(getattr(text, "num_kv_shared_layers", 0) or 0)
         heads = int(text.num_attention_heads)
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        if getattr(text, "model_type", "") == "falcon" and not text.new_decoder_architecture:
+            kv_heads = 1 if text.multi_query else heads  # FalconConfig.num_kv_heads is unused
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     except AttributeError as exc:
         raise KVTierUsageError(f"model config lacks a field kvtier needs: {exc}") from None
+    except Exception as exc:  # e.g. transformers' per-layer attribute errors (Gemma 4)
+        raise KVTierUsageError(
+            f"kvtier cannot read one KV geometry from this {type(text).__name__}: {exc}"
+        ) from None
     if dtype is None:
         # transformers 5 names it dtype (reading the old torch_dtype only warns)
         dtype = getattr(text, "dtype", None) or "float32"
@@ -88,6 +96,38 @@ def spec_for_model(
         page_tokens,
         name=name or str(getattr(text, "model_type", "model")),
     )
+
+
+#: rope types whose frequencies depend on the forward's sequence length: a token's KV then
+#: depends on more than the tokens before it, which page keys cannot carry
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_supported(text: Any) -> None:
+    """Raise :class:`KVTierUsageError` naming why KVTierCache cannot serve this decoder
+    config: it caches one K and one V of equal shape per attention layer, keyed by tokens."""
+    name = type(text).__name__
+    if getattr(text, "kv_lora_rank", None):
+        raise KVTierUsageError(
+            f"{name} uses multi-head latent attention (kv_lora_rank): its cache holds a latent "
+            "and a rope key of different widths, which KVTierCache does not store"
+        )
+    kinds = set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise KVTierUsageError(
+            f"{name} has {sorted(kinds)} layers: KVTierCache caches attention KV only"
+        )
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    # one dict, or one per layer type (Gemma 3: {"full_attention": {...}, ...})
+    per_type = list(rope.values()) if isinstance(rope, dict) else []
+    ropes = [r for r in (rope, *per_type) if isinstance(r, dict)]
+    kinds_r = [r.get("rope_type", r.get("type")) for r in ropes]
+    kind = next((k for k in kinds_r if k in LENGTH_DEPENDENT_ROPE), None)
+    if kind is not None:
+        raise KVTierUsageError(
+            f"{name} uses {kind!r} rope scaling: a token's KV depends on the sequence length "
+            "at the time it was computed, so cached pages could not be reused exactly"
+        )
 
 
 def arena_pages(arena: ArenaBackend, spec: KVSpec) -> torch.Tensor:

@@ -58,7 +58,8 @@ from kvtier.backend import ArenaBackend
 from kvtier.cache import KVCache
 from kvtier.config import KVTierConfig, ResolvedConfig
 from kvtier.errors import KVTierUsageError
-from kvtier.integrations.hf_cache import KVTierCache, attach
+from kvtier.integrations.hf_attach import attach
+from kvtier.integrations.hf_cache import KVTierCache
 from kvtier.integrations.hf_parts import (
     PREFIX_PREFETCH_DEADLINE_S,
     WORKING_KEYS,
@@ -139,6 +140,7 @@ class KVTierBridge:
         self._pages = arena_pages(top, cache.spec)
         self._thread: threading.Thread | None = None
         self._identity_checked = False
+        self._checkpoint: str | None = None  # the first checkpoint seen: pages are its KV
 
     # -- running coroutines on the cache's loop -----------------------------------------
 
@@ -167,9 +169,22 @@ class KVTierBridge:
     def new_cache(self, model_config: Any = None, layer_prefetch: bool = True) -> KVTierCache:
         """A fresh :class:`KVTierCache` for one sequence (checked against ``model_config``
         when given; a checkpoint the namespace does not name is warned about once)."""
-        if model_config is not None and not self._identity_checked:
-            self._identity_checked = True
-            warn_unnamed_checkpoint(self.cache, model_config)
+        if model_config is not None:
+            source = str(getattr(model_config, "_name_or_path", "") or "")
+            if source:
+                if self._checkpoint is None:
+                    self._checkpoint = source
+                elif source != self._checkpoint:
+                    # one bridge has one namespace: a second checkpoint of the same shape
+                    # would read (and write) the first one's pages
+                    raise KVTierUsageError(
+                        f"this bridge serves checkpoint {self._checkpoint!r} (namespace model id "
+                        f"{self.cache.namespace.model_id!r}); {source!r} needs its own bridge "
+                        "with its own namespace.model_id"
+                    )
+            if not self._identity_checked:
+                self._identity_checked = True
+                warn_unnamed_checkpoint(self.cache, model_config)
         return KVTierCache(self, model_config, layer_prefetch=layer_prefetch)
 
     @property

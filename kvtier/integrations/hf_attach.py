@@ -1,0 +1,54 @@
+""":func:`attach`: the hooks that let :class:`~kvtier.integrations.hf_cache.KVTierCache`
+see each forward of a transformers model: its token ids and attention mask before, and
+whether the forward ended at the last layer after."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtier.errors import KVTierUsageError
+from kvtier.integrations.hf_cache import KVTierCache
+
+_HOOKED = "_kvtier_token_hook"
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Let :class:`KVTierCache` see token ids: a forward pre-hook on ``model`` hands each
+    forward's ``input_ids`` to the ``KVTierCache`` passed as ``cache=`` (or the deprecated
+    ``past_key_values=``). Idempotent; other caches are left alone."""
+    if getattr(model, _HOOKED, False):
+        return
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, KVTierCache):
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise KVTierUsageError(
+                "KVTierCache needs input_ids (token ids key its pages); inputs_embeds alone "
+                "is not supported"
+            )
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all())):
+            # KV depends on the mask (masked tokens, left-padding positions) and page keys
+            # hash token ids only: pages made under one mask would be served under another
+            raise KVTierUsageError(
+                "KVTierCache needs an attention_mask of all ones (no padding, no masked "
+                f"tokens): got a {mask.dim()}-D mask with zeros or a custom layout; page keys "
+                "carry token ids only, not the mask"
+            )
+        cache.observe_tokens(ids)
+
+    def done(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, KVTierCache):
+            cache.check_forward_done()
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.register_forward_hook(done, with_kwargs=True)
+    setattr(model, _HOOKED, True)
