@@ -169,6 +169,23 @@ def test_an_attention_mask_with_zeros_is_refused(where: str) -> None:
                            max_new_tokens=2, do_sample=False)  # fmt: skip
 
 
+def test_the_mask_generate_infers_from_the_pad_token_is_accepted() -> None:
+    """A prompt holding the pad token: generate masks exactly those tokens, so the KV is
+    still a function of the token ids (the example server's random prompts do this)."""
+    model = _llama(pad_token_id=0)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    ids = _prompt(18, 8)
+    ids[0, 3] = ids[0, 11] = 0
+    want = _greedy(model, ids, DynamicCache(config=model.config))
+    with KVTierBridge.start(_config(model.config), env={}) as bridge:
+        for _ in range(2):  # the second time from the pages the first one stored
+            with bridge.new_cache(model.config) as cache:
+                cache.load_prefix(ids)
+                assert _greedy(model, ids, cache).tolist() == want.tolist()
+        assert cache.stats.prefix_tokens == 16
+
+
 def test_a_second_checkpoint_on_one_bridge_is_refused() -> None:
     """Two checkpoints of one shape through one bridge shared pages: wrong tokens."""
     a, b = _llama(seed=0), _llama(seed=1)

@@ -32,13 +32,18 @@ def attach(model: torch.nn.Module) -> None:
                 "is not supported"
             )
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all())):
+        if (
+            isinstance(mask, torch.Tensor)
+            and (mask.dim() != 2 or not bool(mask.all()))
+            and not _mask_follows_tokens(mask, cache.tokens, ids, _pad_id(module))
+        ):
             # KV depends on the mask (masked tokens, left-padding positions) and page keys
             # hash token ids only: pages made under one mask would be served under another
             raise KVTierUsageError(
-                "KVTierCache needs an attention_mask of all ones (no padding, no masked "
-                f"tokens): got a {mask.dim()}-D mask with zeros or a custom layout; page keys "
-                "carry token ids only, not the mask"
+                "KVTierCache needs an attention_mask of all ones, or the one generate infers "
+                "from the pad token (zeros exactly where the pad token is): got a "
+                f"{mask.dim()}-D mask with other zeros or layout; page keys carry token ids "
+                "only, not the mask"
             )
         cache.observe_tokens(ids)
 
@@ -52,3 +57,26 @@ def attach(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
     model.register_forward_hook(done, with_kwargs=True)
     setattr(model, _HOOKED, True)
+
+
+def _pad_id(model: torch.nn.Module) -> int | None:
+    """The pad token id ``generate`` masks out (``None`` when the model has none)."""
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        pad = getattr(config, "pad_token_id", None)
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            return pad
+    return None
+
+
+def _mask_follows_tokens(
+    mask: torch.Tensor, past: list[int], ids: torch.Tensor, pad: int | None
+) -> bool:
+    """Whether ``mask`` (over the cached tokens ``past`` and this forward's ``ids``) has its
+    zeros exactly where the pad token is: the mask ``generate`` infers when a prompt holds
+    the pad token. The KV is then a function of the token ids, which key the pages."""
+    if pad is None or mask.dim() != 2 or mask.shape[0] != 1:
+        return False
+    tokens = past + [int(t) for t in ids.reshape(-1).tolist()]
+    if mask.shape[1] != len(tokens):
+        return False
+    return bool(torch.equal(mask[0].bool(), torch.tensor(tokens) != pad))
