@@ -110,7 +110,7 @@ def test_resolve_takes_geometry_from_the_tensors_and_tiers_from_the_user(tmp_pat
     assert spec.dtype == "bfloat16"
     assert spec.page_bytes == 2 * 2 * 32 * 64 * 2
     ns = cfg.config.namespace
-    assert ns.model_id == f"{model}#vllm/CPU_ATTN/tp2pp1"
+    assert ns.model_id == f"{model}#vllm/CPU_ATTN/kv=auto/tp2pp1"
     assert ns.rank == 1
     assert ns.revision == weights_fingerprint(model)
     assert cfg.config.tiers[0].capacity_pages(spec.page_bytes) == 4
@@ -129,6 +129,30 @@ def test_namespace_separates_weights_backends_and_parallel_layouts(tmp_path: Pat
     assert ns(a) != first
     assert ns(a, backend="FLASH_ATTN") != ns(a)
     assert ns(a, place=ParallelPlace(tp_size=2)) != ns(a)
+
+
+def test_namespace_separates_what_changes_kv_bytes_beyond_the_files(tmp_path: Path) -> None:
+    """fp8_e4m3 and fp8_e5m2 caches are both uint8 tensors; fp8 KV is quantized from the
+    model dtype; hf_overrides (a rope scaling) change K: none may share pages."""
+    from transformers import LlamaConfig
+
+    user = {"tiers": [{"name": "dram", "backend": "dram", "capacity": "1MiB"}]}
+    model = _model_dir(tmp_path, b"a" * 200_000)
+
+    def ns(cache_dtype: str, dtype: torch.dtype = torch.bfloat16, **hf: object) -> object:
+        cfg = _vllm_config(str(model))
+        cfg.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
+        cfg.model_config.dtype = dtype
+        cfg.model_config.hf_config = LlamaConfig(**hf)
+        paged = PagedKV([torch.zeros(8, 2, 32, 64, dtype=torch.uint8) for _ in range(2)])
+        return resolve(ConnectorSettings(kvtier_config=user), cfg, paged, "CPU_ATTN",
+                       ParallelPlace(), env={}).config.namespace  # fmt: skip
+
+    assert ns("fp8_e4m3") != ns("fp8_e5m2")
+    assert ns("fp8") == ns("fp8_e4m3")  # vLLM's alias
+    assert ns("fp8_e4m3", torch.float16) != ns("fp8_e4m3")
+    assert ns("fp8_e4m3", rope_theta=500.0) != ns("fp8_e4m3")
+    assert ns("fp8_e4m3", rope_theta=500.0) == ns("fp8_e4m3", rope_theta=500.0)
 
 
 def test_user_namespace_and_env_are_honoured_but_not_for_geometry(tmp_path: Path) -> None:

@@ -9,7 +9,10 @@ the kvtier configuration a worker opens.
   ``--revision``, else, for a local directory, a fingerprint of its weights (config file,
   file names and sizes, and 64 KiB samples of each weight file: two checkpoints at one
   path do not share pages), else ``main``. Always appended to ``model_id``: the attention
-  backend (the byte arrangement inside a block) and the tensor/pipeline parallel sizes;
+  backend and, on the CPU, its kernel ISA (the byte arrangement inside a block), the KV
+  cache dtype as vLLM names it (fp8 variants share one torch dtype), the model dtype, a
+  hash of the effective HF config (``hf_overrides`` included: :func:`kv_variant`) and the
+  tensor/pipeline parallel sizes;
   ``rank`` is ``pp_rank * tp_size + tp_rank``. So pages of another model, revision, KV
   dtype, block size, backend, parallel layout or rank never mix.
 * **Tiers, pipeline, log** come from the user's kvtier configuration (a file, an inline
@@ -148,6 +151,39 @@ def spec_for(paged: PagedKV, model: str) -> KVSpec:
     )
 
 
+def backend_name(vllm_config: Any, layer: str) -> str:
+    """The attention backend of ``layer`` as its block layout's name (``"unknown"`` when
+    vLLM does not say); on vLLM-CPU with its kernel ISA, chosen from the machine's CPU
+    flags: the AMX kernel packs K and V for its tiles, ``vec`` does not."""
+    ctx = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    module = ctx.get(layer)
+    backend = getattr(module, "attn_backend", None)
+    try:
+        name = str(backend.get_name()) if backend is not None else "unknown"
+    except Exception:
+        name = "unknown"
+    isa = getattr(module, "isa", None)
+    return f"{name}+isa={isa}" if isinstance(isa, str) and isa else name
+
+
+def kv_variant(vllm_config: Any) -> str:
+    """What decides a block's bytes beyond the geometry, the backend and the weight files:
+    vLLM's KV cache dtype (``fp8_e4m3`` and ``fp8_e5m2`` are both ``uint8`` tensors), the
+    model's dtype (what an fp8 cache is quantized from) and the effective Hugging Face
+    config, after ``hf_overrides`` (a rope scaling changes every K)."""
+    cc = getattr(vllm_config, "cache_config", None)
+    mc = getattr(vllm_config, "model_config", None)
+    kv = str(getattr(cc, "cache_dtype", None) or "auto")
+    parts = ["kv=" + {"fp8": "fp8_e4m3"}.get(kv, kv)]
+    dtype = getattr(mc, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        parts.append("dtype=" + torch_dtype_name(dtype))
+    hf = getattr(mc, "hf_config", None)
+    if hf is not None and callable(getattr(hf, "to_json_string", None)):
+        parts.append("cfg=" + xxhash.xxh3_64_hexdigest(hf.to_json_string(use_diff=False).encode()))
+    return ",".join(parts)
+
+
 def user_layer(settings: ConnectorSettings, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     """The user's kvtier configuration as a raw (file-shaped) table, and where it came
     from: ``kvtier_config`` (a TOML path or an inline table), else ``$KVTIER_CONFIG``, else
@@ -219,7 +255,8 @@ def resolve(
     revision = revision or weights_fingerprint(Path(model)) or "main"
     layer["model"] = spec.to_dict()
     layer["namespace"] = {
-        "model_id": f"{model_id}#vllm/{backend_name}/tp{place.tp_size}pp{place.pp_size}",
+        "model_id": f"{model_id}#vllm/{backend_name}/{kv_variant(vllm_config)}"
+        f"/tp{place.tp_size}pp{place.pp_size}",
         "revision": str(revision),
         "rank": place.rank,
     }

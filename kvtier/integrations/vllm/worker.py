@@ -113,7 +113,7 @@ class WorkerSide:
         names = sorted(kv_caches, key=lambda n: (layer_index(n), n))
         self.layer_of = {n: i for i, n in enumerate(names)}
         self.paged = PagedKV([kv_caches[n] for n in names])
-        backend = self._backend_name(names[0])
+        backend = identity.backend_name(self.vllm_config, names[0])
         resolved = identity.resolve(
             self.settings, self.vllm_config, self.paged, backend, self.place
         )
@@ -129,15 +129,6 @@ class WorkerSide:
             lookup_socket=str(self._lookup.path) if self._lookup else None,
             metrics_port=self.metrics_port,
         )
-
-    def _backend_name(self, layer: str) -> str:
-        ctx = getattr(self.vllm_config.compilation_config, "static_forward_context", {}) or {}
-        module = ctx.get(layer)
-        backend = getattr(module, "attn_backend", None)
-        try:
-            return str(backend.get_name()) if backend is not None else "unknown"
-        except Exception:
-            return "unknown"
 
     async def _open(self, resolved: Any) -> KVCache:
         cache = KVCache(resolved)
