@@ -31,16 +31,6 @@ _log = get_logger("kvtier.pipeline")
 Drop = Callable[[Tier, list[PageKey]], Awaitable[list[PageKey]]]
 
 
-def _fill(out: list[bool], jobs: list[tuple[list[int], Job]], results: Sequence[Any]) -> None:
-    """Set ``out[i]`` for the pages of each job from its result (a job that raised, or
-    was cancelled, stored none of its pages)."""
-    for (idx, _), res in zip(jobs, results, strict=True):
-        if isinstance(res, BaseException):
-            continue
-        for i, r in zip(idx, res, strict=True):
-            out[i] = r
-
-
 class Writer:
     """Stores, write-downs and flushes over ``mover`` with batches from ``moves``;
     ``drop`` removes what a store committed past a page it could not keep."""
@@ -102,12 +92,7 @@ class Writer:
             mover.spawn(self._finish_abandoned(keys, parents, first, todo, jobs, expected))
             raise
         planner.unexpect(expected)
-        _fill(out, jobs, results)
-        orphans = self._orphans(keys, parents, first, todo, out)
-        if orphans:
-            # the batches ran side by side: one may have landed after one before it failed
-            for k in await self.drop(top, orphans):
-                out[first[k]] = False
+        await self._settle(out, keys, parents, first, todo, jobs, results)
         for i, k in enumerate(keys):
             out[i] = out[first[k]]
         if d.used(top.name) > top.high_pages:
@@ -135,11 +120,31 @@ class Writer:
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             self.mover.planner.unexpect(expected)
-        out = [False] * len(keys)
-        _fill(out, jobs, results)
+        await self._settle([False] * len(keys), keys, parents, first, todo, jobs, results)
+
+    async def _settle(
+        self,
+        out: list[bool],
+        keys: Sequence[PageKey],
+        parents: Sequence[PageKey | None],
+        first: dict[PageKey, int],
+        todo: list[int],
+        jobs: list[tuple[list[int], Job]],
+        results: Sequence[Any],
+    ) -> None:
+        """Set ``out[i]`` for the pages of each job from its result (a job that raised,
+        or was cancelled, stored none of its pages), then remove the pages committed past
+        a page of this store that is cached nowhere (:meth:`_orphans`) and mark them not
+        stored: the batches ran side by side, one may have landed after one before it
+        failed."""
+        for (idx, _), res in zip(jobs, results, strict=True):
+            if not isinstance(res, BaseException):
+                for i, r in zip(idx, res, strict=True):
+                    out[i] = r
         orphans = self._orphans(keys, parents, first, todo, out)
         if orphans:
-            await self.drop(self.mover.top, orphans)
+            for k in await self.drop(self.mover.top, orphans):
+                out[first[k]] = False
 
     def _orphans(
         self,
