@@ -88,12 +88,11 @@ T = TypeVar("T")
 _log = get_logger("kvtier.transformers")
 
 
-def warn_unnamed_checkpoint(cache: KVCache, model_config: Any) -> bool:
-    """Warn (and return True) when ``model_config`` comes from a checkpoint
-    (``_name_or_path``) while the cache's namespace model id is only its shape's name
-    (``namespace.model_id`` unset): pages are keyed by the namespace, so another checkpoint
-    of the same shape and dtype would read this one's KV."""
-    source = str(getattr(model_config, "_name_or_path", "") or "")
+def warn_unnamed_checkpoint(cache: KVCache, source: str) -> bool:
+    """Warn (and return True) when the model comes from checkpoint ``source`` (its
+    config's ``_name_or_path``) while the cache's namespace model id is only its shape's
+    name (``namespace.model_id`` unset): pages are keyed by the namespace, so another
+    checkpoint of the same shape and dtype would read this one's KV."""
     model_id = cache.namespace.model_id
     if not source or model_id != cache.spec.name or model_id in (source, Path(source).name):
         return False
@@ -139,7 +138,6 @@ class KVTierBridge:
         self.spec: KVSpec = cache.spec
         self._pages = arena_pages(top, cache.spec)
         self._thread: threading.Thread | None = None
-        self._identity_checked = False
         self._checkpoint: str | None = None  # the first checkpoint seen: pages are its KV
 
     # -- running coroutines on the cache's loop -----------------------------------------
@@ -169,22 +167,18 @@ class KVTierBridge:
     def new_cache(self, model_config: Any = None, layer_prefetch: bool = True) -> KVTierCache:
         """A fresh :class:`KVTierCache` for one sequence (checked against ``model_config``
         when given; a checkpoint the namespace does not name is warned about once)."""
-        if model_config is not None:
-            source = str(getattr(model_config, "_name_or_path", "") or "")
-            if source:
-                if self._checkpoint is None:
-                    self._checkpoint = source
-                elif source != self._checkpoint:
-                    # one bridge has one namespace: a second checkpoint of the same shape
-                    # would read (and write) the first one's pages
-                    raise KVTierUsageError(
-                        f"this bridge serves checkpoint {self._checkpoint!r} (namespace model id "
-                        f"{self.cache.namespace.model_id!r}); {source!r} needs its own bridge "
-                        "with its own namespace.model_id"
-                    )
-            if not self._identity_checked:
-                self._identity_checked = True
-                warn_unnamed_checkpoint(self.cache, model_config)
+        source = str(getattr(model_config, "_name_or_path", "") or "")
+        if source and self._checkpoint is None:
+            self._checkpoint = source
+            warn_unnamed_checkpoint(self.cache, source)
+        elif source and source != self._checkpoint:
+            # one bridge has one namespace: a second checkpoint of the same shape would
+            # read (and write) the first one's pages
+            raise KVTierUsageError(
+                f"this bridge serves checkpoint {self._checkpoint!r} (namespace model id "
+                f"{self.cache.namespace.model_id!r}); {source!r} needs its own bridge "
+                "with its own namespace.model_id"
+            )
         return KVTierCache(self, model_config, layer_prefetch=layer_prefetch)
 
     @property
