@@ -9,6 +9,7 @@ commands must name a configuration file that exists and passes ``inspect config 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -28,8 +29,20 @@ def blocks(path: Path, lang: str) -> list[str]:
 
 
 def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in ``cwd``; its ``tempfile.mkdtemp()`` stores land there too.
+
+    The snippets make their NVMe store with ``tempfile.mkdtemp()`` (a 1 GiB one for the
+    transformers snippet) and leave it, as a reader's script would; with ``TMPDIR`` in
+    the test's own directory pytest removes them with it instead of /tmp filling up.
+    """
+    env = {**os.environ, "TMPDIR": str(cwd)}
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
