@@ -4,6 +4,7 @@ pages moving to NVMe and back, prefix reuse across requests and restarts, bad in
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,28 @@ def test_greedy_tokens_equal_dynamic_cache_with_pages_on_nvme(
     assert faulted > 0, "no page was faulted back during generation: the test lost its point"
     assert tiers["dram"]["evicted_pages"] > 0
     assert tiers["nvme"]["hits"] > 0  # pages read back from NVMe
+
+
+def test_caches_dropped_without_close_give_their_slots_back(
+    model: LlamaForCausalLM, tmp_path: Path
+) -> None:
+    """A cache used like DynamicCache (no ``with``, no ``close()``) and dropped gives its
+    working slot back once collected: twice as many such caches as the top tier has pages
+    all run, and each still gets DynamicCache's tokens. Before, each kept a slot reserved
+    and the 12-page tier refused the 12th with CapacityError."""
+    dram_pages = 12
+    with KVTierBridge.start(config(model, tmp_path / "nvme", dram_pages), env={}) as bridge:
+        for i in range(2 * dram_pages):
+            ids = prompt(6, seed=100 + i)
+            ref = greedy(model, ids, DynamicCache(config=model.config), 2)
+            cache = bridge.new_cache(model.config)
+            out = greedy(model, ids, cache, 2)
+            assert torch.equal(out.sequences, ref.sequences), f"cache {i}"
+            del cache, out
+            gc.collect()  # a KVTierCache is in a reference cycle with its layer views
+        with bridge.new_cache(model.config) as c:
+            greedy(model, prompt(6, seed=99), c, 2)
+            assert c.stats.forwards == 2
 
 
 def test_prefix_reuse_same_tokens_and_logits(model: LlamaForCausalLM, tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvtier.attention import torch_dtype
-from kvtier.backend import Reservation
 from kvtier.errors import KVTierUsageError, TierIOError
 from kvtier.integrations.hf_parts import (
     BACKGROUND,
@@ -20,8 +19,11 @@ from kvtier.integrations.hf_parts import (
     WORKING_KEYS,
     WORKING_NAMESPACE,
     BridgeLike,
+    Holdings,
     KVTierCacheStats,
     PrefixLostError,
+    give_back,
+    give_back_when_dropped,
     quietly,
     spec_for_model,
     token_list,
@@ -70,7 +72,8 @@ class KVTierCache(Cache):  # type: ignore[misc]
     """A transformers ``Cache`` over kvtier pages for one sequence. See the module docs.
 
     Create with :meth:`KVTierBridge.new_cache`; close with :meth:`close` (or ``with``),
-    which gives the working slot back and drops any pins (published pages stay cached).
+    which gives the working slot back and drops any pins (published pages stay cached). A
+    cache dropped unclosed gives them back when it is garbage-collected.
 
     Raises (from ``update`` / ``observe_tokens``):
         KVTierUsageError: batch size > 1, wrong head count or head dim, wrong dtype, no
@@ -102,14 +105,14 @@ class KVTierCache(Cache):  # type: ignore[misc]
         self._keys: list[PageKey] = []  # published full pages, in order
         self._tail = 0  # tokens in the working slot
         self._slot: int | None = None
-        self._reservation: Reservation | None = None
+        self._held = Holdings()  # pins and the working slot: given back if dropped unclosed
+        give_back_when_dropped(self, bridge, self._held)
         self._closed = False
         # per-forward state
         self._pending: list[int] | None = None  # token ids of the next forward
         self._n_new = 0
         self._fast = False
         self._index: torch.Tensor | None = None
-        self._pinned: list[PageKey] = []
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._ahead: dict[int, concurrent.futures.Future[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._buffers: dict[int, torch.Tensor] = {}  # per layer: [2, pages, row] gathers
@@ -137,13 +140,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
         self.bridge.call(self._close_async())
 
     async def _close_async(self) -> None:
-        cache = self.bridge.cache
-        if self._pinned and cache.is_open:
-            cache.release(self._pinned)
-        self._pinned = []
-        if self._reservation is not None and cache.is_open:
-            await cache.release_private([self._reservation])
-        self._reservation = None
+        await give_back(self.bridge, self._held)
         self._slot = None
 
     def _check_open(self) -> None:
@@ -289,16 +286,17 @@ class KVTierCache(Cache):  # type: ignore[misc]
     async def _pin_pages(self) -> list[int]:
         """Reserve the working slot (once) and pin every published page in the top tier."""
         cache = self.bridge.cache
-        if self._pinned:
+        held = self._held
+        if held.pinned:
             # the previous forward raised before its last layer (Ctrl-C, a hook, OOM):
             # drop its pins, or they outlive this cache and block the top tier for good
-            cache.release(self._pinned)
-            self._pinned = []
-        if self._reservation is None:
+            cache.release(held.pinned)
+            held.pinned = []
+        if held.reservation is None:
             key = WORKING_KEYS.next()
             # makes room per policy; CapacityError when the top tier is pinned full
             (res,) = await cache.reserve_private([key], WORKING_NAMESPACE)
-            self._reservation = res
+            held.reservation = res
             self._slot = int(res.handle)
         slots: list[int] = []
         if self._keys:
@@ -307,10 +305,10 @@ class KVTierCache(Cache):  # type: ignore[misc]
                 1 for k in self._keys if not cache.directory.is_committed(k, top)
             )
             result = await cache.load(self._keys, pin=True)
-            self._pinned = list(self._keys)
+            held.pinned = list(self._keys)
             if result.missing:
-                cache.release(self._pinned)
-                self._pinned = []
+                cache.release(held.pinned)
+                held.pinned = []
                 lost = set(result.missing)
                 raise PrefixLostError([i for i, k in enumerate(self._keys) if k in lost])
             slots = [int(s) for s in result.slots if s is not None]
@@ -438,9 +436,9 @@ class KVTierCache(Cache):  # type: ignore[misc]
         """Unpin this forward's pages, then store the new full pages (in order; stops at
         the first that does not commit). Returns how many were stored."""
         cache = self.bridge.cache
-        if self._pinned:
-            cache.release(self._pinned)
-            self._pinned = []
+        if self._held.pinned:
+            cache.release(self._held.pinned)
+            self._held.pinned = []
         if not keys or pages is None:
             return 0
         parents: list[PageKey | None] = [
@@ -465,7 +463,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
             return
         self._index = None
         self._ahead.clear()
-        pinned, self._pinned = self._pinned, []
+        pinned, self._held.pinned = self._held.pinned, []
         if pinned:
             self.bridge.call(_release(self.bridge, pinned))
         raise KVTierUsageError(

@@ -5,19 +5,21 @@ constants, errors, counters, the model-to-spec helper, token-id checking, and wh
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import weakref
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from kvtier.attention import torch_dtype
-from kvtier.backend import ArenaBackend
+from kvtier.backend import ArenaBackend, Reservation
 from kvtier.cache import KVCache
 from kvtier.errors import KVTierUsageError, TierIOError
-from kvtier.keys import PrivateKeys
+from kvtier.keys import PageKey, PrivateKeys
 from kvtier.spec import KVSpec, canonical_dtype
 
 T = TypeVar("T")
@@ -55,6 +57,9 @@ class BridgeLike(Protocol):
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the cache's loop and wait for its result."""
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the cache's loop without waiting."""
 
     @property
     def pages(self) -> torch.Tensor:
@@ -193,3 +198,44 @@ def token_list(input_ids: Any) -> list[int]:
             out.append(int(t))
         return out
     raise KVTierUsageError(f"input_ids must be a tensor or a list of ints, got {type(input_ids)}")
+
+
+@dataclass
+class Holdings:
+    """What one :class:`~kvtier.integrations.hf_cache.KVTierCache` holds in the
+    ``KVCache``: the pins of its running forward and its working slot's reservation."""
+
+    pinned: list[PageKey] = field(default_factory=list)
+    reservation: Reservation | None = None
+
+
+async def give_back(bridge: BridgeLike, held: Holdings) -> None:
+    """Drop ``held``'s pins and working slot (on the cache's loop); empties ``held``.
+    Nothing to do once the ``KVCache`` is closed: closing it freed them."""
+    cache = bridge.cache
+    pinned, held.pinned = held.pinned, []
+    reservation, held.reservation = held.reservation, None
+    if pinned and cache.is_open:
+        cache.release(pinned)
+    if reservation is not None and cache.is_open:
+        await cache.release_private([reservation])
+
+
+def give_back_when_dropped(owner: object, bridge: BridgeLike, held: Holdings) -> None:
+    """Give ``held`` back when ``owner`` is garbage-collected without being closed.
+
+    A cache dropped unclosed (no ``with``, no ``close()``) would otherwise keep its working
+    slot reserved and its pins for as long as the ``KVCache`` runs: after as many dropped
+    caches as the top tier has pages, every forward raises ``CapacityError``. The
+    finalizer runs on whichever thread collects ``owner`` (the loop's own included), so it
+    only schedules :func:`give_back` on the loop and never waits; it holds ``held`` and
+    the bridge, never ``owner``. It does not run at interpreter exit.
+    """
+    fin = weakref.finalize(owner, _give_back_later, bridge, held)
+    fin.atexit = False
+
+
+def _give_back_later(bridge: BridgeLike, held: Holdings) -> None:
+    if held.pinned or held.reservation is not None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is held
+            bridge.submit(give_back(bridge, held))
