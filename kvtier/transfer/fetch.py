@@ -17,6 +17,7 @@ One demand fetch (:meth:`Fetcher.load`), step by step:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -26,7 +27,7 @@ from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.transfer.batch import purge_vanished
 from kvtier.transfer.gate import Priority
-from kvtier.transfer.mover import Job, Mover
+from kvtier.transfer.mover import Job, Mover, finish_before_raising
 from kvtier.transfer.moves import Moves
 from kvtier.transfer.results import LoadResult
 from kvtier.transfer.tier import Tier
@@ -183,8 +184,17 @@ class Fetcher:
             tried[i].add(tier.name)
             d.begin_copy(keys[i], tier.name)
         start = time.perf_counter()
+        get = asyncio.ensure_future(
+            tier.backend.get([keys[i] for i in items], [out[i] for i in items])
+        )
         try:
-            got = await tier.backend.get([keys[i] for i in items], [out[i] for i in items])
+            try:
+                got = await asyncio.shield(get)
+            except asyncio.CancelledError:
+                # the backend's threads write into the caller's buffers: a cancelled read
+                # returns only once they stopped (as the remote store's data path does)
+                await finish_before_raising([get])
+                raise
         except KVTierUsageError:
             raise
         except Exception as exc:

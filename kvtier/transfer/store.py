@@ -20,7 +20,7 @@ from kvtier.index.directory import PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.transfer.gate import Priority
-from kvtier.transfer.mover import Job, Mover
+from kvtier.transfer.mover import Job, Mover, finish_before_raising
 from kvtier.transfer.moves import Moves
 from kvtier.transfer.tier import Tier
 
@@ -90,6 +90,9 @@ class Writer:
         except BaseException:
             # cancelled (or failed): batches that started still land, in the background
             mover.spawn(self._finish_abandoned(keys, parents, first, todo, jobs, expected))
+            # ... but they copy from the caller's buffers: the caller may reuse those as
+            # soon as this raises, so wait for the batches (un-started ones were cancelled)
+            await finish_before_raising([j.task for _, j in jobs if j.task is not None])
             raise
         planner.unexpect(expected)
         await self._settle(out, keys, parents, first, todo, jobs, results)
