@@ -66,6 +66,7 @@ from kvtier.backend import (
     check_blobs,
     check_buffers,
 )
+from kvtier.errors import TierIOError
 from kvtier.keys import PageKey
 from kvtier.pageformat import HEADER_SIZE
 
@@ -324,19 +325,28 @@ class RedisStore(RedisStoreBase):
         return ok
 
     async def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        """Which keys are committed on the server (``False`` when it cannot answer)."""
+        """Which keys are committed on the server.
+
+        Raises :class:`~kvtier.errors.TierIOError` when the server did not answer for
+        some key (down, frozen, refusing): ``False`` would tell the cache the page is
+        gone, and it would forget pages the server still holds.
+        """
         self._check_keys(keys)
         replies = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )
-        out: list[bool] = []
+        unanswered = [r for r in replies if failed(r)]
+        if unanswered:
+            first = unanswered[0]
+            why = describe(first) if isinstance(first, BaseException | ReplyError) else "no reply"
+            raise TierIOError(
+                f"remote store {self.health.name}: no answer for {len(unanswered)} of "
+                f"{len(keys)} keys ({why})"
+            )
         for key, reply in zip(keys, replies, strict=True):
-            answered = not failed(reply)
-            hit = answered and reply == 1
-            if answered and not hit:
+            if reply != 1:
                 self._committed.discard(key)  # gone: evicted, expired or deleted
-            out.append(hit)
-        return out
+        return [reply == 1 for reply in replies]
 
     async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
         """Remove committed keys; ``True`` where this call removed one."""

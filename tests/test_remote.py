@@ -23,7 +23,7 @@ import redis
 from kvtier.backends.remote import RedisStore
 
 from kvtier.backend import BackendClosedError
-from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.errors import ConfigError, KVTierUsageError, TierIOError
 from kvtier.keys import Namespace, PageKey, page_keys
 from kvtier.pageformat import HEADER_SIZE, decode_header, namespace_digest
 from kvtier.registry import resolve
@@ -371,7 +371,9 @@ async def test_wrong_credentials_miss_without_raising(
 ) -> None:
     async with make(redis_acl.url, password="wrong") as s:
         assert await s.put(keys_for(1), pages(1)) == [False]
-        assert await s.contains(keys_for(1)) == [False]
+        assert await s.get(keys_for(1), [np.zeros(PAGE, np.uint8)]) == [False]
+        with pytest.raises(TierIOError, match="no answer"):  # not a claim that it is gone
+            await s.contains(keys_for(1))
     assert "unavailable" in caplog.text and "Authentication" in caplog.text
 
 

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from kvtier.backend import Medium, Reservation, StoreBackend, check_buffers
-from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError
+from kvtier.errors import ConfigError, IntegrityError, KVTierUsageError, TierIOError
 from kvtier.health import Health
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE, encode_header, verify_page
@@ -660,8 +660,14 @@ class MooncakeStore(StoreBackend):
         if not keys:
             return []
         found = await self._batch("batch_is_exist", [self.name(k) for k in keys])
-        if found is None:
-            return [False] * len(keys)
+        # no answer (the master is down) or an error code is not "gone": answering False
+        # would make the cache forget pages the store still holds
+        unanswered = len(keys) if found is None else sum(1 for f in found if f not in (0, 1))
+        if found is None or unanswered:
+            raise TierIOError(
+                f"mooncake store: no answer for {unanswered} of {len(keys)} keys "
+                "(batch_is_exist failed)"
+            )
         for k, f in zip(keys, found, strict=True):
             if f == 0:
                 self._committed.discard(k)

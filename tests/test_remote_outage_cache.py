@@ -1,0 +1,71 @@
+"""A remote tier whose server stops answering for a while, seen through a ``KVCache``.
+
+The pages stay on the server. While it is frozen they are misses; once it answers again
+the cache serves them again, byte-exact, from the keys the caller already holds (no new
+``lookup``). Before ``RedisStore.contains`` raised for keys it got no answer for, it said
+``False``, the cache took that as "gone" and forgot every page a read or load touched
+during the outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvtier.cache import KVCache
+from kvtier.testing.servers import RedisServer, unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    unavailable_reason("valkey") is not None, reason=str(unavailable_reason("valkey"))
+)
+
+PAGES = 20
+
+
+def _config(url: str) -> dict[str, object]:
+    return {
+        "model": {"preset": "tiny"},
+        "pipeline": {"write_policy": "write-through"},
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": 8 * 512},
+            {
+                "name": "remote",
+                "backend": "redis",
+                "capacity": 1024 * 512,
+                "options": {"url": url, "op_timeout_s": 0.5, "connect_timeout_s": 0.5},
+            },
+        ],
+    }
+
+
+@pytest.mark.parametrize("call", ["read", "load"])
+async def test_pages_a_frozen_server_still_holds_are_served_again_after(call: str) -> None:
+    rng = np.random.default_rng(11)
+    with RedisServer("valkey") as server:
+        async with KVCache(_config(server.url), env={}, configure_log=False) as cache:
+            tokens = rng.integers(0, 50_000, PAGES * cache.spec.page_tokens)
+            pages = rng.integers(0, 256, (PAGES, cache.spec.page_bytes), dtype=np.uint8)
+            keys = (await cache.store(tokens, pages)).keys
+            await cache.flush()
+            assert await cache.demote("dram", keys) == []
+            assert all(cache.directory.is_committed(k, "remote") for k in keys)
+            out = np.zeros_like(pages)
+            server.pause()  # SIGSTOP: connections stay open, nothing answers
+            try:
+                if call == "read":
+                    hits = await asyncio.wait_for(cache.read(keys, out), 30)
+                    assert not any(hits)
+                else:
+                    loaded = await asyncio.wait_for(cache.load(keys[:6]), 30)
+                    cache.release(keys[:6])
+                    assert loaded.missing == keys[:6]
+            finally:
+                server.resume()
+            assert all(cache.directory.is_committed(k, "remote") for k in keys), (
+                "the cache forgot pages the server still holds"
+            )
+            hits = await cache.read(keys, out)
+            assert all(hits)
+            np.testing.assert_array_equal(out, pages)
