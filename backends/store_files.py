@@ -85,7 +85,9 @@ def check_path_text(path: str | os.PathLike[str], what: str) -> Path:
         raise StorePathError(f"{what}: the path is empty")
     if "\x00" in text:
         raise StorePathError(f"{what}: the path {text!r} contains a NUL byte")
-    return Path(text)
+    # "~/kv" in a TOML file or a KVTIER_* variable means the home directory (no shell
+    # expanded it); taken literally it made a directory named "~" in the working directory
+    return Path(text).expanduser()
 
 
 def _unsafe(path: Path, root: Path | None, why: str) -> UnsafeStoreError:

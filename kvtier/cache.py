@@ -42,7 +42,7 @@ from kvtier.cache_input import (
     namespace_label,
     namespace_of,
 )
-from kvtier.cache_open import open_backends
+from kvtier.cache_open import Owner, check_owner, current_owner, open_backends, unwritten_pages
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import (
     KVTierError,
@@ -135,6 +135,7 @@ class KVCache:
         self.skipped_tiers: dict[str, str] = {}
         self._pipeline: Pipeline | None = None
         self._state = "new"  # -> starting -> open -> closing -> closed
+        self._owner: Owner | None = None  # every call must come from there (check_owner)
         self._closed = asyncio.Event()
         self._configure_log = configure_log
         #: Engine hints and observers (:mod:`kvtier.cache_hooks`; ``hooks.observers``).
@@ -172,6 +173,7 @@ class KVCache:
                 if self._state == "new"
                 else f"KVCache is {self._state}"
             )
+        check_owner(self._owner)
         return self._pipeline
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -206,6 +208,7 @@ class KVCache:
                 f"KVCache is {what.get(self._state, self._state)}; create a new one "
                 "(start() runs once)"
             )
+        self._owner = current_owner()
         self._state = "starting"
         try:
             await self._start()
@@ -266,6 +269,8 @@ class KVCache:
         close every backend. Calls made once close has begun raise
         :class:`KVTierUsageError`; calls already running finish. Idempotent: a second
         call returns when the first one is done."""
+        if self._state in ("open", "closing"):
+            check_owner(self._owner)
         if self._state == "closing":
             await self._closed.wait()
             return
@@ -283,6 +288,10 @@ class KVCache:
             # close itself was cancelled (or failed): stop what is left before the
             # backends go, so nothing runs against a closed backend
             await self._pipeline.cancel_all()
+            if lost := unwritten_pages(self.tiers, self.directory):
+                _log.warning(
+                    "close was interrupted before its flush: dirty pages are lost", pages=lost
+                )
             raise
         finally:
             for tier in reversed(self.tiers):

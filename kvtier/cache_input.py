@@ -52,6 +52,12 @@ def check_parents(parents: Sequence[Any] | None, n: int) -> list[PageKey | None]
         raise KVTierUsageError(
             f"parents must be a sequence of page keys, not a single {type(parents).__name__}"
         )
+    try:
+        parents = list(parents)
+    except TypeError:
+        raise KVTierUsageError(
+            f"parents must be a sequence of page keys (or None), got {type(parents).__name__}"
+        ) from None
     if len(parents) != n:
         raise KVTierUsageError(f"parents: got {len(parents)} for {n} keys")
     return [
@@ -125,6 +131,11 @@ class PageInput:
                 raise KVTierUsageError(
                     f"{what}: shape {tuple(arr.shape)} does not match {shape_hint}"
                 )
+            if arr.nbytes != n * pb:  # e.g. uint8 in the page shape of a 2-byte dtype
+                raise KVTierUsageError(
+                    f"{what}: {arr.dtype} array of shape {tuple(arr.shape)} holds {arr.nbytes} "
+                    f"bytes, not {n * pb} ({n} pages of {pb}); pass {shape_hint}"
+                )
             arr = arr.view(np.uint8).reshape(n, pb)
         return list(arr)
 
@@ -153,6 +164,10 @@ class PageInput:
 
             if not isinstance(obj, torch.Tensor):
                 raise KVTierUsageError(f"{what}: unsupported type {type(obj).__name__}")
+            if obj.layout != torch.strided:
+                raise KVTierUsageError(
+                    f"{what}: a {obj.layout} tensor; kvtier takes dense (strided) tensors"
+                )
             if obj.device.type != "cpu":
                 raise KVTierUsageError(
                     f"{what}: tensor is on {obj.device}; kvtier's facade takes CPU tensors"

@@ -1,13 +1,22 @@
-"""Opening a cache's backends (:meth:`kvtier.cache.KVCache.start`'s first step)."""
+"""Opening a cache's backends (:meth:`kvtier.cache.KVCache.start`'s first step), the
+cache's owner (the event loop and thread that started it) and what a cut-short close
+leaves unwritten."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
 
 from kvtier.backend import Backend
 from kvtier.config import KVTierConfig
-from kvtier.errors import TierOpenError
+from kvtier.errors import KVTierUsageError, TierOpenError
+from kvtier.index.directory import Directory
 from kvtier.log import get_logger
+from kvtier.transfer.tier import Tier
+
+#: The event loop and thread that started a cache.
+Owner = tuple[asyncio.AbstractEventLoop, int]
 
 _log = get_logger("kvtier.cache")
 
@@ -44,3 +53,39 @@ async def open_backends(
             await b.close()
         raise
     return opened
+
+
+def current_owner() -> Owner:
+    """The running event loop and this thread (call from the loop)."""
+    return asyncio.get_running_loop(), threading.get_ident()
+
+
+def check_owner(owner: Owner | None) -> None:
+    """Raise :class:`KVTierUsageError` when called from another thread or event loop than
+    ``owner``: a cache's directory, policies and futures belong to the loop that started
+    it and have no locks (a call from a foreign loop hung, or marked a tier failing)."""
+    if owner is None:
+        return
+    loop, thread = owner
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if threading.get_ident() != thread or (running is not None and running is not loop):
+        raise KVTierUsageError(
+            "KVCache is used from another thread or event loop than the one that started "
+            "it; call it on that loop (from another thread: "
+            "asyncio.run_coroutine_threadsafe(coro, loop))"
+        )
+
+
+def unwritten_pages(tiers: Sequence[Tier], directory: Directory) -> int:
+    """Committed pages of memory tiers that no tier below holds (lost when the process
+    ends): what a close cut short before its flush leaves behind."""
+    return sum(
+        1
+        for t in tiers[:-1]
+        if t.is_arena
+        for k in directory.keys_in(t.name)
+        if directory.is_committed(k, t.name) and not directory.below(k, t.name)
+    )

@@ -345,7 +345,10 @@ def _build_tier(
         raise ConfigError(f"{p}.name: duplicate tier name {name!r}{_src(sources, p + '.name')}")
     seen.add(name)
     backend = _str(t["backend"], f"{p}.backend", sources)
-    capacity = parse_size(t["capacity"], f"{p}.capacity")
+    try:
+        capacity = parse_size(t["capacity"], f"{p}.capacity")
+    except ConfigError as exc:  # name the source (file, env variable) as other keys do
+        raise ConfigError(f"{exc}{_src(sources, p + '.capacity')}") from None
     if capacity < spec.page_bytes:
         raise ConfigError(
             f"{p}.capacity: {capacity} bytes ({format_size(capacity)}) is smaller than one page "

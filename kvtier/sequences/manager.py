@@ -144,6 +144,12 @@ class SequenceManager:
         t = torch.from_numpy(kv) if isinstance(kv, np.ndarray) else kv
         if not isinstance(t, torch.Tensor):
             raise KVTierUsageError(f"kv must be a torch tensor or numpy array, got {type(kv)}")
+        # append copies only after the block table took the tokens: a tensor the copy
+        # cannot read would leave tokens whose KV was never written (and publish them)
+        if t.layout != torch.strided:
+            raise KVTierUsageError(f"kv must be a dense (strided) tensor, got {t.layout}")
+        if t.device.type == "meta":
+            raise KVTierUsageError("kv is a meta tensor: it holds no data")
         s = self.spec
         want = (s.num_layers, s.kv_factor, n, s.num_kv_heads, s.head_dim)
         if tuple(t.shape) != want:
