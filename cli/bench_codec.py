@@ -90,8 +90,10 @@ def codec(
     """Codec ratio and speed on KV pages, and tier GB/s with each codec vs none."""
 
     def body() -> None:
-        if pages < 1 or repeat < 1 or rounds < 1 or batch_pages < 1:
-            raise KVTierUsageError("--pages, --repeat, --rounds and --batch-pages must be >= 1")
+        for flag, value in (("--pages", pages), ("--repeat", repeat), ("--rounds", rounds),
+                            ("--batch-pages", batch_pages)):  # fmt: skip
+            if value < 1:
+                raise KVTierUsageError(f"{flag} must be >= 1, got {value}")
         check_throughput_tiers(tier or [])
         codecs = [parse_codec(c) for c in codec_opt] if codec_opt else DEFAULT_CODECS
         spec, kv, description = kv_pages(source, dtype=dtype, page_tokens=page_tokens, pages=pages)

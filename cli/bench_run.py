@@ -238,9 +238,12 @@ def bench_run_command(
         )
         pred = None if predictor == "none" else predictor
         if pred is not None:
-            from kvtier.prefetcher import check_predictor
+            from kvtier.prefetcher import PREDICTORS
 
-            check_predictor(pred)
+            if pred not in PREDICTORS:
+                raise KVTierUsageError(
+                    f"--predictor: unknown predictor {pred!r}; known: none, {', '.join(PREDICTORS)}"
+                )
         top = parse_size(dram_capacity, "--dram-capacity") if dram_capacity else None
         base = load_config(config)
         with progress(not as_json, "bench run", params.sessions * params.turns) as advance:

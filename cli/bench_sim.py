@@ -60,7 +60,9 @@ def check_args(
         raise KVTierUsageError(f"--block-tokens must be >= 1, got {block_tokens}")
     if not math.isfinite(tier_scale) or tier_scale <= 0:
         raise KVTierUsageError(f"--tier-scale must be a finite number > 0, got {tier_scale}")
-    if not tiers or len(set(tiers)) != len(tiers):
+    if not tiers:
+        raise KVTierUsageError("--tiers must name at least one tier, e.g. --tiers hbm,dram")
+    if len(set(tiers)) != len(tiers):
         raise KVTierUsageError(f"--tiers must name distinct tiers, got {','.join(tiers)!r}")
     if admission not in admission_names():
         known = ", ".join(admission_names())
@@ -71,6 +73,24 @@ def check_args(
         tier_pages(c, parse_capacity(c, 1), tier_scale, tiers, [1.0] * len(tiers))
     if plot_file is not None:
         check_plot_path(plot_file)
+
+
+def check_names(policies: list[str], write_policy: str, prefetch: str | None) -> None:
+    """``--policy``, ``--write-policy`` and ``--prefetch`` name known things:
+    :class:`KVTierUsageError` naming the option, before the trace is read."""
+    for p in policies:
+        if p not in EVICTION_POLICIES:
+            known = ", ".join(sorted(EVICTION_POLICIES))
+            raise KVTierUsageError(f"--policy: unknown policy {p!r}; known: {known}")
+    if prefetch not in (None, "lookahead"):
+        raise KVTierUsageError(
+            f"--prefetch: unknown prefetch predictor {prefetch!r}; known: lookahead"
+        )
+    if write_policy not in WRITE_POLICIES:
+        raise KVTierUsageError(
+            f"--write-policy: unknown write policy {write_policy!r}; "
+            f"known: {', '.join(WRITE_POLICIES)}"
+        )
 
 
 def check_hardware_tiers(hardware: str, tiers: list[str]) -> None:
@@ -142,14 +162,7 @@ def run_sim(
     capacity takes, as many pages as the live cache would (:func:`codec_page_factors`).
     With ``hints``, the trace's engine hints reach hint-aware policies.
     """
-    for p in policies:
-        if p not in EVICTION_POLICIES:
-            known = ", ".join(sorted(EVICTION_POLICIES))
-            raise KVTierUsageError(f"unknown policy {p!r}; known: {known}")
-    if prefetch not in (None, "lookahead"):
-        raise KVTierUsageError(f"unknown prefetch predictor {prefetch!r}; known: lookahead")
-    if write_policy not in WRITE_POLICIES:
-        raise KVTierUsageError(f"unknown write policy {write_policy!r}; known: {WRITE_POLICIES}")
+    check_names(policies, write_policy, prefetch)
     check_hardware_tiers(hardware, tier_names)
     hw = profile(hardware)
     spec = preset(model)
@@ -237,7 +250,7 @@ def make_figure(report: dict[str, Any]) -> Any:
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     fig = Figure(figsize=(9, 4.8))
     ax = fig.add_subplot()
@@ -260,7 +273,8 @@ def make_figure(report: dict[str, Any]) -> Any:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", lw=1.8, zorder=3,
                 label=pol)  # fmt: skip
     ax.set_xscale("log")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x * 100:g}%"))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x * 100:.3g}%"))
+    ax.xaxis.set_minor_locator(NullLocator())  # else minor ticks read 2x10^-2, not percent
     if xs:
         ax.set_xticks(xs)
     ax.set_xlabel("cache capacity, all tiers (% of distinct blocks)")
@@ -408,6 +422,7 @@ def sim(
             plot_file,
         )
         check_hardware_tiers(hardware, names)
+        check_names(policy or DEFAULT_POLICIES, write_policy, prefetch)
         codecs: dict[str, str] = {}
         for item in codec or []:
             tier_name, eq, codec_name = item.partition("=")

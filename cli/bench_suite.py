@@ -15,6 +15,7 @@ from kvtier.cli.output import console, progress, table
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.eviction import EVICTION_POLICIES
 from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, run_suite, suite_traces
+from kvtier.sim.workloads import MAX_GENERATED_REQUESTS
 
 
 def render_suite(report: dict[str, Any]) -> None:
@@ -75,8 +76,16 @@ def run_suite_cli(
     (and the Mooncake ``trace``'s halves when given) for the CLI; checks the options
     first (:class:`KVTierUsageError` naming the bad one)."""
     pols = policies or [DEFAULT_POLICY, *CLASSIC]
-    if requests is not None and requests < 1:
-        raise KVTierUsageError(f"--requests must be >= 1, got {requests}")
+    if requests is not None and not 1 <= requests <= MAX_GENERATED_REQUESTS:
+        raise KVTierUsageError(
+            f"--requests must be from 1 to {MAX_GENERATED_REQUESTS:,} (requests per "
+            f"generated trace), got {requests}"
+        )
+    if trace is not None and half == "fresh":
+        raise KVTierUsageError(
+            "--half fresh has no Mooncake part (the trace has only two halves): drop "
+            "--trace, or use --half tune, held-out or all"
+        )
     for p in pols:
         if p not in EVICTION_POLICIES:
             raise KVTierUsageError(

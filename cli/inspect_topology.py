@@ -9,6 +9,7 @@ import typer
 from kvtier.cli.app import inspect_app
 from kvtier.cli.output import console, emit, err_console, run_guarded, table
 
+from kvtier.errors import KVTierUsageError
 from kvtier.placement import PlacementMode, plan_placement
 from kvtier.topology import format_cpulist, path_device, read_topology
 
@@ -123,6 +124,13 @@ def inspect_topology(
     and node a store directory is on."""
 
     def body() -> None:
+        if mode not in ("auto", "local", "interleave", "none"):
+            raise KVTierUsageError(
+                f"--placement must be auto, local, interleave or none, got {mode!r}"
+            )
+        for p in path or []:
+            if not p.exists():
+                raise KVTierUsageError(f"--path {p}: no such file or directory")
         data = topology_report(
             root,
             mode,  # type: ignore[arg-type]  # validated by plan_placement

@@ -71,9 +71,25 @@ def _default(obj: Any) -> Any:
     return str(obj)
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, +-Infinity, which JSON has no words for)
+    replaced by ``None``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def dumps(data: Any) -> str:
-    """JSON text of ``data`` (bytes as hex, numpy scalars as numbers)."""
-    return json.dumps(data, default=_default, sort_keys=False)
+    """JSON text of ``data`` (bytes as hex, numpy scalars as numbers, non-finite floats as
+    ``null``): always strict JSON, as ``--json`` promises."""
+    text = json.dumps(data, default=_default, sort_keys=False)
+    if "NaN" in text or "Infinity" in text:  # rare: re-encode strictly
+        text = json.dumps(_finite(json.loads(text)), sort_keys=False, allow_nan=False)
+    return text
 
 
 def emit(data: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], None]) -> None:
@@ -155,8 +171,11 @@ def fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
 def json_error(message: str, kind: str, code: int) -> None:
     """Print the JSON error object of a failed ``--json`` command on stdout."""
     error = {"message": message, "type": kind, "exit_code": code}
-    sys.stdout.write(dumps({"error": error}) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(dumps({"error": error}) + "\n")
+        sys.stdout.flush()
+    except OSError:  # stdout itself failed (full disk, closed pipe): stderr has the message
+        pass
 
 
 def _describe(exc: BaseException) -> tuple[str, int]:

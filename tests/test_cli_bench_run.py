@@ -63,7 +63,7 @@ def test_conversations_are_deterministic_and_share_system_prompts() -> None:
     [
         ({"sessions": 0}, "sessions"),
         ({"user_tokens": (5, 2)}, "user_tokens"),
-        ({"system_tokens": -1}, "system_tokens"),
+        ({"system_tokens": -1}, "--system-tokens"),
     ],
 )
 def test_chat_params_reject_bad_values(kwargs: dict, needle: str) -> None:

@@ -63,7 +63,7 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         ),
         (["--block-tokens", "0"], "--block-tokens must be >= 1"),
         (["--admission", "bogus"], "unknown admission policy 'bogus'"),
-        (["--tiers", ","], "--tiers must name distinct tiers"),
+        (["--tiers", ","], "--tiers must name at least one tier"),
         (["--tiers", "a,a"], "--tiers must name distinct tiers"),
         (["--plot", "/nonexistent-dir/x.png"], "--plot: directory /nonexistent-dir does not exist"),
         (["--plot", "/tmp/x.nosuchformat"], "cannot write a nosuchformat file"),
@@ -322,11 +322,11 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
         (["bench", "run", "-c", str(DATA / "README.md")], "is not valid TOML"),
         # before: an infinite queue delay was taken, and the run waited forever
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "inf"],
-         "queue_delay_ms must be a finite number >= 0, got inf"),
+         "--queue-delay-ms must be a finite number >= 0, got inf"),
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "1e999"],
-         "queue_delay_ms must be a finite number >= 0, got inf"),
+         "--queue-delay-ms must be a finite number >= 0, got inf"),
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "-1"],
-         "queue_delay_ms must be a finite number >= 0, got -1"),
+         "--queue-delay-ms must be a finite number >= 0, got -1"),
     ],
 )  # fmt: skip
 def test_values_that_would_exhaust_memory_or_make_no_sense_are_refused(

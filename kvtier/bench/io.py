@@ -66,9 +66,15 @@ class IOBenchParams:
         for name in ("page_bytes", "pages", "repeats", "batch_pages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise KVTierUsageError(
-                    f"bench io: {name} must be a positive integer, got {value!r}"
+                flag = {"page_bytes": "--page-size", "batch_pages": "--batch"}.get(
+                    name, f"--{name}"
                 )
+                raise KVTierUsageError(
+                    f"bench io: {flag} must be a positive integer, got {value!r}"
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            # numpy's generators take only seeds >= 0 (a ValueError deep in the run)
+            raise KVTierUsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
         from kvtier.backends.dram import available_memory
 
         # The pages, the read buffers and an arena tier's own buffer are all in memory.

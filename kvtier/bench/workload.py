@@ -84,15 +84,20 @@ class ChatParams:
         delay = self.queue_delay_ms
         if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < inf:
             raise KVTierUsageError(
-                f"bench run: queue_delay_ms must be a finite number >= 0, got {delay!r}"
+                f"bench run: --queue-delay-ms must be a finite number >= 0, got {delay!r}"
             )
         for name in ("sessions", "turns", "system_prompts", "concurrency"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KVTierUsageError(f"bench run: {name} must be an integer >= 1, got {value!r}")
+                flag = "--" + name.replace("_", "-")
+                raise KVTierUsageError(f"bench run: {flag} must be an integer >= 1, got {value!r}")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            # numpy's generators take only seeds >= 0 (a ValueError deep in the run)
+            raise KVTierUsageError(f"--seed must be an integer >= 0, got {seed!r}")
         if self.system_tokens < 0:
             raise KVTierUsageError(
-                f"bench run: system_tokens must be >= 0, got {self.system_tokens}"
+                f"bench run: --system-tokens must be >= 0, got {self.system_tokens}"
             )
         for name in ("user_tokens", "reply_tokens"):
             lo, hi = getattr(self, name)

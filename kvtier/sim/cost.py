@@ -118,7 +118,8 @@ def evaluate(
     busy = 0.0
     fetches = hidden = 0
     saved = 0.0
-    prompt = float(result.req_input_tokens.sum())
+    # float64 sums: int64 sums of long traces of large lengths wrap around silently
+    prompt = float(result.req_input_tokens.sum(dtype=np.float64))
     for i in range(result.requests):
         n_in = float(result.req_input_tokens[i])
         hit_tokens = [min(float(h) * bt, n_in) for h in result.req_hits[i]]
@@ -137,7 +138,7 @@ def evaluate(
         step = decode_step_seconds(spec, hw, batch, n_in + out / 2)
         busy += ttfts[i] + out * step / batch
         saved += cached
-    total_tokens = prompt + float(result.req_output_tokens.sum())
+    total_tokens = prompt + float(result.req_output_tokens.sum(dtype=np.float64))
     return CostSummary(
         ttft_mean_s=float(ttfts.mean()) if result.requests else 0.0,
         ttft_p50_s=float(np.percentile(ttfts, 50)) if result.requests else 0.0,

@@ -12,6 +12,7 @@ The ``cpu`` profile stands for this CI machine class; ``load_profile`` reads a J
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,7 +147,7 @@ def load_profile(path: str | Path) -> HardwareProfile:
             k: LinkProfile(float(v["bandwidth"]), float(v.get("latency_s", 0.0)))
             for k, v in raw["links"].items()
         }
-        return HardwareProfile(
+        hw = HardwareProfile(
             name=str(raw.get("name", p.stem)),
             gpus=int(raw.get("gpus", 0)),
             flops=float(raw["flops"]),
@@ -158,8 +159,34 @@ def load_profile(path: str | Path) -> HardwareProfile:
         )
     except FileNotFoundError:
         raise KVTierUsageError(f"hardware profile file not found: {p}") from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise KVTierUsageError(f"hardware profile {p}: missing or bad field: {exc}") from None
+    except KeyError as exc:
+        raise KVTierUsageError(f"hardware profile {p}: missing field {exc}") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise KVTierUsageError(f"hardware profile {p}: bad field: {exc}") from None
+    except OSError as exc:  # a directory, no permission
+        raise KVTierUsageError(f"hardware profile {p} cannot be read: {exc.strerror}") from None
+    _check_profile(hw, p)
+    return hw
+
+
+def _check_profile(hw: HardwareProfile, p: Path) -> None:
+    """Rates and sizes are finite and > 0, latencies finite and >= 0: the cost model
+    divides by them (a 0 flops profile raised ZeroDivisionError; a negative bandwidth
+    gave negative transfer times)."""
+    fields = {"flops": hw.flops, "mem_bw": hw.mem_bw, "mem_bytes": hw.mem_bytes}
+    fields.update({f"links.{k}.bandwidth": v.bandwidth for k, v in hw.links.items()})
+    for name, value in fields.items():
+        if not (math.isfinite(value) and value > 0):
+            raise KVTierUsageError(
+                f"hardware profile {p}: {name} must be a finite number > 0, got {value!r}"
+            )
+    lat = {f"links.{k}.latency_s": v.latency_s for k, v in hw.links.items()}
+    lat.update({f"tier_bytes.{k}": v for k, v in hw.tier_bytes.items()})
+    for name, value in lat.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise KVTierUsageError(
+                f"hardware profile {p}: {name} must be a finite number >= 0, got {value!r}"
+            )
 
 
 @dataclass(frozen=True)

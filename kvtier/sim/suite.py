@@ -67,7 +67,11 @@ def suite_traces(
     if half not in HALVES:
         raise KVTierUsageError(f"unknown suite half {half!r}; known: {', '.join(HALVES)}")
     if mooncake is not None and not Path(mooncake).is_file():
-        raise KVTierUsageError(f"trace file not found: {mooncake}")
+        raise KVTierUsageError(
+            f"trace file not found: {mooncake}"
+            if not Path(mooncake).exists()
+            else f"trace {mooncake} is not a file"
+        )
     out: list[SuiteTrace] = []
     for name, seeds, which in (
         (TUNE_WORKLOADS, TUNE_SEEDS, "tune"),
@@ -95,9 +99,18 @@ def mooncake_half(path: Path, part: str) -> Trace:
     at ``path``, by requests, named ``mooncake-a`` / ``mooncake-b``."""
     tr = read_mooncake(path)
     mid = len(tr.requests) // 2
-    if part == "a":
-        return tr.slice(0, mid, "mooncake-a")
-    return tr.slice(mid, len(tr.requests), "mooncake-b")
+    half = (
+        tr.slice(0, mid, "mooncake-a")
+        if part == "a"
+        else tr.slice(mid, len(tr.requests), "mooncake-b")
+    )
+    if half.total_refs == 0:  # an empty cell would count as "level" in the summary
+        raise KVTierUsageError(
+            f"trace {path}: its {'first' if part == 'a' else 'second'} half "
+            f"({len(half.requests)} of {len(tr.requests)} requests) references no block; "
+            "the suite replays each half of the trace"
+        )
+    return half
 
 
 def _generated(name: str, requests: int, seed: int) -> Trace:

@@ -198,10 +198,15 @@ def _int_field(row: dict[str, object], name: str, where: str) -> int:
 
 def _block_ids(row: dict[str, object], where: str) -> list[int]:
     ids = row.get("hash_ids")
-    if not isinstance(ids, list) or not all(
-        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
-    ):
-        raise KVTierUsageError(f"{where}: field 'hash_ids' must be a list of ints >= 0")
+    if not isinstance(ids, list):
+        raise KVTierUsageError(
+            f"{where}: field 'hash_ids' must be a list of ints >= 0, got {type(ids).__name__}"
+        )
+    for i, b in enumerate(ids):
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise KVTierUsageError(
+                f"{where}: field 'hash_ids' must be a list of ints >= 0, entry {i} is {_brief(b)}"
+            )
     big = next((b for b in ids if b >= BLOCK_ID_LIMIT), None)
     if big is not None:
         raise KVTierUsageError(
@@ -217,7 +222,9 @@ def _timestamp_s(row: dict[str, object], where: str) -> float:
     if ts is None and "timestamp" not in row:
         raise KVTierUsageError(f"{where}: missing field 'timestamp' (ms since the trace start)")
     if isinstance(ts, bool) or not isinstance(ts, int | float):
-        raise KVTierUsageError(f"{where}: field 'timestamp' must be a number")
+        raise KVTierUsageError(
+            f"{where}: field 'timestamp' must be a number of ms, got {_brief(ts)}"
+        )
     try:
         t_s = float(ts) / 1000.0
     except OverflowError:  # an integer beyond the float range
@@ -264,7 +271,8 @@ def open_trace(path: str | Path, what: str = "trace") -> Iterator[io.TextIOBase]
         with p.open("rb") as raw:
             compressed = raw.read(2) == b"\x1f\x8b"
         opener = gzip.open if compressed else open
-        with opener(p, "rb") as binary, io.TextIOWrapper(binary, "utf-8", newline="") as text:
+        # utf-8-sig: a byte-order mark (files saved by some Windows editors) is dropped
+        with opener(p, "rb") as binary, io.TextIOWrapper(binary, "utf-8-sig", newline="") as text:
             yield text
     except UnicodeDecodeError as exc:
         raise KVTierUsageError(f"{what} {p} is not UTF-8 text (byte {exc.start})") from None
@@ -305,6 +313,12 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
             if not line.strip():
                 continue
             where = f"{p}:{lineno}"
+            if lineno == 1 and line.lstrip().upper().startswith("TIMESTAMP,"):
+                raise KVTierUsageError(
+                    f"{where}: this is a CSV (header {line.strip()[:60]!r}), not Mooncake "
+                    "JSONL; the Azure LLM traces carry no block ids, so they cannot be "
+                    "replayed for hit rates"
+                )
             row = _json_line(line, where)
             t_s = _timestamp_s(row, where)
             if t_s < last[0]:
