@@ -300,4 +300,5 @@ def test_cli_inspect_topology_json_and_errors(fake: FakeSysfs, monkeypatch) -> N
     assert json.loads(with_path.stdout)["paths"][0]["path"] == str(fake.root)
 
     bad_mode = runner.invoke(get_app(), [*args, "--placement", "nearest"])
-    assert bad_mode.exit_code == 2 and "--placement must be auto, local, interleave or none" in bad_mode.output
+    assert bad_mode.exit_code == 2
+    assert "--placement must be auto, local, interleave or none" in bad_mode.output
