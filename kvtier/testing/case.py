@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -133,7 +134,12 @@ class Case:
                 f"{self.name}: did not finish within {timeout_s:g} s (a hang?)"
             ) from None
         except Exception as exc:
-            raise ConformanceError(f"{self.name}: unexpected {exc!r}") from exc
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            raise ConformanceError(
+                f"{self.name}: unexpected {exc!r}, raised in {where.name}() at "
+                f"{where.filename}:{where.lineno} (a miss or a failed item is a False/None "
+                "for that item, never an exception)"
+            ) from exc
         finally:
             await ctx.cleanup()
         return CaseResult(self.name, False, self.rule, time.perf_counter() - start)

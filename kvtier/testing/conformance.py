@@ -97,6 +97,11 @@ async def check_backend(
         else:
             passed.append(case.name)
     if failures:
+        if any(f.startswith("round_trip:") for f in failures) and len(failures) > 1:
+            failures.append(
+                "(round_trip failed: pages do not read back as put, so the other cases' "
+                "diagnoses may only be consequences of that; fix round_trip first)"
+            )
         raise ConformanceError(
             f"{name} failed {len(failures)} conformance case(s):\n  " + "\n  ".join(failures)
         )

@@ -64,7 +64,8 @@ def backend_state_machine(
             super().__init__()
             self.loop = asyncio.new_event_loop()
             self.backend: Backend = self.run(self._open())
-            self.committed: dict[PageKey, bytes] = {}
+            #: key -> the bytes a get may serve (one set per key: racing commits allow either)
+            self.committed: dict[PageKey, frozenset[bytes]] = {}
             self.pending: list[_Pending] = []
 
         def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -119,7 +120,11 @@ def backend_state_machine(
             _check(ok == [True], "commit of a written reservation failed")
             self.pending.remove(p)
             assert p.data is not None
-            self.committed.setdefault(p.reservation.key, p.data)  # first commit wins
+            key = p.reservation.key
+            if key in self.committed:  # a racing commit: either write's bytes may stay
+                self.committed[key] = self.committed[key] | {p.data}
+            else:
+                self.committed[key] = frozenset({p.data})
 
         @precondition(lambda self: bool(self.pending))
         @rule(data=st.data())
@@ -136,7 +141,7 @@ def backend_state_machine(
             ok = self.run(self.backend.put([key], [page]))
             if key in self.committed or free:
                 _check(ok == [True], "put with room (or of a committed key) failed")
-                self.committed.setdefault(key, page.tobytes())
+                self.committed.setdefault(key, frozenset({page.tobytes()}))
             else:
                 _check(ok == [False], "put when full succeeded")
 
@@ -155,7 +160,9 @@ def backend_state_machine(
             _check(ok == [k in self.committed for k in chosen], "get hits differ from model")
             for k, hit, buf in zip(chosen, ok, out, strict=True):
                 if hit:
-                    _check(buf.tobytes() == self.committed[k], "get returned wrong bytes")
+                    got = buf.tobytes()
+                    _check(got in self.committed[k], "get returned wrong bytes")
+                    self.committed[k] = frozenset({got})  # served once: it must stay
 
         @invariant()
         def visibility_and_space(self) -> None:
