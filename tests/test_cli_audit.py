@@ -14,18 +14,8 @@ from typing import Any
 import pytest
 from kvtier.cli.app import get_app
 from kvtier.cli.output import dumps
+from test_cli_hardening import TRACE, invoke
 from typer.testing import CliRunner
-
-DATA = Path(__file__).resolve().parent / "data"
-TRACE = DATA / "mooncake_conversation_head400.jsonl"
-
-
-def invoke(*args: str, code: int) -> dict[str, Any]:
-    """Run the command with --json; check the exit code and the JSON error object."""
-    result = CliRunner().invoke(get_app(), [*args, "--json"])
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output
-    return dict(json.loads(result.stdout)["error"])
 
 
 def sim_json(*args: str) -> dict[str, Any]:
