@@ -121,7 +121,15 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
     ``failed_pages``; fetch latency count and mean; queue depths. Counts (pages, bytes,
     fetches, queued batches) are ints; seconds, rates and shares are floats."""
     if not any(name.startswith(PREFIX) for name in series):
-        raise ScrapeError(f"no kvtier metrics (names starting with {PREFIX!r}) at {source}")
+        hint = ""
+        if any(name.startswith("vllm:kvtier_") for name in series):
+            # vLLM's own /metrics carries the connector's counters, not the cache's
+            hint = (
+                "; this is vLLM's /metrics (its vllm:kvtier_* series are the connector's "
+                "counters): the cache's metrics are served on the port set by the "
+                "connector's kvtier_metrics_port"
+            )
+        raise ScrapeError(f"no kvtier metrics (names starting with {PREFIX!r}) at {source}{hint}")
     fields = {
         "used_pages": "used_pages",
         "capacity_pages": "capacity_pages",

@@ -19,6 +19,7 @@ from kvtier.cli.output import fmt, size
 from typer.testing import CliRunner
 
 from kvtier.cache import KVCache
+from kvtier.metrics_scrape import ScrapeError, cache_stats, parse_prometheus
 
 KVTIER = Path(sys.executable).with_name("kvtier")
 
@@ -199,3 +200,14 @@ def test_inspect_stats_errors_are_named(
     result = CliRunner().invoke(get_app(), ["inspect", "stats", "--url", full, "--json"])
     assert result.exit_code == code
     assert needle in json.loads(result.stdout)["error"]["message"]
+
+
+def test_vllm_metrics_endpoint_is_named_with_where_the_cache_metrics_are() -> None:
+    """A vLLM user points --url at vLLM's own /metrics, which holds the connector's
+    vllm:kvtier_* counters but not the cache's: the error says where to look."""
+    text = (
+        "# TYPE vllm:kvtier_hit_tokens_total counter\n"
+        'vllm:kvtier_hit_tokens_total{engine="0",model_name="m",tier="dram"} 128.0\n'
+    )
+    with pytest.raises(ScrapeError, match="kvtier_metrics_port"):
+        cache_stats(parse_prometheus(text), "http://127.0.0.1:8000/metrics")

@@ -303,7 +303,9 @@ class WorkerSide:
             blocks = [job.blocks[i] for i in good]
             staged = paged.stage(buffer, len(job.keys))
             if len(good) < len(job.keys):
-                staged = staged.index_select(0, torch.tensor(good, device=staged.device))
+                staged = staged.index_select(
+                    0, torch.tensor(good, dtype=torch.long, device=staged.device)
+                )
             for layer in range(job.layers):
                 with job.lock:
                     if job.cancelled:
