@@ -54,16 +54,16 @@ class DictStore(StoreBackend):
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         bufs = check_buffers(data, len(reservations), self.page_bytes)
         await asyncio.sleep(0)  # where a real store's I/O would let the loop run
-        return self._keep(reservations, [b.tobytes() for b in bufs])
+        return self.keep(reservations, [b.tobytes() for b in bufs])
 
     async def write_blobs(
         self, reservations: Sequence[Reservation], blobs: Sequence[Any]
     ) -> list[bool]:
         bufs = check_blobs(blobs, len(reservations), self.page_bytes)
         await asyncio.sleep(0)
-        return self._keep(reservations, [b.tobytes() for b in bufs])
+        return self.keep(reservations, [b.tobytes() for b in bufs])
 
-    def _keep(self, reservations: Sequence[Reservation], data: list[bytes]) -> list[bool]:
+    def keep(self, reservations: Sequence[Reservation], data: list[bytes]) -> list[bool]:
         self._check_open()
         ok = []
         for r, d in zip(reservations, data, strict=True):
@@ -182,8 +182,8 @@ class FirstCopyOnly(DictStore):
 class WritesIntoAborted(DictStore):
     """Answers ``True`` to a write into a reservation it already aborted."""
 
-    def _keep(self, reservations: Sequence[Reservation], data: list[bytes]) -> list[bool]:
-        ok = super()._keep(reservations, data)
+    def keep(self, reservations: Sequence[Reservation], data: list[bytes]) -> list[bool]:
+        ok = super().keep(reservations, data)
         return [True for _ in ok]
 
 
@@ -196,7 +196,7 @@ class HalfOfShortBlobs(DictStore):
         bufs = check_blobs(blobs, len(reservations), self.page_bytes)
         cut = [b.tobytes()[: max(1, len(b) // 2)] + bytes(len(b) - max(1, len(b) // 2))
                for b in bufs]  # fmt: skip
-        return self._keep(reservations, cut)
+        return self.keep(reservations, cut)
 
 
 def _factory(cls: type[DictStore], path: str) -> Any:
