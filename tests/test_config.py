@@ -3,6 +3,7 @@ sources of every value, and a ConfigError naming the key for every kind of mista
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,21 @@ def test_env_overrides_file_and_records_its_source(tmp_path):
     assert resolved.sources["tiers[0].capacity"] == "env:KVTIER_TIERS__DRAM__CAPACITY"
     assert resolved.sources["tiers[1].options.path"] == "env:KVTIER_TIERS__NVME__OPTIONS__PATH"
     assert resolved.sources["tiers[0].backend"] == f"file:{path}"
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [("KVTIER_PIPELINE_BATCH_PAGES", "KVTIER_PIPELINE__BATCH_PAGES"),
+     ("KVTIER_LOG_LEVEL", "KVTIER_LOG__LEVEL"),
+     ("KVTIER_TIERS_DRAM_CAPACITY", "KVTIER_TIERS__<name or index>__<key>")],
+)  # fmt: skip
+def test_a_setting_misspelt_with_single_underscores_is_named(name: str, meant: str) -> None:
+    """Before: dropped without a word (only names with ``__`` were read as settings)."""
+    with pytest.raises(ConfigError, match=re.escape(f"did you mean {meant}?")):
+        load_config(None, env={name: "8"})
+    # the variables of kvtier's scripts and tests stay theirs
+    load_config(None, env={"KVTIER_POLICY_RC_D": "x", "KVTIER_SKIP_VLLM": "1",
+                           "KVTIER_TEST_HANG_S": "3", "KVTIER_RUNTIME_DIR": "/tmp"})  # fmt: skip
 
 
 def test_kvtier_config_env_names_the_file(tmp_path):

@@ -42,7 +42,8 @@ Environment variables use ``__`` between levels: ``KVTIER_MODEL__PRESET=llama3-7
 (a tier by name or by index), ``KVTIER_TIERS__FILE__OPTIONS__PATH=/tmp/kv``. Values are
 parsed as TOML literals when they are one (numbers, booleans), else taken as strings.
 ``KVTIER_CONFIG=PATH`` names a TOML file used when no source is given. Other ``KVTIER_``
-variables without ``__`` are left to other parts of kvtier.
+variables without ``__`` are left to other parts of kvtier, except one that starts with a
+section (``KVTIER_PIPELINE_BATCH_PAGES``: a misspelt setting, refused by name).
 
 Every mistake raises :class:`~kvtier.errors.ConfigError` naming the key (``tiers[1].capacity``)
 and the source it came from.

@@ -133,6 +133,8 @@ def _env_layer(
     """(variable, path, value) for each ``KVTIER_A__B`` variable, in sorted order."""
     out: list[tuple[str, list[str], Any]] = []
     for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and "__" not in name:
+            _refuse_single_underscores(name)
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
@@ -140,6 +142,25 @@ def _env_layer(
             raise ConfigError(f"{name}: malformed variable name (empty level)")
         out.append((name, parts, _parse_env_value(env[name])))
     return out
+
+
+def _refuse_single_underscores(name: str) -> None:
+    """A ``KVTIER_`` variable without ``__`` is left to other parts of kvtier, unless it
+    starts with a config section: ``KVTIER_PIPELINE_BATCH_PAGES`` is a setting misspelt
+    with single underscores, which would otherwise be dropped without a word."""
+    rest = name[len(ENV_PREFIX) :]
+    for section in (*SECTIONS, "tiers"):
+        head = section.upper() + "_"
+        if rest.startswith(head) and len(rest) > len(head):
+            hint = (
+                "KVTIER_TIERS__<name or index>__<key>"
+                if section == "tiers"
+                else f"KVTIER_{section.upper()}__{rest[len(head) :]}"
+            )
+            raise ConfigError(
+                f"{name}: levels of a kvtier setting are separated by double underscores "
+                f"(did you mean {hint}?)"
+            )
 
 
 def apply_env(raw: dict[str, Any], env: Mapping[str, str], sources: dict[str, str]) -> None:
