@@ -422,7 +422,9 @@ def sim(
             plot_file,
         )
         check_hardware_tiers(hardware, names)
-        check_names(policy or DEFAULT_POLICIES, write_policy, prefetch)
+        # a policy named twice is replayed once (it would give the same row twice)
+        policies = list(dict.fromkeys(policy)) if policy else DEFAULT_POLICIES
+        check_names(policies, write_policy, prefetch)
         codecs: dict[str, str] = {}
         for item in codec or []:
             tier_name, eq, codec_name = item.partition("=")
@@ -435,7 +437,7 @@ def sim(
         tr = _load(trace, workload_name, requests, block_tokens)
         report = run_sim(
             tr,
-            policy or DEFAULT_POLICIES,
+            policies,
             capacity or ["1%", "5%", "10%"],
             names,
             tier_scale,

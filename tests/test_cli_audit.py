@@ -119,3 +119,17 @@ def test_json_to_a_full_disk_fails_without_a_traceback() -> None:
         )  # fmt: skip
     assert done.returncode != 0
     assert "Traceback" not in done.stderr and "No space left" in done.stderr, done.stderr
+
+
+def test_a_hardware_file_that_is_not_an_object_is_named(tmp_path: Path) -> None:
+    """Before: a JSON list said "list indices must be integers or slices, not str"."""
+    listed = tmp_path / "hw.json"
+    listed.write_text("[1, 2]")
+    args = ["bench", "sim", "--workload", "chat", "--requests", "20", "--hardware", str(listed)]
+    assert "must be a JSON object of fields" in invoke(*args, code=2)["message"]
+
+
+def test_a_policy_named_twice_is_replayed_once() -> None:
+    report = sim_json("--trace", str(TRACE), "--capacity", "5%", "--policy", "lru",
+                      "--policy", "lru")  # fmt: skip
+    assert [r["policy"] for r in report["runs"]] == ["lru"]

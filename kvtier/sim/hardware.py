@@ -143,6 +143,11 @@ def load_profile(path: str | Path) -> HardwareProfile:
     p = Path(path)
     try:
         raw: dict[str, Any] = json.loads(p.read_text())
+        if not isinstance(raw, dict):
+            raise KVTierUsageError(
+                f"hardware profile {p}: must be a JSON object of fields "
+                f"(flops, mem_bw, mem_bytes, links, ...), got a {type(raw).__name__}"
+            )
         links = {
             k: LinkProfile(float(v["bandwidth"]), float(v.get("latency_s", 0.0)))
             for k, v in raw["links"].items()
