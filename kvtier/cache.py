@@ -288,7 +288,7 @@ class KVCache:
             # close itself was cancelled (or failed): stop what is left before the
             # backends go, so nothing runs against a closed backend
             await self._pipeline.cancel_all()
-            if lost := unwritten_pages(self.tiers, self.directory):
+            if lost := unwritten_pages(self._pipeline.planner, self.tiers, self.directory):
                 _log.warning(
                     "close was interrupted before its flush: dirty pages are lost", pages=lost
                 )

@@ -13,6 +13,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierUsageError, TierOpenError
 from kvtier.index.directory import Directory
 from kvtier.log import get_logger
+from kvtier.plan.planner import Planner
 from kvtier.transfer.tier import Tier
 
 #: The event loop and thread that started a cache.
@@ -79,13 +80,10 @@ def check_owner(owner: Owner | None) -> None:
         )
 
 
-def unwritten_pages(tiers: Sequence[Tier], directory: Directory) -> int:
-    """Committed pages of memory tiers that no tier below holds (lost when the process
-    ends): what a close cut short before its flush leaves behind."""
+def unwritten_pages(planner: Planner, tiers: Sequence[Tier], directory: Directory) -> int:
+    """Pages of memory tiers that a flush would have written down (:meth:`Planner.dirty`,
+    the pages ``Writer.flush`` picks), lost when the process ends: what a close cut short
+    before its flush leaves behind."""
     return sum(
-        1
-        for t in tiers[:-1]
-        if t.is_arena
-        for k in directory.keys_in(t.name)
-        if directory.is_committed(k, t.name) and not directory.below(k, t.name)
+        len(planner.dirty(t.index, directory.keys_in(t.name))) for t in tiers[:-1] if t.is_arena
     )
