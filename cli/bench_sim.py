@@ -22,13 +22,13 @@ from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import bench_app
-from kvtier.cli.bench_suite import render_suite, run_suite_cli
+from kvtier.cli.bench_suite import check_policies, render_suite, run_suite_cli
 from kvtier.cli.output import console, emit, given_options, progress, run_guarded, table
 from kvtier.cli.sim_sizes import codec_page_factors, parse_capacity, tier_pages
 
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.admission import admission_names, make_admission
-from kvtier.policy.eviction import EVICTION_POLICIES, make_policy
+from kvtier.policy.eviction import make_policy
 from kvtier.policy.prefetch import LookaheadPredictor
 from kvtier.sim.belady import belady_min
 from kvtier.sim.cost import evaluate
@@ -78,10 +78,7 @@ def check_args(
 def check_names(policies: list[str], write_policy: str, prefetch: str | None) -> None:
     """``--policy``, ``--write-policy`` and ``--prefetch`` name known things:
     :class:`KVTierUsageError` naming the option, before the trace is read."""
-    for p in policies:
-        if p not in EVICTION_POLICIES:
-            known = ", ".join(sorted(EVICTION_POLICIES))
-            raise KVTierUsageError(f"--policy: unknown policy {p!r}; known: {known}")
+    check_policies(policies)
     if prefetch not in (None, "lookahead"):
         raise KVTierUsageError(
             f"--prefetch: unknown prefetch predictor {prefetch!r}; known: lookahead"

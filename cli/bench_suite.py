@@ -18,6 +18,15 @@ from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, run_suite, suite_traces
 from kvtier.sim.workloads import MAX_GENERATED_REQUESTS
 
 
+def check_policies(policies: list[str]) -> None:
+    """Every ``--policy`` names an eviction policy: :class:`KVTierUsageError` naming the
+    flag and the known ones otherwise (``bench sim``, with or without ``--suite``)."""
+    for p in policies:
+        if p not in EVICTION_POLICIES:
+            known = ", ".join(sorted(EVICTION_POLICIES))
+            raise KVTierUsageError(f"--policy: unknown policy {p!r}; known: {known}")
+
+
 def render_suite(report: dict[str, Any]) -> None:
     """Print the suite report as a table and a summary per half."""
     pols = report["policies"]
@@ -86,11 +95,7 @@ def run_suite_cli(
             "--half fresh has no Mooncake part (the trace has only two halves): drop "
             "--trace, or use --half tune, held-out or all"
         )
-    for p in pols:
-        if p not in EVICTION_POLICIES:
-            raise KVTierUsageError(
-                f"unknown policy {p!r}; known: {', '.join(sorted(EVICTION_POLICIES))}"
-            )
+    check_policies(pols)
     shares = [_share(c) for c in capacities] if capacities else None
     traces = suite_traces(half, requests or 4000, trace)
     kwargs: dict[str, Any] = {"policies": pols}
