@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import typer
 from kvtier.cli.app import inspect_app
@@ -124,16 +124,17 @@ def inspect_topology(
     and node a store directory is on."""
 
     def body() -> None:
-        if mode not in ("auto", "local", "interleave", "none"):
+        modes = get_args(PlacementMode)
+        if mode not in modes:
             raise KVTierUsageError(
-                f"--placement must be auto, local, interleave or none, got {mode!r}"
+                f"--placement must be {', '.join(modes[:-1])} or {modes[-1]}, got {mode!r}"
             )
         for p in path or []:
             if not p.exists():
                 raise KVTierUsageError(f"--path {p}: no such file or directory")
         data = topology_report(
             root,
-            mode,  # type: ignore[arg-type]  # validated by plan_placement
+            mode,  # type: ignore[arg-type]  # checked above
             gpu,
             numa_node,
             use_nvml=not no_nvml,
