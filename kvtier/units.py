@@ -37,6 +37,10 @@ def parse_size(value: Any, key: str = "size") -> int:
         m = _SIZE_RE.match(value)
         if m:
             number, unit, binary, _b = m.groups()
+            if binary and not unit:  # "5i", "5iB": a binary marker with no unit to mark
+                raise ConfigError(
+                    f"{key}: {value!r} has 'i' without a unit (e.g. '5KiB', '5MiB', or 5 bytes)"
+                )
             base = 1000 if (unit and not binary and _b) else 1024
             result = float(number) * base ** _SIZE_POWERS[unit.lower()]
             if result > MAX_SIZE_BYTES:

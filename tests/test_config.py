@@ -197,7 +197,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["four", "-1", "4XB", "", True, -5, 1.5, None])
+@pytest.mark.parametrize("bad", ["four", "-1", "4XB", "", "5i", "5iB", True, -5, 1.5, None])
 def test_parse_size_rejects(bad):
     with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity"):
         parse_size(bad, "tiers[0].capacity")
