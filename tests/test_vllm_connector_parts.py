@@ -17,6 +17,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from kvtier.cache import KVCache
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.integrations.vllm import identity
 from kvtier.integrations.vllm.identity import ParallelPlace, resolve, weights_fingerprint
@@ -200,6 +201,33 @@ def test_bad_user_config_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="smaller than one page"):
         resolve(ConnectorSettings(kvtier_config=tiny), _vllm_config("/m"), _paged(),
                 "CPU_ATTN", ParallelPlace(), env={})  # fmt: skip
+
+
+def test_config_origin_names_where_the_user_config_came_from() -> None:
+    assert identity.config_origin(ConnectorSettings(kvtier_config="/a.toml"), {}) == "file:/a.toml"
+    env = {"KVTIER_CONFIG": "/b.toml"}
+    assert identity.config_origin(ConnectorSettings(), env) == "file:/b.toml"
+    inline = ConnectorSettings(kvtier_config={"tiers": []})
+    assert identity.config_origin(inline, env) == "kv_connector_extra_config.kvtier_config"
+    assert identity.config_origin(ConnectorSettings(), {}) == "the embedded default"
+
+
+async def test_a_tier_option_refused_as_the_tier_opens_names_the_config(tmp_path: Path) -> None:
+    """Backend options are checked when the tier opens, after :func:`resolve`: the worker
+    opens its cache under ``config_errors_named``, so that error names the config too."""
+    user = {"tiers": [{"name": "dram", "backend": "dram", "capacity": "64KiB"},
+                      {"name": "disk", "backend": "nvme", "capacity": "1MiB",
+                       "options": {"path": str(tmp_path), "bogus": 1}}]}  # fmt: skip
+    settings = ConnectorSettings(kvtier_config=user)
+    cfg = resolve(settings, _vllm_config("/m"), _paged(), "CPU_ATTN", ParallelPlace(), env={})
+    cache = KVCache(cfg)
+    named = (
+        r"^kvtier config \(kv_connector_extra_config\.kvtier_config\): "
+        r"tiers\[1\]\.options \(disk\).*unknown option\(s\) bogus"
+    )
+    origin = identity.config_origin(settings, {})
+    with pytest.raises(ConfigError, match=named), identity.config_errors_named(origin):
+        await cache.start()
 
 
 # -- paged tensors ---------------------------------------------------------------------------

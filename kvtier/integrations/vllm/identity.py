@@ -23,10 +23,11 @@ the kvtier configuration a worker opens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,27 +185,41 @@ def kv_variant(vllm_config: Any) -> str:
     return ",".join(parts)
 
 
+def config_origin(settings: ConnectorSettings, env: Mapping[str, str]) -> str:
+    """Where the user's kvtier configuration comes from, as error messages name it
+    (``kvtier config (<origin>): ...``): ``file:<path>`` for a TOML file (from
+    ``kvtier_config`` or ``$KVTIER_CONFIG``), ``kv_connector_extra_config.kvtier_config``
+    for an inline table, else the embedded default."""
+    source = settings.kvtier_config
+    if source is None and env.get(ENV_CONFIG_FILE):
+        source = env[ENV_CONFIG_FILE]
+    if source is None:
+        return "the embedded default"
+    if isinstance(source, dict):
+        return "kv_connector_extra_config.kvtier_config"
+    return f"file:{source}"
+
+
 def user_layer(settings: ConnectorSettings, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
     """The user's kvtier configuration as a raw (file-shaped) table, and where it came
-    from: ``kvtier_config`` (a TOML path or an inline table), else ``$KVTIER_CONFIG``, else
-    nothing (the embedded default then applies)."""
+    from (:func:`config_origin`): ``kvtier_config`` (a TOML path or an inline table), else
+    ``$KVTIER_CONFIG``, else nothing (the embedded default then applies)."""
     source: str | dict[str, Any] | None = settings.kvtier_config
-    origin = "kv_connector_extra_config.kvtier_config"
+    named_by = "kv_connector_extra_config.kvtier_config"
     if source is None and env.get(ENV_CONFIG_FILE):
-        source, origin = env[ENV_CONFIG_FILE], f"${ENV_CONFIG_FILE}"
-    if source is None:
-        return {}, "the embedded default"
-    if isinstance(source, dict):
-        return copy.deepcopy(source), origin
+        source, named_by = env[ENV_CONFIG_FILE], f"${ENV_CONFIG_FILE}"
+    origin = config_origin(settings, env)
+    if source is None or isinstance(source, dict):
+        return copy.deepcopy(source or {}), origin
     path = Path(source)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(
-            f"kvtier config file {source!r} ({origin}) cannot be read: {exc}"
+            f"kvtier config file {source!r} ({named_by}) cannot be read: {exc}"
         ) from None
     try:
-        return tomllib.loads(text), f"file:{source}"
+        return tomllib.loads(text), origin
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"kvtier config file {source!r} is not valid TOML: {exc}") from None
 
@@ -260,8 +275,17 @@ def resolve(
         "revision": str(revision),
         "rank": place.rank,
     }
-    try:
+    with config_errors_named(origin):
         return load_config(layer, env=env)
+
+
+@contextlib.contextmanager
+def config_errors_named(origin: str) -> Iterator[None]:
+    """Re-raise a :class:`ConfigError` from the block as ``kvtier config (<origin>): ...``,
+    so that an engine's start-up error says which configuration is wrong: the config's
+    own checks (:func:`resolve`) and a tier's options, checked only as the tier opens."""
+    try:
+        yield
     except ConfigError as exc:
         raise ConfigError(f"kvtier config ({origin}): {exc}") from None
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import os
 import threading
 import time
 from pathlib import Path
@@ -132,7 +133,8 @@ class WorkerSide:
 
     async def _open(self, resolved: Any) -> KVCache:
         cache = KVCache(resolved)
-        await cache.start()
+        with identity.config_errors_named(identity.config_origin(self.settings, os.environ)):
+            await cache.start()  # a tier's own options are checked only as it opens
         try:
             cache.directory.subscribe(DirectoryEvents(self.block_size, self._events))
             path = socket_path(
