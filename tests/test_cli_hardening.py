@@ -234,6 +234,13 @@ def test_bench_io_refuses_a_file_as_dir(tmp_path: Path) -> None:
     assert "is not a directory" in invoke("bench", "io", "--dir", str(f), code=2)["message"]
 
 
+def test_bench_io_refuses_a_dir_nothing_can_be_created_in() -> None:
+    """/proc passes a permission check even for root, yet refuses a new directory: the
+    bench tries one before it measures (a usage error, exit 2, not a failed run)."""
+    error = invoke("bench", "io", "--tier", "file", "--dir", "/proc", code=2)
+    assert "--dir /proc is not writable: cannot create a directory in it" in error["message"]
+
+
 # -- inspect config ----------------------------------------------------------------------------
 
 

@@ -326,8 +326,14 @@ def check_workdir(path: Path) -> None:
         raise KVTierUsageError(f"--dir {path} does not exist: create it first")
     if not path.is_dir():
         raise KVTierUsageError(f"--dir {path} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise KVTierUsageError(f"--dir {path} is not writable")
+    # tried, not asked (os.access): root passes every permission check, yet /proc or a
+    # read-only mount refuses to create anything
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix="kvtier-bench-io-probe-", dir=path))
+    except OSError as exc:
+        raise KVTierUsageError(
+            f"--dir {path} is not writable: cannot create a directory in it ({exc.strerror})"
+        ) from None
 
 
 async def bench_io(
