@@ -1,7 +1,8 @@
 """Requests whose KV is not a function of their token ids alone (kvtier.integrations.vllm
-.scope): a LoRA adapter or a cache salt gets a namespace of its own, prompt embeddings and
-multimodal inputs are left alone; and the cache API keys, stores and looks up pages in a
-namespace other than its own. The connector inside a real engine: tests/vllm_connector."""
+.scope): a LoRA adapter, a cache salt or prompt embeddings get a namespace of their own
+(prompt-embedding pages keyed by a digest of their rows), multimodal inputs are left
+alone; and the cache API keys, stores and looks up pages in a namespace other than its
+own. The connector inside a real engine: tests/vllm_connector."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from cache_kit import PAGE, PT, config, open_cache
 
 from kvtier.errors import KVTierUsageError
-from kvtier.integrations.vllm.scope import RequestScope, request_scope, scoped
+from kvtier.integrations.vllm.scope import RequestScope, key_ids, request_scope, scoped
 from kvtier.integrations.vllm.worker_parts import SaveBatch, label_runs
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, page_keys
 
 
 def _request(**fields: Any) -> SimpleNamespace:
@@ -52,15 +54,65 @@ def test_lora_and_salt_extend_the_model_id_and_never_store_the_salt() -> None:
     assert both.suffix.startswith(a.suffix + "+salt=")
 
 
-@pytest.mark.parametrize(
-    ("fields", "why"),
-    [
-        ({"prompt_embeds": np.zeros((4, 8))}, "prompt embeddings"),
-        ({"mm_features": [object()]}, "multimodal inputs"),
-    ],
-)
-def test_requests_kvtier_cannot_key_are_skipped(fields: dict[str, Any], why: str) -> None:
-    assert request_scope(_request(**fields)) == RequestScope(skip=why)
+def test_multimodal_requests_are_skipped() -> None:
+    why = "multimodal inputs"
+    assert request_scope(_request(mm_features=[object()])) == RequestScope(skip=why)
+    embedded = _request(mm_features=[object()], prompt_embeds=torch.zeros(4, 8))
+    assert request_scope(embedded) == RequestScope(skip=why)
+
+
+BLOCK = 4
+
+
+def _embeds(rows: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _ids(scope: RequestScope, tokens: list[int], pages: int, first: int = 0) -> np.ndarray:
+    return key_ids(scope, tokens, first, pages, BLOCK)
+
+
+def test_prompt_embeddings_key_each_page_by_its_rows() -> None:
+    """vLLM gives an embedded prompt placeholder ids (all 0): two prompts of one length
+    must not share a page unless their embeddings, up to it, are byte for byte equal."""
+    x = _embeds(10, 1)
+    y = x.clone()
+    y[6] += 1  # differs from page 1 (rows 4-7) on
+    tokens = [0] * 10 + [5, 6]  # 10 prompt positions, 2 generated tokens: 3 whole pages
+    sx, sy = request_scope(_request(prompt_embeds=x)), request_scope(_request(prompt_embeds=y))
+    assert sx.skip is None and sx.suffix == "+embeds=bfloat16" and sx == sy
+    kx, ky = _ids(sx, tokens, 3), _ids(sy, tokens, 3)
+    assert kx.dtype == np.uint32 and kx.shape == (12,)
+    assert (kx[:4] == ky[:4]).all() and (kx[4:8] != ky[4:8]).all()
+    # page 2's own rows are equal: its ids too; its key differs through its parent's
+    assert (kx[8:] == ky[8:]).all()
+    ns = Namespace("m", page_tokens=BLOCK)
+    keys_x, keys_y = page_keys(kx, ns), page_keys(ky, ns)
+    assert keys_x[0] == keys_y[0] and keys_x[1] != keys_y[1] and keys_x[2] != keys_y[2]
+    # ... and the same page again: equal
+    assert (key_ids(sx, tokens, 1, 3, BLOCK) == kx[4:]).all()
+    # the placeholder ids are never the key; generated tokens past the rows keep theirs
+    assert not (kx[:8] == 0).all()
+    later = _ids(sx, [0] * 10 + [5, 6, 7, 8, 9, 10], 4)
+    assert (later[:12] == kx).all() and list(later[12:]) == [7, 8, 9, 10]
+    # the page holding the last rows and generated tokens depends on those tokens
+    assert (_ids(sx, [0] * 10 + [5, 7], 3)[8:] != kx[8:]).any()
+
+
+def test_prompt_embeddings_of_another_dtype_are_another_namespace() -> None:
+    x = _embeds(8, 1)
+    as_half = request_scope(_request(prompt_embeds=x.view(torch.float16)))  # the same bytes
+    plain = request_scope(_request(prompt_embeds=x))
+    assert as_half.suffix == "+embeds=float16" and as_half.suffix != plain.suffix
+    salted = request_scope(_request(prompt_embeds=x, cache_salt="t"))
+    assert salted.suffix.startswith("+salt=") and salted.suffix.endswith("+embeds=bfloat16")
+
+
+def test_key_ids_key_whole_pages_only() -> None:
+    assert key_ids(RequestScope(), [1, 2, 3], 0, 1, BLOCK).size == 0
+    assert list(key_ids(RequestScope(), [1, 2, 3, 4, 5], 0, 2, BLOCK)) == [1, 2, 3, 4]
+    scope = request_scope(_request(prompt_embeds=_embeds(6, 1)))
+    assert key_ids(scope, [0] * 6, 0, 2, BLOCK).shape == (4,)  # rows 4-5: no whole page
 
 
 def test_scoped_namespaces_differ_in_label_and_digest() -> None:

@@ -1,9 +1,10 @@
-"""Requests whose KV is more than their token ids, in a real engine: a LoRA adapter and a
-cache salt are keyed in namespaces of their own (reused among themselves, never across),
-prompt embeddings are left alone. Before, a prompt-embeds request loaded the KV of another
-one of the same length (vLLM gives both placeholder token ids) and a LoRA request loaded
-the base model's KV: both answered wrongly; a salted request loaded another tenant's KV.
-Greedy tokens must equal vLLM alone (no connector, no prefix cache) for every request."""
+"""Requests whose KV is more than their token ids, in a real engine: a LoRA adapter, a
+cache salt and prompt embeddings are keyed in namespaces of their own (reused among
+themselves, never across), prompt-embedding pages by their embeddings. Before, a
+prompt-embeds request loaded the KV of another one of the same length (vLLM gives both
+placeholder token ids) and a LoRA request loaded the base model's KV: both answered
+wrongly; a salted request loaded another tenant's KV. Greedy tokens must equal vLLM alone
+(no connector, no prefix cache) for every request."""
 
 from __future__ import annotations
 
@@ -52,11 +53,15 @@ def test_lora_salted_and_embedded_prompts_get_their_own_kv(
 ) -> None:
     lora = ["kv-lora", 1, str(_adapter(tiny_model, tmp_path / "adapter"))]
     x, y = _prompt(1), _prompt(2)
+    x_head = x[:200] + _prompt(3)[200:]  # x's first 6 whole pages (192 tokens), then others
+    embeds = {"embeds": True}
     # (name, prompt, extras): one request per generate call, in this order
     steps: list[tuple[str, list[int], dict[str, Any] | None]] = [
-        ("embeds x", x, {"embeds": True}),
-        ("embeds y", y, {"embeds": True}),  # same length as x: same placeholder ids
-        ("x", x, None),
+        ("embeds x", x, embeds),
+        ("embeds y", y, embeds),  # same length as x: same placeholder ids
+        ("embeds x again", x, embeds),
+        ("embeds x head", x_head, embeds),  # shares x's embeddings for 6 pages
+        ("x", x, None),  # the same KV as "embeds x" (its rows are x's), another namespace
         ("x lora", x, {"lora": lora}),  # must not load the base model's KV of x
         ("x lora again", x, {"lora": lora}),
         ("x again", x, None),
@@ -88,6 +93,7 @@ def test_lora_salted_and_embedded_prompts_get_their_own_kv(
     same = [n for n, a, b in zip(names, tokens["kvtier"], tokens["alone"], strict=True) if a == b]
     assert same == names
     cached = [r["cached"][0] for r in results["kvtier"]]
-    hits = {"x lora again": 288, "x again": 288, "y salt a again": 288}
+    hits = {"embeds x again": 288, "embeds x head": 192, "x lora again": 288, "x again": 288,
+            "y salt a again": 288}  # fmt: skip
     assert dict(zip(names, cached, strict=True)) == {n: hits.get(n, 0) for n in names}
-    assert metrics.get("unkeyed_requests") == 2 and metrics.get("load_errors", 0) == 0
+    assert metrics.get("unkeyed_requests", 0) == 0 and metrics.get("load_errors", 0) == 0

@@ -21,8 +21,8 @@ one kvtier page):
   ``kv_transfer_params["kvtier"]`` (:mod:`.hints`) go to the workers with those saves.
 
 Requests whose KV is not a function of their token ids alone (a LoRA adapter, a cache
-salt: their own namespace; prompt embeddings, multimodal inputs: left alone) follow
-:mod:`.scope`.
+salt: their own namespace; prompt embeddings: their own namespace, keyed by the
+embeddings; multimodal inputs: left alone) follow :mod:`.scope`.
 
 Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only
 loads.
@@ -35,8 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvtier.errors import KVTierUsageError
 from kvtier.log import get_logger
 
@@ -44,7 +42,7 @@ from .hints import HintRun, RequestHints, parse_request_hints
 from .identity import ParallelPlace, engine_id
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupClient, socket_path
 from .metadata import KVTierMetadata, PageRun, TokenDelta
-from .scope import RequestScope, request_scope
+from .scope import RequestScope, key_ids, request_scope
 from .settings import ConnectorSettings
 from .stats import KVTierConnectorStats
 
@@ -128,7 +126,7 @@ class SchedulerSide:
             return 0
         now = time.monotonic()
         if st.answered_pages != limit or now - st.answered_at > ANSWER_TTL_S:
-            tokens = request.all_token_ids[: limit * self.block_size]
+            tokens = key_ids(st.scope, request.all_token_ids, 0, limit, self.block_size)
             flags = FLAG_PREFETCH if self.loads_enabled and self.settings.prefetch_on_lookup else 0
             self._stats.add("lookups", 1)
             ans = self.client.lookup(tokens, flags, st.scope.suffix)
@@ -184,11 +182,8 @@ class SchedulerSide:
         """Send the token ids of pages ``[st.sent_pages, end_page)`` to the workers."""
         if end_page <= st.sent_pages:
             return
-        bs = self.block_size
-        ids = np.asarray(st.request.all_token_ids[st.sent_pages * bs : end_page * bs])
-        meta.tokens.append(
-            TokenDelta(st.request.request_id, st.sent_pages, ids.astype(np.uint32), st.scope.suffix)
-        )
+        ids = key_ids(st.scope, st.request.all_token_ids, st.sent_pages, end_page, self.block_size)
+        meta.tokens.append(TokenDelta(st.request.request_id, st.sent_pages, ids, st.scope.suffix))
         st.sent_pages = end_page
 
     def build_meta(self, scheduler_output: Any) -> KVTierMetadata:

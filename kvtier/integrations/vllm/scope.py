@@ -1,4 +1,4 @@
-"""Which requests kvtier can key by their token ids, and in which namespace.
+"""Which requests kvtier can key, in which namespace, and by which ids.
 
 kvtier names a page by the token ids up to it and the engine's namespace (model,
 revision, KV dtype, block size, attention backend, parallel layout, rank). vLLM's own
@@ -10,17 +10,27 @@ other KV. So, per request:
   request's pages in a namespace of their own: the engine's, with the model id extended
   (``+lora=NAME@<hash of the path>``, ``+salt=<hash>``: the salt itself is never stored).
   Such requests share pages only with requests of the same adapter and salt;
-* **prompt embeddings** (vLLM gives them placeholder token ids) and **multimodal inputs**
-  are not keyed: kvtier neither loads nor saves such a request, and counts it in
-  ``unkeyed_requests``.
+* **prompt embeddings** (vLLM gives their positions placeholder token ids, all 0): the
+  request is keyed in a namespace of its own (``+embeds=<dtype>``) and every whole page
+  that holds prompt embeddings is keyed, instead of by its token ids, by a 128-bit digest
+  of the page's embedding rows (their bytes) and token ids, repeated over the page's
+  positions (:func:`key_ids`). Pages past the embeddings (generated tokens) keep their
+  token ids, and the keys chain as always, so two such prompts share exactly the pages
+  whose embeddings, up to them, are byte for byte equal, as vLLM's per-block hash of the
+  embeddings does;
+* **multimodal inputs** are not keyed: kvtier neither loads nor saves such a request, and
+  counts it in ``unkeyed_requests``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 import xxhash
 
 from kvtier.keys import Namespace
@@ -29,13 +39,43 @@ from kvtier.keys import Namespace
 MAX_SCOPE_BYTES = 4096
 
 
+class PromptEmbeds:
+    """A request's prompt embeddings as kvtier keys them: one 128-bit digest per whole page
+    that holds embedding rows (see :func:`key_ids`), computed once per page."""
+
+    def __init__(self, embeds: Any) -> None:
+        t = embeds.detach().to("cpu").contiguous()
+        self.rows: int = int(t.shape[0])
+        #: each row's bytes (the tensor viewed as uint8; its dtype is in the scope)
+        self.raw: np.ndarray = t.view(torch.uint8).reshape(self.rows, -1).numpy()
+        self.dtype = str(t.dtype).removeprefix("torch.")
+        self._pages: dict[int, np.ndarray] = {}
+
+    def page_ids(self, page: int, block: int, token_ids: np.ndarray) -> np.ndarray:
+        """The ``block`` key ids of whole page ``page`` (its ``token_ids`` given): the words
+        of a 128-bit digest of its embedding rows and token ids, repeated. Pages of the
+        prompt alone are digested once; the page where the rows end also holds generated
+        tokens, and is digested with them each time."""
+        ids = self._pages.get(page)
+        if ids is None:
+            h = xxhash.xxh3_128()
+            h.update(np.ascontiguousarray(self.raw[page * block : (page + 1) * block]).data)
+            h.update(np.ascontiguousarray(token_ids, dtype="<u4").data)
+            ids = np.resize(np.frombuffer(h.digest(), dtype="<u4"), block)
+            if (page + 1) * block <= self.rows:
+                self._pages[page] = ids
+        return ids
+
+
 @dataclass(frozen=True)
 class RequestScope:
     """``suffix``: what extends the model id of the request's namespace (``""``: the
-    engine's namespace); ``skip``: why kvtier leaves the request alone, or ``None``."""
+    engine's namespace); ``skip``: why kvtier leaves the request alone, or ``None``;
+    ``embeds``: the prompt embeddings its first pages are keyed by (:func:`key_ids`)."""
 
     suffix: str = ""
     skip: str | None = None
+    embeds: PromptEmbeds | None = field(default=None, compare=False, repr=False)
 
 
 def _digest(text: str) -> str:
@@ -44,8 +84,6 @@ def _digest(text: str) -> str:
 
 def request_scope(request: Any) -> RequestScope:
     """The scope of a vLLM ``Request`` (see the module docstring)."""
-    if getattr(request, "prompt_embeds", None) is not None:
-        return RequestScope(skip="prompt embeddings")
     if getattr(request, "mm_features", None):
         return RequestScope(skip="multimodal inputs")
     suffix = ""
@@ -57,7 +95,31 @@ def request_scope(request: Any) -> RequestScope:
     salt = getattr(request, "cache_salt", None)
     if salt:
         suffix += f"+salt={_digest(str(salt))}"
-    return RequestScope(suffix)
+    raw = getattr(request, "prompt_embeds", None)
+    if raw is None:
+        return RequestScope(suffix)
+    embeds = PromptEmbeds(raw)
+    return RequestScope(suffix + f"+embeds={embeds.dtype}", embeds=embeds)
+
+
+def key_ids(
+    scope: RequestScope, token_ids: Sequence[int], first_page: int, end_page: int, block: int
+) -> np.ndarray:
+    """The uint32 ids kvtier keys pages ``[first_page, end_page)`` of a request by,
+    ``token_ids`` being all of its token ids: those ids, except that a page holding prompt
+    embeddings is keyed by their digest (:class:`PromptEmbeds`). Only whole pages are
+    keyed: a page ``token_ids`` does not fill is left out."""
+    end_page = min(end_page, len(token_ids) // block)
+    if end_page <= first_page:
+        return np.zeros(0, dtype=np.uint32)
+    out = np.asarray(token_ids[first_page * block : end_page * block]).astype(np.uint32)
+    embeds = scope.embeds
+    if embeds is not None:
+        last = min(end_page, -(-embeds.rows // block))  # pages holding embedding rows
+        for page in range(first_page, last):
+            at = (page - first_page) * block
+            out[at : at + block] = embeds.page_ids(page, block, out[at : at + block])
+    return out
 
 
 def scoped(namespace: Namespace, suffix: str) -> Namespace:

@@ -112,8 +112,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         "lookups": "Prompt lookups the scheduler made.",
         "hinted_pages": "Pages named by hints from requests' kv_transfer_params (per hint).",
         "hint_errors": "Requests whose kv_transfer_params.kvtier was malformed (ignored).",
-        "unkeyed_requests": "Requests kvtier left alone: prompt embeddings or multimodal "
-        "inputs (their token ids do not name their KV).",
+        "unkeyed_requests": "Requests kvtier left alone: multimodal inputs (their token ids "
+        "do not name their KV).",
     }
 
     def __init__(
