@@ -239,8 +239,15 @@ class DeleteFailingFileStore(FileStore):
     store that cannot reach its server does."""
 
     failing: ClassVar[bool] = False
+    #: ``contains`` raises too while ``failing`` (an outage: the store cannot say)
+    unanswered: ClassVar[bool] = False
 
     async def delete(self, keys: Any) -> list[bool]:
         if type(self).failing:
             return [False] * len(keys)
         return await super().delete(keys)
+
+    async def contains(self, keys: Any) -> list[bool]:
+        if type(self).failing and type(self).unanswered:
+            raise TierIOError("contains: the store does not answer")
+        return await super().contains(keys)

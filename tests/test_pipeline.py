@@ -470,11 +470,15 @@ async def test_reserve_failing_for_one_namespace_group_leaks_no_space(tmp_path: 
         cache.directory.check_invariants()
 
 
-async def test_pages_whose_delete_fails_stay_indexed(tmp_path: Path):
+@pytest.mark.parametrize("unanswered", [False, True], ids=["contains-answers", "contains-raises"])
+async def test_pages_whose_delete_fails_stay_indexed(tmp_path: Path, unanswered: bool):
     """An eviction (or a delete) whose backend delete fails must not forget pages the
     backend still holds: they stay readable, and the directory keeps agreeing with the
-    backend's occupancy (forgotten pages would count against its capacity forever)."""
+    backend's occupancy (forgotten pages would count against its capacity forever). So
+    too when ``contains`` cannot say either (an outage): the pages are kept, as
+    ``purge_vanished`` keeps them, and the delete is not counted."""
     DeleteFailingFileStore.failing = False
+    DeleteFailingFileStore.unanswered = unanswered
     cfg = config(
         tmp_path,
         dram_pages=16,

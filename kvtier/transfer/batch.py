@@ -209,10 +209,11 @@ async def abort_quietly(tier: Tier, reservations: list[Reservation]) -> None:
 
 async def forget(mover: Mover, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
     """Delete ``keys`` (marked ``evicting``) from ``tier``'s backend and drop them from the
-    index. Pages the backend still holds after a failed delete (it answered ``False`` or
-    raised, and ``contains`` still finds them) go back to ``committed`` and are returned:
-    forgetting them would leave them counted by the backend and unreachable. When the
-    backend cannot say, they are forgotten (misses)."""
+    index. Pages the backend may still hold after a failed delete (it answered ``False``
+    or raised, and ``contains`` still finds them or cannot say: an outage) go back to
+    ``committed`` and are returned: forgetting them would leave them counted by the
+    backend and unreachable, and a delete reported done that was not. A later eviction or
+    delete tries them again; a read of one that fails is a miss."""
     d = mover.directory
     try:
         gone = await tier.backend.delete(keys)
@@ -228,9 +229,9 @@ async def forget(mover: Mover, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
             held = await tier.backend.contains(failed)
         except KVTierUsageError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # the tier is down: keep the entries (as purge_vanished)
             tier.record_failure("contains", len(failed), exc)
-            held = [False] * len(failed)
+            held = [True] * len(failed)
         lingering = {k for k, h in zip(failed, held, strict=True) if h}
         if lingering:
             tier.record_failure("delete", len(lingering))
