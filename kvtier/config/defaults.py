@@ -11,8 +11,8 @@ ENV_PREFIX = "KVTIER_"
 #: A tier's eviction policy when its config names none: ``adaptive`` (two-class recency
 #: tuned online by miniature caches, with prefix cuts; docs/benchmarks.md "Policy suite").
 #: It exposes one lazy order, so leaf-first eviction walks it once; its miniatures make its
-#: bookkeeping 1.7-4x ``lru-k``'s per stored or faulted page (benchmarks/control_plane.py;
-#: ``lru-k`` is the cheap choice).
+#: bookkeeping 2.1-5.2x ``lru-k``'s per stored or faulted page since its ``interval``
+#: expert (benchmarks/control_plane.py; ``lru-k`` is the cheap choice).
 DEFAULT_EVICTION = "adaptive"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 
