@@ -136,7 +136,9 @@ class WorkerSide:
         with identity.config_errors_named(identity.config_origin(self.settings, os.environ)):
             await cache.start()  # a tier's own options are checked only as it opens
         try:
-            cache.directory.subscribe(DirectoryEvents(self.block_size, self._events))
+            listener = DirectoryEvents(self.block_size, self._events)
+            cache.directory.subscribe(listener)
+            listener.announce_held(cache)
             path = socket_path(
                 self.runtime,
                 identity.engine_id(self.vllm_config),

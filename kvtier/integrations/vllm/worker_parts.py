@@ -1,6 +1,7 @@
 """Pieces of the connector's worker side (:mod:`.worker`): a step's load job, a step's
 pages to save, the directory listener that turns page commits and removals into vLLM KV
-events, and the layer number of a vLLM layer name."""
+events (and the announcement of the pages held at start), and the layer number of a vLLM
+layer name."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.index.directory import PageState
 from kvtier.keys import ROOT_KEY, PageKey
+from kvtier.log import get_logger
 
 if TYPE_CHECKING:  # .metadata imports vLLM; these parts run (and are tested) without it
+    from kvtier.cache import KVCache
+
     from .metadata import PageRun
+
+_log = get_logger("kvtier.vllm.worker")
 
 
 @dataclass
@@ -124,3 +131,25 @@ class DirectoryEvents:
 
     def on_remove(self, key: PageKey, tier: str) -> None:
         self.sink.append(self._removed(block_hashes=[bytes(key)], medium=tier))
+
+    def announce_held(self, cache: KVCache) -> int:
+        """Announce, as commits, the pages the tiers of a cache just opened already hold
+        (recovered from an earlier process's store): they were committed before this
+        listener subscribed, and a KV-aware router must learn them too. At most the sink's
+        room (its ``maxlen``): past it, the announcement stops with a warning naming how
+        many pages were left out. Returns the pages announced."""
+        room = self.sink.maxlen
+        total = announced = 0
+        for tier in cache.directory.tiers:
+            for key in cache.directory.keys_in(tier, PageState.COMMITTED):
+                total += 1
+                if room is None or announced < room:
+                    self.on_commit(key, tier)
+                    announced += 1
+        if announced < total:
+            _log.warning(
+                "kvtier KV events: too many pages held at start to announce them all",
+                announced=announced,
+                held=total,
+            )
+        return announced
