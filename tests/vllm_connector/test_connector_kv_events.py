@@ -23,11 +23,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
-import zmq
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm_engines import Engine, base_env, connector, llm_kwargs
+
+try:  # vLLM's environment; elsewhere conftest skips these tests, naming why
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+except ImportError:
+    pass
 
 from kvtier.cache import KVCache
 from kvtier.keys import KEY_BYTES, Namespace, page_keys
