@@ -46,6 +46,7 @@ from kvtier.backends.dram_memory import (
     try_mlock,
 )
 
+from kvtier.aio import finish_before_raising
 from kvtier.arena import SlotArena
 from kvtier.backend import Reservation, check_buffers
 from kvtier.errors import KVTierUsageError
@@ -370,7 +371,12 @@ class DramArena(SlotArena):
 
         for fut in futures:
             fut.add_done_callback(on_done)
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        waits = [asyncio.wrap_future(f) for f in futures]
+        try:
+            await asyncio.gather(*waits)
+        except BaseException:  # the other groups still copy the caller's buffers
+            await finish_before_raising(waits)
+            raise
 
     # -- the keyed, two-phase interface ------------------------------------------------
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvtier.backends.nvme_engines import preadv_all
 from kvtier.backends.store_files import (
     UnsafeStoreError,
     open_private,
@@ -320,7 +321,12 @@ class FileStore(FileStoreBase):
                 size = os.fstat(fd).st_size
                 n = size - HEADER_SIZE
                 fits = 0 < n <= buf.nbytes if sized else n == buf.nbytes
-                got = os.preadv(fd, [header, buf[:n].data], 0) if fits else -1
+                got = -1
+                if fits:  # every byte: a short read (FUSE, a signal) is not a damaged page
+                    preadv_all(fd, [memoryview(header), buf[:n].data], 0)
+                    got = size
+            except IntegrityError:  # the file ended before fstat said: checked below
+                pass
             except OSError as exc:
                 _log.warning("file store: read of %s from %s failed: %s", key.hex(), path, exc)
                 out.append(("error", 0))
@@ -360,7 +366,12 @@ class FileStore(FileStoreBase):
                 present.append((i, k))
                 ok[i] = True
         if present:
-            await self.run_blocking(unlink_all, [self.page_path(k) for _, k in present])
+            paths = [self.page_path(k) for _, k in present]
+            stuck = set(await self.run_blocking(unlink_all, paths))
+            for (i, k), path in zip(present, paths, strict=True):
+                if path in stuck:  # still on disk (and back at the next open): still held
+                    self._index.setdefault(k, next(self._stamps))
+                    ok[i] = False
         return ok
 
     async def keys(self) -> list[PageKey]:

@@ -263,8 +263,10 @@ class FileStoreBase(StoreBackend):
     # -- the keyed, two-phase interface ------------------------------------------------
 
 
-def unlink_all(paths: Sequence[Path]) -> None:
-    """Remove files, ignoring ones already gone."""
+def unlink_all(paths: Sequence[Path]) -> list[Path]:
+    """Remove files, ignoring ones already gone; returns those that could not be removed
+    (logged)."""
+    failed: list[Path] = []
     for p in paths:
         try:
             os.unlink(p)
@@ -272,3 +274,5 @@ def unlink_all(paths: Sequence[Path]) -> None:
             pass
         except OSError as exc:
             _log.warning("file store: cannot remove %s: %s", p, exc)
+            failed.append(p)
+    return failed

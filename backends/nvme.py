@@ -31,7 +31,9 @@ Guarantees:
   ``reserve``, ``False`` from ``write``/``commit``/``get``), is logged once per cause, and
   leaves the store consistent; a read that meets an I/O error (rather than bad bytes)
   keeps the page, since a later read may succeed (a missing slab file is not such an
-  error: its pages are quarantined like bad bytes).
+  error: its pages are quarantined like bad bytes). A ``delete`` whose index rows cannot
+  be removed answers ``False`` and keeps the pages (readable, counted): they are still on
+  disk and would come back on reopen.
 * **Closing.** ``close`` waits for the calls in flight and their page I/O (which outlives
   a cancelled caller: worker threads cannot be stopped) and refuses new calls, then waits
   for pending commits; uncommitted reservations are dropped.
@@ -398,25 +400,32 @@ class NvmeStore(NvmeReads):
             self._exit()
 
     async def _delete(self, keys: Sequence[PageKey]) -> list[bool]:
-        gone: list[PageRow] = []
+        gone: list[tuple[int, PageRow]] = []
         ok = []
         for i, key in enumerate(keys):
             row = self._entries.pop(check_key(key, i), None)
             ok.append(row is not None)
             if row is not None:
-                gone.append(row)
+                gone.append((i, row))
                 self._accessed.pop(row.key, None)
         if gone:
             assert self._index is not None
             try:
-                await self.run_blocking(self._index.delete, [r.key for r in gone])
+                await self.run_blocking(self._index.delete, [r.key for _, r in gone])
             except Exception as exc:
-                # The rows stay on disk (and come back on reopen); their slots stay taken.
+                # The rows stay on disk (and come back on reopen): the pages are still
+                # held, and still read. Answer False, so that the caller keeps them
+                # indexed and deletes them again later (True made the cache forget pages
+                # this store still counts and brings back).
                 self._log_once(f"delete:{cause(exc)}", "nvme.delete_failed", error=str(exc))
-                self._counters["slots_leaked_until_reopen"] += len(gone)
-                self._undeleted.update(r.slot for r in gone)
+                for i, row in gone:
+                    if self._entries.setdefault(row.key, row) is row:
+                        ok[i] = False
+                    else:  # committed again meanwhile, in another slot
+                        self._counters["slots_leaked_until_reopen"] += 1
+                        self._undeleted.add(row.slot)
                 return ok
-            for row in gone:
+            for _, row in gone:
                 self._free_slot(row.slot)
         return ok
 

@@ -332,16 +332,25 @@ class NvmeStoreBase(StoreBackend):
         self._slots.begin_io(slots)
         self._active += 1
         self._idle.clear()
-        io = asyncio.gather(*(self.run_blocking(fn, g) for g in groups))
+        # return_exceptions: the gather ends only when every group's thread has returned,
+        # also when one group raised (a plain gather ends at the first exception, and the
+        # slots would be freed while the other threads still read or write them)
+        io = asyncio.gather(*(self.run_blocking(fn, g) for g in groups), return_exceptions=True)
 
-        def done(fut: asyncio.Future[list[R]]) -> None:
+        def done(fut: asyncio.Future[list[Any]]) -> None:
             if not fut.cancelled():
                 fut.exception()  # retrieved, for when the caller is gone
             self._slots.end_io(slots)
             self._exit()
 
         io.add_done_callback(done)
-        return await asyncio.shield(io)
+        results = await asyncio.shield(io)
+        out: list[R] = []
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+            out.append(r)
+        return out
 
     def _release(self, slot: int) -> None:
         if self._reserved.pop(slot, None) is not None:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import numpy as np
 
+from kvtier.aio import finish_before_raising
 from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
 
@@ -300,7 +301,9 @@ class Backend(ABC):
     ) -> list[R]:
         """Run ``fn`` over ``jobs`` (about one page each) on this backend's executor: one
         hop for a batch under ``min_bytes`` of pages, else contiguous chunks, one per I/O
-        thread (at most one per core), run at once. Results keep job order."""
+        thread (at most one per core), run at once. Results keep job order. When a chunk
+        raises (or the caller is cancelled), it raises only once every chunk's thread has
+        returned: none still reads or writes the jobs' buffers."""
         parts = min(self.io_threads, os.cpu_count() or 1, len(jobs))
         if parts <= 1 or len(jobs) * self.page_bytes < min_bytes:
             return await self.run_blocking(fn, jobs)
@@ -308,9 +311,15 @@ class Backend(ABC):
         loop = asyncio.get_running_loop()
         size = -(-len(jobs) // parts)
         chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-        done = await asyncio.gather(
-            *(loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks)
-        )
+        futs = [loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks]
+        try:
+            done = await asyncio.gather(*futs)
+        except BaseException:
+            # one chunk failed (or the caller was cancelled): the other chunks' threads
+            # still read or write the caller's buffers (a DRAM slot, in a load). Raise
+            # only once they stopped, so none writes into a buffer reused meanwhile
+            await finish_before_raising(futs)
+            raise
         return [r for chunk in done for r in chunk]
 
     # -- the keyed, two-phase interface ------------------------------------------------

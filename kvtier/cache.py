@@ -281,8 +281,8 @@ class KVCache:
             return
         assert self._pipeline is not None
         self._state = "closing"
-        await self.hooks.aclose()
         try:
+            await self.hooks.aclose()  # inside the try: the backends close whatever happens
             await self._pipeline.close()
         except BaseException:
             # close itself was cancelled (or failed): stop what is left before the

@@ -163,4 +163,7 @@ class CacheHooks:
         for obs in list(self._observers):
             aclose = getattr(obs, "aclose", None)
             if aclose is not None:
-                await aclose()
+                try:
+                    await aclose()
+                except Exception as exc:  # an observer never breaks the cache's close
+                    _log.warning("observer aclose failed", observer=obs.name, error=repr(exc))

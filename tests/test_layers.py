@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "foundation",
         (
             "kvtier",
+            "kvtier.aio",
             "kvtier.errors",
             "kvtier.spec",
             "kvtier.keys",

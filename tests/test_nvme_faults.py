@@ -391,7 +391,10 @@ async def test_a_new_slab_files_directory_entry_is_made_durable(
     assert root.stat().st_ino in synced  # where the slabs directory itself was made
 
 
-async def test_slots_of_a_failed_delete_still_count_against_capacity(tmp_path: Path) -> None:
+async def test_a_delete_that_fails_on_disk_keeps_the_page(tmp_path: Path) -> None:
+    """A delete whose index row cannot be removed answers False and keeps the page (it is
+    still on disk, still counted, and would come back on reopen): it used to answer True,
+    and the cache forgot a page this store still counted and brought back."""
     import sqlite3
 
     async with NvmeStore(page_bytes=PAGE, capacity_pages=2, path=tmp_path / "s") as s:
@@ -403,12 +406,15 @@ async def test_slots_of_a_failed_delete_still_count_against_capacity(tmp_path: P
             raise sqlite3.OperationalError("disk I/O error")
 
         s._index.delete = failing_delete  # type: ignore[method-assign]
-        assert await s.delete([key(1)]) == [True]
+        assert await s.delete([key(1)]) == [False]
         s._index.delete = real_delete  # type: ignore[method-assign]
-        # The row is still on disk and its slot still taken (until reopen): full.
-        assert s.used_pages() == 2
-        assert await s.put([key(3)], [page_2(3)]) == [False]
+        assert s.used_pages() == 2 and await s.contains([key(1)]) == [True]
+        assert await s.put([key(3)], [page_2(3)]) == [False]  # full
+        out = [np.zeros(PAGE, np.uint8)]
+        assert await s.get([key(1)], out) == [True] and (out[0] == page_2(1)).all()
         assert s.layout is not None
         assert len(list((tmp_path / "s" / "slabs").iterdir())) * s.layout.slots_per_slab <= 2
     async with NvmeStore(page_bytes=PAGE, capacity_pages=2, path=tmp_path / "s") as s:
         assert sorted(await s.keys()) == [key(1), key(2)]  # the delete never reached disk
+        assert await s.delete([key(1)]) == [True]  # and a later one does
+        assert s.used_pages() == 1

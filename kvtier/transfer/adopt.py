@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.transfer.mover import Mover
-from kvtier.transfer.tier import Tier
+from kvtier.transfer.tier import Tier, backend_failure
 
 
 def adopt(
@@ -62,7 +63,9 @@ async def index_shared(
     for tier in shared:
         try:
             hits = await tier.backend.contains(list(keys))
-        except Exception as exc:
+        except BaseException as exc:
+            if not backend_failure(exc) and not isinstance(exc, KVTierUsageError):
+                raise
             tier.record_failure("lookup", len(keys), exc)
             continue
         for i, hit in enumerate(hits):

@@ -25,7 +25,7 @@ from kvtier.index.directory import PageState
 from kvtier.keys import PageKey
 from kvtier.transfer.links import Link
 from kvtier.transfer.mover import Mover
-from kvtier.transfer.tier import Tier
+from kvtier.transfer.tier import Tier, backend_failure
 
 
 async def commit_batch(
@@ -78,9 +78,9 @@ async def commit_batch(
         tkeys = [keys[i] for i in todo]
         try:
             res = await _reserve_by_namespace(mover, dst, tkeys, namespace)
-        except KVTierUsageError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not backend_failure(exc):
+                raise
             dst.record_failure("reserve", len(todo), exc)
             res = [None] * len(todo)
         got: list[tuple[int, Reservation]] = []
@@ -109,11 +109,17 @@ async def commit_batch(
         if to_commit:
             try:
                 committed = await dst.backend.commit([r for _, r in to_commit])
-            except KVTierUsageError:
-                raise
-            except Exception as exc:
+            except BaseException as exc:
+                if not backend_failure(exc):
+                    raise
                 dst.record_failure("commit", len(to_commit), exc)
-                await abort_quietly(dst, [r for _, r in to_commit])
+                # the outcome is unknown (a reply lost after the work was done): pages the
+                # backend holds are committed; aborting them would leave them held and
+                # counted by the backend and known to no one
+                committed = await _held(dst, [keys[i] for i, _ in to_commit])
+                await abort_quietly(
+                    dst, [r for (_, r), c in zip(to_commit, committed, strict=True) if not c]
+                )
         for (i, _), c in zip(to_commit, committed, strict=True):
             open_res.pop(i, None)
             k = keys[i]
@@ -140,17 +146,19 @@ async def commit_batch(
             mover.metrics.failed.inc(dst.name, by=len(todo) - stored)
         return ok
     finally:
-        if open_res:  # an exception cut the batch short: nothing half-visible
-            await abort_quietly(dst, list(open_res.values()))
-        for i in reserved_dir:
-            if d.state(keys[i], dst.name) is PageState.RESERVED:
-                d.abort(keys[i], dst.name)
-        dst.reserving -= len(todo)
-        for i in todo:
-            if src is not None:
-                d.end_copy(keys[i], src.name)
-            mover.end_op(keys[i], dst)
-        mover.changed(dst, *([src] if src is not None else []))
+        try:
+            if open_res:  # an exception cut the batch short: nothing half-visible
+                await abort_quietly(dst, list(open_res.values()))
+        finally:  # whatever that await raises: an operation left open hangs its waiters
+            for i in reserved_dir:
+                if d.state(keys[i], dst.name) is PageState.RESERVED:
+                    d.abort(keys[i], dst.name)
+            dst.reserving -= len(todo)
+            for i in todo:
+                if src is not None:
+                    d.end_copy(keys[i], src.name)
+                mover.end_op(keys[i], dst)
+            mover.changed(dst, *([src] if src is not None else []))
 
 
 async def _reserve_by_namespace(
@@ -187,9 +195,9 @@ async def _write_user(
     start = time.perf_counter()
     try:
         written = await dst.backend.write(reservations, bufs)
-    except KVTierUsageError:
-        raise
-    except Exception as exc:
+    except BaseException as exc:
+        if not backend_failure(exc):
+            raise
         dst.record_failure("write", len(reservations), exc)
         return [False] * len(reservations)
     moved = sum(written)
@@ -199,11 +207,22 @@ async def _write_user(
     return list(written)
 
 
+async def _held(tier: Tier, keys: list[PageKey]) -> list[bool]:
+    """Which of ``keys`` the backend holds committed (``False`` where it cannot say)."""
+    try:
+        held = await tier.backend.contains(keys)
+    except Exception:
+        return [False] * len(keys)
+    return [bool(h) for h in held] if len(held) == len(keys) else [False] * len(keys)
+
+
 async def abort_quietly(tier: Tier, reservations: list[Reservation]) -> None:
     """Abort ``reservations``; a failing backend is recorded, not raised."""
     try:
         await tier.backend.abort(reservations)
-    except Exception as exc:
+    except BaseException as exc:
+        if not backend_failure(exc) and not isinstance(exc, KVTierUsageError):
+            raise
         tier.record_failure("abort", len(reservations), exc)
 
 
@@ -217,9 +236,9 @@ async def forget(mover: Mover, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
     d = mover.directory
     try:
         gone = await tier.backend.delete(keys)
-    except KVTierUsageError:
-        raise
-    except Exception as exc:
+    except BaseException as exc:
+        if not backend_failure(exc):
+            raise
         tier.record_failure("delete", len(keys), exc)
         gone = [False] * len(keys)
     lingering: set[PageKey] = set()
@@ -227,9 +246,9 @@ async def forget(mover: Mover, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
     if failed:
         try:
             held = await tier.backend.contains(failed)
-        except KVTierUsageError:
-            raise
-        except Exception as exc:  # the tier is down: keep the entries (as purge_vanished)
+        except BaseException as exc:  # the tier is down: keep the entries (as purge_vanished)
+            if not backend_failure(exc):
+                raise
             tier.record_failure("contains", len(failed), exc)
             held = [True] * len(failed)
         lingering = {k for k, h in zip(failed, held, strict=True) if h}
@@ -250,7 +269,9 @@ async def purge_vanished(mover: Mover, tier: Tier, keys: list[PageKey]) -> None:
         return
     try:
         present = await tier.backend.contains(keys)
-    except Exception:
+    except BaseException as exc:
+        if not backend_failure(exc) and not isinstance(exc, KVTierUsageError):
+            raise
         return  # the tier is down: keep the entries, they may come back
     d = mover.directory
     for k, here in zip(keys, present, strict=True):

@@ -23,14 +23,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.aio import finish_before_raising
 from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.transfer.batch import purge_vanished
 from kvtier.transfer.gate import Priority
-from kvtier.transfer.mover import Job, Mover, finish_before_raising
+from kvtier.transfer.mover import Job, Mover
 from kvtier.transfer.moves import Moves
 from kvtier.transfer.results import LoadResult
-from kvtier.transfer.tier import Tier
+from kvtier.transfer.tier import Tier, backend_failure
 
 
 class Fetcher:
@@ -195,9 +196,9 @@ class Fetcher:
                 # returns only once they stopped (as the remote store's data path does)
                 await finish_before_raising([get])
                 raise
-        except KVTierUsageError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not backend_failure(exc):
+                raise
             tier.record_failure("get", len(items), exc)
             got = [False] * len(items)
         finally:

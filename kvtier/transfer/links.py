@@ -32,11 +32,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Backend, Medium, Reservation
-from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.metrics import CacheMetrics
 from kvtier.transfer.gate import QUEUE_NAMES, Priority, PriorityGate
-from kvtier.transfer.tier import Tier
+from kvtier.transfer.tier import Tier, backend_failure
 
 __all__ = [
     "QUEUE_NAMES",
@@ -186,9 +185,9 @@ class Link:
             bufs = await self.reader(self.src.backend, self.dst.backend, keys, reservations)
             if not self.src.is_arena:
                 self._health(self.src, "get", sum(b is None for b in bufs), n)
-        except KVTierUsageError:
-            raise
-        except Exception as exc:  # a failing tier is a miss, never a crash
+        except BaseException as exc:  # a failing tier is a miss, never a crash
+            if not backend_failure(exc):
+                raise
             self.src.record_failure("get", n, exc)
             self.metrics.failed.inc(self.src.name, by=n)
             bufs = [None] * n
@@ -201,9 +200,9 @@ class Link:
                 for i, w in zip(idx, written, strict=True):
                     ok[i] = w
                 self._health(self.dst, "write", len(idx) - sum(written), len(idx))
-            except KVTierUsageError:
-                raise
-            except Exception as exc:
+            except BaseException as exc:
+                if not backend_failure(exc):
+                    raise
                 self.dst.record_failure("write", len(idx), exc)
                 self.metrics.failed.inc(self.dst.name, by=len(idx))
         moved = sum(ok)

@@ -34,22 +34,6 @@ _log = get_logger("kvtier.pipeline")
 T = TypeVar("T")
 
 
-async def finish_before_raising(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    """Wait until every one of ``tasks`` is done, even when the caller is cancelled
-    meanwhile (it is, typically: this runs before a CancelledError is re-raised). Used
-    where work still running reads or writes a caller's buffers: the caller must not get
-    control of them back (by the exception) while a thread still copies them."""
-    pending = [t for t in tasks if not t.done()]
-    if not pending:
-        return
-    done = asyncio.gather(*pending, return_exceptions=True)
-    while not done.done():
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            continue  # cancelled again: the caller raises CancelledError anyway, after this
-
-
 class Job:
     """One batch running as its own task at ``priority``; ``started`` once it holds room
     and a link slot, after which it is never cancelled (it finishes and commits or aborts

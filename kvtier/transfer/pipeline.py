@@ -340,9 +340,14 @@ class Pipeline:
             raise
         got = [r for r in res if r is not None]
         if len(got) < len(keys):
-            await top.backend.abort(got)
-            for k in keys:
-                d.abort(k, top.name)
+            try:
+                await top.backend.abort(got)
+            except Exception as exc:  # recorded; the directory is given back regardless
+                top.record_failure("abort", len(got), exc)
+            finally:
+                for k in keys:
+                    d.abort(k, top.name)
+                top.notify()
             raise CapacityError(
                 f"tier {top.name!r} could give only {len(got)} of {len(keys)} private slots"
             )
@@ -369,9 +374,16 @@ class Pipeline:
         if len({r.key for r in given}) != len(given):
             raise KVTierUsageError("release_private: a slot is given twice")
         top = self.top
-        for r in given:
+        for r in given:  # taken out first: a concurrent release of the same slots refuses
             del self._private[r.key]
-        await top.backend.abort(given)
+        try:
+            await top.backend.abort(given)
+        except BaseException:
+            # nothing is known to be given back (a backend's abort is idempotent): the
+            # slots stay private, so the caller can release them again
+            for r in given:
+                self._private[r.key] = r.handle
+            raise
         for r in given:
             if self.directory.get(r.key) is not None:
                 self.directory.abort(r.key, top.name)

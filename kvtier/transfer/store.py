@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.aio import finish_before_raising
 from kvtier.errors import CapacityError
 from kvtier.index.directory import PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.transfer.gate import Priority
-from kvtier.transfer.mover import Job, Mover, finish_before_raising
+from kvtier.transfer.mover import Job, Mover
 from kvtier.transfer.moves import Moves
 from kvtier.transfer.tier import Tier
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
 from kvtier.config import TierConfig
+from kvtier.errors import KVTierUsageError
 from kvtier.health import Outage
 from kvtier.index.directory import Directory, PageState
 from kvtier.keys import PageKey
@@ -23,6 +24,20 @@ from kvtier.plan.limits import TierLimits
 from kvtier.policy.base import EvictionPolicy
 
 _log = get_logger("kvtier.tier")
+
+
+def backend_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a backend call, is that backend's failure (a miss, the
+    tier marked failing) rather than the caller's business: any ``Exception`` but a
+    usage error, and a ``CancelledError`` while the running task was not asked to cancel
+    (a future inside the backend was cancelled: its executor or connection pool shut
+    down). A real cancellation of the caller propagates."""
+    if isinstance(exc, KVTierUsageError):
+        return False
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return task is not None and task.cancelling() == 0
+    return isinstance(exc, Exception)
 
 
 class Tier:
