@@ -183,3 +183,16 @@ async def test_c_client_sample_reads_real_values_and_cleans_up() -> None:
         assert "redis-benchmark" in sample.method
         with redis.Redis(port=server.port) as r:
             assert r.dbsize() == 0  # every key the runs wrote is gone
+
+
+@needs_c_client
+async def test_runs_too_short_for_the_c_clients_clock_are_lengthened() -> None:
+    """redis-benchmark times in whole milliseconds: one 16-byte GET took "0 ms", an infinite
+    rate, and the baseline came out as no figure at all (CI failed on it)."""
+    from kvtier.bench.redis_c import MIN_RUN_SECONDS, populate, run_redis_benchmark
+
+    with RedisServer("valkey") as server:
+        await populate(server.url, 16, 1)
+        run = await run_redis_benchmark(server.url, "get", 16, 1, 1, 1, 1)
+        assert run.requests == 1
+        assert 0 < run.seconds < MIN_RUN_SECONDS  # one command's share of a longer run

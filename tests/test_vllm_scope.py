@@ -61,6 +61,15 @@ def test_multimodal_requests_are_skipped() -> None:
     assert request_scope(embedded) == RequestScope(skip=why)
 
 
+@pytest.mark.parametrize(
+    "raw", [object(), [0.5, 1.0], torch.tensor(1.0)], ids=["object", "list", "0-dim"]
+)
+def test_prompt_embeddings_that_are_not_rows_of_a_tensor_are_skipped(raw: object) -> None:
+    scope = request_scope(_request(prompt_embeds=raw))
+    assert scope.embeds is None and scope.skip is not None
+    assert "prompt embeddings kvtier cannot read" in scope.skip
+
+
 BLOCK = 4
 
 

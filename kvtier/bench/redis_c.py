@@ -14,11 +14,17 @@ reuse the same, already mapped, memory). ``GET`` must read real values: before i
 key of a space of as many keys as pages is written (untimed) with a value of the page
 size, and ``GET`` picks keys at random from that space, so no reply is a short "nil".
 Keys live under ``key:`` (redis-benchmark's names) and are deleted afterwards.
+
+``redis-benchmark`` times a run in whole milliseconds: 16 pages of 64 KiB took "0 ms"
+(an infinite rate) or 2-3 ms (a third apart). So each test runs at least
+:data:`MIN_RUN_SECONDS` long (more commands of the same shape, up to
+:data:`MAX_RUN_BYTES`) and its time is scaled back to the commands asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import resource
 import shutil
 from dataclasses import dataclass
@@ -30,6 +36,10 @@ from kvtier.errors import TierIOError
 PARALLEL_SHAPE = (4, 2)
 #: Key space of the ``SET`` runs: large enough that nearly every key is new.
 SET_KEYSPACE = 10**9
+#: Shortest run timed: redis-benchmark's clock ticks in milliseconds (1 % error at 0.1 s).
+MIN_RUN_SECONDS = 0.1
+#: Most bytes one run may move while it is lengthened to :data:`MIN_RUN_SECONDS`.
+MAX_RUN_BYTES = 1 << 30
 
 
 def redis_benchmark_path() -> str | None:
@@ -73,11 +83,37 @@ async def run_redis_benchmark(
     url: str, op: str, value_bytes: int, requests: int, pipeline: int, clients: int,
     keyspace: int,
 ) -> CClientRun:  # fmt: skip
-    """Run one ``redis-benchmark -t op`` over ``keyspace`` random keys and return its time
-    (``requests / rps``).
+    """Run ``redis-benchmark -t op`` over ``keyspace`` random keys and return its time for
+    ``requests`` commands (``requests / rps``).
+
+    When ``requests`` commands finish in under :data:`MIN_RUN_SECONDS` (or in "0 ms"), the
+    test is run again with more commands, so the rate is measured over a run the
+    program's millisecond clock can time; the time and CPU are scaled back to ``requests``.
 
     Raises :class:`~kvtier.errors.TierIOError` when the program is missing or fails.
     """
+    if requests < 1:
+        raise TierIOError(f"redis-benchmark needs at least 1 request, not {requests}")
+    most = max(requests, MAX_RUN_BYTES // max(1, value_bytes))
+    run = requests
+    while True:
+        rps, cpu = await _timed_run(url, op, value_bytes, run, pipeline, clients, keyspace)
+        seconds = run / rps if math.isfinite(rps) else 0.0
+        if seconds >= MIN_RUN_SECONDS or run >= most:
+            break
+        grow = 2 * MIN_RUN_SECONDS / seconds if seconds > 0 else 20.0
+        run = min(most, max(run + 1, math.ceil(run * grow)))
+    if not math.isfinite(rps):
+        raise TierIOError(f"redis-benchmark {op} ran {run} commands too fast to time (rate {rps})")
+    scale = requests / run
+    return CClientRun(op, clients, pipeline, requests, value_bytes, requests / rps, cpu * scale)
+
+
+async def _timed_run(
+    url: str, op: str, value_bytes: int, requests: int, pipeline: int, clients: int,
+    keyspace: int,
+) -> tuple[float, float]:  # fmt: skip
+    """One ``redis-benchmark`` process: its reported rate (possibly ``inf``) and CPU time."""
     exe = redis_benchmark_path()
     if exe is None:
         raise TierIOError("redis-benchmark is not installed (apt-get install redis-tools)")
@@ -98,8 +134,8 @@ async def run_redis_benchmark(
                 rps = float(cells[1])
             except ValueError:
                 break
-            if rps > 0:
-                return CClientRun(op, clients, pipeline, requests, value_bytes, requests / rps, cpu)
+            if rps > 0:  # inf passes: the caller runs longer; nan does not
+                return rps, cpu
     raise TierIOError(
         f"redis-benchmark {op} gave no rate (exit {proc.returncode}): "
         f"{(text + err.decode(errors='replace'))[-300:]}"

@@ -237,5 +237,8 @@ def give_back_when_dropped(owner: object, bridge: BridgeLike, held: Holdings) ->
 
 def _give_back_later(bridge: BridgeLike, held: Holdings) -> None:
     if held.pinned or held.reservation is not None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is held
-            bridge.submit(give_back(bridge, held))
+        coro = give_back(bridge, held)
+        try:
+            bridge.submit(coro)
+        except RuntimeError:  # the loop is closed: nothing is held any more
+            coro.close()  # never started: close it, or Python warns it was never awaited

@@ -213,8 +213,8 @@ def test_a_lora_or_salted_request_is_looked_up_and_saved_in_its_own_scope(
 def test_requests_kvtier_cannot_key_are_neither_loaded_nor_saved(
     tmp_path: Path, fields: dict[str, Any]
 ) -> None:
-    """Before: two prompt-embeds prompts of one length had the same (placeholder) token
-    ids, so the second one loaded the first one's KV and the engine answered wrongly."""
+    """Multimodal inputs, and prompt embeddings that are not a tensor, are not keyed: their
+    token ids alone (placeholders) would let one prompt load another's KV."""
     side = _side(tmp_path, pages=4)
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
     req = _request("a", 5 * BS, **fields)

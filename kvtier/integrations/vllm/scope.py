@@ -98,6 +98,8 @@ def request_scope(request: Any) -> RequestScope:
     raw = getattr(request, "prompt_embeds", None)
     if raw is None:
         return RequestScope(suffix)
+    if not isinstance(raw, torch.Tensor) or raw.dim() < 1:
+        return RequestScope(skip=f"prompt embeddings kvtier cannot read ({type(raw).__name__})")
     embeds = PromptEmbeds(raw)
     return RequestScope(suffix + f"+embeds={embeds.dtype}", embeds=embeds)
 
