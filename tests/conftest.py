@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+import structlog
 
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,3 +33,13 @@ for _name in [m for m in sys.modules if m == "kvtier" or m.startswith("kvtier.")
         del sys.modules[_name]
 
 pytest_plugins = ["hang_watch"]  # where a test that hangs waits (tests/hang_watch.py)
+
+
+@pytest.fixture(autouse=True)
+def logging_left_as_found() -> Iterator[None]:
+    """A cache opened with ``log.level`` reconfigures structlog for the whole process: put
+    it back after each test, or a later test's ``capture_logs`` sees nothing below that
+    level (three NVMe fault tests failed after a test that opened a cache at "critical")."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
