@@ -92,6 +92,9 @@ class DramArena(SlotArena):
     """
 
     default_io_threads: ClassVar[int] = 4
+    #: :meth:`_copy` waits for its copy threads when cancelled (a subclass overriding
+    #: :meth:`get` must too, or set this ``False``).
+    get_finishes_before_raising: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def finish_before_raising(tasks: Sequence[asyncio.Future[Any]]) -> None:
@@ -25,3 +27,16 @@ async def finish_before_raising(tasks: Sequence[asyncio.Future[Any]]) -> None:
             await asyncio.shield(done)
         except asyncio.CancelledError:
             continue  # cancelled again: the caller raises CancelledError anyway, after this
+
+
+async def finish_even_if_cancelled(call: Coroutine[Any, Any, T]) -> T:
+    """Await ``call`` as a task of its own; when the caller is cancelled meanwhile, let the
+    task run to its end (uncancelled) and only then raise CancelledError. For calls whose
+    threads may write into the caller's buffers and which do not wait for them when
+    cancelled (a backend's ``get`` without ``get_finishes_before_raising``)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await finish_before_raising([task])
+        raise

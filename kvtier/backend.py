@@ -189,6 +189,9 @@ class Backend(ABC):
     #: shared by many servers): lookups then ask the backend about pages the local
     #: directory does not know yet.
     shared: ClassVar[bool] = False
+    #: ``get`` returns or raises, cancelled too, only once nothing it started writes the
+    #: caller's buffers: the cache then awaits it directly, without a task per read.
+    get_finishes_before_raising: ClassVar[bool] = False
 
     def __init__(
         self,
