@@ -400,7 +400,8 @@ class KVCache:
         taken (and count against the tier) until :meth:`release_private`. Raises
         :class:`KVTierUsageError` when the top tier is not an arena, a key is already known
         or ``namespace`` is not a label or Namespace (as :meth:`store_pages` checks), and
-        :class:`~kvtier.errors.CapacityError` when what fills the tier is pinned/reserved."""
+        :class:`~kvtier.errors.CapacityError` when what fills the tier is pinned/reserved,
+        :class:`~kvtier.errors.TierIOError` when the tier's backend fails the reserve."""
         label = namespace_label(namespace, self.namespace)
         return await self.pipeline.reserve_private(check_keys(keys), label)
 

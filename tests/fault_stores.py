@@ -124,6 +124,18 @@ class ShortReserveArena(AbortFailArena):
         return out
 
 
+class ReserveFailArena(DramArena):
+    """A DRAM arena whose ``reserve`` raises while ``fail_reserve`` is set (a third-party
+    arena's allocator failing)."""
+
+    fail_reserve: ClassVar[bool] = False
+
+    async def reserve(self, keys: Any, namespace: str = "") -> Any:
+        if type(self).fail_reserve:
+            raise RuntimeError("injected: reserve failed")
+        return await super().reserve(keys, namespace)
+
+
 class CancelledGetStore(FileStore):
     """A file store whose ``get`` raises asyncio.CancelledError while ``cancel_gets`` is
     set: a future inside the backend was cancelled (its executor or connection pool shut

@@ -26,6 +26,7 @@ from fault_stores import (
     ChunkFault,
     CommitThenRaiseStore,
     IndexDeleteFailNvme,
+    ReserveFailArena,
     ShortReadFileStore,
     ShortReserveArena,
     UnlinkFailStore,
@@ -33,7 +34,7 @@ from fault_stores import (
 )
 
 from kvtier.cache import KVCache
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, TierIOError
 from kvtier.keys import PageKey, PrivateKeys
 
 
@@ -51,6 +52,7 @@ def no_fault_left_on() -> Iterator[None]:
         ShortReadFileStore.short_reads = 0
         UnlinkFailStore.read_only = False
         IndexDeleteFailNvme.fail_index_delete = False
+        ReserveFailArena.fail_reserve = False
 
     off()
     yield
@@ -187,6 +189,22 @@ async def test_a_short_reserve_private_whose_abort_failed_leaves_no_key_reserved
         slots = await cache.reserve_private(keys)  # the keys are free again
         assert len(slots) == 3
         await cache.release_private(slots)
+
+
+async def test_a_reserve_private_the_backend_fails_names_the_tier(tmp_path: Path) -> None:
+    """The backend's own exception reached the caller as it was, with the tier not marked
+    failing; now it is a TierIOError naming the tier, and the keys are free again."""
+    async with open_cache(private_config(tmp_path, "ReserveFailArena")) as cache:
+        keys = PrivateKeys(b"failpath-r").take(2)
+        ReserveFailArena.fail_reserve = True
+        with pytest.raises(TierIOError, match="tier 'dram': reserving 2 private slots failed"):
+            await cache.reserve_private(keys)
+        assert not cache.tiers[0].healthy
+        ReserveFailArena.fail_reserve = False
+        assert cache.directory.reserved("dram") == 0
+        slots = await cache.reserve_private(keys)
+        await cache.release_private(slots)
+        cache.directory.check_invariants()
 
 
 # -- 3: a backend call that raises CancelledError (the caller was not cancelled) ------
@@ -385,6 +403,7 @@ async def test_an_nvme_delete_the_index_refuses_keeps_the_pages(tmp_path: Path) 
         IndexDeleteFailNvme.fail_index_delete = True
         assert await cache.delete(keys) == 6  # the DRAM copies only
         IndexDeleteFailNvme.fail_index_delete = False
+        ReserveFailArena.fail_reserve = False
         assert [cache.directory.locate(k) for k in keys] == ["nvme"] * 6
         assert cache.directory.used("nvme") == nvme.used_pages() == 6
         cache.directory.check_invariants()

@@ -54,7 +54,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from kvtier.backend import ArenaBackend, Reservation
-from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
 from kvtier.index.directory import Directory
 from kvtier.keys import PageKey
 from kvtier.metrics import CacheMetrics
@@ -73,7 +73,7 @@ from kvtier.transfer.prefetch import Prefetcher
 from kvtier.transfer.results import LoadResult, PrefetchResult
 from kvtier.transfer.room import Room
 from kvtier.transfer.store import Writer
-from kvtier.transfer.tier import Tier
+from kvtier.transfer.tier import Tier, backend_failure
 
 __all__ = ["LoadResult", "Pipeline", "PrefetchResult"]
 
@@ -334,10 +334,16 @@ class Pipeline:
         top.claimed -= len(keys)  # the claim became directory reservations
         try:
             res = await top.backend.reserve(keys, namespace)
-        except BaseException:
+        except BaseException as exc:
             for k in keys:
                 d.abort(k, top.name)
-            raise
+            top.notify()
+            if not backend_failure(exc):
+                raise
+            top.record_failure("reserve", len(keys), exc)
+            raise TierIOError(
+                f"tier {top.name!r}: reserving {len(keys)} private slots failed: {exc!r}"
+            ) from exc
         got = [r for r in res if r is not None]
         if len(got) < len(keys):
             try:
