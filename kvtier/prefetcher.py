@@ -25,7 +25,6 @@ prefetched: the predictor never queues behind itself). :meth:`aclose` (called by
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
@@ -197,14 +196,16 @@ class LivePrefetcher:
             self._moved.popitem(last=False)
 
     async def aclose(self) -> None:
-        """Cancel prefetches still running and stop listening."""
+        """Cancel prefetches still running, wait for them, and stop listening. Their own
+        errors are dropped (closing anyway); a cancellation of the caller propagates."""
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):  # closing anyway
-                await t
-        self._unsubscribe()
+        try:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._unsubscribe()
 
     def stats(self) -> dict[str, Any]:
         """Counts by outcome, pages still tracked, requests skipped while busy."""

@@ -127,3 +127,41 @@ def test_bench_run_with_and_without_the_predictor(tmp_path: Path) -> None:
     assert b["load_latency_ms"]["count"] > 0
     bad = runner.invoke(get_app(), [*args, "--predictor", "psychic"])
     assert bad.exit_code == 2 and "unknown predictor" in bad.stderr
+
+
+class SlowToStopPrefetch:
+    """The cache, except that a cancelled ``prefetch`` takes 0.3 s to stop (as one that
+    waits for a copy thread does)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.started = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    async def prefetch(self, keys: Any, deadline_s: float) -> Any:
+        self.started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.3)
+            raise
+
+
+async def test_aclose_cancelled_meanwhile_raises_cancelled(tmp_path: Path) -> None:
+    """aclose swallowed its caller's cancellation while it waited for a prefetch to stop:
+    a shutdown that cancelled it went on as if nothing had happened."""
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False) as cache:
+        keys = (await cache.store(_tokens(1, 2), np.zeros((2, 512), dtype=np.uint8))).keys
+        target = SlowToStopPrefetch(cache)
+        pred = LivePrefetcher(target, predictor="prefix")  # type: ignore[arg-type]
+        pred.on_lookup(keys, ["disk", "disk"])  # a lookup found them below the top tier
+        await asyncio.wait_for(target.started.wait(), 2)
+        closing = asyncio.ensure_future(pred.aclose())
+        await asyncio.sleep(0.05)  # aclose waits for the prefetch to stop
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await pred.aclose()  # a second close waits for what is left, and returns
+        assert pred.stats()["pages"]["issued"] == 2
