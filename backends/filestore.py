@@ -204,8 +204,11 @@ class FileStore(FileStoreBase):
         return ok
 
     def commit_files(self, jobs: list[tuple[int, Pending]]) -> list[bool]:
+        """Rename each written page into place (``-1`` jobs: drop the temp file); with
+        ``fsync``, then make the names durable. A page whose directory cannot be synced
+        is not committed: its file is removed and it answers ``False``."""
         out: list[bool] = []
-        dirs: set[Path] = set()
+        placed: dict[Path, list[int]] = {}  # directory -> indexes into out of its pages
         for i, p in jobs:
             if i < 0:
                 unlink_all([p.tmp])
@@ -216,15 +219,22 @@ class FileStore(FileStoreBase):
                 # Never a symlink (UnsafeStoreError is an OSError: the page fails).
                 private_dir(final.parent, self.modes, self.path)
                 os.replace(p.tmp, final)
-                dirs.add(final.parent)
+                placed.setdefault(final.parent, []).append(len(out))
                 out.append(True)
             except OSError as exc:
                 _log.warning("file store: commit of %s to %s failed: %s", p.key.hex(), final, exc)
                 unlink_all([p.tmp])
                 out.append(False)
         if self.fsync:
-            for d in dirs:
-                fsync_dir(d)
+            for d, at in placed.items():
+                try:
+                    fsync_dir(d)
+                except OSError as exc:
+                    _log.warning("file store: fsync of %s failed, %d pages not committed: %s",
+                                 d, len(at), exc)  # fmt: skip
+                    unlink_all([self.page_path(jobs[j][1].key) for j in at])
+                    for j in at:
+                        out[j] = False
         return out
 
     async def abort(self, reservations: Sequence[Reservation]) -> None:

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvtier.backends import filestore as filestore_module
 from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
 from kvtier.backends.nvme import NvmeStore
@@ -222,6 +223,23 @@ class UnlinkFailStore(FileStore):
 
         with replaced(os, "unlink", refuse):
             return await super().delete(keys)
+
+
+class FsyncFailStore(FileStore):
+    """A file store (``fsync`` on) whose directory fsyncs fail with EIO while
+    ``fail_fsync`` is set (a disk that lost a write)."""
+
+    fail_fsync: ClassVar[bool] = False
+
+    def commit_files(self, jobs: Any) -> Any:
+        if not type(self).fail_fsync:
+            return super().commit_files(jobs)
+
+        def failing(path: Any) -> None:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+
+        with replaced(filestore_module, "fsync_dir", failing):
+            return super().commit_files(jobs)
 
 
 class IndexDeleteFailNvme(NvmeStore):

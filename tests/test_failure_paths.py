@@ -25,6 +25,7 @@ from fault_stores import (
     CancelledGetStore,
     ChunkFault,
     CommitThenRaiseStore,
+    FsyncFailStore,
     IndexDeleteFailNvme,
     ReserveFailArena,
     ShortReadFileStore,
@@ -53,6 +54,7 @@ def no_fault_left_on() -> Iterator[None]:
         UnlinkFailStore.read_only = False
         IndexDeleteFailNvme.fail_index_delete = False
         ReserveFailArena.fail_reserve = False
+        FsyncFailStore.fail_fsync = False
 
     off()
     yield
@@ -201,6 +203,7 @@ async def test_a_reserve_private_the_backend_fails_names_the_tier(tmp_path: Path
             await cache.reserve_private(keys)
         assert not cache.tiers[0].healthy
         ReserveFailArena.fail_reserve = False
+        FsyncFailStore.fail_fsync = False
         assert cache.directory.reserved("dram") == 0
         slots = await cache.reserve_private(keys)
         await cache.release_private(slots)
@@ -277,6 +280,26 @@ async def test_pages_committed_by_a_commit_that_raised_stay_known(tmp_path: Path
         cache.directory.check_invariants()
     async with open_cache(cfg) as cache:
         assert [cache.directory.locate(k) for k in keys] == [None] * 6
+
+
+async def test_pages_whose_directory_fsync_failed_are_not_committed(tmp_path: Path) -> None:
+    """The file store's commit raised when a directory fsync failed, after the pages had
+    been renamed into place: the cache took them as not committed while their files
+    stayed on disk, using space it did not count, until the next open brought them back."""
+    rng = np.random.default_rng(10)
+    cfg = file_tier_config(tmp_path, "fault_stores:FsyncFailStore")
+    cfg["tiers"][1]["options"]["fsync"] = True
+    async with open_cache(cfg) as cache:
+        FsyncFailStore.fail_fsync = True
+        keys, _ = await stored(cache, rng, 4)
+        await cache.flush()
+        FsyncFailStore.fail_fsync = False
+        assert await cache.tiers[1].backend.contains(keys) == [False] * 4
+        assert [cache.directory.locate(k) for k in keys] == ["dram"] * 4
+        assert cache.tiers[1].backend.used_pages() == 0
+        cache.directory.check_invariants()
+        files = [p for p in (tmp_path / "file").rglob("*") if p.is_file() and len(p.name) > 30]
+        assert files == []  # no page file the store does not count
 
 
 # -- 5: an observer whose aclose fails -------------------------------------------------
@@ -404,6 +427,7 @@ async def test_an_nvme_delete_the_index_refuses_keeps_the_pages(tmp_path: Path) 
         assert await cache.delete(keys) == 6  # the DRAM copies only
         IndexDeleteFailNvme.fail_index_delete = False
         ReserveFailArena.fail_reserve = False
+        FsyncFailStore.fail_fsync = False
         assert [cache.directory.locate(k) for k in keys] == ["nvme"] * 6
         assert cache.directory.used("nvme") == nvme.used_pages() == 6
         cache.directory.check_invariants()
