@@ -28,6 +28,7 @@ from kvtier.testing.case import (
     read_back,
 )
 from kvtier.testing.cases_ownership import (
+    cancelled_get_stops_writing,
     delete_spares_reservations,
     racing_commits_keep_one_page,
     write_keeps_no_reference,
@@ -457,6 +458,11 @@ CASES: tuple[Case, ...] = (
         "racing_commits_keep_one_page",
         "a key committed twice holds one page, one write's bytes",
         racing_commits_keep_one_page,
+    ),
+    Case(
+        "cancelled_get_stops_writing",
+        "a cancelled get of a backend with get_finishes_before_raising writes no more",
+        cancelled_get_stops_writing,
     ),
     Case("exists_counts_prefix", "exists() counts the leading present keys", exists_counts_prefix),
     Case("delete_removes", "delete removes committed keys, per item", delete_removes),

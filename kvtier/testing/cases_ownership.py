@@ -1,12 +1,20 @@
 """Conformance cases about who owns a page's bytes: the caller's buffer is the caller's
-once ``write`` returns, a key committed twice holds one whole page, and a delete does not
-touch a page still in flight."""
+once ``write`` returns (and once a ``get`` of a backend that promises
+``get_finishes_before_raising`` is cancelled), a key committed twice holds one whole page,
+and a delete does not touch a page still in flight."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import numpy as np
 
-from kvtier.testing.case import CaseContext, expect, read_back
+from kvtier.testing.case import CaseContext, empty_pages, expect, read_back
+from kvtier.testing.kit import CaseSkipped
+
+#: How long a cancelled ``get`` is watched for late writes into the caller's buffers.
+LATE_WRITE_WATCH_S = 0.05
 
 
 async def write_keeps_no_reference(ctx: CaseContext) -> None:
@@ -93,3 +101,32 @@ async def delete_spares_reservations(ctx: CaseContext) -> None:
     ok, (page,) = await read_back(b, key)
     expect(ok == [True] and np.array_equal(page, data), "the page committed after a delete() "
            "of its key reads back wrong or not at all")  # fmt: skip
+
+
+async def cancelled_get_stops_writing(ctx: CaseContext) -> None:
+    """A backend that sets ``get_finishes_before_raising`` (the cache then awaits its
+    ``get`` directly, with no shield): a ``get`` cancelled after 0 to 3 loop turns has
+    stopped writing into the caller's buffers when it raises or returns."""
+    b = await ctx.backend()
+    if not b.get_finishes_before_raising:
+        raise CaseSkipped("get_finishes_before_raising is not set: the cache shields its gets")
+    n = min(b.capacity_pages, 64)
+    keys = ctx.keys(n)
+    expect(await b.put(keys, ctx.pages(n, b.page_bytes)) == [True] * n, "put failed")
+    for turns in range(4):
+        out = empty_pages(b, n)
+        call = asyncio.ensure_future(b.get(keys, out))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        seen = [o.copy() for o in out]
+        await asyncio.sleep(LATE_WRITE_WATCH_S)
+        late = sum(not np.array_equal(o, s) for o, s in zip(out, seen, strict=True))
+        expect(
+            late == 0,
+            f"a get() cancelled after {turns} loop turns wrote into {late} of the caller's "
+            "buffers after it had returned: get_finishes_before_raising promises it waits "
+            "for the work it started (or set it False)",
+        )
