@@ -54,11 +54,58 @@ def test_lora_and_salt_extend_the_model_id_and_never_store_the_salt() -> None:
     assert both.suffix.startswith(a.suffix + "+salt=")
 
 
-def test_multimodal_requests_are_skipped() -> None:
-    why = "multimodal inputs"
-    assert request_scope(_request(mm_features=[object()])) == RequestScope(skip=why)
-    embedded = _request(mm_features=[object()], prompt_embeds=torch.zeros(4, 8))
-    assert request_scope(embedded) == RequestScope(skip=why)
+def _item(identifier: Any, offset: int, length: int) -> SimpleNamespace:
+    """A vLLM ``MultiModalFeatureSpec`` as kvtier reads it."""
+    pos = SimpleNamespace(offset=offset, length=length)
+    return SimpleNamespace(identifier=identifier, mm_position=pos, modality="image")
+
+
+def test_multimodal_requests_kvtier_cannot_read_are_skipped() -> None:
+    cases = {
+        "no identifier": [_item(None, 0, 4)],
+        "no placeholder range": [SimpleNamespace(identifier="img")],
+        "range (0, 0)": [_item("img", 0, 0)],
+    }
+    for why, features in cases.items():
+        scope = request_scope(_request(mm_features=features))
+        assert scope.skip is not None and why in scope.skip, (why, scope.skip)
+    embedded = _request(mm_features=[_item("img", 0, 4)], prompt_embeds=torch.zeros(4, 8))
+    assert request_scope(embedded).skip == "multimodal inputs with prompt embeddings"
+
+
+def _mm_ids(features: list[SimpleNamespace], tokens: list[int], pages: int) -> np.ndarray:
+    scope = request_scope(_request(mm_features=features))
+    assert scope.skip is None and scope.suffix == ""  # the engine's namespace
+    return _ids(scope, tokens, pages).reshape(pages, BLOCK)
+
+
+def test_multimodal_pages_are_keyed_by_the_items_they_overlap() -> None:
+    """Placeholder ids are equal whatever the image: a page overlapping an image is keyed
+    by the image's identifier and where it starts relative to the page."""
+    tokens = list(range(100, 106)) + [7] * 8 + list(range(200, 210))  # image at 6, 8 long
+    cat = _mm_ids([_item("cat", 6, 8)], tokens, 6)
+    dog = _mm_ids([_item("dog", 6, 8)], tokens, 6)
+    plain = np.asarray(tokens[:24], dtype=np.uint32).reshape(6, BLOCK)
+    assert (cat[0] == plain[0]).all()  # before the image: text, shared with text prompts
+    for p in (1, 2, 3):  # pages 1-3 overlap positions 6-13
+        assert not (cat[p] == plain[p]).all() and not (cat[p] == dog[p]).all()
+    assert (cat[4:] == plain[4:]).all()  # after it: token ids (the key chain differs)
+    again = _mm_ids([_item("cat", 6, 8)], tokens, 6)
+    assert (again == cat).all()
+    shifted = _mm_ids([_item("cat", 5, 8)], [*tokens[:5], 7, *tokens[6:]], 6)
+    assert not (shifted[1] == cat[1]).all()  # the same image one position earlier
+    two = _mm_ids([_item("dog", 14, 2), _item("cat", 6, 8)], tokens, 6)  # any order
+    assert (two[:3] == cat[:3]).all() and not (two[3] == cat[3]).all()
+
+
+def test_multimodal_page_keys_differ_past_the_image_through_the_chain() -> None:
+    ns = Namespace("m", page_tokens=BLOCK)
+    tokens = [1, 2, 3, 4, 7, 7, 7, 7, 5, 6, 8, 9]
+    cat = page_keys(_mm_ids([_item("cat", 4, 4)], tokens, 3).ravel(), ns)
+    dog = page_keys(_mm_ids([_item("dog", 4, 4)], tokens, 3).ravel(), ns)
+    text = page_keys(np.asarray(tokens), ns)
+    assert cat[0] == dog[0] == text[0]
+    assert len({cat[1], dog[1], text[1]}) == 3 and len({cat[2], dog[2], text[2]}) == 3
 
 
 @pytest.mark.parametrize(
