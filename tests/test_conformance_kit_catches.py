@@ -103,6 +103,10 @@ class DictStore(StoreBackend):
         self._check_open()
         bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
         await asyncio.sleep(0)
+        return self.fill(keys, bufs)
+
+    def fill(self, keys: Sequence[PageKey], bufs: Sequence[np.ndarray]) -> list[int | None]:
+        """Copy each key's blob into its buffer; the blobs' lengths (``None``: missing)."""
         sizes: list[int | None] = []
         for k, buf in zip(keys, bufs, strict=True):
             blob = self.read(k)
@@ -211,13 +215,7 @@ class ClaimsToFinishBeforeRaising(DictStore):
 
         def copy() -> list[int | None]:
             time.sleep(0.01)
-            sizes: list[int | None] = []
-            for k, buf in zip(keys, bufs, strict=True):
-                blob = self.read(k)
-                if blob is not None:
-                    buf[: len(blob)] = np.frombuffer(blob, np.uint8)
-                sizes.append(None if blob is None else len(blob))
-            return sizes
+            return self.fill(keys, bufs)
 
         return await asyncio.get_running_loop().run_in_executor(None, copy)
 
