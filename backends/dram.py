@@ -46,7 +46,7 @@ from kvtier.backends.dram_memory import (
     try_mlock,
 )
 
-from kvtier.aio import finish_before_raising
+from kvtier.aio import gather_to_the_end
 from kvtier.arena import SlotArena
 from kvtier.backend import Reservation, check_buffers
 from kvtier.errors import KVTierUsageError
@@ -374,12 +374,9 @@ class DramArena(SlotArena):
 
         for fut in futures:
             fut.add_done_callback(on_done)
-        waits = [asyncio.wrap_future(f) for f in futures]
-        try:
-            await asyncio.gather(*waits)
-        except BaseException:  # the other groups still copy the caller's buffers
-            await finish_before_raising(waits)
-            raise
+        # raises (cancelled too) only once every group's copy has returned: none still
+        # writes the caller's buffers
+        await gather_to_the_end([asyncio.wrap_future(f) for f in futures])
 
     # -- the keyed, two-phase interface ------------------------------------------------
 

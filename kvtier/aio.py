@@ -40,3 +40,17 @@ async def finish_even_if_cancelled(call: Coroutine[Any, Any, T]) -> T:
     except asyncio.CancelledError:
         await finish_before_raising([task])
         raise
+
+
+async def gather_to_the_end(futures: Sequence[asyncio.Future[T]]) -> list[T]:
+    """Await every one of ``futures`` (work running on threads) and return their results
+    in order. When one fails, or the caller is cancelled, raise only once every one is
+    done. The futures are never cancelled: a thread cannot be stopped, and the asyncio
+    wrapper of a running thread's future reports "cancelled" at once while the thread
+    still runs (a plain ``gather`` cancelled by its caller does exactly that)."""
+    together = asyncio.gather(*futures)
+    try:
+        return await asyncio.shield(together)
+    except BaseException:
+        await finish_before_raising(futures)
+        raise

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import numpy as np
 
-from kvtier.aio import finish_before_raising
+from kvtier.aio import gather_to_the_end
 from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
 
@@ -315,14 +315,10 @@ class Backend(ABC):
         size = -(-len(jobs) // parts)
         chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
         futs = [loop.run_in_executor(self._executor, functools.partial(fn, c)) for c in chunks]
-        try:
-            done = await asyncio.gather(*futs)
-        except BaseException:
-            # one chunk failed (or the caller was cancelled): the other chunks' threads
-            # still read or write the caller's buffers (a DRAM slot, in a load). Raise
-            # only once they stopped, so none writes into a buffer reused meanwhile
-            await finish_before_raising(futs)
-            raise
+        # when a chunk fails (or the caller is cancelled) the other chunks' threads still
+        # read or write the caller's buffers (a DRAM slot, in a load): raise only once
+        # they stopped, so none writes into a buffer reused meanwhile
+        done = await gather_to_the_end(futs)
         return [r for chunk in done for r in chunk]
 
     # -- the keyed, two-phase interface ------------------------------------------------

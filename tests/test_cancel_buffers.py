@@ -94,3 +94,29 @@ async def test_a_cancelled_read_never_writes_into_out_after_it_raised(
             changed += int((out != 0x11).any(axis=1).sum())
         assert cancelled > 0, "no read was cancelled midway: the test lost its point"
         assert changed == 0, f"{changed} pages of out written after read() was cancelled"
+
+
+async def test_a_cancelled_chunked_store_read_returns_once_its_threads_stopped(
+    tmp_path: Path,
+) -> None:
+    """``Backend.run_blocking_chunks`` cut a file store's read into one chunk per thread;
+    cancelled, it raised at once (a cancelled ``gather`` reports its thread futures
+    cancelled while the threads still run), and they wrote into ``out`` afterwards. The
+    cache shields a store's ``get``; a backend calling its own ``get`` is not shielded."""
+    from kvtier.backends.filestore import FileStore
+
+    n, page = 16, 1 << 20
+    store = FileStore(page_bytes=page, capacity_pages=n, path=str(tmp_path), io_threads=2)
+    async with store:
+        pages = np.random.default_rng(3).integers(0, 256, (n, page), np.uint8)
+        keys = [bytes([i]) * 16 for i in range(n)]
+        assert await store.put(keys, list(pages)) == [True] * n
+        late = cancelled = 0
+        for turns in (1, 2, 3, 4):
+            out = np.zeros((n, page), np.uint8)
+            cancelled += await _cancel_after(asyncio.create_task(store.get(keys, out)), turns)
+            out[:] = 0x11
+            await asyncio.sleep(0.2)
+            late += int((out != 0x11).any(axis=1).sum())
+        assert cancelled > 0, "no read was cancelled midway: the test lost its point"
+        assert late == 0, f"{late} pages of out written after get() was cancelled"

@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kvtier.backends.dram import DramArena
 
 from kvtier.cache import KVCache
+from kvtier.testing import check_backend, conformance_cases
 
 
 def config(head_dim: int) -> dict[str, Any]:
@@ -82,8 +84,20 @@ async def test_a_cancelled_dram_read_leaves_whole_pages_and_nothing_writing(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            snapshot = out.copy()
-            await asyncio.sleep(0.05)  # a copy thread still running would write by now
-            assert (out == snapshot).all(), "the read wrote into out after it returned"
             for i in range(8):  # every page is all old or all new bytes
                 assert (out[i] == 0).all() or (out[i] == pages[i]).all()
+            out[:] = 0x5A  # the caller's own bytes, once read() is over
+            await asyncio.sleep(0.05)  # a copy thread still running would write by now
+            assert (out == 0x5A).all(), "the read wrote into out after it returned"
+
+
+async def test_the_dram_arena_keeps_its_promise_with_threaded_copies() -> None:
+    """The conformance case of ``get_finishes_before_raising`` on pages large enough for
+    the arena to split a get across its copy threads (the kit's usual pages copy inline).
+    Before, a cancelled threaded copy returned at once (a cancelled ``gather`` reports its
+    thread futures cancelled while the threads still run)."""
+    case = next(c for c in conformance_cases() if c.name == "cancelled_get_stops_writing")
+    report = await check_backend(
+        lambda: DramArena(page_bytes=1 << 20, capacity_pages=32), cases=[case]
+    )
+    assert report.passed == ["cancelled_get_stops_writing"], report
