@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from vllm_engines import Engine, base_env, llm_kwargs
-from vllm_models import smollm2, smollm2_available, tiny_llama
+from vllm_models import smollm2, smollm2_available, tiny_idefics3, tiny_llama
 from vllm_prompts import LENGTHS, extra_prompts, prompts_for, shared_prefix_prompts
 
 _HERE = Path(__file__).resolve().parent
@@ -39,6 +39,11 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_image_model() -> Path:
+    return tiny_idefics3()
 
 
 @pytest.fixture(scope="session")

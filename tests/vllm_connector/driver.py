@@ -7,11 +7,15 @@ each prefixed with ``@@`` (vLLM prints to stdout too):
 * ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": n, "logprobs": k,
   "kv_params": [{...} | null, ...]}`` (``kv_params``, optional: each prompt's
   ``kv_transfer_params``, as a client passes them) ->
-  ``{"tokens": [[...]], "cached": [...], "logprobs": [[...]]}`` (greedy; ``cached`` is
-  vLLM's ``num_cached_tokens``: local prefix-cache hits plus tokens loaded by a connector);
+  ``{"tokens": [[...]], "cached": [...], "prompt_lens": [...], "logprobs": [[...]]}``
+  (greedy; ``cached`` is vLLM's ``num_cached_tokens``: local prefix-cache hits plus tokens
+  loaded by a connector; ``prompt_lens``: the prompts' lengths as vLLM ran them);
   ``"extras"`` (optional, one per prompt, or null): ``{"lora": [name, id, path]}`` (a LoRA
   adapter), ``{"cache_salt": str}``, ``{"embeds": true}`` (the prompt sent as prompt
-  embeddings: the model's embedding rows of its ids; needs ``enable_prompt_embeds``);
+  embeddings: the model's embedding rows of its ids; needs ``enable_prompt_embeds``),
+  ``{"image": seed}`` (for an image model: ``multi_modal_data`` of one random 32 x 32
+  RGB image made from ``seed`` by :func:`image`; vLLM expands the model's image token in
+  the ids to the image's placeholder tokens; ``prompt_lens`` then tells the length);
 * ``{"op": "metrics"}`` -> ``{"metrics": {name: value}}``: vLLM's Prometheus counters whose
   name contains ``kvtier`` (summed over labels; ``hit_tokens`` also per tier);
 * ``{"op": "exit"}``: shut the engine down (the connector closes its cache) and exit 0.
@@ -35,8 +39,21 @@ def _logprobs(completion: Any) -> list[float]:
     return [step[t].logprob for step, t in zip(steps, completion.token_ids, strict=False)]
 
 
+def image(seed: int, side: int = 32) -> Any:
+    """A ``side`` x ``side`` RGB image (PIL), the same for the same ``seed``: one random
+    color with some noise. (A random model averages its attention over the image's
+    rows: images of noise alone look alike to it, a color per image steers its tokens.)"""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, 3) + rng.integers(-24, 24, (side, side, 3))
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
+
+
 def _prompt(model: str, ids: list[int], extra: dict[str, Any] | None) -> dict[str, Any]:
-    """One prompt as vLLM takes it: token ids, or their embeddings; with a cache salt."""
+    """One prompt as vLLM takes it: token ids, or their embeddings; with a cache salt or
+    an image."""
     extra = extra or {}
     if extra.get("embeds"):
         import torch
@@ -48,6 +65,8 @@ def _prompt(model: str, ids: list[int], extra: dict[str, Any] | None) -> dict[st
         out = {"prompt_token_ids": ids}
     if extra.get("cache_salt"):
         out["cache_salt"] = extra["cache_salt"]
+    if extra.get("image") is not None:
+        out["multi_modal_data"] = {"image": image(extra["image"])}
     return out
 
 
@@ -97,6 +116,7 @@ def main() -> None:
             result: dict[str, Any] = {
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "cached": [o.num_cached_tokens or 0 for o in outs],
+                "prompt_lens": [len(o.prompt_token_ids or ()) for o in outs],
             }
             if cmd.get("logprobs"):
                 result["logprobs"] = [_logprobs(o.outputs[0]) for o in outs]

