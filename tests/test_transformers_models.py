@@ -262,3 +262,49 @@ def test_closing_a_cache_after_its_bridge_is_quiet() -> None:
         with torch.no_grad():
             model(_prompt(9, 7), cache=cache)
     cache.close()  # raised "Event loop is closed"
+
+
+def _tiny_llava() -> Any:
+    """A random LLaVA: a 1-layer CLIP vision tower (28 x 28 images, 4 patches) over the
+    tiny Llama; token 255 is the image placeholder."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB - 1)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    attach(model)
+    return model
+
+
+def test_a_forward_with_an_image_is_refused_naming_the_input() -> None:
+    """An image sits behind placeholder ids that are the same whatever the image: pages
+    keyed by token ids would serve one image's KV for another. Before, the first request
+    stored such pages, and a second image whose prefix they covered failed inside LLaVA
+    ("Image features and image tokens do not match"); a model without that check would
+    have answered about the first image. Text-only requests on the same model still work."""
+    model = _tiny_llava()
+    text_config = model.config.text_config
+    with_image = torch.tensor([[1, 2, 3, 4] + [VOCAB - 1] * 4 + [5, 6, 7, 8, 9]])
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(1))
+    text_only = _prompt(12, 3) % (VOCAB - 2) + 1  # no placeholder
+    want = _greedy(model, text_only, DynamicCache(config=text_config))
+    with KVTierBridge.start(_config(text_config), env={}) as bridge:
+        with (
+            bridge.new_cache(text_config) as cache,
+            pytest.raises(KVTierUsageError, match="keys pages by token ids only: this forward"),
+        ):
+            model.generate(with_image, pixel_values=pixels, cache=cache, max_new_tokens=2,
+                           do_sample=False)  # fmt: skip
+        for _ in range(2):  # the second time from the pages the first one stored
+            with bridge.new_cache(text_config) as cache:
+                cache.load_prefix(text_only)
+                assert _greedy(model, text_only, cache).tolist() == want.tolist()
+        assert cache.stats.prefix_tokens == 8

@@ -26,6 +26,15 @@ def attach(model: torch.nn.Module) -> None:
         if not isinstance(cache, KVTierCache):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
+        other = other_inputs(kwargs)
+        if other:
+            # an image (audio, video) behind placeholder ids: the same ids hold other KV
+            raise KVTierUsageError(
+                f"KVTierCache keys pages by token ids only: this forward also gets "
+                f"{', '.join(repr(n) for n in other)}, inputs that change the KV of the same "
+                "token ids (images, audio, video behind placeholder ids); not supported, use "
+                "DynamicCache for such requests"
+            )
         if ids is None:
             raise KVTierUsageError(
                 "KVTierCache needs input_ids (token ids key its pages); inputs_embeds alone "
@@ -57,6 +66,41 @@ def attach(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
     model.register_forward_hook(done, with_kwargs=True)
     setattr(model, _HOOKED, True)
+
+
+#: Forward inputs that do not change the KV of the token ids (the ids themselves, the mask
+#: checked below, the positions generate derives from it, the cache, and output options).
+KV_NEUTRAL_INPUTS = frozenset({
+    "input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position",
+    "past_key_values", "cache", "use_cache", "labels", "logits_to_keep",
+    "num_logits_to_keep", "return_dict", "output_attentions", "output_hidden_states",
+})  # fmt: skip
+
+
+def other_inputs(kwargs: dict[str, Any]) -> list[str]:
+    """Names of the data inputs of a forward outside :data:`KV_NEUTRAL_INPUTS`: anything
+    but ``None`` and plain options (bool, number, string), e.g. ``pixel_values``,
+    ``input_features`` or transformers 5's ``mm_encoder_outputs`` (the image features
+    ``generate`` computes before the first forward). Each may change the KV of the same
+    token ids."""
+    return sorted(
+        name
+        for name, value in kwargs.items()
+        if name not in KV_NEUTRAL_INPUTS and _carries_data(value)
+    )
+
+
+def _carries_data(value: Any) -> bool:
+    """Whether a forward input holds data: not ``None``, a plain option or an empty (or
+    all-``None``) container, as ``generate`` passes ``mm_encoder_outputs={}`` for a
+    prompt without images."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return False
+    if isinstance(value, dict):
+        return any(_carries_data(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_carries_data(v) for v in value)
+    return True
 
 
 def _pad_id(model: torch.nn.Module) -> int | None:

@@ -29,9 +29,10 @@ into a bridge *from the loop thread* raises instead of deadlocking. For scripts 
 
 **Token ids.** Page keys hash token ids, which a ``Cache`` never sees: :func:`attach`
 registers a forward pre-hook on the model that hands each forward's ``input_ids`` to the
-``KVTierCache`` passed as ``cache=``. A forward with ``inputs_embeds`` only, a batch
-larger than 1, or a model whose geometry does not match the cache's :class:`KVSpec` raises
-:class:`~kvtier.errors.KVTierUsageError`.
+``KVTierCache`` passed as ``cache=``. A forward with ``inputs_embeds`` only, with images
+or other data inputs beyond the token ids (:func:`~kvtier.integrations.hf_attach.
+other_inputs`), a batch larger than 1, or a model whose geometry does not match the
+cache's :class:`KVSpec` raises :class:`~kvtier.errors.KVTierUsageError`.
 
 Example::
 
