@@ -28,6 +28,7 @@ from kvtier.backends.nvme_preflight import preflight_store
 from kvtier.backends.nvme_slabs import SlabFiles
 from kvtier.backends.store_files import Modes, check_path_text
 
+from kvtier.aio import finish_before_raising
 from kvtier.backend import BackendClosedError, Medium, Preflight, StoreBackend
 from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
 from kvtier.health import LogOnce
@@ -320,14 +321,20 @@ class NvmeStoreBase(StoreBackend):
         self._slots.release(slot)
 
     async def _slot_io(
-        self, fn: Callable[[list[T]], R], groups: list[list[T]], slots: Sequence[int]
+        self,
+        fn: Callable[[list[T]], R],
+        groups: list[list[T]],
+        slots: Sequence[int],
+        finish_if_cancelled: bool = False,
     ) -> list[R]:
         """Run ``fn`` on each group on the worker pool, with ``slots`` busy until every
         thread is done.
 
         A worker thread cannot be stopped: when the caller is cancelled its page I/O runs
         on, so the slots stay busy (a slot freed meanwhile is handed out only after that
-        I/O ends) and :meth:`close` waits for it, not just for the caller.
+        I/O ends) and :meth:`close` waits for it, not just for the caller. With
+        ``finish_if_cancelled`` (reads: the threads write the caller's buffers) a
+        cancelled call raises only once every group's thread has returned.
         """
         self._slots.begin_io(slots)
         self._active += 1
@@ -344,7 +351,12 @@ class NvmeStoreBase(StoreBackend):
             self._exit()
 
         io.add_done_callback(done)
-        results = await asyncio.shield(io)
+        try:
+            results = await asyncio.shield(io)
+        except asyncio.CancelledError:
+            if finish_if_cancelled:  # the threads still write the caller's buffers
+                await finish_before_raising([io])
+            raise
         out: list[R] = []
         for r in results:
             if isinstance(r, BaseException):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from kvtier.backends.nvme_engines import (
@@ -30,6 +30,9 @@ from .nvme_base import (
 class NvmeReads(NvmeStoreBase):
     """``get`` and quarantine, on top of :class:`~kvtier.backends.nvme_base.NvmeStoreBase`."""
 
+    #: a cancelled ``get`` raises only once its read threads returned (``_slot_io``)
+    get_finishes_before_raising: ClassVar[bool] = True
+
     async def get(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[bool]:
         self._enter()
         try:
@@ -51,7 +54,8 @@ class NvmeReads(NvmeStoreBase):
             return ok
         assert self._engine is not None
         groups = split(jobs, self.io_threads) if self._engine.splits_batches else [jobs]
-        results = await self._slot_io(self._read_blocking, groups, [row.slot for _, row, _ in jobs])
+        slots = [row.slot for _, row, _ in jobs]
+        results = await self._slot_io(self._read_blocking, groups, slots, finish_if_cancelled=True)
         bad: list[tuple[PageRow, BaseException]] = []
         now = time.time()
         for group, res in zip(groups, results, strict=True):

@@ -96,17 +96,27 @@ async def test_a_cancelled_read_never_writes_into_out_after_it_raised(
         assert changed == 0, f"{changed} pages of out written after read() was cancelled"
 
 
-async def test_a_cancelled_chunked_store_read_returns_once_its_threads_stopped(
-    tmp_path: Path,
+@pytest.mark.parametrize("backend", ["file", "nvme"])
+async def test_a_cancelled_store_read_returns_once_its_threads_stopped(
+    tmp_path: Path, backend: str
 ) -> None:
-    """``Backend.run_blocking_chunks`` cut a file store's read into one chunk per thread;
-    cancelled, it raised at once (a cancelled ``gather`` reports its thread futures
-    cancelled while the threads still run), and they wrote into ``out`` afterwards. The
-    cache shields a store's ``get``; a backend calling its own ``get`` is not shielded."""
+    """A store read cut into one group per thread (``Backend.run_blocking_chunks`` in the
+    file store, ``_slot_io`` groups in the NVMe store); cancelled, it raised at once (a
+    cancelled ``gather`` reports its thread futures cancelled while the threads still
+    run; the NVMe store shielded its groups and did not wait), and the threads wrote into
+    ``out`` afterwards. The NVMe store now promises ``get_finishes_before_raising``, so the
+    cache no longer shields its reads; the file store does not (a one-hop read still
+    returns before its thread), so the cache still does."""
     from kvtier.backends.filestore import FileStore
+    from kvtier.backends.nvme import NvmeStore
 
     n, page = 16, 1 << 20
-    store = FileStore(page_bytes=page, capacity_pages=n, path=str(tmp_path), io_threads=2)
+    store = (
+        FileStore(page_bytes=page, capacity_pages=n, path=str(tmp_path), io_threads=2)
+        if backend == "file"
+        else NvmeStore(page_bytes=page, capacity_pages=n, path=str(tmp_path), io_threads=2,
+                       engine="posix", preallocate=False)
+    )  # fmt: skip
     async with store:
         pages = np.random.default_rng(3).integers(0, 256, (n, page), np.uint8)
         keys = [bytes([i]) * 16 for i in range(n)]
