@@ -5,7 +5,8 @@ identifier of the item and its offset in the page, as vLLM's own prefix cache do
 ``kvtier/integrations/vllm/scope.py``). A prompt with another image must load only the
 pages before the image; the same image loads them all; a text-only prompt shares the
 pages before the image; with other text after the image, the hit ends inside the image
-(vLLM takes the rest of the image's rows from its encoder cache or encoder). Keyed by
+(vLLM takes the rest of the image's rows from its encoder cache, or, in a fresh engine
+loading from the NVMe tier, runs the encoder for them). Keyed by
 token ids alone, a prompt with image B would load the KV of image A and answer as if it
 saw A. Greedy tokens must equal vLLM alone (no connector, no prefix cache: every hit
 comes from kvtier) for every request."""
@@ -42,6 +43,8 @@ def test_pages_with_an_image_are_keyed_by_the_image(
     p = _with_image(TEXT[HEAD:180])  # 80 + 67 + 100 = 247 tokens in vLLM
     p_other_tail = _with_image(TEXT[200:300])  # the same up to the image's end, then not
     text_head = TEXT[:HEAD] + TEXT[200:300]  # text only: P's text before the image
+    p_new_tail = _with_image(TEXT[120:220])  # run by a fresh engine only (and alone)
+    assert TEXT[120] not in (TEXT[HEAD], TEXT[200])  # its hit ends inside the image
     steps: list[tuple[str, list[int], dict[str, Any] | None]] = [
         ("P A", p, A),  # saved
         ("P A again", p, A),
@@ -53,9 +56,13 @@ def test_pages_with_an_image_are_keyed_by_the_image(
     ]
     common = {"enable_prefix_caching": False}  # every hit comes from kvtier
     kv = {
-        "tiers": [{"name": "dram", "backend": "dram", "capacity": "8MiB"}],
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": "8MiB"},
+            {"name": "nvme", "backend": "nvme", "capacity": "16MiB",
+             "options": {"path": str(tmp_path / "nvme"), "preallocate": False}},
+        ],
         "log": {"level": "warning"},
-    }
+    }  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {}
     for label, extra in (("alone", {}), ("kvtier", {"kv_transfer_config": connector(kv)})):
         llm = llm_kwargs(**common, **extra)
@@ -64,6 +71,13 @@ def test_pages_with_an_image_are_keyed_by_the_image(
             results[label] = [eng.generate([q], 8, extras=[e]) for _, q, e in steps]
             if label == "kvtier":
                 metrics = eng.settled_metrics()
+            else:
+                new_tail_alone = eng.generate([p_new_tail], 8, extras=[A])["tokens"][0]
+    # a fresh engine (no encoder cache) whose first hit, from the NVMe tier, ends inside
+    # the image: vLLM must run the encoder for the rest of the image's rows
+    llm = llm_kwargs(**common, kv_transfer_config=connector(kv))
+    with Engine(tiny_image_model, llm, base_env(runtime_dir), tmp_path / "fresh.log") as eng:
+        fresh = eng.generate([p_new_tail], 8, extras=[A])
     names = [name for name, _, _ in steps]
     lens = {n: r["prompt_lens"][0] for n, r in zip(names, results["kvtier"], strict=True)}
     expanded = IDEFICS3_IMAGE_TOKENS - 1  # the image token becomes the placeholders
@@ -83,5 +97,6 @@ def test_pages_with_an_image_are_keyed_by_the_image(
             "text head": before_image, "P' A": inside_image, "P A after B": full}  # fmt: skip
     cached = dict(zip(names, (r["cached"][0] for r in results["kvtier"]), strict=True))
     assert (wrong, cached) == ([], hits)  # wrong tokens and wrong hits, shown together
+    assert (fresh["tokens"][0], fresh["cached"][0]) == (new_tail_alone, inside_image)
     assert metrics.get("hit_tokens", 0) == sum(hits.values())  # all of them from kvtier
     assert metrics.get("unkeyed_requests", 0) == 0 and metrics.get("load_errors", 0) == 0
