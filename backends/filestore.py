@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from kvtier.backends.nvme_engines import preadv_all
@@ -82,6 +82,10 @@ class FileStore(FileStoreBase):
 
     Persistent: committed pages are there again after close and reopen.
     """
+
+    #: a cancelled ``get`` raises only once its read threads returned (``run_blocking``
+    #: and ``run_blocking_chunks`` wait for them)
+    get_finishes_before_raising: ClassVar[bool] = True
 
     async def reserve(
         self, keys: Sequence[PageKey], namespace: str = ""

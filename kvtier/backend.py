@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import numpy as np
 
-from kvtier.aio import gather_to_the_end
+from kvtier.aio import finish_before_raising, gather_to_the_end
 from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
 
@@ -291,13 +291,17 @@ class Backend(ABC):
             raise BackendClosedError(f"{type(self).__name__} is not open")
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on this backend's executor and await the result.
-
-        Callers batch: one hop per batch of pages, never one per page.
-        """
+        """Run ``fn(*args)`` on this backend's executor and await the result; cancelled,
+        raise only once ``fn`` has returned (it may still use the caller's buffers).
+        Callers batch: one hop per batch of pages, never one per page."""
         self._check_open()
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        fut = loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await finish_before_raising([fut])
+            raise
 
     async def run_blocking_chunks(
         self, fn: Callable[[list[J]], list[R]], jobs: list[J], min_bytes: int = CHUNK_MIN_BYTES

@@ -104,9 +104,9 @@ async def test_a_cancelled_store_read_returns_once_its_threads_stopped(
     file store, ``_slot_io`` groups in the NVMe store); cancelled, it raised at once (a
     cancelled ``gather`` reports its thread futures cancelled while the threads still
     run; the NVMe store shielded its groups and did not wait), and the threads wrote into
-    ``out`` afterwards. The NVMe store now promises ``get_finishes_before_raising``, so the
-    cache no longer shields its reads; the file store does not (a one-hop read still
-    returns before its thread), so the cache still does."""
+    ``out`` afterwards. Both stores now promise ``get_finishes_before_raising`` (the file
+    store's one-hop reads too: ``Backend.run_blocking`` waits for its thread), so the
+    cache no longer shields their reads."""
     from kvtier.backends.filestore import FileStore
     from kvtier.backends.nvme import NvmeStore
 
