@@ -16,33 +16,15 @@ import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
-from vllm_engines import Engine, base_env, connector, llm_kwargs
+from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs
 from vllm_prompts import extra_prompts, shared_prefix_prompts
 
 from kvtier.testing.servers import free_port
 
 BLOCK = 32
 PAGE_BYTES = 2 * 2 * BLOCK * 64 * 2  # layers x heads x block x (K|V) x bf16 = 16 KiB
-
-
-def kv_config(
-    nvme: Path, dram: str = "64KiB", capacity: str = "4MiB", **nvme_opts: Any
-) -> dict[str, Any]:
-    return {
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": dram},
-            {
-                "name": "nvme",
-                "backend": "nvme",
-                "capacity": capacity,
-                "options": {"path": str(nvme), "preallocate": False, **nvme_opts},
-            },
-        ],
-        "log": {"level": "warning"},
-    }
 
 
 def hit_pages(prompt: list[int]) -> int:
@@ -65,7 +47,9 @@ def stored(tiny_model, tiny_prompts, runtime_dir, tmp_path_factory):  # type: ig
     round, filler prompts that push the first round out of vLLM's pool, a warm round."""
     root = tmp_path_factory.mktemp("engine-b")
     store = root / "nvme"
-    llm = llm_kwargs(num_gpu_blocks_override=72, kv_transfer_config=connector(kv_config(store)))
+    llm = llm_kwargs(
+        num_gpu_blocks_override=72, kv_transfer_config=connector(dram_over_nvme(store))
+    )
     with Engine(tiny_model, llm, base_env(runtime_dir), root / "engine.log") as eng:
         cold = eng.generate(tiny_prompts, 8, logprobs=1)
         m_cold = eng.settled_metrics()
@@ -122,7 +106,9 @@ def test_fresh_engine_loads_from_nvme_single_process_no_prefix_cache(  # type: i
     page the first engine stored, on the NVMe tier, and gives the same tokens."""
     copy = tmp_path / "nvme"
     shutil.copytree(stored["store"], copy)
-    llm = llm_kwargs(enable_prefix_caching=False, kv_transfer_config=connector(kv_config(copy)))
+    llm = llm_kwargs(
+        enable_prefix_caching=False, kv_transfer_config=connector(dram_over_nvme(copy))
+    )
     env = base_env(runtime_dir, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     with Engine(tiny_model, llm, env, tmp_path / "engine.log") as eng:
         out = eng.generate(tiny_prompts, 8, logprobs=1)
@@ -180,7 +166,7 @@ def test_damaged_pages_and_a_full_disk_recompute_the_same_tokens(  # type: ignor
         port_cfg = {"kvtier_metrics_port": port}
         llm = llm_kwargs(
             enable_prefix_caching=False,
-            kv_transfer_config=connector(kv_config(store, dram="32KiB"), **port_cfg),
+            kv_transfer_config=connector(dram_over_nvme(store, dram="32KiB"), **port_cfg),
         )
         with Engine(tiny_model, llm, base_env(runtime_dir), tmp_path / "engine.log") as eng:
             _fill(mnt / "filler")  # the disk fills up while the engine runs

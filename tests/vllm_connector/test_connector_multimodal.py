@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_engines import Engine, base_env, connector, llm_kwargs
+from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs
 from vllm_models import IDEFICS3_IMAGE_TOKEN, IDEFICS3_IMAGE_TOKENS
 
 BLOCK = 32
@@ -55,14 +55,7 @@ def test_pages_with_an_image_are_keyed_by_the_image(
         ("P A after B", p, A),  # A's pages are still A's
     ]
     common = {"enable_prefix_caching": False}  # every hit comes from kvtier
-    kv = {
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": "8MiB"},
-            {"name": "nvme", "backend": "nvme", "capacity": "16MiB",
-             "options": {"path": str(tmp_path / "nvme"), "preallocate": False}},
-        ],
-        "log": {"level": "warning"},
-    }  # fmt: skip
+    kv = dram_over_nvme(tmp_path / "nvme", dram="8MiB", capacity="16MiB")
     results: dict[str, list[dict[str, Any]]] = {}
     for label, extra in (("alone", {}), ("kvtier", {"kv_transfer_config": connector(kv)})):
         llm = llm_kwargs(**common, **extra)

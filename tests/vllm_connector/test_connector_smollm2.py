@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_engines import Engine, base_env, connector, llm_kwargs
+from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs
 
 TEXTS = [
     "The history of computing is a story of memory hierarchies: registers, caches, main "
@@ -46,14 +46,7 @@ def test_smollm2_same_tokens_computed_and_loaded(
     with Engine(smol_model, llm_kwargs(enable_prefix_caching=False), env,
                 tmp_path / "ref.log") as eng:  # fmt: skip
         ref = one_by_one(eng)["tokens"]
-    kv = {
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": "32MiB"},
-            {"name": "nvme", "backend": "nvme", "capacity": "64MiB",
-             "options": {"path": str(tmp_path / "nvme"), "preallocate": False}},
-        ],
-        "log": {"level": "warning"},
-    }  # fmt: skip
+    kv = dram_over_nvme(tmp_path / "nvme", dram="32MiB", capacity="64MiB")
     llm = llm_kwargs(enable_prefix_caching=False, kv_transfer_config=connector(kv))
     with Engine(smol_model, llm, env, tmp_path / "kv.log") as eng:
         cold = one_by_one(eng)

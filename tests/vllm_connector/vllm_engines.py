@@ -80,6 +80,25 @@ def connector(
     return cfg
 
 
+def dram_over_nvme(
+    nvme: Path, dram: str = "64KiB", capacity: str = "4MiB", **nvme_opts: Any
+) -> dict[str, Any]:
+    """A kvtier config: a DRAM tier of ``dram`` over an NVMe tier of ``capacity`` in
+    ``nvme`` (``nvme_opts``: more NVMe options), logging warnings."""
+    return {
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": dram},
+            {
+                "name": "nvme",
+                "backend": "nvme",
+                "capacity": capacity,
+                "options": {"path": str(nvme), "preallocate": False, **nvme_opts},
+            },
+        ],
+        "log": {"level": "warning"},
+    }
+
+
 class EngineError(RuntimeError):
     pass
 
