@@ -28,7 +28,7 @@ from kvtier.backends.nvme_preflight import preflight_store
 from kvtier.backends.nvme_slabs import SlabFiles
 from kvtier.backends.store_files import Modes, check_path_text
 
-from kvtier.aio import finish_before_raising
+from kvtier.aio import finish_even_if_cancelled
 from kvtier.backend import BackendClosedError, Medium, Preflight, StoreBackend
 from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
 from kvtier.health import LogOnce
@@ -351,12 +351,9 @@ class NvmeStoreBase(StoreBackend):
             self._exit()
 
         io.add_done_callback(done)
-        try:
-            results = await asyncio.shield(io)
-        except asyncio.CancelledError:
-            if finish_if_cancelled:  # the threads still write the caller's buffers
-                await finish_before_raising([io])
-            raise
+        # reads: the threads write the caller's buffers, so a cancelled read waits for them
+        wait = finish_even_if_cancelled(io) if finish_if_cancelled else asyncio.shield(io)
+        results = await wait
         out: list[R] = []
         for r in results:
             if isinstance(r, BaseException):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,11 +29,12 @@ async def finish_before_raising(tasks: Sequence[asyncio.Future[Any]]) -> None:
             continue  # cancelled again: the caller raises CancelledError anyway, after this
 
 
-async def finish_even_if_cancelled(call: Coroutine[Any, Any, T]) -> T:
-    """Await ``call`` as a task of its own; when the caller is cancelled meanwhile, let the
-    task run to its end (uncancelled) and only then raise CancelledError. For calls whose
-    threads may write into the caller's buffers and which do not wait for them when
-    cancelled (a backend's ``get`` without ``get_finishes_before_raising``)."""
+async def finish_even_if_cancelled(call: Awaitable[T]) -> T:
+    """Await ``call`` (a coroutine, run as a task of its own, or a future); when the caller
+    is cancelled meanwhile, let it run to its end (uncancelled) and only then raise
+    CancelledError. For work whose threads may use the caller's buffers and which does
+    not wait for them when cancelled (a thread's future; a backend's ``get`` without
+    ``get_finishes_before_raising``)."""
     task = asyncio.ensure_future(call)
     try:
         return await asyncio.shield(task)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import numpy as np
 
-from kvtier.aio import finish_before_raising, gather_to_the_end
+from kvtier.aio import finish_even_if_cancelled, gather_to_the_end
 from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
 
@@ -297,11 +297,7 @@ class Backend(ABC):
         self._check_open()
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._executor, functools.partial(fn, *args))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await finish_before_raising([fut])
-            raise
+        return await finish_even_if_cancelled(fut)
 
     async def run_blocking_chunks(
         self, fn: Callable[[list[J]], list[R]], jobs: list[J], min_bytes: int = CHUNK_MIN_BYTES
