@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvtier.cache import KVCache
+from kvtier.testing.case import cancel_after
 
 #: 128 KiB pages, 16 per batch: a batch is a 2 MiB copy, which the DRAM arena hands to
 #: its worker threads
@@ -38,18 +39,6 @@ def _config(path: Path, dram: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def _cancel_after(task: asyncio.Task[Any], turns: int) -> bool:
-    """Cancel ``task`` after ``turns`` loop turns; whether it ended cancelled."""
-    for _ in range(turns):
-        await asyncio.sleep(0)
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        return True
-    return False
-
-
 async def test_a_cancelled_store_never_publishes_what_the_caller_wrote_after(
     tmp_path: Path,
 ) -> None:
@@ -62,7 +51,7 @@ async def test_a_cancelled_store_never_publishes_what_the_caller_wrote_after(
             tokens = np.arange(n * 16) + trial * 100_000
             orig = np.random.default_rng(trial).integers(0, 256, (n, PAGE_BYTES), np.uint8)
             buf = orig.copy()  # the engine's staging buffer
-            cancelled += await _cancel_after(asyncio.create_task(cache.store(tokens, buf)), turns)
+            cancelled += await cancel_after(cache.store(tokens, buf), turns)
             buf[:] = 0xEE  # reused for the next request as soon as store() returned
             await cache.flush()
             hit = await cache.lookup(tokens)
@@ -88,7 +77,7 @@ async def test_a_cancelled_read_never_writes_into_out_after_it_raised(
         changed = cancelled = 0
         for turns in (1, 2, 3, 4, 6):
             out = np.zeros((n, PAGE_BYTES), np.uint8)
-            cancelled += await _cancel_after(asyncio.create_task(cache.read(keys, out)), turns)
+            cancelled += await cancel_after(cache.read(keys, out), turns)
             out[:] = 0x11  # the caller's own data, once read() raised
             await asyncio.sleep(0.2)  # time for a stray copy to land
             changed += int((out != 0x11).any(axis=1).sum())
@@ -124,7 +113,7 @@ async def test_a_cancelled_store_read_returns_once_its_threads_stopped(
         late = cancelled = 0
         for turns in (1, 2, 3, 4):
             out = np.zeros((n, page), np.uint8)
-            cancelled += await _cancel_after(asyncio.create_task(store.get(keys, out)), turns)
+            cancelled += await cancel_after(store.get(keys, out), turns)
             out[:] = 0x11
             await asyncio.sleep(0.2)
             late += int((out != 0x11).any(axis=1).sum())

@@ -9,7 +9,6 @@ caller's buffer once it has returned, and no page half-copied.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from kvtier.backends.dram import DramArena
 
 from kvtier.cache import KVCache
 from kvtier.testing import check_backend, conformance_cases
+from kvtier.testing.case import cancel_after
 
 
 def config(head_dim: int) -> dict[str, Any]:
@@ -78,12 +78,7 @@ async def test_a_cancelled_dram_read_leaves_whole_pages_and_nothing_writing(
         keys = (await cache.store(np.arange(16 * 8), pages)).keys
         for turns in (0, 1, 2, 3):
             out = np.zeros((8, page_bytes), np.uint8)
-            task = asyncio.ensure_future(cache.read(keys, out))
-            for _ in range(turns):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_after(cache.read(keys, out), turns)
             for i in range(8):  # every page is all old or all new bytes
                 assert (out[i] == 0).all() or (out[i] == pages[i]).all()
             out[:] = 0x5A  # the caller's own bytes, once read() is over

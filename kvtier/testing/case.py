@@ -37,6 +37,20 @@ def expect(cond: object, what: str) -> None:
         raise ConformanceError(what)
 
 
+async def cancel_after(call: Awaitable[object], turns: int) -> bool:
+    """Run ``call`` as a task, cancel it after ``turns`` loop turns and wait for it to end;
+    whether it ended cancelled (``False``: it finished first). Other exceptions raise."""
+    task = asyncio.ensure_future(call)
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return True
+    return False
+
+
 def empty_pages(b: Backend, n: int) -> list[np.ndarray]:
     """``n`` zeroed page buffers of ``b``'s page size (``get``'s ``out``)."""
     return [np.zeros(b.page_bytes, dtype=np.uint8) for _ in range(n)]

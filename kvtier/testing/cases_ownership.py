@@ -6,11 +6,10 @@ and a delete does not touch a page still in flight."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 
-from kvtier.testing.case import CaseContext, empty_pages, expect, read_back
+from kvtier.testing.case import CaseContext, cancel_after, empty_pages, expect, read_back
 from kvtier.testing.kit import CaseSkipped
 
 #: How long a cancelled ``get`` is watched for late writes into the caller's buffers.
@@ -117,12 +116,7 @@ async def cancelled_get_stops_writing(ctx: CaseContext) -> None:
     expect(await b.put(keys, ctx.pages(n, b.page_bytes)) == [True] * n, "put failed")
     for turns in range(4):
         out = empty_pages(b, n)
-        call = asyncio.ensure_future(b.get(keys, out))
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        call.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await call
+        await cancel_after(b.get(keys, out), turns)
         for o in out:  # the caller's own bytes, once get() is over
             o[:] = MARK
         await asyncio.sleep(LATE_WRITE_WATCH_S)
