@@ -62,7 +62,7 @@ from kvtier.plan.planner import Planner, PlanTier
 from kvtier.policy.base import AdmissionPolicy
 from kvtier.policy.write import WritePolicy
 from kvtier.transfer import adopt
-from kvtier.transfer.batch import forget
+from kvtier.transfer.batch import abort_quietly, forget
 from kvtier.transfer.evict import WAIT_RECHECK_S, Evictor
 from kvtier.transfer.fetch import Fetcher
 from kvtier.transfer.gate import Priority
@@ -347,9 +347,7 @@ class Pipeline:
         got = [r for r in res if r is not None]
         if len(got) < len(keys):
             try:
-                await top.backend.abort(got)
-            except Exception as exc:  # recorded; the directory is given back regardless
-                top.record_failure("abort", len(got), exc)
+                await abort_quietly(top, got)  # a failing abort is recorded, not raised
             finally:
                 for k in keys:
                     d.abort(k, top.name)
