@@ -56,7 +56,7 @@ the store opens and misses until the server is up.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -101,7 +101,13 @@ class RedisStore(RedisStoreBase):
     ``password``, ``tls``, ``tls_ca_certs``, ``tls_certfile``, ``tls_keyfile``,
     ``tls_verify``. Unknown or invalid options raise :class:`~kvtier.errors.ConfigError`
     naming the option.
+
+    A ``get`` returns, cancelled or not, only once nothing writes into the caller's
+    buffers any more (the data path waits for its aborted threads, and copies on the
+    executor are waited for), so the cache awaits it without a task and shield.
     """
+
+    get_finishes_before_raising: ClassVar[bool] = True
 
     # -- the keyed, two-phase interface ----------------------------------------------------
 

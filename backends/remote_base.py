@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from kvtier.aio import finish_even_if_cancelled
 from kvtier.backend import (
     BackendClosedError,
     Medium,
@@ -228,10 +229,14 @@ class RedisStoreBase(StoreBackend):
 
     async def _cpu(self, fn: Callable[[], T], nbytes: int) -> T:
         """Run copy/checksum work over ``nbytes`` inline when small, on the executor when
-        large (one hop per batch). Also for a call that :meth:`close` is waiting for."""
+        large (one hop per batch). Also for a call that :meth:`close` is waiting for. A
+        caller cancelled meanwhile raises only once the work is over: it copies into or
+        out of the caller's buffers."""
         if nbytes < _OFFLOAD_BYTES:
             return fn()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        return await finish_even_if_cancelled(
+            asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        )
 
     @contextlib.contextmanager
     def _using_client(self) -> Iterator[Any]:

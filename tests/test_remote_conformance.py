@@ -38,12 +38,12 @@ async def test_conformance_single_node(flavor: str) -> None:
     with RedisServer(flavor) as server:  # type: ignore[arg-type]
         report = await check_backend(_factory(server.url), persistent=True)
     assert "survives_reopen" in report.passed and "uncommitted_invisible" in report.passed
-    assert set(report.skipped) == {"arena_zero_copy", "cancelled_get_stops_writing"}
+    assert set(report.skipped) == {"arena_zero_copy"}
 
 
 async def test_conformance_cluster(cluster: RedisClusterServers) -> None:
     report = await check_backend(_factory(cluster.url, cluster=True), persistent=True)
-    assert set(report.skipped) == {"arena_zero_copy", "cancelled_get_stops_writing"}
+    assert set(report.skipped) == {"arena_zero_copy"}
 
 
 async def test_cluster_spreads_pages_over_every_master(cluster: RedisClusterServers) -> None:

@@ -69,3 +69,49 @@ async def test_pages_a_frozen_server_still_holds_are_served_again_after(call: st
             hits = await cache.read(keys, out)
             assert all(hits)
             np.testing.assert_array_equal(out, pages)
+
+
+async def test_a_read_cancelled_on_a_frozen_server_raises_at_once_and_writes_nothing_after() -> (
+    None
+):
+    """``RedisStore`` promises ``get_finishes_before_raising``: a cancelled get aborts its
+    batches and waits for their threads, so the cache awaits it with no shield. A read
+    cancelled while the server is frozen then raises at once, not after the tier's
+    ``op_timeout_s`` (30 s here; before, the shielded get ran to its deadline), and the
+    server's late replies, once it is thawed, reach no buffer of the caller."""
+    rng = np.random.default_rng(12)
+    config = _config("")
+    remote = config["tiers"][1]  # type: ignore[index]
+    with RedisServer("valkey") as server:
+        remote["options"] = {"url": server.url, "op_timeout_s": 30.0}
+        async with KVCache(config, env={}, configure_log=False) as cache:
+            tokens = rng.integers(0, 50_000, 8 * cache.spec.page_tokens)
+            pages = rng.integers(0, 256, (8, cache.spec.page_bytes), dtype=np.uint8)
+            keys = (await cache.store(tokens, pages)).keys
+            await cache.flush()
+            assert await cache.demote("dram", keys) == []
+            out = np.zeros_like(pages)
+            server.pause()
+            try:
+                task = asyncio.create_task(cache.read(keys, out))
+                await asyncio.sleep(0.3)  # its batches wait on the frozen server
+                task.cancel()
+                start = loop_time()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                took = loop_time() - start
+                server.resume()
+                await asyncio.sleep(0.3)  # a late reply would have landed by now
+            finally:
+                server.resume()
+            assert took < 5.0, f"the cancelled read raised after {took:.1f} s"
+            assert not out.any(), f"{int(out.any(axis=1).sum())} pages written after it raised"
+            for _ in range(50):  # the aborted connections are opened again
+                if all(await cache.read(keys, out)):
+                    break
+                await asyncio.sleep(0.1)
+            assert np.array_equal(out, pages)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
