@@ -101,9 +101,11 @@ class KVCache:
         configure_log: apply the config's log format and level to structlog.
         whatif: run what-if sizing (:class:`~kvtier.observers.WhatIfObserver`): each
             tier's hit rate at other capacities, in ``stats()["whatif"]`` and the
-            ``kvtier_whatif_hit_rate`` gauge.
+            ``kvtier_whatif_hit_rate`` gauge. ``None``: the config's ``observe.whatif``
+            (so an engine that opens the cache from a config file can switch it on).
         predictor: run a live prefetch predictor (:class:`~kvtier.prefetcher.
-            LivePrefetcher`): ``"prefix"``, ``"lookahead"`` or ``"prefix+lookahead"``.
+            LivePrefetcher`): ``"prefix"``, ``"lookahead"`` or ``"prefix+lookahead"``;
+            ``"none"`` runs none. ``None``: the config's ``observe.predictor``.
 
     Raises:
         ConfigError: a bad configuration (at construction).
@@ -115,7 +117,7 @@ class KVCache:
         *,
         env: Mapping[str, str] | None = None,
         configure_log: bool = True,
-        whatif: bool = False,
+        whatif: bool | None = None,
         predictor: str | None = None,
     ) -> None:
         self.resolved: ResolvedConfig = load_config(config, env)
@@ -140,7 +142,10 @@ class KVCache:
         self._configure_log = configure_log
         #: Engine hints and observers (:mod:`kvtier.cache_hooks`; ``hooks.observers``).
         self.hooks = CacheHooks(self.metrics, lambda: [t.policy for t in self.tiers])
-        self.hooks.want(whatif, predictor)
+        self.hooks.want(
+            self.config.whatif if whatif is None else whatif,
+            self.config.predictor if predictor is None else predictor,
+        )
 
     @classmethod
     async def open(

@@ -70,8 +70,13 @@ class CacheHooks:
 
     def want(self, whatif: bool, predictor: str | None) -> None:
         """Ask for what-if sizing and a live prefetch predictor (one of
-        :data:`kvtier.prefetcher.PREDICTORS`), attached by :meth:`start`. Raises
-        :class:`KVTierUsageError` for an unknown predictor."""
+        :data:`kvtier.prefetcher.PREDICTORS`; ``None`` or ``"none"``: no predictor),
+        attached by :meth:`start`. Raises :class:`KVTierUsageError` for an unknown
+        predictor, or a ``whatif`` that is not a bool."""
+        if not isinstance(whatif, bool):
+            raise KVTierUsageError(f"whatif must be True or False, got {whatif!r}")
+        if predictor == "none":
+            predictor = None
         if predictor is not None:
             check_predictor(predictor)
         self._whatif = bool(whatif)

@@ -7,15 +7,20 @@ event-loop thread (the pipeline owns the metadata), so no locks are taken. Two r
   plus the cache-level summary that :class:`CacheMetrics` adds;
 * :meth:`Metrics.to_prometheus` -> the Prometheus text exposition format (version 0.0.4).
 
+Values computed from other state (what-if estimates) register a refresher
+(:meth:`Metrics.refresh_on_read`), run before each read-out, so a scrape never sees them
+stale.
+
 Histograms keep cumulative buckets (for Prometheus) and a bounded window of recent samples
 from which exact percentiles (p50, p99) are computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +172,25 @@ class Metrics:
     def __init__(self, prefix: str = "kvtier") -> None:
         self.prefix = prefix
         self._families: dict[str, Counter | Gauge | Histogram] = {}
+        self._refreshers: list[Callable[[], None]] = []
+
+    def refresh_on_read(self, refresh: Callable[[], None]) -> Callable[[], None]:
+        """Call ``refresh`` (it sets gauges from state it owns) before every
+        :meth:`raw`, :meth:`snapshot` and :meth:`to_prometheus`; returns a function that
+        stops it. A refresher that raises is skipped for that read-out: a read-out never
+        fails for it."""
+        self._refreshers.append(refresh)
+
+        def stop() -> None:
+            if refresh in self._refreshers:
+                self._refreshers.remove(refresh)
+
+        return stop
+
+    def _refresh(self) -> None:
+        for refresh in list(self._refreshers):
+            with contextlib.suppress(Exception):  # the read-out shows the last values
+                refresh()
 
     def _add(self, family: Counter | Gauge | Histogram) -> Any:
         if family.name in self._families:
@@ -196,6 +220,7 @@ class Metrics:
 
     def raw(self) -> dict[str, Any]:
         """Every series as plain data: ``{"counters": {name: {"l=v,..": value}}, ...}``."""
+        self._refresh()
         out: dict[str, dict[str, Any]] = {"counters": {}, "gauges": {}, "histograms": {}}
         for fam in self._families.values():
             if isinstance(fam, Counter):
@@ -218,6 +243,7 @@ class Metrics:
 
     def to_prometheus(self) -> str:
         """The Prometheus text exposition of every series."""
+        self._refresh()
         lines: list[str] = []
         for fam in self._families.values():
             kind = (

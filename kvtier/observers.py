@@ -75,8 +75,9 @@ class WhatIfObserver:
         cache: the cache to model (its tiers, policies and write policy, as configured).
         factors: capacity factors besides the current size.
         mini_pages: miniature size bound (see :class:`~kvtier.sim.whatif.WhatIf`).
-        publish_every: lookups between two refreshes of the gauges (``stats()`` always
-            refreshes them).
+        publish_every: lookups between two refreshes of the gauges (``stats()`` and every
+            read-out of the cache's metrics, a Prometheus scrape included, refresh them
+            too: :meth:`~kvtier.metrics.Metrics.refresh_on_read`).
     """
 
     name: ClassVar[str] = "whatif"
@@ -122,6 +123,7 @@ class WhatIfObserver:
             "Share of looked-up pages found at or above a tier (what lookups saw)",
             ["tier"],
         )
+        self.stop_refreshing = metrics.refresh_on_read(self.publish)
 
     def on_lookup(self, keys: Sequence[PageKey], found_tiers: Sequence[str]) -> None:
         self.whatif.on_request(keys)

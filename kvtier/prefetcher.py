@@ -35,14 +35,14 @@ from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.metrics import CacheMetrics
 from kvtier.policy.hints import Hint
-from kvtier.policy.prefetch import LookaheadPredictor
+from kvtier.policy.prefetch import LIVE_PREDICTORS, LookaheadPredictor
 from kvtier.transfer.pipeline import PrefetchResult
 from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.prefetcher")
 
 #: Predictor names :class:`LivePrefetcher` accepts.
-PREDICTORS: tuple[str, ...] = ("prefix", "lookahead", "prefix+lookahead")
+PREDICTORS: tuple[str, ...] = LIVE_PREDICTORS
 
 
 def check_predictor(name: str) -> None:

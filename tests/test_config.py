@@ -270,6 +270,14 @@ def _tiers(**first) -> dict:
             r"\(from env:KVTIER_TIERS__DRAM__CAPACITY\)",
         ),
         ({}, {"KVTIER_PIPELINE__WRITE_POLICY": "never"}, r"\(from env:KVTIER_PIPELINE"),
+        ({"observe": {"whatif": "yes"}}, {}, r"observe\.whatif: must be true or false"),
+        ({"observe": {"sizing": True}}, {}, r"observe\.sizing: unknown key"),
+        (
+            {},
+            {"KVTIER_OBSERVE__PREDICTOR": "psychic"},
+            r"observe\.predictor: must be one of none, prefix, lookahead, prefix\+lookahead, "
+            r"got 'psychic' \(from env:KVTIER_OBSERVE__PREDICTOR\)",
+        ),
     ],
 )
 def test_bad_config_names_the_key(raw, env, match):
@@ -324,3 +332,21 @@ def test_background_eviction_is_a_pipeline_switch_on_by_default():
     assert resolved.config.to_dict()["pipeline"]["background_eviction"] is False
     with pytest.raises(ConfigError, match=r"pipeline.background_eviction: must be true or false"):
         load_config({"pipeline": {"background_eviction": "yes"}}, env={})
+
+
+def test_observe_switches_are_off_by_default_and_set_by_file_or_environment(tmp_path):
+    """What-if sizing and the live predictor can be switched on where an engine opens the
+    cache from a config file (vLLM's ``kvtier_config``) or the environment, not only as
+    ``KVCache`` arguments."""
+    default = load_config(None, env={}).config
+    assert (default.whatif, default.predictor) == (False, None)
+    path = tmp_path / "kv.toml"
+    path.write_text('[observe]\nwhatif = true\npredictor = "lookahead"\n')
+    resolved = load_config(path, env={})
+    assert (resolved.config.whatif, resolved.config.predictor) == (True, "lookahead")
+    assert resolved.sources["observe.predictor"] == f"file:{path}"
+    env = {"KVTIER_OBSERVE__WHATIF": "false", "KVTIER_OBSERVE__PREDICTOR": "none"}
+    overridden = load_config(path, env=env).config
+    assert (overridden.whatif, overridden.predictor) == (False, None)
+    assert resolved.config.to_dict()["observe"] == {"whatif": True, "predictor": "lookahead"}
+    assert load_config(resolved.config.to_dict(), env={}).config == resolved.config

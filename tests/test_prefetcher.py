@@ -165,3 +165,26 @@ async def test_aclose_cancelled_meanwhile_raises_cancelled(tmp_path: Path) -> No
             await closing
         await pred.aclose()  # a second close waits for what is left, and returns
         assert pred.stats()["pages"]["issued"] == 2
+
+
+@pytest.mark.parametrize(
+    ("observe", "kwargs", "attached"),
+    [
+        ({"whatif": True, "predictor": "prefix+lookahead"}, {}, {"whatif", "predictor"}),
+        ({"whatif": True, "predictor": "lookahead"}, {"whatif": False}, {"predictor"}),
+        ({"predictor": "prefix"}, {"predictor": "none"}, set()),
+        ({}, {"whatif": True}, {"whatif"}),
+    ],
+)
+async def test_the_config_switches_observers_on_and_arguments_override_it(
+    tmp_path: Path, observe: dict[str, object], kwargs: dict[str, object], attached: set[str]
+) -> None:
+    cfg = {**_cfg(tmp_path), "observe": observe}
+    async with KVCache(cfg, env={}, configure_log=False, **kwargs) as cache:  # type: ignore[arg-type]
+        assert {o.name for o in cache.hooks.observers} == attached
+        assert attached <= set(cache.stats())
+
+
+def test_whatif_must_be_a_bool() -> None:
+    with pytest.raises(KVTierUsageError, match="whatif must be True or False, got 'yes'"):
+        KVCache({"model": {"preset": "tiny"}}, env={}, whatif="yes")  # type: ignore[arg-type]

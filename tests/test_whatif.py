@@ -135,3 +135,36 @@ async def test_live_cache_reports_whatif_in_stats_and_prometheus() -> None:
         assert dram["hit_rate"]["-50%"] <= dram["hit_rate"]["+100%"]
         prom = cache.metrics.to_prometheus()
         assert 'kvtier_whatif_hit_rate{tier="dram",capacity="+100%"}' in prom
+
+
+async def test_a_scrape_sees_the_whatif_estimates_of_every_lookup_so_far() -> None:
+    """The gauges are refreshed when the metrics are read (a Prometheus scrape), not only
+    every ``publish_every`` lookups: an engine that scrapes after 10 lookups, or whose
+    traffic is low, sees estimates (before, none until the 64th lookup)."""
+    cfg = {"model": {"preset": "tiny"}, "tiers": [{"name": "dram", "backend": "dram",
+                                                    "capacity": 64 * 512}]}  # fmt: skip
+    async with KVCache(cfg, env={}, configure_log=False, whatif=True) as cache:
+        for i in range(10):
+            await cache.lookup(np.arange(4 * cache.spec.page_tokens) + 1000 * (i % 3))
+        text = cache.metrics.to_prometheus()
+        line = next(s for s in text.splitlines() if s.startswith("kvtier_whatif_measured"))
+        # 10 lookups of 4 pages, nothing stored: nothing found
+        assert line == 'kvtier_whatif_measured_hit_rate{tier="dram"} 0', text
+        assert 'kvtier_whatif_hit_rate{tier="dram",capacity="+100%"}' in text
+        observer = next(o for o in cache.hooks.observers if o.name == "whatif")
+        observer.stop_refreshing()  # type: ignore[attr-defined]
+        pages = rng_pages(4, cache.spec.page_bytes)
+        await cache.store(np.arange(4 * cache.spec.page_tokens), pages)
+        await cache.lookup(np.arange(4 * cache.spec.page_tokens))  # 4 pages found
+        assert whatif_lines(cache.metrics.to_prometheus()) == whatif_lines(text)  # not refreshed
+        observer.publish()  # type: ignore[attr-defined]
+        refreshed = cache.metrics.to_prometheus()
+        assert 'kvtier_whatif_measured_hit_rate{tier="dram"} 0.0909' in refreshed  # 4 of 44
+
+
+def whatif_lines(text: str) -> list[str]:
+    return [s for s in text.splitlines() if s.startswith("kvtier_whatif")]
+
+
+def rng_pages(n: int, page_bytes: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, page_bytes), dtype=np.uint8)

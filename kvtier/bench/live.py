@@ -194,14 +194,16 @@ async def run_live(
     predictor: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Open a :class:`~kvtier.cache.KVCache` on ``config`` (with the live prefetch
-    ``predictor``, if any), play the workload, close.
+    ``predictor``, if any; ``None`` runs none, whatever the config's
+    ``observe.predictor``: the option decides, so two runs differ only by it), play the
+    workload, close.
 
     Returns (workload report, metrics snapshot taken after the cache closed, so pending
     write-downs are counted). With a predictor the report has its ``predictor`` stats.
     """
     from kvtier.cache import KVCache
 
-    cache = KVCache(config, predictor=predictor)
+    cache = KVCache(config, predictor=predictor or "none")
     async with cache:
         top = cache.tiers[0].backend
         view = top.view if isinstance(top, ArenaBackend) else None

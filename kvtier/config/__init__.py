@@ -24,6 +24,9 @@ The file format::
     [log]
     format = "console"               # console | json
     level = "info"
+    [observe]
+    whatif = false                   # what-if sizing per tier (stats, Prometheus)
+    predictor = "none"               # live prefetch: none | prefix | lookahead | prefix+lookahead
     [[tiers]]                        # top tier first
     name = "dram"
     backend = "dram"                 # entry-point name or "module:Class"

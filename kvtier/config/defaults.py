@@ -67,6 +67,7 @@ def default_raw() -> dict[str, Any]:
             "background_eviction": True,
         },
         "log": {"format": "console", "level": "info"},
+        "observe": {"whatif": False, "predictor": "none"},
         "tiers": [
             {"name": "dram", "backend": "dram", "capacity": "512MiB"},
             {

@@ -25,6 +25,7 @@ from kvtier.keys import Namespace
 from kvtier.log import parse_level
 from kvtier.policy.admission import make_admission
 from kvtier.policy.eviction import make_policy
+from kvtier.policy.prefetch import LIVE_PREDICTORS
 from kvtier.policy.write import WRITE_POLICIES, WritePolicy
 from kvtier.spec import KVSpec, preset
 from kvtier.units import format_size, parse_size
@@ -107,6 +108,10 @@ class KVTierConfig:
             waits until its victims are gone.
         log_format: ``console`` or ``json`` (structlog, on stderr).
         log_level: minimum log level.
+        whatif: run what-if sizing in the live cache (``observe.whatif``; see
+            :class:`~kvtier.cache.KVCache`).
+        predictor: the live prefetch predictor to run (``observe.predictor``; ``None``,
+            written ``"none"``, runs none).
     """
 
     spec: KVSpec
@@ -121,6 +126,8 @@ class KVTierConfig:
     background_eviction: bool = True
     log_format: Literal["console", "json"] = "console"
     log_level: str = "info"
+    whatif: bool = False
+    predictor: str | None = None
 
     def validate(self) -> KVTierConfig:
         """Check every field; raises :class:`ConfigError` naming the first bad key."""
@@ -302,6 +309,20 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
     log_level = str(log.get("level", "info"))
     parse_level(log_level)
 
+    observe = raw.get("observe", {})
+    whatif = observe.get("whatif", False)
+    if not isinstance(whatif, bool):
+        raise ConfigError(
+            f"observe.whatif: must be true or false, got {whatif!r}"
+            f"{_src(sources, 'observe.whatif')}"
+        )
+    predictor = observe.get("predictor", "none")
+    if predictor not in ("none", *LIVE_PREDICTORS):
+        raise ConfigError(
+            f"observe.predictor: must be one of none, {', '.join(LIVE_PREDICTORS)}, got "
+            f"{predictor!r}{_src(sources, 'observe.predictor')}"
+        )
+
     tiers_raw = raw.get("tiers", [])
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: at least one tier is required")
@@ -323,6 +344,8 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
         background_eviction=background,
         log_format=log_format,
         log_level=log_level,
+        whatif=whatif,
+        predictor=None if predictor == "none" else predictor,
     )
 
 
@@ -465,5 +488,6 @@ def to_raw(cfg: KVTierConfig) -> dict[str, Any]:
             "background_eviction": cfg.background_eviction,
         },
         "log": {"format": cfg.log_format, "level": cfg.log_level},
+        "observe": {"whatif": cfg.whatif, "predictor": cfg.predictor or "none"},
         "tiers": [t.to_dict() for t in cfg.tiers],
     }

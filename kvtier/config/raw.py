@@ -24,6 +24,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "leaf_first", "background_eviction",
     ),
     "log": ("format", "level"),
+    "observe": ("whatif", "predictor"),
 }  # fmt: skip
 TIER_KEYS: tuple[str, ...] = (
     "name",

@@ -22,6 +22,10 @@ from collections.abc import Sequence
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 
+#: The predictors a live cache can run (``KVCache(predictor=...)``, config
+#: ``observe.predictor``): the request's own cached prefix, the lookahead, or both.
+LIVE_PREDICTORS: tuple[str, ...] = ("prefix", "lookahead", "prefix+lookahead")
+
 
 class LookaheadPredictor:
     """Successor statistics with a decaying lookahead window."""

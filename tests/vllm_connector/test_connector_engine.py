@@ -44,11 +44,16 @@ def filler(n: int = 8, length: int = 250) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def stored(tiny_model, tiny_prompts, runtime_dir, tmp_path_factory):  # type: ignore[no-untyped-def]
     """Engine B: connector on, vLLM prefix caching on and a block pool of 72 blocks; a cold
-    round, filler prompts that push the first round out of vLLM's pool, a warm round."""
+    round, filler prompts that push the first round out of vLLM's pool, a warm round. Its
+    kvtier config switches on what-if sizing and the ``prefix`` predictor (``[observe]``),
+    and kvtier's metrics are scraped at the end."""
     root = tmp_path_factory.mktemp("engine-b")
     store = root / "nvme"
+    kv = {**dram_over_nvme(store), "observe": {"whatif": True, "predictor": "prefix"}}
+    port = free_port()
     llm = llm_kwargs(
-        num_gpu_blocks_override=72, kv_transfer_config=connector(dram_over_nvme(store))
+        num_gpu_blocks_override=72,
+        kv_transfer_config=connector(kv, kvtier_metrics_port=port),
     )
     with Engine(tiny_model, llm, base_env(runtime_dir), root / "engine.log") as eng:
         cold = eng.generate(tiny_prompts, 8, logprobs=1)
@@ -58,7 +63,9 @@ def stored(tiny_model, tiny_prompts, runtime_dir, tmp_path_factory):  # type: ig
         m_warm = eng.settled_metrics()
         shared = eng.generate(shared_prefix_prompts(), 8)  # one batch, one shared prefix
         m_shared = eng.settled_metrics()
+        kvtier_metrics = _metrics_text(f"http://127.0.0.1:{port}/metrics")
     return {
+        "kvtier_metrics": kvtier_metrics,
         "store": store,
         "cold": cold,
         "warm": warm,
@@ -97,6 +104,27 @@ def test_requests_sharing_a_prefix_in_one_batch(stored, tiny_reference):  # type
     # block saved by both requests in one step is saved once, in two steps twice at most
     assert 6 <= saved <= 9
     assert stored["m_shared"].get("save_failures", 0) == 0
+
+
+def test_whatif_and_the_predictor_switched_on_in_the_kvtier_config_run_in_the_engine(  # type: ignore[no-untyped-def]
+    stored,
+):
+    """``[observe]`` in the connector's kvtier config: the worker's cache estimates each
+    tier's hit rate at other sizes and runs the live predictor, both in its metrics."""
+    text = stored["kvtier_metrics"]
+    for tier in ("dram", "nvme"):
+        rates = {
+            c: _sample(text, f'kvtier_whatif_hit_rate{{tier="{tier}",capacity="{c}"}}', None)
+            for c in ("-50%", "-25%", "+0%", "+25%", "+50%", "+100%")
+        }
+        assert None not in rates.values(), (tier, text)
+        assert all(0.0 <= r <= 1.0 for r in rates.values()), rates  # type: ignore[operator]
+        assert rates["-50%"] <= rates["+100%"], rates  # type: ignore[operator]
+        measured = _sample(text, f'kvtier_whatif_measured_hit_rate{{tier="{tier}"}}', None)
+        assert measured is not None and 0.0 < measured <= 1.0, (tier, text)
+    # the warm round looked up pages that had left the 4-page DRAM tier for NVMe
+    issued = _sample(text, 'kvtier_predicted_prefetch_pages_total{outcome="issued"}', None)
+    assert issued is not None and issued > 0, text
 
 
 def test_fresh_engine_loads_from_nvme_single_process_no_prefix_cache(  # type: ignore[no-untyped-def]
@@ -202,9 +230,9 @@ def _metrics_text(url: str) -> str:
         return str(resp.read().decode())
 
 
-def _sample(text: str, name: str) -> float:
-    """The value of one Prometheus sample (0 when absent)."""
+def _sample(text: str, name: str, absent: float | None = 0.0) -> float | None:
+    """The value of one Prometheus sample (``absent`` when there is none)."""
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
-    return 0.0
+    return absent
