@@ -55,6 +55,8 @@ def test_settings_defaults_and_values() -> None:
         ({"kvtier_save_backlog_mib": 0}, "kvtier_save_backlog_mib"),
         ({"kvtier_save_backlog_mib": True}, "kvtier_save_backlog_mib"),
         ({"kvtier_prefetch_on_lookup": "yes"}, "kvtier_prefetch_on_lookup"),
+        ({"kvtier_load_async": True}, "kvtier_load_async must be one of never, below-top"),
+        ({"kvtier_load_async": "sometimes"}, "kvtier_load_async"),
         ({"kvtier_metrics_port": 70000}, "kvtier_metrics_port"),
         ({"kvtier_runtime_dir": "a\0b"}, "kvtier_runtime_dir"),
     ],
@@ -62,6 +64,24 @@ def test_settings_defaults_and_values() -> None:
 def test_bad_settings_are_named(extra: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         parse_settings(extra)
+
+
+def test_load_async_modes() -> None:
+    assert ConnectorSettings().load_async == "never"
+    for mode in ("never", "below-top", "always"):
+        assert parse_settings({"kvtier_load_async": mode}).load_async == mode
+
+
+def test_an_answer_counts_the_pages_below_its_top_tier() -> None:
+    """``kinds`` names the worker's tiers top first, through the JSON wire form too."""
+    ans = LookupAnswer(
+        6, [("dram", 2), ("nvme", 3), ("dram", 1)], {"dram": "arena", "nvme": "store"}
+    )
+    ans = LookupAnswer.from_json(ans.to_json())
+    assert ans.below_top(0, 6) == 3
+    assert ans.below_top(0, 2) == 0 and ans.below_top(5, 1) == 0
+    assert ans.below_top(1, 2) == 1
+    assert LookupAnswer(4, [("nvme", 4)]).below_top(0, 4) == 0  # no tier names: none
 
 
 def test_runtime_dir_is_private_and_refuses_a_symlink(tmp_path: Path) -> None:

@@ -154,6 +154,67 @@ def test_fresh_engine_loads_from_nvme_single_process_no_prefix_cache(  # type: i
         assert got == pytest.approx(want, abs=1e-2)
 
 
+def test_asynchronous_loads_give_the_same_tokens_while_their_requests_wait(  # type: ignore[no-untyped-def]
+    stored, tiny_model, tiny_prompts, tiny_reference, runtime_dir, tmp_path
+):
+    """``kvtier_load_async = "always"``: every hit loads across engine steps (vLLM keeps
+    the request in ``WAITING_FOR_REMOTE_KVS`` until the worker reports the load done),
+    and the tokens are those of vLLM alone, with every whole page loaded."""
+    copy = tmp_path / "nvme"
+    shutil.copytree(stored["store"], copy)
+    llm = llm_kwargs(
+        enable_prefix_caching=False,
+        kv_transfer_config=connector(dram_over_nvme(copy), kvtier_load_async="always"),
+    )
+    with Engine(tiny_model, llm, base_env(runtime_dir), tmp_path / "engine.log") as eng:
+        out = eng.generate(tiny_prompts, 8, logprobs=1)
+        m = eng.metrics()
+        again = eng.generate(tiny_prompts, 8)
+        m2 = eng.metrics()
+    n = len(tiny_prompts)
+    pages = [hit_pages(p) for p in tiny_prompts]
+    assert out["tokens"] == tiny_reference["tokens"][:n]
+    assert again["tokens"] == tiny_reference["tokens"][:n]
+    assert out["cached"] == [p * BLOCK for p in pages]
+    assert m["async_loads"] == sum(1 for p in pages if p) and m["loaded_pages"] == sum(pages)
+    assert m2["async_loads"] == 2 * m["async_loads"] and m2["loaded_pages"] == 2 * sum(pages)
+    assert m2.get("load_errors", 0) == 0
+    for got, want in zip(out["logprobs"], tiny_reference["logprobs"][:n], strict=True):
+        assert got == pytest.approx(want, abs=1e-2)
+
+
+def test_asynchronous_loads_of_damaged_pages_recompute_and_below_top_hits_only(  # type: ignore[no-untyped-def]
+    stored, tiny_model, tiny_prompts, tiny_reference, runtime_dir, tmp_path
+):
+    """``kvtier_load_async = "below-top"``: the first round's hits are on NVMe, so they
+    load asynchronously, and every page is damaged: each block is a load error reported
+    with the finished load, vLLM recomputes it, the tokens are vLLM's. The recomputed
+    pages are saved into the (large) DRAM tier, so the second round's hits are on the top
+    tier and load within their step."""
+    copy = tmp_path / "nvme"
+    shutil.copytree(stored["store"], copy)
+    assert _flip_every_slot(copy) > 0
+    llm = llm_kwargs(
+        enable_prefix_caching=False,
+        kv_transfer_config=connector(
+            dram_over_nvme(copy, dram="4MiB"), kvtier_load_async="below-top"
+        ),
+    )
+    with Engine(tiny_model, llm, base_env(runtime_dir), tmp_path / "engine.log") as eng:
+        out = eng.generate(tiny_prompts, 8)
+        m = eng.settled_metrics()
+        again = eng.generate(tiny_prompts, 8)
+        m2 = eng.metrics()
+    n = len(tiny_prompts)
+    hits = sum(1 for p in tiny_prompts if hit_pages(p))
+    assert out["tokens"] == tiny_reference["tokens"][:n]
+    assert again["tokens"] == tiny_reference["tokens"][:n]
+    assert m["async_loads"] == hits
+    assert m.get("loaded_pages", 0) == 0 and m["load_errors"] == sum(map(hit_pages, tiny_prompts))
+    assert m2["async_loads"] == hits  # the second round loaded from DRAM, within its step
+    assert m2["loaded_pages"] == sum(map(hit_pages, tiny_prompts))
+
+
 def _flip_every_slot(store: Path) -> int:
     """Flip one payload byte in every 4 KiB-aligned slot of every slab; returns slabs."""
     slabs = sorted((store / "slabs").glob("*"))

@@ -32,7 +32,9 @@ class FakeLookup:
         pass
 
 
-def _side(tmp_path: Path, pages: int, loads: bool = True, saves: bool = True) -> Any:
+def _side(
+    tmp_path: Path, pages: int, loads: bool = True, saves: bool = True, **settings: Any
+) -> Any:
     from kvtier.integrations.vllm.identity import ParallelPlace
     from kvtier.integrations.vllm.scheduler import SchedulerSide
     from kvtier.integrations.vllm.settings import ConnectorSettings
@@ -41,7 +43,9 @@ def _side(tmp_path: Path, pages: int, loads: bool = True, saves: bool = True) ->
         cache_config=SimpleNamespace(block_size=BS),
         kv_transfer_config=SimpleNamespace(engine_id="e"),
     )
-    side = SchedulerSide(cfg, ConnectorSettings(), ParallelPlace(), tmp_path, loads, saves)
+    side = SchedulerSide(
+        cfg, ConnectorSettings(**settings), ParallelPlace(), tmp_path, loads, saves
+    )
     side.client = FakeLookup(pages)
     return side
 
@@ -68,18 +72,18 @@ def _output(scheduled: dict[str, int], spec: dict[str, list[int]] | None = None)
 def test_hit_is_whole_pages_beyond_the_local_cache_and_leaves_a_token(tmp_path: Path) -> None:
     side = _side(tmp_path, pages=10)
     req = _request("a", 5 * BS)  # 5 whole pages: at most 4 can be loaded
-    assert side.match(req, 0) == 4 * BS
-    assert side.match(req, 2 * BS) == 2 * BS  # vLLM already has two
+    assert side.match(req, 0)[0] == 4 * BS
+    assert side.match(req, 2 * BS)[0] == 2 * BS  # vLLM already has two
     assert len(side.client.calls) == 1  # the answer is reused while the request waits
     side2 = _side(tmp_path, pages=1)
-    assert side2.match(_request("b", 3 * BS), 2 * BS) == 0  # kvtier holds less than vLLM
+    assert side2.match(_request("b", 3 * BS), 2 * BS)[0] == 0  # kvtier holds less than vLLM
 
 
 def test_load_then_saves_only_what_kvtier_lacks(tmp_path: Path) -> None:
     side = _side(tmp_path, pages=3)
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(100, 110)),))
     req = _request("a", 6 * BS + 5)
-    assert side.match(req, BS) == 2 * BS  # pages 1-2 from kvtier
+    assert side.match(req, BS)[0] == 2 * BS  # pages 1-2 from kvtier
     side.after_alloc(req, Blocks(list(range(100, 110))), 2 * BS)
     req.num_computed_tokens = 3 * BS
     meta = side.build_meta(_output({"a": 3 * BS + 5}))
@@ -140,7 +144,7 @@ def test_roles(tmp_path: Path, loads: bool, saves: bool) -> None:
     side = _side(tmp_path, pages=4, loads=loads, saves=saves)
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
     req = _request("a", 6 * BS)
-    assert side.match(req, 0) == (4 * BS if loads else 0)
+    assert side.match(req, 0)[0] == (4 * BS if loads else 0)
     req.num_computed_tokens = 0
     meta = side.build_meta(_output({"a": 6 * BS}))
     assert bool(meta.saves) == saves
@@ -181,7 +185,7 @@ def test_malformed_hints_are_counted_and_the_request_served(tmp_path: Path) -> N
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
     req = _request("a", 3 * BS)
     req.kv_transfer_params = {"kvtier": {"next_turn": 20}}
-    assert side.match(req, 0) == 2 * BS  # the lookup is unaffected
+    assert side.match(req, 0)[0] == 2 * BS  # the lookup is unaffected
     assert side.take_stats().data["hint_errors"] == 1
     side.build_meta(_output({"a": 3 * BS}))
     _held, meta = _finish(side, req, BS)
@@ -195,7 +199,7 @@ def test_a_lora_or_salted_request_is_looked_up_and_saved_in_its_own_scope(
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
     lora = SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql")
     req = _request("a", 4 * BS + 1, lora_request=lora, cache_salt="tenant")
-    assert side.match(req, 0) == 2 * BS
+    assert side.match(req, 0)[0] == 2 * BS
     scope = side.client.scopes[-1]
     assert scope.startswith("+lora=sql@") and "+salt=" in scope and "tenant" not in scope
     side.after_alloc(req, Blocks(list(range(10))), 2 * BS)
@@ -218,9 +222,85 @@ def test_requests_kvtier_cannot_key_are_neither_loaded_nor_saved(
     side = _side(tmp_path, pages=4)
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(10)),))
     req = _request("a", 5 * BS, **fields)
-    assert side.match(req, 0) == 0 and side.client.calls == []
+    assert side.match(req, 0)[0] == 0 and side.client.calls == []
     req.num_computed_tokens = 5 * BS
     meta = side.build_meta(_output({"a": 1}))
     assert meta.empty
     assert side.finished(req, list(range(5))) is False
     assert side.take_stats().data["unkeyed_requests"] == 1
+
+
+class TwoTierLookup(FakeLookup):
+    """Answers ``dram`` pages on the top tier, then ``nvme`` pages below it."""
+
+    def __init__(self, dram: int, nvme: int) -> None:
+        super().__init__(dram + nvme)
+        self.runs = [("dram", dram), ("nvme", nvme)]
+
+    def lookup(self, tokens: Any, flags: int = 0, scope: str = "") -> Any:
+        from kvtier.integrations.vllm.lookup import LookupAnswer
+
+        self.calls.append(len(tokens))
+        return LookupAnswer(
+            min(self.pages, len(tokens) // BS), self.runs, {"dram": "arena", "nvme": "store"}
+        )
+
+
+@pytest.mark.parametrize(
+    ("mode", "local", "expect"),
+    [
+        ("never", 0, False),
+        ("always", 0, True),
+        ("below-top", 0, True),  # pages 2-3 are on NVMe
+        ("below-top", 2 * BS, True),
+        ("always", 4 * BS, False),  # nothing to load
+    ],
+)
+def test_which_hits_load_asynchronously(
+    tmp_path: Path, mode: str, local: int, expect: bool
+) -> None:
+    side = _side(tmp_path, pages=0, load_async=mode)
+    side.client = TwoTierLookup(dram=2, nvme=2)
+    assert side.match(_request("a", 5 * BS), local) == (max(0, 4 * BS - local), expect)
+
+
+def test_below_top_keeps_a_hit_held_on_the_top_tier_synchronous(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=0, load_async="below-top")
+    side.client = TwoTierLookup(dram=4, nvme=0)
+    assert side.match(_request("a", 5 * BS), 0) == (4 * BS, False)
+
+
+def test_an_asynchronous_load_travels_apart_until_the_workers_report_it(tmp_path: Path) -> None:
+    side = _side(tmp_path, pages=3, load_async="always")
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(100, 110)),))
+    req = _request("a", 6 * BS + 5)
+    assert side.match(req, 0) == (3 * BS, True)
+    side.after_alloc(req, Blocks(list(range(100, 110))), 3 * BS)
+    meta = side.build_meta(_output({}))  # the request waits: nothing scheduled
+    assert meta.loads == [] and [(r.first_page, r.block_ids) for r in meta.async_loads] == [
+        (0, [100, 101, 102])
+    ]
+    assert [(d.first_page, len(d.tokens)) for d in meta.tokens] == [(0, 3 * BS)]
+    assert side.take_stats().data["async_loads"] == 1
+    side.loads_reported(set(), set())  # a step passes, the load is still running
+    side.loads_reported({101}, {"a"})  # done: page 1 failed
+    # vLLM matches the request again (its num_computed_tokens cut to page 1): the failed
+    # page and the ones after it are not offered again, and page 1 will be saved again
+    assert side.match(req, BS) == (0, False)
+    req.num_computed_tokens = BS
+    meta = side.build_meta(_output({"a": 5 * BS + 5}))
+    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(1, [101, 102, 103, 104, 105])]
+
+
+def test_a_request_gone_before_its_asynchronous_load_is_sent_still_gets_it(
+    tmp_path: Path,
+) -> None:
+    """vLLM frees an aborted waiting request's blocks only once the workers report its
+    load over: the load is sent even without the request's state."""
+    side = _side(tmp_path, pages=2, load_async="always")
+    req = _request("a", 3 * BS)
+    side.match(req, 0)
+    side.after_alloc(req, Blocks([7, 8]), 2 * BS)
+    side._reqs.clear()
+    meta = side.build_meta(_output({}))
+    assert [(r.req_id, r.block_ids) for r in meta.async_loads] == [("a", [7, 8])]

@@ -122,8 +122,8 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = self.worker.finished(finished_req_ids)
-        return (done or None), None
+        sent, received = self.worker.finished(finished_req_ids)
+        return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
@@ -158,7 +158,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.match(request, num_computed_tokens), False
+        return self.scheduler.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.after_alloc(request, blocks, num_external_tokens)
@@ -180,7 +180,10 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self.scheduler.build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler.loads_reported(getattr(connector_output, "invalid_block_ids", None))
+        self.scheduler.loads_reported(
+            getattr(connector_output, "invalid_block_ids", None),
+            getattr(connector_output, "finished_recving", None),
+        )
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, KVTierKVEvents):
             self.scheduler.add_events(events.get_all_events())

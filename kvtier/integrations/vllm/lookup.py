@@ -19,7 +19,8 @@ Wire format (little-endian): request ``b"KVL1"``, token count (u32), flags (u32)
 length (u32, at most :data:`~.scope.MAX_SCOPE_BYTES`), the scope (UTF-8: what extends the
 namespace's model id for this request, :mod:`.scope`), then the token ids as u32;
 response ``b"KVR1"``, JSON length (u32), JSON
-``{"pages": int, "tiers": [[tier, pages], ...], "kinds": {tier: kind}}``.
+``{"pages": int, "tiers": [[tier, pages], ...], "kinds": {tier: kind}}`` (``kinds``
+lists the worker's tiers top first).
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ class LookupAnswer:
                 out[tier] = out.get(tier, 0) + hi - lo
             pos += n
         return out
+
+    def below_top(self, first: int, count: int) -> int:
+        """Pages among ``[first, first + count)`` held below the top tier (``kinds``
+        names the worker's tiers top first; an answer without them counts none)."""
+        top = next(iter(self.kinds), None)
+        if top is None:
+            return 0
+        return sum(n for t, n in self.tier_pages(first, count).items() if t != top)
 
 
 def socket_path(directory: Path, engine_id: str, dp_rank: int, rank: int) -> Path:

@@ -44,6 +44,8 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     tokens: list[TokenDelta] = field(default_factory=list)
     loads: list[PageRun] = field(default_factory=list)
+    #: loads that run across steps (``kvtier_load_async``): their requests wait for them
+    async_loads: list[PageRun] = field(default_factory=list)
     saves: list[PageRun] = field(default_factory=list)
     #: finished requests whose blocks vLLM holds until their saves were copied out
     holds: list[str] = field(default_factory=list)
@@ -52,4 +54,7 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     @property
     def empty(self) -> bool:
-        return not (self.tokens or self.loads or self.saves or self.holds or self.hints)
+        return not (
+            self.tokens or self.loads or self.async_loads or self.saves or self.holds
+            or self.hints
+        )  # fmt: skip

@@ -10,7 +10,10 @@ one kvtier page):
   compute. Answers are kept for :data:`ANSWER_TTL_S` so a request that waits for blocks is
   not looked up every step.
 * :meth:`SchedulerSide.after_alloc` turns an accepted hit into a load of those pages into
-  the blocks vLLM allocated for them.
+  the blocks vLLM allocated for them: within the step that computes the rest of the
+  prompt, or across steps (``kvtier_load_async``: the request waits while other requests
+  run; the workers report the load done through ``get_finished``, and its failed blocks
+  with it).
 * :meth:`SchedulerSide.build_meta` adds, per scheduled request, saves of the pages that
   are full and verified after this step: prompt tokens as soon as their KV is written;
   generated tokens only once accepted (speculative tokens never reach kvtier). Pages
@@ -62,6 +65,10 @@ class _Request:
     saved_pages: int = 0  # pages [0, saved_pages) are in kvtier or being saved
     sent_pages: int = 0  # pages whose token ids the workers have
     loads: list[PageRun] = field(default_factory=list)
+    load_async: bool = False  # the last match asked vLLM to load across steps
+    #: the first page whose load failed: never offered again (vLLM matches a request again
+    #: after its asynchronous load failed, or after a preemption)
+    failed_page: int | None = None
     hints: RequestHints | None = None
     scope: RequestScope = field(default_factory=RequestScope)
 
@@ -88,6 +95,7 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[PageRun] = []
+        self._pending_async: list[PageRun] = []
         self._final_saves: list[PageRun] = []
         self._final_tokens: list[TokenDelta] = []
         self._holds: list[str] = []
@@ -97,6 +105,8 @@ class SchedulerSide:
         self._hit_tiers: dict[str, dict[str, int]] = {}
         #: loads sent to the workers, by request, until their step's output came back
         self._inflight_loads: dict[str, list[PageRun]] = {}
+        #: asynchronous loads sent to the workers, until the workers report them done
+        self._async_loads: dict[str, list[PageRun]] = {}
 
     # -- lookup ------------------------------------------------------------------------
 
@@ -117,13 +127,14 @@ class SchedulerSide:
                 )
         return st
 
-    def match(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens kvtier can give beyond ``num_computed_tokens`` (block-aligned)."""
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvtier can give beyond ``num_computed_tokens`` (block-aligned), and
+        whether they load asynchronously (``kvtier_load_async``)."""
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         limit = (int(request.num_tokens) - 1) // self.block_size  # keep >= 1 token to compute
         if limit <= 0 or st.scope.skip is not None:
-            return 0
+            return 0, False
         now = time.monotonic()
         if st.answered_pages != limit or now - st.answered_at > ANSWER_TTL_S:
             tokens = key_ids(st.scope, request.all_token_ids, 0, limit, self.block_size)
@@ -134,10 +145,23 @@ class SchedulerSide:
                 self._stats.add("lookup_errors", 1)
             st.answer, st.answered_at, st.answered_pages = ans, now, limit
         matched = min(st.answer.pages, limit) if st.answer is not None else 0
+        if st.failed_page is not None:
+            matched = min(matched, st.failed_page)
         st.saved_pages = max(st.saved_pages, matched)
         if not self.loads_enabled:
-            return 0
-        return max(0, matched * self.block_size - num_computed_tokens)
+            return 0, False
+        offered = max(0, matched * self.block_size - num_computed_tokens)
+        mode = self.settings.load_async
+        first = num_computed_tokens // self.block_size
+        st.load_async = offered > 0 and (
+            mode == "always"
+            or (
+                mode == "below-top"
+                and st.answer is not None
+                and st.answer.below_top(first, matched - first) > 0
+            )
+        )
+        return offered, st.load_async
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of an accepted hit into the request's new blocks."""
@@ -160,7 +184,11 @@ class SchedulerSide:
         if count <= 0:
             return
         run = PageRun(request.request_id, first, block_ids)
-        self._pending_loads.append(run)
+        if st.load_async:
+            self._pending_async.append(run)
+            self._stats.add("async_loads", 1)
+        else:
+            self._pending_loads.append(run)
         st.saved_pages = max(st.saved_pages, first + count)
         if st.answer is not None:
             tiers = st.answer.tier_pages(first, count)
@@ -196,6 +224,15 @@ class SchedulerSide:
             meta.loads.append(run)
             self._inflight_loads.setdefault(run.req_id, []).append(run)
         self._pending_loads = []
+        for run in self._pending_async:
+            # sent even for a request gone meanwhile: vLLM frees its blocks only once the
+            # workers report its load over (one without token ids fails at once)
+            st = self._reqs.get(run.req_id)
+            if st is not None:
+                self._tokens_upto(st, run.first_page + len(run.block_ids), meta)
+            meta.async_loads.append(run)
+            self._async_loads.setdefault(run.req_id, []).append(run)
+        self._pending_async = []
         if self.saves_enabled:
             spec = scheduler_output.scheduled_spec_decode_tokens or {}
             for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
@@ -221,10 +258,19 @@ class SchedulerSide:
         self._final_hints = []
         return meta
 
-    def loads_reported(self, invalid_block_ids: set[int] | None) -> None:
+    def loads_reported(
+        self, invalid_block_ids: set[int] | None, finished_recving: set[str] | None = None
+    ) -> None:
         """A step's output came back: a page whose load failed will be recomputed by vLLM,
-        so it (and every page after it) is saved again once recomputed."""
+        so it (and every page after it) is saved again once recomputed. Asynchronous
+        loads are looked at until the workers report them done (``finished_recving``):
+        their failed blocks come at the latest with that report."""
         loads, self._inflight_loads = self._inflight_loads, {}
+        if invalid_block_ids:
+            for req_id, runs in self._async_loads.items():
+                loads.setdefault(req_id, []).extend(runs)
+        for req_id in finished_recving or ():
+            self._async_loads.pop(req_id, None)
         if not invalid_block_ids:
             return
         for req_id, runs in loads.items():
@@ -234,7 +280,9 @@ class SchedulerSide:
             for run in runs:
                 bad = [i for i, b in enumerate(run.block_ids) if b in invalid_block_ids]
                 if bad:
-                    st.saved_pages = min(st.saved_pages, run.first_page + bad[0])
+                    page = run.first_page + bad[0]
+                    st.saved_pages = min(st.saved_pages, page)
+                    st.failed_page = page if st.failed_page is None else min(st.failed_page, page)
 
     def _block_ids(self, req_id: str) -> list[int]:
         if self.kv_cache_manager is None:

@@ -15,6 +15,11 @@ vLLM or to other connectors and are ignored.
   are dropped (counted).
 * ``kvtier_prefetch_on_lookup`` (true): a lookup that finds pages below the top tier
   starts moving them up.
+* ``kvtier_load_async`` (``"never"``): which hits load *asynchronously*, across engine
+  steps, instead of within the step that needs them: ``"never"``, ``"below-top"`` (hits
+  with a page below the top tier: NVMe, remote) or ``"always"``. An asynchronous load
+  keeps its request waiting (vLLM's ``WAITING_FOR_REMOTE_KVS``) while the other requests
+  run their steps; a synchronous one holds the whole step until its pages are in.
 * ``kvtier_runtime_dir`` (``$KVTIER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR/kvtier`` or
   ``/tmp/kvtier-<uid>``): where the lookup sockets live (0700).
 * ``kvtier_metrics_port`` (none): serve kvtier's Prometheus metrics (``GET /metrics``)
@@ -34,6 +39,8 @@ from typing import Any
 from kvtier.errors import ConfigError
 
 PREFIX = "kvtier_"
+#: Values of ``kvtier_load_async``.
+LOAD_ASYNC: tuple[str, ...] = ("never", "below-top", "always")
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ConnectorSettings:
     load_timeout_s: float = 60.0
     save_backlog_bytes: int = 1024 << 20
     prefetch_on_lookup: bool = True
+    load_async: str = "never"
     runtime_dir: Path | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -81,6 +89,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         "kvtier_load_timeout_s",
         "kvtier_save_backlog_mib",
         "kvtier_prefetch_on_lookup",
+        "kvtier_load_async",
         "kvtier_runtime_dir",
         "kvtier_metrics_port",
         "kvtier_metrics_host",
@@ -102,6 +111,12 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         raise ConfigError(
             f"kv_connector_extra_config.kvtier_prefetch_on_lookup must be true or false, "
             f"got {prefetch!r}"
+        )
+    load_async = extra.get("kvtier_load_async", "never")
+    if load_async not in LOAD_ASYNC:
+        raise ConfigError(
+            f"kv_connector_extra_config.kvtier_load_async must be one of "
+            f"{', '.join(LOAD_ASYNC)}, got {load_async!r}"
         )
     runtime = extra.get("kvtier_runtime_dir")
     if runtime is not None and (not isinstance(runtime, str) or not runtime or "\0" in runtime):
@@ -128,6 +143,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         )
         << 20,
         prefetch_on_lookup=prefetch,
+        load_async=load_async,
         runtime_dir=Path(runtime) if runtime else None,
         metrics_port=None if port is None else _int("kvtier_metrics_port", port, 0, 65535),
         metrics_host=host,

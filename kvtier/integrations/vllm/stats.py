@@ -8,7 +8,7 @@
   ``vllm:kvtier_load_seconds``, ``vllm:kvtier_save_bytes``, ``vllm:kvtier_save_seconds``,
   ``vllm:kvtier_load_errors``, ``vllm:kvtier_saves_dropped``, ``vllm:kvtier_save_failures``,
   ``vllm:kvtier_lookup_errors``, ``vllm:kvtier_hinted_pages``, ``vllm:kvtier_hint_errors``,
-  ``vllm:kvtier_unkeyed_requests``,
+  ``vllm:kvtier_unkeyed_requests``, ``vllm:kvtier_async_loads``,
   ``vllm:kvtier_lookups``, ``vllm:kvtier_loaded_pages``, ``vllm:kvtier_saved_pages``
   (each ``_total``). The workers' counts are summed by vLLM: with N ranks a page counts
   N times (each rank loads, saves or hints its own part of it).
@@ -46,6 +46,7 @@ COUNTERS = (
     "hinted_pages",
     "hint_errors",
     "unkeyed_requests",
+    "async_loads",
 )
 
 
@@ -114,6 +115,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         "hint_errors": "Requests whose kv_transfer_params.kvtier was malformed (ignored).",
         "unkeyed_requests": "Requests kvtier left alone: multimodal inputs (their token ids "
         "do not name their KV).",
+        "async_loads": "Requests whose kvtier hit loaded across engine steps (kvtier_load_async).",
     }
 
     def __init__(

@@ -4,14 +4,11 @@ The worker owns the :class:`~kvtier.cache.KVCache`, opened on a private event lo
 (:class:`~.loop_thread.LoopThread`) when vLLM registers its KV tensors, and serves the
 scheduler's lookups (:mod:`.lookup`). Per step:
 
-* **loads** (``start_load_kv`` -> ``wait_for_layer_load``): one batched ``KVCache.read``
-  of every page to load into a host buffer (checksums verified below DRAM), then a helper
-  thread scatters the pages into vLLM's blocks layer by layer; ``wait_for_layer_load(L)``
-  waits only for layer ``L``, so attention on the first layers runs while later layers are
-  still being written. A page kvtier cannot give (evicted since the lookup, a failed
-  checksum, a tier down) or a load past ``kvtier_load_timeout_s`` makes its block a load
-  error (``get_block_ids_with_load_errors``): vLLM recomputes it. Blocks are never written
-  after the forward gave up on them.
+* **loads** (:mod:`.loads`): this step's pages, read in one batch and scattered layer by
+  layer while the forward runs (``start_load_kv`` -> ``wait_for_layer_load``), and
+  asynchronous loads (``kvtier_load_async``) that run across steps while their requests
+  wait, reported done through ``get_finished``. A page kvtier cannot give, or a load past
+  ``kvtier_load_timeout_s``, is a load error: vLLM recomputes it.
 * **saves** (``wait_for_save``): after the forward, the blocks to save are copied into a
   host buffer (on a GPU: a side-stream copy that the next step's compute waits for) and
   handed to ``KVCache.store_pages`` on the loop; the forward does not wait for kvtier.
@@ -46,6 +43,7 @@ from kvtier.log import get_logger
 from . import identity
 from .hints import HintCall, apply_hints_after, hint_calls
 from .identity import ParallelPlace
+from .loads import Loads
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupServer, lookup_answer_runs, socket_path
 from .loop_thread import LoopThread, close_at_exit
 from .metadata import KVTierMetadata, PageRun
@@ -54,7 +52,7 @@ from .paged import PagedKV
 from .scope import scoped
 from .settings import ConnectorSettings
 from .stats import KVTierConnectorStats, KVTierKVEvents
-from .worker_parts import DirectoryEvents, LoadJob, SaveBatch, label_runs, layer_index
+from .worker_parts import DirectoryEvents, SaveBatch, label_runs, layer_index
 
 _log = get_logger("kvtier.vllm.worker")
 
@@ -92,11 +90,9 @@ class WorkerSide:
         self.metrics_port: int | None = None
         self._lookup: LookupServer | None = None
         self._metrics: MetricsServer | None = None
-        self._scatter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self.loads: Loads | None = None
         self._keys: dict[str, list[PageKey]] = {}
         self._labels: dict[str, str] = {}  # request -> its namespace label (.scope)
-        self._load: LoadJob | None = None
-        self._load_errors: set[int] = set()
         self._acks: list[tuple[str, Any]] = []
         self._pending_gathers: list[Any] = []
         self._backlog = 0
@@ -120,6 +116,15 @@ class WorkerSide:
         )
         self.loop = LoopThread(f"kvtier-vllm-r{self.place.rank}")
         self.cache = self.loop.run(self._open(resolved), timeout=CLOSE_TIMEOUT_S)
+        self.loads = Loads(
+            self.loop,
+            self.cache,
+            self.paged,
+            self.layer_of,
+            self._run_keys,
+            self.settings.load_timeout_s,
+            self._count,
+        )
         close_at_exit(self)  # an engine that is never shut down still closes kvtier
         _log.info(
             "kvtier connector worker ready",
@@ -210,6 +215,10 @@ class WorkerSide:
                 continue
             keys.extend(page_keys(d.tokens, ns, keys[-1] if keys else ROOT_KEY))
 
+    def _count(self, name: str, value: float) -> None:
+        with self._stats_lock:
+            self._stats.add(name, value)
+
     def _run_keys(self, run: PageRun) -> list[PageKey] | None:
         keys = self._keys.get(run.req_id, [])
         end = run.first_page + len(run.block_ids)
@@ -238,128 +247,8 @@ class WorkerSide:
         self.fence_saves()
         self._apply_tokens(meta)
         self._hints.extend(hint_calls(meta.hints, lambda rid: self._keys.get(rid, [])))
-        self._load = None
-        if not (meta.loads and self.loads_enabled):
-            return
-        keys: list[PageKey] = []
-        blocks: list[int] = []
-        for run in meta.loads:
-            run_keys = self._run_keys(run)
-            if run_keys is None:
-                self._load_errors.update(run.block_ids)
-                continue
-            keys.extend(run_keys)
-            blocks.extend(run.block_ids)
-        if keys:
-            self._load = LoadJob(
-                keys,
-                blocks,
-                time.monotonic() + self.settings.load_timeout_s,
-                self.paged.num_layers,
-            )
-
-    def start_load(self) -> None:
-        job = self._load
-        if job is None or job.done is not None:
-            return
-        assert self.loop is not None and self.cache is not None and self.paged is not None
-        buffer = self.paged.host_buffer(len(job.keys))
-        started = time.perf_counter()
-        try:
-            read = self.loop.submit(self.cache.read(job.keys, buffer))
-        except Exception as exc:
-            _log.warning("kvtier load could not start; recomputing", error=repr(exc))
-            self._fail_load(job)
-            return
-        job.done = self._scatter.submit(self._scatter_job, job, read, buffer, started)
-
-    def _fail_load(self, job: LoadJob) -> None:
-        with job.lock:
-            job.cancelled = True
-            job.failed = set(job.blocks)
-        for ev in job.ready:
-            ev.set()
-
-    def _scatter_job(
-        self,
-        job: LoadJob,
-        read: concurrent.futures.Future[list[bool]],
-        buffer: torch.Tensor,
-        started: float,
-    ) -> None:
-        paged = self.paged
-        assert paged is not None
-        try:
-            try:
-                ok = read.result(max(0.0, job.deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                read.cancel()
-                _log.warning("kvtier load timed out; recomputing", pages=len(job.keys))
-                ok = [False] * len(job.keys)
-            seconds = time.perf_counter() - started
-            good = [i for i, g in enumerate(ok) if g]
-            bad = {job.blocks[i] for i, g in enumerate(ok) if not g}
-            with self._stats_lock:
-                self._stats.add("loaded_pages", len(good))
-                self._stats.add("load_bytes", len(good) * paged.page_bytes)
-                self._stats.add("load_seconds", seconds)
-                self._stats.add("load_errors", len(bad))
-            blocks = [job.blocks[i] for i in good]
-            staged = paged.stage(buffer, len(job.keys))
-            if len(good) < len(job.keys):
-                staged = staged.index_select(
-                    0, torch.tensor(good, dtype=torch.long, device=staged.device)
-                )
-            for layer in range(job.layers):
-                with job.lock:
-                    if job.cancelled:
-                        break
-                    job.events[layer] = paged.scatter_layer(layer, blocks, staged)
-                job.ready[layer].set()
-            with job.lock:
-                if not job.cancelled:
-                    job.failed = bad
-        except Exception as exc:
-            _log.warning("kvtier load failed; recomputing", error=repr(exc))
-            with job.lock:
-                job.cancelled = True
-                job.failed = set(job.blocks)
-        finally:
-            for ev in job.ready:
-                ev.set()
-
-    def wait_layer(self, layer_name: str) -> None:
-        """Block until this step's loaded KV of ``layer_name`` is in place."""
-        job = self._load
-        if job is None:
-            return
-        layer = self.layer_of.get(layer_name)
-        if layer is None:
-            return
-        if job.done is None:
-            self.start_load()
-        if not job.ready[layer].wait(max(0.0, job.deadline - time.monotonic())):
-            _log.warning("kvtier load timed out in the forward; recomputing", layer=layer_name)
-            self._fail_load(job)
-            return
-        ev = job.events[layer]
-        if ev is not None:
-            torch.cuda.current_stream(self.paged.device if self.paged else None).wait_event(ev)
-
-    def _finish_load(self) -> None:
-        job, self._load = self._load, None
-        if job is None:
-            return
-        if job.done is None:  # never started (no forward): nothing was written
-            self._load_errors.update(job.blocks)
-            return
-        try:
-            job.done.result(max(1.0, job.deadline - time.monotonic()))
-        except Exception:
-            self._fail_load(job)
-        with job.lock:
-            job.cancelled = True  # nothing is written after this point
-            self._load_errors.update(job.failed)
+        if self.loads is not None and self.loads_enabled:
+            self.loads.plan(meta)
 
     def save(self, meta: KVTierMetadata) -> None:
         """End of a step's forward: copy out blocks to save and hand them to kvtier."""
@@ -431,8 +320,11 @@ class WorkerSide:
                 self._stats.add("save_seconds", time.perf_counter() - started)
                 self._stats.add("save_failures", len(keys) - stored)
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Held requests whose blocks were copied out; forget finished requests' keys."""
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(held requests whose blocks were copied out, requests whose asynchronous load
+        is done: their failed blocks join this step's load errors); forget finished
+        requests' keys."""
+        received = self.loads.received() if self.loads is not None else set()
         done: set[str] = set()
         keep: list[tuple[str, Any]] = []
         for req_id, ev in self._acks:
@@ -444,12 +336,18 @@ class WorkerSide:
         for req_id in finished_req_ids:
             self._keys.pop(req_id, None)
             self._labels.pop(req_id, None)
-        return done
+        return done, received
 
     def load_errors(self) -> set[int]:
-        self._finish_load()
-        out, self._load_errors = self._load_errors, set()
-        return out
+        return self.loads.errors() if self.loads is not None else set()
+
+    def start_load(self) -> None:
+        if self.loads is not None:
+            self.loads.start()
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self.loads is not None:
+            self.loads.wait_layer(layer_name)
 
     def take_stats(self) -> KVTierConnectorStats | None:
         with self._stats_lock:
@@ -481,7 +379,8 @@ class WorkerSide:
             _log.warning("kvtier connector shutdown incomplete", error=repr(exc))
         finally:
             loop.stop()
-            self._scatter.shutdown(wait=False)
+            if self.loads is not None:
+                self.loads.shutdown()
 
     async def _close(self) -> None:
         for task in list(self._prefetches):
