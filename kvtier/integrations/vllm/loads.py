@@ -38,6 +38,8 @@ _log = get_logger("kvtier.vllm.worker")
 
 #: Adds ``value`` to the connector counter ``name`` (thread-safe).
 Count = Callable[[str, float], None]
+#: A job's scatter: (job, its read, the host buffer read into, when the read started).
+Scatter = Callable[[LoadJob, concurrent.futures.Future[list[bool]], torch.Tensor, float], None]
 
 
 class Loads:
@@ -97,9 +99,20 @@ class Loads:
         deadline = time.monotonic() + self.load_timeout_s
         return LoadJob(keys, blocks, deadline, self.paged.num_layers)
 
-    def _read(self, job: LoadJob) -> tuple[concurrent.futures.Future[list[bool]], torch.Tensor]:
-        buffer = self.paged.host_buffer(len(job.keys))
-        return self.loop.submit(self.cache.read(job.keys, buffer)), buffer
+    def _submit(
+        self, job: LoadJob, pool: concurrent.futures.ThreadPoolExecutor, work: Scatter, what: str
+    ) -> bool:
+        """Start ``job``'s read into a new host buffer and hand both to ``work`` on
+        ``pool``; ``False`` (logged) when the read cannot start."""
+        started = time.perf_counter()
+        try:
+            buffer = self.paged.host_buffer(len(job.keys))
+            read = self.loop.submit(self.cache.read(job.keys, buffer))
+        except Exception as exc:
+            _log.warning(f"kvtier {what} could not start; recomputing", error=repr(exc))
+            return False
+        job.done = pool.submit(work, job, read, buffer, started)
+        return True
 
     # -- this step's load ------------------------------------------------------------------
 
@@ -108,14 +121,8 @@ class Loads:
         job = self._load
         if job is None or job.done is not None:
             return
-        started = time.perf_counter()
-        try:
-            read, buffer = self._read(job)
-        except Exception as exc:
-            _log.warning("kvtier load could not start; recomputing", error=repr(exc))
+        if not self._submit(job, self._scatter, self._scatter_job, "load"):
             self._fail(job)
-            return
-        job.done = self._scatter.submit(self._scatter_job, job, read, buffer, started)
 
     def _fail(self, job: LoadJob) -> None:
         with job.lock:
@@ -211,15 +218,10 @@ class Loads:
         if job is None:  # no run's keys known: all failed, reported done at once
             self._async_failed |= reqs
             return
-        started = time.perf_counter()
-        try:
-            read, buffer = self._read(job)
-        except Exception as exc:
-            _log.warning("kvtier async load could not start; recomputing", error=repr(exc))
+        if not self._submit(job, self._async_scatter, self._settled_scatter, "async load"):
             self._errors.update(job.blocks)
             self._async_failed |= reqs
             return
-        job.done = self._async_scatter.submit(self._settled_scatter, job, read, buffer, started)
         self._async_jobs.append((reqs, job))
 
     def _settled_scatter(
@@ -247,6 +249,8 @@ class Loads:
                 continue
             with job.lock:
                 job.cancelled = True  # nothing is written after this point
+                if job.done.exception() is not None:  # its copies may not have completed
+                    job.failed = set(job.blocks)
                 self._errors.update(job.failed)
             received |= reqs
         self._async_jobs = running
