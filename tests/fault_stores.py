@@ -258,3 +258,16 @@ class IndexDeleteFailNvme(NvmeStore):
 
         with replaced(StoreIndex, "delete", refuse):
             return await super().delete(keys)
+
+
+class SlowGetStore(FileStore):
+    """A file store whose every ``get`` first sleeps ``delay_s`` seconds (a slow tier),
+    counting its calls in ``gets``."""
+
+    delay_s: ClassVar[float] = 0.3
+    gets: ClassVar[list[int]] = []  # the page count of each call
+
+    async def get(self, keys: Any, out: Any) -> list[bool]:
+        type(self).gets.append(len(keys))
+        await asyncio.sleep(type(self).delay_s)
+        return await super().get(keys, out)

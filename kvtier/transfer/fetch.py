@@ -160,8 +160,10 @@ class Fetcher:
                     return ok
                 await mover.settle(moving)
                 continue
-            for idx, group in groups.items():
-                await self._read_group(mover.tiers[idx], keys, out, group, ok, tried)
+            # top tier first: its reads are the quickest, and pages there are the likeliest
+            # to be evicted (down to a tier read later) while a slower group is read
+            for idx in sorted(groups):
+                await self._read_group(mover.tiers[idx], keys, out, groups[idx], ok, tried)
         return ok
 
     async def _read_group(
