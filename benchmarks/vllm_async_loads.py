@@ -20,7 +20,8 @@ Each round, on each server in turn (rotating which goes first):
 
 Reported per server: the median TTFT of the other requests (what a slow load costs the
 requests that share its steps) and of the reusing ones, and the ratios async / sync
-(same machine, same moment, same prompts); whether both servers gave the same greedy
+(same machine, same moment, same prompts), and the means (the reusing requests' TTFTs
+are bimodal: one load or two, see the docs); whether both servers gave the same greedy
 tokens for every request; kvtier's counters (``async_loads``, ``loaded_pages``,
 ``load_errors``). A benchmark, not a test: nothing here asserts.
 """
@@ -157,6 +158,9 @@ def summarize(
             "async_over_sync_median_ttft": round(
                 statistics.median(asyn) / statistics.median(sync), 3
             ),
+            "sync_mean_ttft_s": round(statistics.mean(sync), 3),
+            "async_mean_ttft_s": round(statistics.mean(asyn), 3),
+            "async_over_sync_mean_ttft": round(statistics.mean(asyn) / statistics.mean(sync), 3),
         }
     tokens: dict[str, list[list[int]]] = {"sync": [], "async": []}
     for s in samples:
@@ -164,9 +168,13 @@ def summarize(
     out["same_greedy_tokens"] = sorted(map(tuple, tokens["sync"])) == sorted(
         map(tuple, tokens["async"])
     )
+    # idempotent: --summarize passes the saved counters, already filtered and renamed
     out["kvtier_counters"] = {
-        name: {k.removeprefix("vllm:kvtier_"): v for k, v in c.items()
-               if any(w in k for w in ("async_loads", "loaded_pages", "load_errors"))}
+        name: {
+            k.removeprefix("vllm:kvtier_"): v
+            for k, v in c.items()
+            if any(w in k for w in ("async_loads", "loaded_pages", "load_errors"))
+        }
         for name, c in counters.items()
     }  # fmt: skip
     out["samples"] = samples
@@ -190,8 +198,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--omp-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND (every server)")
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--summarize", type=Path, help="only recompute the summary of a saved --out file"
+    )
     args = p.parse_args()
-    result = run(args)
+    if args.summarize:
+        saved = json.loads(args.summarize.read_text())
+        result = summarize(saved["samples"], saved["kvtier_counters"], saved["params"])
+    else:
+        result = run(args)
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
