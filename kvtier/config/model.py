@@ -189,6 +189,12 @@ def _fraction(value: Any, key: str, sources: Mapping[str, str]) -> float:
     return float(value)
 
 
+def _bool(value: Any, key: str, sources: Mapping[str, str]) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: must be true or false, got {value!r}{_src(sources, key)}")
+    return value
+
+
 def _str(value: Any, key: str, sources: Mapping[str, str]) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key}: must be a non-empty string, got {value!r}{_src(sources, key)}")
@@ -285,19 +291,10 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
         sources,
         maximum=MAX_INFLIGHT_PER_LINK,
     )
-    leaf_first = pipe.get("leaf_first", True)
-    if not isinstance(leaf_first, bool):
-        raise ConfigError(
-            f"pipeline.leaf_first: must be true or false, got {leaf_first!r}"
-            f"{_src(sources, 'pipeline.leaf_first')}"
-        )
-
-    background = pipe.get("background_eviction", True)
-    if not isinstance(background, bool):
-        raise ConfigError(
-            f"pipeline.background_eviction: must be true or false, got {background!r}"
-            f"{_src(sources, 'pipeline.background_eviction')}"
-        )
+    leaf_first = _bool(pipe.get("leaf_first", True), "pipeline.leaf_first", sources)
+    background = _bool(
+        pipe.get("background_eviction", True), "pipeline.background_eviction", sources
+    )
 
     log = raw.get("log", {})
     log_format = log.get("format", "console")
@@ -310,12 +307,7 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
     parse_level(log_level)
 
     observe = raw.get("observe", {})
-    whatif = observe.get("whatif", False)
-    if not isinstance(whatif, bool):
-        raise ConfigError(
-            f"observe.whatif: must be true or false, got {whatif!r}"
-            f"{_src(sources, 'observe.whatif')}"
-        )
+    whatif = _bool(observe.get("whatif", False), "observe.whatif", sources)
     predictor = observe.get("predictor", "none")
     if predictor not in ("none", *LIVE_PREDICTORS):
         raise ConfigError(
