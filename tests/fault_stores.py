@@ -1,5 +1,5 @@
 """Backends that fail on demand in ways a real device, file system or library does, for
-tests/test_failure_paths.py.
+tests/test_failure_paths.py (and a slow file store for tests/test_read_order.py).
 
 Each is a real built-in backend (DRAM arena, file store, NVMe store) with one failure
 switched on by a class attribute; configs name them ``fault_stores:Class``, exactly as a
