@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -54,4 +54,20 @@ async def gather_to_the_end(futures: Sequence[asyncio.Future[T]]) -> list[T]:
         return await asyncio.shield(together)
     except BaseException:
         await finish_before_raising(futures)
+        raise
+
+
+async def run_together(calls: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``calls`` concurrently, each as a task, and return their results in order.
+    When one raises, or the caller is cancelled, the others are cancelled and every one
+    is waited for to its end; only then is the first exception (or the CancelledError)
+    raised, as it is (no ExceptionGroup). Each call decides what its cancellation waits
+    for (a backend's ``get`` its threads, say)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()  # a done task ignores it
+        await finish_before_raising(tasks)
         raise

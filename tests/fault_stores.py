@@ -262,12 +262,21 @@ class IndexDeleteFailNvme(NvmeStore):
 
 class SlowGetStore(FileStore):
     """A file store whose every ``get`` first sleeps ``delay_s`` seconds (a slow tier),
-    counting its calls in ``gets``."""
+    counting its calls in ``gets`` and, over all its instances, the gets running at once
+    (``in_flight``; the most seen in ``most_in_flight``)."""
 
     delay_s: ClassVar[float] = 0.3
     gets: ClassVar[list[int]] = []  # the page count of each call
+    in_flight: ClassVar[int] = 0
+    most_in_flight: ClassVar[int] = 0
 
     async def get(self, keys: Any, out: Any) -> list[bool]:
-        type(self).gets.append(len(keys))
-        await asyncio.sleep(type(self).delay_s)
-        return await super().get(keys, out)
+        cls = SlowGetStore
+        cls.gets.append(len(keys))
+        cls.in_flight += 1
+        cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        try:
+            await asyncio.sleep(cls.delay_s)
+            return await super().get(keys, out)
+        finally:
+            cls.in_flight -= 1

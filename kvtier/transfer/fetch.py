@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.aio import finish_even_if_cancelled
+from kvtier.aio import finish_even_if_cancelled, run_together
 from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.transfer.batch import purge_vanished
@@ -134,7 +134,9 @@ class Fetcher:
 
     async def read(self, keys: Sequence[PageKey], out: Sequence[np.ndarray]) -> list[bool]:
         """Copy each page from the highest tier holding it into ``out[i]``; ``False`` for a
-        miss (absent, or every tier holding it failed or failed verification)."""
+        miss (absent, or every tier holding it failed or failed verification). Pages in
+        different tiers are read concurrently, one call per tier; a page that failed in one
+        tier is tried in the next tier holding it."""
         mover = self.mover
         d = mover.directory
         n = len(keys)
@@ -160,31 +162,47 @@ class Fetcher:
                     return ok
                 await mover.settle(moving)
                 continue
-            # top tier first: its reads are the quickest, and pages there are the likeliest
-            # to be evicted (down to a tier read later) while a slower group is read
+            # every group's pages are marked as being copied before any group is awaited
+            # (none can be evicted meanwhile); the groups are then read concurrently, so
+            # a read spanning two slow tiers (NVMe, a remote pool) waits for the slower
+            # one, not for the sum
+            copies = []
             for idx in sorted(groups):
-                await self._read_group(mover.tiers[idx], keys, out, groups[idx], ok, tried)
+                tier = mover.tiers[idx]
+                items = self._claim_group(tier, keys, groups[idx], tried)
+                if items:
+                    copies.append(self._copy_group(tier, keys, out, items, ok))
+            if len(copies) == 1:
+                await copies[0]  # the usual case: no task, no extra loop turns
+            else:
+                await run_together(copies)
         return ok
 
-    async def _read_group(
+    def _claim_group(
+        self, tier: Tier, keys: Sequence[PageKey], group: list[int], tried: list[set[str]]
+    ) -> list[int]:
+        """The pages of ``group`` (indexes into ``keys``) still committed in ``tier``,
+        each marked as tried there and as being copied out (it stays until
+        :meth:`_copy_group` ends)."""
+        d = self.mover.directory
+        items = [i for i in group if d.is_committed(keys[i], tier.name)]
+        for i in items:
+            tried[i].add(tier.name)
+            d.begin_copy(keys[i], tier.name)
+        return items
+
+    async def _copy_group(
         self,
         tier: Tier,
         keys: Sequence[PageKey],
         out: Sequence[np.ndarray],
-        group: list[int],
+        items: list[int],
         ok: list[bool],
-        tried: list[set[str]],
     ) -> None:
-        """Read the pages ``group`` (indexes into ``keys``) out of ``tier`` in one call."""
+        """Read the claimed pages ``items`` (indexes into ``keys``) out of ``tier`` in one
+        call into ``out``, setting ``ok`` for each; ends their copies, however it ends."""
         mover = self.mover
         d = mover.directory
-        # earlier groups awaited: re-check, so nothing evicted meanwhile is copied
-        items = [i for i in group if d.is_committed(keys[i], tier.name)]
-        if not items:
-            return
-        for i in items:
-            tried[i].add(tier.name)
-            d.begin_copy(keys[i], tier.name)
         start = time.perf_counter()
         call = tier.backend.get([keys[i] for i in items], [out[i] for i in items])
         try:
