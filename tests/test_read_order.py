@@ -23,6 +23,7 @@ import pytest
 from fault_stores import SlowGetStore
 
 from kvtier.cache import KVCache
+from kvtier.testing.case import cancel_after
 
 
 async def test_a_read_across_tiers_is_one_slow_get_while_stores_evict_the_top_tier(
@@ -116,3 +117,24 @@ async def test_a_cancelled_read_raises_only_once_every_tier_s_get_has_ended(
         assert all(cache.directory.busy(t) == 0 for t in ("dram", "slow_a", "slow_b"))
         out = np.zeros_like(pages)  # the cache still serves every page
         assert all(await cache.read(keys, out)) and np.array_equal(out, pages)
+
+
+async def test_a_read_cancelled_at_any_loop_turn_leaves_no_page_marked_as_being_copied(
+    tmp_path: Path,
+) -> None:
+    """Cancelled before its tier reads have even started (their tasks never run), a read
+    still ends every copy it marked: a page left marked could never be evicted."""
+    SlowGetStore.delay_s = 0.02
+    try:
+        async with KVCache(three_tiers(tmp_path), env={}, configure_log=False) as cache:
+            keys, pages = await stored_across_three_tiers(cache)
+            ended = []
+            for turns in range(12):
+                ended.append(await cancel_after(cache.read(keys, np.zeros_like(pages)), turns))
+                busy = {t: cache.directory.busy(t) for t in ("dram", "slow_a", "slow_b")}
+                assert busy == dict.fromkeys(busy, 0), (turns, busy)
+            assert any(ended)  # some were cancelled mid-read
+            out = np.zeros_like(pages)
+            assert all(await cache.read(keys, out)) and np.array_equal(out, pages)
+    finally:
+        SlowGetStore.delay_s = 0.3

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from kvtier.aio import finish_even_if_cancelled, run_together
 from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.index.directory import Directory
 from kvtier.keys import PageKey
 from kvtier.transfer.batch import purge_vanished
 from kvtier.transfer.gate import Priority
@@ -31,6 +33,25 @@ from kvtier.transfer.mover import Job, Mover
 from kvtier.transfer.moves import Moves
 from kvtier.transfer.results import LoadResult
 from kvtier.transfer.tier import Tier, backend_failure
+
+
+@dataclass
+class _Claim:
+    """Pages of one tier a read copies out (``items``: indexes into ``keys``), each
+    marked with :meth:`Directory.begin_copy` (not evictable there) until :meth:`release`."""
+
+    directory: Directory
+    tier: Tier
+    keys: Sequence[PageKey]
+    items: list[int]
+    released: bool = False
+
+    def release(self) -> None:
+        """End the pages' copies (once; later calls do nothing)."""
+        if not self.released:
+            self.released = True
+            for i in self.items:
+                self.directory.end_copy(self.keys[i], self.tier.name)
 
 
 class Fetcher:
@@ -166,46 +187,41 @@ class Fetcher:
             # (none can be evicted meanwhile); the groups are then read concurrently, so
             # a read spanning two slow tiers (NVMe, a remote pool) waits for the slower
             # one, not for the sum
-            copies = []
-            for idx in sorted(groups):
-                tier = mover.tiers[idx]
-                items = self._claim_group(tier, keys, groups[idx], tried)
-                if items:
-                    copies.append(self._copy_group(tier, keys, out, items, ok))
-            if len(copies) == 1:
-                await copies[0]  # the usual case: no task, no extra loop turns
-            else:
-                await run_together(copies)
+            claims = [
+                self._claim(mover.tiers[idx], keys, groups[idx], tried) for idx in sorted(groups)
+            ]
+            claims = [c for c in claims if c.items]
+            try:
+                if len(claims) == 1:  # the usual case: no task, no extra loop turns
+                    await self._copy_group(claims[0], out, ok)
+                elif claims:
+                    await run_together([self._copy_group(c, out, ok) for c in claims])
+            finally:
+                for c in claims:  # a copy cancelled before its task started never ran
+                    c.release()
         return ok
 
-    def _claim_group(
+    def _claim(
         self, tier: Tier, keys: Sequence[PageKey], group: list[int], tried: list[set[str]]
-    ) -> list[int]:
+    ) -> _Claim:
         """The pages of ``group`` (indexes into ``keys``) still committed in ``tier``,
-        each marked as tried there and as being copied out (it stays until
-        :meth:`_copy_group` ends)."""
-        d = self.mover.directory
-        items = [i for i in group if d.is_committed(keys[i], tier.name)]
-        for i in items:
-            tried[i].add(tier.name)
-            d.begin_copy(keys[i], tier.name)
-        return items
+        each marked as tried there and as being copied out (until the claim's release)."""
+        claim = _Claim(self.mover.directory, tier, keys, [])
+        for i in group:
+            if claim.directory.is_committed(keys[i], tier.name):
+                tried[i].add(tier.name)
+                claim.directory.begin_copy(keys[i], tier.name)
+                claim.items.append(i)
+        return claim
 
-    async def _copy_group(
-        self,
-        tier: Tier,
-        keys: Sequence[PageKey],
-        out: Sequence[np.ndarray],
-        items: list[int],
-        ok: list[bool],
-    ) -> None:
-        """Read the claimed pages ``items`` (indexes into ``keys``) out of ``tier`` in one
-        call into ``out``, setting ``ok`` for each; ends their copies, however it ends."""
+    async def _copy_group(self, claim: _Claim, out: Sequence[np.ndarray], ok: list[bool]) -> None:
+        """Read the claimed pages out of their tier in one call into ``out``, setting
+        ``ok`` for each; releases the claim, however it ends."""
         mover = self.mover
-        d = mover.directory
+        tier, keys, items = claim.tier, claim.keys, claim.items
         start = time.perf_counter()
-        call = tier.backend.get([keys[i] for i in items], [out[i] for i in items])
         try:
+            call = tier.backend.get([keys[i] for i in items], [out[i] for i in items])
             if tier.backend.get_finishes_before_raising:
                 got = await call  # no task and shield: three loop turns less per read
             else:
@@ -216,8 +232,7 @@ class Fetcher:
             tier.record_failure("get", len(items), exc)
             got = [False] * len(items)
         finally:
-            for i in items:
-                d.end_copy(keys[i], tier.name)
+            claim.release()
         moved = sum(got)
         mover.metrics.record_transfer(
             f"{tier.name}->out", moved, moved * tier.backend.page_bytes, time.perf_counter() - start
