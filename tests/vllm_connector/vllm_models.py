@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +45,30 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
-def tiny_llama() -> Path:
-    """The tiny random Llama directory (made on first use, seed 0)."""
-    final = models_dir() / "tiny-llama-v1"
+def _random_text_model(name: str, make: Callable[[], Any]) -> Path:
+    """The directory ``name`` of a random-weight text model (made on first use): the word
+    tokenizer, then ``make()``'s model, built after seeding torch with 0, in bfloat16."""
+    final = models_dir() / name
     if (final / "config.json").exists():
         return final
     import torch
-    from transformers import LlamaForCausalLM
 
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     _word_tokenizer().save_pretrained(tmp)
     torch.manual_seed(0)
-    LlamaForCausalLM(_llama_config(515)).to(torch.bfloat16).save_pretrained(tmp)
+    make().to(torch.bfloat16).save_pretrained(tmp)
     return _publish(tmp, final)
+
+
+def tiny_llama() -> Path:
+    """The tiny random Llama directory (made on first use, seed 0)."""
+
+    def make() -> Any:
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM(_llama_config(515))
+
+    return _random_text_model("tiny-llama-v1", make)
 
 
 def _word_tokenizer(extra: tuple[str, ...] = ()) -> Any:
@@ -99,39 +111,35 @@ def _llama_config(vocab_size: int) -> Any:
 
 def tiny_deepseek_v2() -> Path:
     """The tiny random DeepSeek-V2 (MLA) directory (made on first use, seed 0)."""
-    final = models_dir() / "tiny-deepseek-v2-v1"
-    if (final / "config.json").exists():
-        return final
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    _word_tokenizer().save_pretrained(tmp)
-    cfg = DeepseekV2Config(
-        vocab_size=515,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=64,
-        v_head_dim=32,
-        first_k_dense_replace=2,  # every layer dense: no expert is ever used
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        max_position_embeddings=4096,
-        bos_token_id=513,
-        eos_token_id=514,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
-    return _publish(tmp, final)
+    def make() -> Any:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        cfg = DeepseekV2Config(
+            vocab_size=515,
+            hidden_size=128,
+            intermediate_size=256,
+            moe_intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=64,
+            v_head_dim=32,
+            first_k_dense_replace=2,  # every layer dense: no expert is ever used
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            max_position_embeddings=4096,
+            bos_token_id=513,
+            eos_token_id=514,
+            tie_word_embeddings=False,
+        )
+        return DeepseekV2ForCausalLM(cfg)
+
+    return _random_text_model("tiny-deepseek-v2-v1", make)
 
 
 #: the tiny Idefics3's special tokens (ids 515 on), its image token id, image side (pixels)
