@@ -76,6 +76,11 @@ def three_tiers(tmp_path: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def busy_pages(cache: KVCache) -> dict[str, int]:
+    """Pages marked as being copied out, per tier of :func:`three_tiers`."""
+    return {t: cache.directory.busy(t) for t in ("dram", "slow_a", "slow_b")}
+
+
 async def stored_across_three_tiers(cache: KVCache) -> tuple[list[Any], np.ndarray]:
     pt = cache.spec.page_tokens
     pages = np.random.default_rng(7).integers(0, 256, (12, cache.spec.page_bytes), np.uint8)
@@ -96,7 +101,7 @@ async def test_a_read_spanning_two_slow_tiers_reads_them_concurrently(tmp_path: 
         assert all(hits) and np.array_equal(out, pages)
         assert len(SlowGetStore.gets) == 2  # one get per slow tier
         assert SlowGetStore.most_in_flight == 2  # at once: the read waits for the slower
-        assert all(cache.directory.busy(t) == 0 for t in ("dram", "slow_a", "slow_b"))
+        assert busy_pages(cache) == {"dram": 0, "slow_a": 0, "slow_b": 0}
 
 
 async def test_a_cancelled_read_raises_only_once_every_tier_s_get_has_ended(
@@ -114,7 +119,7 @@ async def test_a_cancelled_read_raises_only_once_every_tier_s_get_has_ended(
         with pytest.raises(asyncio.CancelledError):
             await read
         assert SlowGetStore.in_flight == 0  # no get still writing into the caller's buffers
-        assert all(cache.directory.busy(t) == 0 for t in ("dram", "slow_a", "slow_b"))
+        assert busy_pages(cache) == {"dram": 0, "slow_a": 0, "slow_b": 0}
         out = np.zeros_like(pages)  # the cache still serves every page
         assert all(await cache.read(keys, out)) and np.array_equal(out, pages)
 
@@ -131,8 +136,8 @@ async def test_a_read_cancelled_at_any_loop_turn_leaves_no_page_marked_as_being_
             ended = []
             for turns in range(12):
                 ended.append(await cancel_after(cache.read(keys, np.zeros_like(pages)), turns))
-                busy = {t: cache.directory.busy(t) for t in ("dram", "slow_a", "slow_b")}
-                assert busy == dict.fromkeys(busy, 0), (turns, busy)
+                busy = busy_pages(cache)
+                assert busy == {"dram": 0, "slow_a": 0, "slow_b": 0}, (turns, busy)
             assert any(ended)  # some were cancelled mid-read
             out = np.zeros_like(pages)
             assert all(await cache.read(keys, out)) and np.array_equal(out, pages)

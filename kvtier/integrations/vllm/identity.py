@@ -151,24 +151,15 @@ def spec_for(paged: PagedKV, model: str, use_mla: bool = False) -> KVSpec:
             f"use MLA (multi-head latent attention): the connector cannot tell its block "
             f"layout"
         )
-    if use_mla:
-        return KVSpec(
-            num_layers=paged.num_layers,
-            num_kv_heads=1,
-            head_dim=paged.content,
-            dtype=torch_dtype_name(paged.dtype),
-            page_tokens=paged.block_tokens,
-            mla=True,
-            name=model,
-        )
-    if paged.content % 2:
+    if not use_mla and paged.content % 2:
         raise ValueError(f"KV content width {paged.content} is odd: not a K/V pair")
     return KVSpec(
         num_layers=paged.num_layers,
-        num_kv_heads=paged.heads,
-        head_dim=paged.content // 2,
+        num_kv_heads=paged.heads,  # 1 for MLA (checked above)
+        head_dim=paged.content if use_mla else paged.content // 2,
         dtype=torch_dtype_name(paged.dtype),
         page_tokens=paged.block_tokens,
+        mla=use_mla,
         name=model,
     )
 
