@@ -195,18 +195,6 @@ def test_user_namespace_and_env_are_honoured_but_not_for_geometry(tmp_path: Path
     assert cfg.tiers[0].capacity_bytes == 2 << 20
 
 
-def test_models_the_connector_cannot_serve_are_refused_by_name() -> None:
-    def config(use_mla: bool) -> SimpleNamespace:
-        return SimpleNamespace(model_config=SimpleNamespace(model="m", use_mla=use_mla))
-
-    one_group = SimpleNamespace(kv_cache_groups=[object()])
-    identity.check_model(config(False), one_group)
-    identity.check_model(config(False), None)  # vLLM gives no kv_cache_config to some roles
-    identity.check_model(config(True), one_group)  # MLA: served (its latent cache)
-    with pytest.raises(ConfigError, match="one KV cache group; this model has 2"):
-        identity.check_model(config(False), SimpleNamespace(kv_cache_groups=[1, 2]))
-
-
 def test_bad_user_config_is_named(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[[tiers]\n")

@@ -2,7 +2,9 @@
 
 Run as ``python driver.py '<json spec>'``. The spec names the model and the ``LLM`` keyword
 arguments (``kv_transfer_config`` as a dict). The driver answers one JSON line per command,
-each prefixed with ``@@`` (vLLM prints to stdout too):
+each prefixed with ``@@`` (vLLM prints to stdout too); the first, once the engine is up,
+is ``{"ready": true, "hybrid_kv_cache_manager": bool}`` (whether vLLM kept its hybrid KV
+cache manager on):
 
 * ``{"op": "generate", "prompts": [[ids], ...], "max_tokens": n, "logprobs": k,
   "kv_params": [{...} | null, ...]}`` (``kv_params``, optional: each prompt's
@@ -88,7 +90,9 @@ def main() -> None:
     if kwargs.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
     llm = LLM(model=spec["model"], **kwargs)
-    _say({"ready": True})
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    hybrid = not scheduler_config.disable_hybrid_kv_cache_manager
+    _say({"ready": True, "hybrid_kv_cache_manager": hybrid})
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]

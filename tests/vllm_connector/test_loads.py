@@ -49,7 +49,8 @@ def rig() -> Iterator[dict[str, Any]]:
     loads = Loads(loop, cache, paged, {}, run_keys, 5.0, count)
     try:
         yield {"loop": loop, "cache": cache, "paged": paged, "keys": keys,
-               "counts": counts, "loads": loads}  # fmt: skip
+               "counts": counts, "loads": loads, "run_keys": run_keys,
+               "count": count}  # fmt: skip
     finally:
         loads.shutdown()
         loop.run(cache.close())
@@ -135,3 +136,44 @@ def test_a_request_whose_keys_are_all_unknown_is_reported_at_once(rig) -> None: 
     loads.plan(_meta(async_loads=[_run("x", 0, [6, 8])]))
     assert loads.received() == {"x"}
     assert loads.errors() == {6, 8}
+
+
+def test_several_kv_cache_groups_load_per_layer_group_and_fail_per_request(  # type: ignore[no-untyped-def]
+    rig,
+) -> None:
+    """vLLM's hybrid KV cache manager: layer 0 in a sliding-window group (group 1), layer 1
+    in a full-attention group (group 0); a page's block is one id per group, ``NOT_HELD``
+    where the window group does not hold it. vLLM cannot map a block id back to a request
+    then, so a failed load is reported by request (``failed``), never as block ids."""
+    from kvtier.integrations.vllm.groups import NOT_HELD
+    from kvtier.integrations.vllm.loads import Loads
+    from kvtier.integrations.vllm.paged import PagedKV
+
+    paged = PagedKV(rig["paged"].layers, [1, 0])
+    loads = Loads(rig["loop"], rig["cache"], paged, {}, rig["run_keys"], 5.0, rig["count"])
+    try:
+        data = _store(rig, "a", 2, seed=5)
+        loads.plan(_meta(async_loads=[_run("a", 0, [(3, NOT_HELD), (4, 6)])]))
+        assert _received(loads, {"a"}) == {"a"}
+        assert loads.errors() == set() and loads.failed() == set()
+        lb = paged.layer_bytes
+
+        def layer_bytes(layer: int, block: int) -> np.ndarray:
+            return paged.layers[layer][block].view(torch.uint8).numpy().reshape(-1)
+
+        assert np.array_equal(layer_bytes(1, 3), data[0][lb : 2 * lb])
+        assert np.array_equal(layer_bytes(1, 4), data[1][lb : 2 * lb])
+        assert np.array_equal(layer_bytes(0, 6), data[1][:lb])
+        assert not layer_bytes(0, 3).any() and not layer_bytes(0, 4).any()  # not its blocks
+
+        _store(rig, "b", 2, seed=6)
+        rig["loop"].run(rig["cache"].delete(rig["keys"]["b"][1:2]))  # gone since the lookup
+        rig["keys"]["c"] = []  # no token ids for "c"
+        runs = [_run("b", 0, [(7, 8), (9, 10)]), _run("c", 0, [(11, NOT_HELD)])]
+        loads.plan(_meta(async_loads=runs))
+        assert _received(loads, {"b", "c"}) == {"b", "c"}
+        assert loads.failed() == {"b", "c"}
+        assert loads.errors() == set()  # block ids would name other groups' blocks too
+        assert not layer_bytes(1, 9).any() and not layer_bytes(0, 10).any()
+    finally:
+        loads.shutdown()

@@ -33,7 +33,12 @@ class FakeLookup:
 
 
 def _side(
-    tmp_path: Path, pages: int, loads: bool = True, saves: bool = True, **settings: Any
+    tmp_path: Path,
+    pages: int,
+    loads: bool = True,
+    saves: bool = True,
+    groups: Any = None,
+    **settings: Any,
 ) -> Any:
     from kvtier.integrations.vllm.identity import ParallelPlace
     from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -44,7 +49,7 @@ def _side(
         kv_transfer_config=SimpleNamespace(engine_id="e"),
     )
     side = SchedulerSide(
-        cfg, ConnectorSettings(**settings), ParallelPlace(), tmp_path, loads, saves
+        cfg, ConnectorSettings(**settings), ParallelPlace(), tmp_path, loads, saves, groups
     )
     side.client = FakeLookup(pages)
     return side
@@ -58,11 +63,13 @@ def _request(rid: str, n: int, computed: int = 0, **fields: Any) -> Any:
 
 
 class Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
+    """vLLM's ``KVCacheBlocks`` of a request: one id list per KV cache group."""
+
+    def __init__(self, ids: list[int], *other_groups: list[int]) -> None:
+        self.groups = (ids, *other_groups)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
+        return self.groups
 
 
 def _output(scheduled: dict[str, int], spec: dict[str, list[int]] | None = None) -> Any:
@@ -118,11 +125,11 @@ def test_finished_request_saves_its_last_pages_and_holds_its_blocks(tmp_path: Pa
     req.all_token_ids = list(range(3 * BS + 1))
     req.num_tokens = 3 * BS + 1
     req.num_computed_tokens = 3 * BS
-    assert side.finished(req, list(range(4))) is True
+    assert side.finished(req, (list(range(4)),)) is True
     meta = side.build_meta(_output({}))
     assert meta.holds == ["a"]
     assert [(r.first_page, r.block_ids) for r in meta.saves] == [(2, [2])]
-    assert side.finished(_request("never-seen", 10), []) is False
+    assert side.finished(_request("never-seen", 10), ([],)) is False
 
 
 def test_a_failed_load_is_saved_again_once_recomputed(tmp_path: Path) -> None:
@@ -148,7 +155,7 @@ def test_roles(tmp_path: Path, loads: bool, saves: bool) -> None:
     req.num_computed_tokens = 0
     meta = side.build_meta(_output({"a": 6 * BS}))
     assert bool(meta.saves) == saves
-    assert side.finished(req, list(range(6))) is False or saves
+    assert side.finished(req, (list(range(6)),)) is False or saves
 
 
 def _finish(side: Any, req: Any, generated: int) -> Any:
@@ -157,7 +164,7 @@ def _finish(side: Any, req: Any, generated: int) -> Any:
     req.all_token_ids = list(range(n))
     req.num_tokens = n
     req.num_computed_tokens = n - 1
-    held = side.finished(req, list(range(n // BS + 1)))
+    held = side.finished(req, (list(range(n // BS + 1)),))
     return held, side.build_meta(_output({}))
 
 
@@ -226,7 +233,7 @@ def test_requests_kvtier_cannot_key_are_neither_loaded_nor_saved(
     req.num_computed_tokens = 5 * BS
     meta = side.build_meta(_output({"a": 1}))
     assert meta.empty
-    assert side.finished(req, list(range(5))) is False
+    assert side.finished(req, (list(range(5)),)) is False
     assert side.take_stats().data["unkeyed_requests"] == 1
 
 
@@ -304,3 +311,45 @@ def test_a_request_gone_before_its_asynchronous_load_is_sent_still_gets_it(
     side._reqs.clear()
     meta = side.build_meta(_output({}))
     assert [(r.req_id, r.block_ids) for r in meta.async_loads] == [("a", [7, 8])]
+
+
+def test_a_hybrid_model_loads_asynchronously_and_saves_pages_every_group_holds(
+    tmp_path: Path,
+) -> None:
+    """Two KV cache groups (full attention: group 0; a sliding window: group 1, whose null
+    block 0 stands for blocks outside its window). Loads run asynchronously (a failure is
+    reported per request); a page is saved only where both groups hold it."""
+    from kvtier.integrations.vllm.groups import NOT_HELD, KVGroups
+
+    side = _side(tmp_path, pages=4, groups=KVGroups(2, {}))
+    full, window = list(range(100, 110)), [0, 0, 52, 53, 54, 0, 56, 0, 0, 0]
+    pool = SimpleNamespace(null_block=SimpleNamespace(block_id=0))
+    side.kv_cache_manager = SimpleNamespace(
+        get_block_ids=lambda rid: (full, window), block_pool=pool
+    )
+    req = _request("a", 7 * BS + 5)
+    assert side.match(req, 0) == (4 * BS, True)  # asynchronous although the setting is "never"
+    side.after_alloc(req, Blocks(full, window), 4 * BS)
+    meta = side.build_meta(_output({}))
+    assert meta.loads == []
+    assert [(r.first_page, r.block_ids) for r in meta.async_loads] == [
+        (0, [(100, NOT_HELD), (101, NOT_HELD), (102, 52), (103, 53)])
+    ]
+    # the load failed: vLLM recomputes the request from its first token, and kvtier offers
+    # none of those pages again
+    side.loads_reported(set(), {"a"}, {"a"})
+    assert side.match(req, 0) == (0, False)
+    req.num_computed_tokens = 0
+    meta = side.build_meta(_output({"a": 7 * BS + 5}))
+    assert [(r.first_page, r.block_ids) for r in meta.saves] == [
+        (2, [(102, 52), (103, 53), (104, 54)]),
+        (6, [(106, 56)]),
+    ]  # pages 0, 1 and 5: the window group no longer holds them
+    req.all_token_ids = list(range(9 * BS + 1))
+    req.num_tokens = 9 * BS + 1
+    req.num_computed_tokens = 9 * BS
+    window[7:9] = [57, 58]
+    assert side.finished(req, (full, window)) is True
+    assert [(r.first_page, r.block_ids) for r in side.build_meta(_output({})).saves] == [
+        (7, [(107, 57), (108, 58)])
+    ]

@@ -121,7 +121,8 @@ class Engine:
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         try:
-            self._wait(START_TIMEOUT_S)
+            #: the engine's first answer (``driver.py``): what vLLM chose at start-up
+            self.ready = self._wait(START_TIMEOUT_S)
         except BaseException:  # a start that failed, timed out or was interrupted
             self.close(timeout=5.0)
             raise

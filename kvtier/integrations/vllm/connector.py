@@ -11,6 +11,11 @@ Enable it with::
 vLLM creates one instance in the scheduler process (role ``SCHEDULER``:
 :class:`~.scheduler.SchedulerSide`) and one per worker (role ``WORKER``:
 :class:`~.worker.WorkerSide`); this class only dispatches. See docs/integrations.md.
+
+It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for models whose
+layers keep different kinds of KV (sliding-window beside full attention), and the connector
+moves each KV cache group's blocks (:mod:`.groups`). With several groups every load runs
+asynchronously and a failed one is reported per request (``failed_recving``).
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 from kvtier.log import get_logger
 
-from .identity import check_model, parallel_place
+from .groups import KVGroups
+from .identity import parallel_place
 from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import parse_settings, runtime_dir
@@ -47,7 +55,7 @@ def _hit_source(kind: str, tier: str) -> CacheHitSource:
     return CacheHitSource.DISK if kind == "store" else CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
-class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """kvtier's tiers (DRAM, NVMe, a remote pool) behind vLLM's prefix cache."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -59,7 +67,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"KVTierConnector: kv_role must be one of {', '.join(_ROLES)}, got {ktc.kv_role!r}"
             )
         loads, saves = _ROLES[ktc.kv_role]
-        check_model(vllm_config, kv_cache_config)
+        groups = KVGroups.of(kv_cache_config)  # refuses Mamba and other non-attention groups
         runtime = runtime_dir(settings)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -72,10 +80,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     "'recompute' in --kv-transfer-config"
                 )
             place = parallel_place(vllm_config, worker=False)
-            self._scheduler = SchedulerSide(vllm_config, settings, place, runtime, loads, saves)
+            self._scheduler = SchedulerSide(
+                vllm_config, settings, place, runtime, loads, saves, groups
+            )
         else:
             place = parallel_place(vllm_config, worker=True)
-            self._worker = WorkerSide(vllm_config, settings, place, runtime, loads, saves)
+            self._worker = WorkerSide(vllm_config, settings, place, runtime, loads, saves, groups)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -122,8 +132,16 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sent, received = self.worker.finished(finished_req_ids)
+        sent, received, _ = self.worker.finished(finished_req_ids)
         return (sent or None), (received or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # With several KV cache groups a failed load is reported per request (vLLM cannot
+        # map a block id back to a request then): the request recomputes its KV.
+        sent, received, failed = self.worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
@@ -183,6 +201,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler.loads_reported(
             getattr(connector_output, "invalid_block_ids", None),
             getattr(connector_output, "finished_recving", None),
+            getattr(connector_output, "failed_recving", None),
         )
         events = getattr(connector_output, "kv_cache_events", None)
         if isinstance(events, KVTierKVEvents):
@@ -190,6 +209,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.finished(request, (block_ids,)), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request, block_ids), None
 

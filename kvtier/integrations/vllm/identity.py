@@ -84,21 +84,6 @@ def parallel_place(vllm_config: Any, worker: bool) -> ParallelPlace:
     return ParallelPlace(tp_size, pp_size, tp_rank, pp_rank, dp_rank)
 
 
-def check_model(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Raise :class:`ConfigError` for a model the connector cannot serve, naming why: more
-    than one KV cache group (vLLM's hybrid KV cache manager on, with a hybrid or mixed
-    sliding-window model; without ``SupportsHMA`` vLLM turns that manager off by default
-    and serves such a model with one group of full attention). MLA models are served (their
-    latent cache: :class:`~.paged.PagedKV`)."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        raise ConfigError(
-            f"KVTierConnector supports models with one KV cache group; this model has "
-            f"{len(groups)} (hybrid or mixed sliding-window attention with vLLM's hybrid KV "
-            f"cache manager on)"
-        )
-
-
 def weights_fingerprint(directory: Path) -> str | None:
     """A short fingerprint of the model files in ``directory`` (``None`` if it is not a
     directory or holds no weights). Reads the config files whole and 16 samples of 64 KiB

@@ -13,15 +13,17 @@
 
 A page kvtier cannot give (evicted since the lookup, a failed checksum, a tier down) or a
 load past ``kvtier_load_timeout_s`` makes its block a load error (:meth:`Loads.errors`,
-``get_block_ids_with_load_errors``): vLLM recomputes it. Blocks are never written after
-vLLM was told they are loaded or failed.
+``get_block_ids_with_load_errors``): vLLM recomputes it. With several KV cache groups
+(:mod:`.groups`; every load is then asynchronous) the request is the unit instead
+(:meth:`Loads.failed`, ``failed_recving``): vLLM recomputes its KV. Blocks are never
+written after vLLM was told they are loaded or failed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -29,6 +31,7 @@ from kvtier.cache import KVCache
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 
+from .groups import NOT_HELD, Block
 from .loop_thread import LoopThread
 from .metadata import KVTierMetadata, PageRun
 from .paged import PagedKV
@@ -70,10 +73,20 @@ class Loads:
         )
         self._load: LoadJob | None = None
         self._errors: set[int] = set()
+        #: several KV cache groups: failures are reported per request
+        self.by_request = len(set(paged.layer_groups)) > 1
+        self._failed: set[str] = set()
         #: asynchronous loads in flight: (the requests they are for, the job)
         self._async_jobs: list[tuple[set[str], LoadJob]] = []
         #: requests whose asynchronous load could not start (reported done, all failed)
         self._async_failed: set[str] = set()
+
+    def _record_failed(self, blocks: Iterable[Block], reqs: Iterable[str]) -> None:
+        """Loads of ``blocks`` (for ``reqs``) failed: load errors, or failed requests."""
+        if self.by_request:
+            self._failed.update(reqs)
+        else:
+            self._errors.update(b for b in blocks if isinstance(b, int) and b != NOT_HELD)
 
     def plan(self, meta: KVTierMetadata) -> None:
         """Start of a step: plan its load, start its asynchronous loads."""
@@ -86,18 +99,20 @@ class Loads:
     def _job(self, runs: list[PageRun]) -> LoadJob | None:
         """One job loading ``runs``; runs whose keys the worker lacks are load errors."""
         keys: list[PageKey] = []
-        blocks: list[int] = []
+        blocks: list[Block] = []
+        reqs: list[str] = []
         for run in runs:
             run_keys = self._run_keys(run)
             if run_keys is None:
-                self._errors.update(run.block_ids)
+                self._record_failed(run.block_ids, [run.req_id])
                 continue
             keys.extend(run_keys)
             blocks.extend(run.block_ids)
+            reqs.extend([run.req_id] * len(run_keys))
         if not keys:
             return None
         deadline = time.monotonic() + self.load_timeout_s
-        return LoadJob(keys, blocks, deadline, self.paged.num_layers)
+        return LoadJob(keys, blocks, reqs, deadline, self.paged.num_layers)
 
     def _submit(
         self, job: LoadJob, pool: concurrent.futures.ThreadPoolExecutor, work: Scatter, what: str
@@ -200,7 +215,7 @@ class Loads:
         if job is None:
             return
         if job.done is None:  # never started (no forward): nothing was written
-            self._errors.update(job.blocks)
+            self._record_failed(job.blocks, job.reqs)
             return
         try:
             job.done.result(max(1.0, job.deadline - time.monotonic()))
@@ -208,7 +223,7 @@ class Loads:
             self._fail(job)
         with job.lock:
             job.cancelled = True  # nothing is written after this point
-            self._errors.update(job.failed)
+            self._record_failed(job.failed, job.failed_requests())
 
     # -- asynchronous loads ----------------------------------------------------------------
 
@@ -216,10 +231,10 @@ class Loads:
         reqs = {run.req_id for run in runs}
         job = self._job(runs)
         if job is None:  # no run's keys known: all failed, reported done at once
-            self._async_failed |= reqs
+            self._async_failed |= reqs  # (their failures: recorded by _job)
             return
         if not self._submit(job, self._async_scatter, self._settled_scatter, "async load"):
-            self._errors.update(job.blocks)
+            self._record_failed(job.blocks, reqs)
             self._async_failed |= reqs
             return
         self._async_jobs.append((reqs, job))
@@ -251,16 +266,22 @@ class Loads:
                 job.cancelled = True  # nothing is written after this point
                 if job.done.exception() is not None:  # its copies may not have completed
                     job.failed = set(job.blocks)
-                self._errors.update(job.failed)
+                self._record_failed(job.failed, job.failed_requests())
             received |= reqs
         self._async_jobs = running
         return received
 
     def errors(self) -> set[int]:
         """Blocks whose load failed since the last call: this step's load (waited for
-        now) and the asynchronous loads :meth:`received` reported."""
+        now) and the asynchronous loads :meth:`received` reported (one KV cache group)."""
         self._finish()
         out, self._errors = self._errors, set()
+        return out
+
+    def failed(self) -> set[str]:
+        """Requests whose asynchronous load :meth:`received` reported failed, in part or
+        whole, since the last call (several KV cache groups)."""
+        out, self._failed = self._failed, set()
         return out
 
     def shutdown(self) -> None:

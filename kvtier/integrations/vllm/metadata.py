@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from .groups import Block
 from .hints import HintRun
 
 
@@ -31,11 +32,11 @@ class TokenDelta:
 @dataclass
 class PageRun:
     """Pages ``[first_page, first_page + len(block_ids))`` of ``req_id``, one vLLM block
-    each."""
+    each (one per KV cache group with several groups: :data:`~.groups.Block`)."""
 
     req_id: str
     first_page: int
-    block_ids: list[int]
+    block_ids: list[Block]
 
 
 @dataclass

@@ -16,6 +16,10 @@ into blocks, one layer at a time so that loading can overlap attention. On a CUD
 the copies run on a side stream and each layer's scatter records an event that the compute
 stream waits on; on the CPU they are plain copies (torch releases the GIL inside them, so a
 helper thread can scatter layer ``L + 1`` while the model computes layer ``L``).
+
+With vLLM's hybrid KV cache manager a page's block is one id per KV cache group
+(:mod:`.groups`): each layer is copied from / to its group's block, and a layer whose group
+does not hold the page (outside a sliding window) is not written on a load.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 import torch
 
 from kvtier.errors import KVTierUsageError
+
+from .groups import NOT_HELD, Block, layer_block
 
 
 class PagedKV:
@@ -41,9 +47,14 @@ class PagedKV:
         KVTierUsageError: no layers, or layers that differ in shape, dtype or device (a
             hybrid or sliding-window model with mixed KV geometry), or a tensor that is
             neither 4-D nor 3-D.
+
+    ``layer_groups``: the KV cache group of each layer (:mod:`.groups`; default: one
+    group). Pages then name their blocks as :data:`~.groups.Block` tuples.
     """
 
-    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, layers: Sequence[torch.Tensor], layer_groups: Sequence[int] | None = None
+    ) -> None:
         if not layers:
             raise KVTierUsageError("the engine registered no KV cache tensors")
         first = layers[0]
@@ -62,6 +73,11 @@ class PagedKV:
                     f"mixed sliding-window) are not supported by the kvtier connector"
                 )
         self.layers = list(layers)
+        self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(layers)
+        if len(self.layer_groups) != len(self.layers):
+            raise KVTierUsageError(
+                f"{len(self.layer_groups)} layer groups given for {len(self.layers)} layers"
+            )
         #: the tensors have no heads dimension (an MLA model's latents)
         self.headless = first.dim() == 3
         if self.headless:
@@ -94,8 +110,12 @@ class PagedKV:
                 raise KVTierUsageError(f"block id {b} outside [0, {self.num_blocks})")
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> Any:
-        """Copy blocks ``block_ids`` of every layer into page rows ``out[:len(block_ids)]``.
+    def _group_index(self, blocks: Sequence[Block], group: int) -> torch.Tensor:
+        return self._index([layer_block(b, group) for b in blocks])
+
+    def gather(self, block_ids: Sequence[Block], out: torch.Tensor) -> Any:
+        """Copy blocks ``block_ids`` of every layer into page rows ``out[:len(block_ids)]``
+        (every group must hold every page: :func:`~.groups.held_by_all`).
 
         Returns ``None`` when the copy is complete (CPU), or a CUDA event that completes
         when it is (the copy runs on a side stream after the work already queued on the
@@ -103,18 +123,18 @@ class PagedKV:
         n = len(block_ids)
         if n == 0:
             return None
-        idx = self._index(block_ids)
+        idx = {g: self._group_index(block_ids, g) for g in sorted(set(self.layer_groups))}
         lb = self.layer_bytes
         if not self.cuda:
             for i, kv in enumerate(self.layers):
-                blk = kv.index_select(0, idx)
+                blk = kv.index_select(0, idx[self.layer_groups[i]])
                 out[:n, i * lb : (i + 1) * lb].copy_(blk.view(torch.uint8).reshape(n, lb))
             return None
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for i, kv in enumerate(self.layers):
-                blk = kv.index_select(0, idx)
+                blk = kv.index_select(0, idx[self.layer_groups[i]])
                 out[:n, i * lb : (i + 1) * lb].copy_(
                     blk.view(torch.uint8).reshape(n, lb), non_blocking=True
                 )
@@ -130,24 +150,34 @@ class PagedKV:
         with torch.cuda.stream(self._stream):
             return src[:pages].to(self.device, non_blocking=True)
 
-    def scatter_layer(self, layer: int, block_ids: Sequence[int], staged: torch.Tensor) -> Any:
+    def scatter_layer(self, layer: int, block_ids: Sequence[Block], staged: torch.Tensor) -> Any:
         """Write layer ``layer`` of the staged page rows ``staged[:len(block_ids)]`` into
-        those blocks (``staged`` from :meth:`stage`).
+        those blocks (``staged`` from :meth:`stage`); pages the layer's group does not hold
+        are skipped.
 
         Returns ``None`` (CPU, done) or a CUDA event the compute stream must wait on."""
-        n = len(block_ids)
-        if n == 0:
+        ids = [layer_block(b, self.layer_groups[layer]) for b in block_ids]
+        rows = [i for i, b in enumerate(ids) if b != NOT_HELD]
+        if not rows:
             return None
-        idx = self._index(block_ids)
+        idx = self._index([ids[i] for i in rows])
+        n = len(rows)
         lb = self.layer_bytes
         kv = self.layers[layer]
         if not self.cuda:
-            part = staged[:n, layer * lb : (layer + 1) * lb].contiguous()
-            kv.index_copy_(0, idx, part.view(self.dtype).view(n, *self.block_shape))
+            part = self._rows(staged, rows, len(ids))[:, layer * lb : (layer + 1) * lb]
+            kv.index_copy_(0, idx, part.contiguous().view(self.dtype).view(n, *self.block_shape))
             return None
         with torch.cuda.stream(self._stream):
-            part = staged[:n, layer * lb : (layer + 1) * lb].contiguous()
-            kv.index_copy_(0, idx, part.view(self.dtype).view(n, *self.block_shape))
+            part = self._rows(staged, rows, len(ids))[:, layer * lb : (layer + 1) * lb]
+            kv.index_copy_(0, idx, part.contiguous().view(self.dtype).view(n, *self.block_shape))
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event
+
+    @staticmethod
+    def _rows(staged: torch.Tensor, rows: list[int], pages: int) -> torch.Tensor:
+        """``staged``'s rows ``rows`` (of the first ``pages``): a view when they are all."""
+        if len(rows) == pages:
+            return staged[:pages]
+        return staged.index_select(0, torch.tensor(rows, dtype=torch.long, device=staged.device))

@@ -27,6 +27,11 @@ Requests whose KV is not a function of their token ids alone (a LoRA adapter, a 
 salt: their own namespace; prompt embeddings: their own namespace, keyed by the
 embeddings; multimodal inputs: left alone) follow :mod:`.scope`.
 
+With several KV cache groups (vLLM's hybrid KV cache manager, :mod:`.groups`) a page's
+block is one per group: a page is saved only while every group holds it, and every load
+runs asynchronously (a failed one is reported per request: vLLM cannot map a block id back
+to a request when ids repeat across groups).
+
 Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only
 loads.
 """
@@ -41,6 +46,7 @@ from typing import Any
 from kvtier.errors import KVTierUsageError
 from kvtier.log import get_logger
 
+from .groups import NOT_HELD, Block, KVGroups, page_blocks, saveable_runs
 from .hints import HintRun, RequestHints, parse_request_hints
 from .identity import ParallelPlace, engine_id
 from .lookup import FLAG_PREFETCH, LookupAnswer, LookupClient, socket_path
@@ -84,8 +90,10 @@ class SchedulerSide:
         runtime: Path,
         loads: bool,
         saves: bool,
+        groups: KVGroups | None = None,
     ) -> None:
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.groups = groups or KVGroups()
+        self.block_size = self.groups.block_size or int(vllm_config.cache_config.block_size)
         self.loads_enabled = loads
         self.saves_enabled = saves
         self.settings = settings
@@ -155,6 +163,7 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         st.load_async = offered > 0 and (
             mode == "always"
+            or self.groups.hybrid
             or (
                 mode == "below-top"
                 and st.answer is not None
@@ -177,7 +186,7 @@ class SchedulerSide:
                 local_tokens=st.local_tokens,
                 external_tokens=num_external_tokens,
             )
-        block_ids = list(blocks.get_block_ids()[0][first : first + count])
+        block_ids = page_blocks(blocks.get_block_ids(), first, first + count, self._null_id())
         if len(block_ids) != count:
             _log.warning("fewer blocks than pages to load", request=request.request_id)
             count = len(block_ids)
@@ -244,11 +253,12 @@ class SchedulerSide:
                 full = min(verified, len(req.all_token_ids)) // self.block_size
                 if full <= st.saved_pages:
                     continue
-                block_ids = self._block_ids(req_id)[st.saved_pages : full]
+                block_ids = self._blocks(req_id, st.saved_pages, full)
                 if len(block_ids) != full - st.saved_pages:
                     continue
                 self._tokens_upto(st, full, meta)
-                meta.saves.append(PageRun(req_id, st.saved_pages, block_ids))
+                for first, held in saveable_runs(st.saved_pages, block_ids):
+                    meta.saves.append(PageRun(req_id, first, held))
                 st.saved_pages = full
         meta.tokens.extend(self._final_tokens)
         meta.saves.extend(self._final_saves)
@@ -259,12 +269,25 @@ class SchedulerSide:
         return meta
 
     def loads_reported(
-        self, invalid_block_ids: set[int] | None, finished_recving: set[str] | None = None
+        self,
+        invalid_block_ids: set[int] | None,
+        finished_recving: set[str] | None = None,
+        failed_recving: set[str] | None = None,
     ) -> None:
         """A step's output came back: a page whose load failed will be recomputed by vLLM,
         so it (and every page after it) is saved again once recomputed. Asynchronous
         loads are looked at until the workers report them done (``finished_recving``):
-        their failed blocks come at the latest with that report."""
+        their failed blocks come at the latest with that report. A request in
+        ``failed_recving`` (several KV cache groups) recomputes its whole asynchronous
+        load."""
+        for req_id in failed_recving or ():
+            st = self._reqs.get(req_id)
+            runs = self._async_loads.get(req_id, [])
+            if st is None or not runs:
+                continue
+            page = min(run.first_page for run in runs)
+            st.saved_pages = min(st.saved_pages, page)
+            st.failed_page = page if st.failed_page is None else min(st.failed_page, page)
         loads, self._inflight_loads = self._inflight_loads, {}
         if invalid_block_ids:
             for req_id, runs in self._async_loads.items():
@@ -284,23 +307,34 @@ class SchedulerSide:
                     st.saved_pages = min(st.saved_pages, page)
                     st.failed_page = page if st.failed_page is None else min(st.failed_page, page)
 
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _null_id(self) -> int:
+        """vLLM's null block (a sliding-window group's stand-in outside its window)."""
+        try:
+            return int(self.kv_cache_manager.block_pool.null_block.block_id)
+        except AttributeError:  # no block pool (a stand-in manager): no null block
+            return NOT_HELD
+
+    def _blocks(self, req_id: str, first: int, end: int) -> list[Block]:
         if self.kv_cache_manager is None:
             return []
-        return list(self.kv_cache_manager.get_block_ids(req_id)[0])
+        ids = self.kv_cache_manager.get_block_ids(req_id)
+        return page_blocks(ids, first, end, self._null_id())
 
-    def finished(self, request: Any, block_ids: list[int]) -> bool:
-        """A request finished: save its last full pages and pass on its hints; ``True``
-        holds its blocks until the workers copied them out."""
+    def finished(self, request: Any, block_ids: tuple[list[int], ...]) -> bool:
+        """A request finished (``block_ids``: its blocks in each KV cache group): save its
+        last full pages and pass on its hints; ``True`` holds its blocks until the workers
+        copied them out."""
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._hit_tiers.pop(rid, None)
         if st is None or st.scope.skip is not None:
             return False
         kv_tokens = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
-        full = min(kv_tokens // self.block_size, len(block_ids))
+        full = min([kv_tokens // self.block_size, *(len(ids) for ids in block_ids)])
+        blocks = page_blocks(block_ids, st.saved_pages, full, self._null_id())
+        saves = saveable_runs(st.saved_pages, blocks) if self.saves_enabled else []
         hints = st.hints.runs(rid, full, self.block_size) if st.hints is not None else []
-        hold = self.saves_enabled and full > st.saved_pages
+        hold = bool(saves)
         if not (hold or hints):
             return False
         scratch = KVTierMetadata()
@@ -308,7 +342,7 @@ class SchedulerSide:
         self._final_tokens.extend(scratch.tokens)
         self._final_hints.extend(hints)
         if hold:
-            self._final_saves.append(PageRun(rid, st.saved_pages, block_ids[st.saved_pages : full]))
+            self._final_saves.extend(PageRun(rid, first, held) for first, held in saves)
             self._holds.append(rid)
         return hold
 

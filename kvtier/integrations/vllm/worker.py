@@ -41,6 +41,7 @@ from kvtier.keys import ROOT_KEY, PageKey, page_keys
 from kvtier.log import get_logger
 
 from . import identity
+from .groups import KVGroups
 from .hints import HintCall, apply_hints_after, hint_calls
 from .identity import ParallelPlace
 from .loads import Loads
@@ -75,8 +76,10 @@ class WorkerSide:
         runtime: Path,
         loads: bool,
         saves: bool,
+        groups: KVGroups | None = None,
     ) -> None:
         self.vllm_config = vllm_config
+        self.groups = groups or KVGroups()
         self.settings = settings
         self.place = place
         self.runtime = runtime
@@ -109,7 +112,15 @@ class WorkerSide:
         """Open the cache for the registered tensors and start the lookup service."""
         names = sorted(kv_caches, key=lambda n: (layer_index(n), n))
         self.layer_of = {n: i for i, n in enumerate(names)}
-        self.paged = PagedKV([kv_caches[n] for n in names])
+        self.paged = PagedKV([kv_caches[n] for n in names], self.groups.layer_groups(names))
+        if self.groups.block_size and self.groups.block_size != self.paged.block_tokens:
+            raise ConfigError(
+                f"KVTierConnector: vLLM's KV cache manager uses blocks of "
+                f"{self.groups.block_size} tokens, but the KV tensors hold blocks of "
+                f"{self.paged.block_tokens} (kernel blocks smaller than the manager's are "
+                f"not supported)"
+            )
+        self.block_size = self.paged.block_tokens  # a page: one block of the tensors
         backend = identity.backend_name(self.vllm_config, names[0])
         resolved = identity.resolve(
             self.settings, self.vllm_config, self.paged, backend, self.place
@@ -320,11 +331,13 @@ class WorkerSide:
                 self._stats.add("save_seconds", time.perf_counter() - started)
                 self._stats.add("save_failures", len(keys) - stored)
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(held requests whose blocks were copied out, requests whose asynchronous load
-        is done: their failed blocks join this step's load errors); forget finished
-        requests' keys."""
+        is done: their failed blocks join this step's load errors, requests whose
+        asynchronous load failed: several KV cache groups); forget finished requests'
+        keys."""
         received = self.loads.received() if self.loads is not None else set()
+        failed = self.loads.failed() if self.loads is not None else set()
         done: set[str] = set()
         keep: list[tuple[str, Any]] = []
         for req_id, ev in self._acks:
@@ -336,7 +349,7 @@ class WorkerSide:
         for req_id in finished_req_ids:
             self._keys.pop(req_id, None)
             self._labels.pop(req_id, None)
-        return done, received
+        return done, received, failed
 
     def load_errors(self) -> set[int]:
         return self.loads.errors() if self.loads is not None else set()

@@ -15,6 +15,8 @@ from kvtier.index.directory import PageState
 from kvtier.keys import ROOT_KEY, PageKey
 from kvtier.log import get_logger
 
+from .groups import Block
+
 if TYPE_CHECKING:  # .metadata imports vLLM; these parts run (and are tested) without it
     from kvtier.cache import KVCache
 
@@ -31,7 +33,7 @@ class SaveBatch:
     keys: list[PageKey] = field(default_factory=list)
     parents: list[PageKey | None] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -87,15 +89,17 @@ def layer_index(name: str) -> int:
 
 @dataclass
 class LoadJob:
-    """One step's loads: a read into ``buffer`` and a layer-by-layer scatter."""
+    """One step's loads: a read into ``buffer`` and a layer-by-layer scatter; ``reqs``:
+    the request each page is loaded for."""
 
     keys: list[PageKey]
-    blocks: list[int]
+    blocks: list[Block]
+    reqs: list[str]
     deadline: float
     layers: int
     ready: list[threading.Event] = field(default_factory=list)
     events: list[Any] = field(default_factory=list)
-    failed: set[int] = field(default_factory=set)
+    failed: set[Block] = field(default_factory=set)
     cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: concurrent.futures.Future[None] | None = None
@@ -103,6 +107,10 @@ class LoadJob:
     def __post_init__(self) -> None:
         self.ready = [threading.Event() for _ in range(self.layers)]
         self.events = [None] * self.layers
+
+    def failed_requests(self) -> set[str]:
+        """The requests of the pages in :attr:`failed`."""
+        return {r for b, r in zip(self.blocks, self.reqs, strict=True) if b in self.failed}
 
 
 class DirectoryEvents:
