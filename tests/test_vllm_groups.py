@@ -39,6 +39,9 @@ def test_one_group_or_none_is_not_hybrid() -> None:
         groups = KVGroups.of(cfg)  # one group of any kind: vLLM's own single-group path
         assert not groups.hybrid
         assert groups.layer_groups(["a", "b"]) == [0, 0]
+        assert groups.block_size == (16 if cfg and cfg.kv_cache_groups else None)
+    assert KVGroups.of(_config(("FullAttentionSpec", ["a"]), ("SlidingWindowSpec", ["b"]),
+                               block_sizes=[32, 32])).block_size == 32  # fmt: skip
 
 
 def test_sliding_window_beside_full_attention_maps_each_layer_to_its_group() -> None:

@@ -18,7 +18,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs
+from vllm_engines import (
+    Engine,
+    base_env,
+    connector,
+    dram_over_nvme,
+    flip_every_slot,
+    llm_kwargs,
+)
 from vllm_prompts import extra_prompts, shared_prefix_prompts
 
 from kvtier.testing.servers import free_port
@@ -199,7 +206,7 @@ def test_asynchronous_loads_of_damaged_pages_recompute_and_below_top_hits_only( 
     tier and load within their step."""
     copy = tmp_path / "nvme"
     shutil.copytree(stored["store"], copy)
-    assert _flip_every_slot(copy) > 0
+    assert flip_every_slot(copy) > 0
     llm = llm_kwargs(
         enable_prefix_caching=False,
         kv_transfer_config=connector(
@@ -219,17 +226,6 @@ def test_asynchronous_loads_of_damaged_pages_recompute_and_below_top_hits_only( 
     assert m.get("loaded_pages", 0) == 0 and m["load_errors"] == sum(map(hit_pages, tiny_prompts))
     assert m2["async_loads"] == hits  # the second round loaded from DRAM, within its step
     assert m2["loaded_pages"] == sum(map(hit_pages, tiny_prompts))
-
-
-def _flip_every_slot(store: Path) -> int:
-    """Flip one payload byte in every 4 KiB-aligned slot of every slab; returns slabs."""
-    slabs = sorted((store / "slabs").glob("*"))
-    for slab in slabs:
-        data = bytearray(slab.read_bytes())
-        for off in range(100, len(data), 4096):
-            data[off] ^= 0xFF
-        slab.write_bytes(bytes(data))
-    return len(slabs)
 
 
 def _tmpfs(where: Path, size: str) -> None:
@@ -256,7 +252,7 @@ def test_damaged_pages_and_a_full_disk_recompute_the_same_tokens(  # type: ignor
         subprocess.run(
             ["cp", "-a", "--sparse=always", str(stored["store"]), str(store)], check=True
         )
-        assert _flip_every_slot(store) > 0
+        assert flip_every_slot(store) > 0
         port = free_port()
         port_cfg = {"kvtier_metrics_port": port}
         llm = llm_kwargs(

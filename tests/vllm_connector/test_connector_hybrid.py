@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
-from test_connector_engine import _flip_every_slot
-from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs
+from vllm_engines import (
+    Engine,
+    base_env,
+    connector,
+    dram_over_nvme,
+    flip_every_slot,
+    llm_kwargs,
+    one_by_one,
+)
 from vllm_models import tiny_gemma3
 from vllm_prompts import LENGTHS, prompts_for
 
 BLOCK = 32
-
-
-def _one_by_one(eng: Engine, prompts: list[list[int]]) -> dict[str, list[Any]]:
-    """One prompt per call: the same batches in every engine (which prompts share a step
-    otherwise depends on timing, and the kernels' numerics on the batch)."""
-    outs = [eng.generate([p], 8, logprobs=1) for p in prompts]
-    return {k: [o[k][0] for o in outs] for k in ("tokens", "cached", "logprobs")}
 
 
 def test_hybrid_model_gives_vllm_s_tokens_with_kv_computed_loaded_or_damaged(
@@ -44,7 +43,7 @@ def test_hybrid_model_gives_vllm_s_tokens_with_kv_computed_loaded_or_damaged(
     base = llm_kwargs(block_size=BLOCK, enable_prefix_caching=False)
     with Engine(model, base, env, tmp_path / "ref.log") as eng:
         assert eng.ready["hybrid_kv_cache_manager"] is True  # vLLM alone: on
-        ref = _one_by_one(eng, [*prompts, prefix])
+        ref = one_by_one(eng, [*prompts, prefix])
     ref_prefix = {k: v.pop() for k, v in ref.items()}
 
     store = tmp_path / "nvme"
@@ -53,9 +52,9 @@ def test_hybrid_model_gives_vllm_s_tokens_with_kv_computed_loaded_or_damaged(
     with Engine(model, llm, env, tmp_path / "kv.log") as eng:
         # without SupportsHMA vLLM turns the manager off for a connector
         assert eng.ready["hybrid_kv_cache_manager"] is True
-        cold = _one_by_one(eng, prompts)
+        cold = one_by_one(eng, prompts)
         stored = eng.settled_metrics()
-        warm = _one_by_one(eng, prompts)
+        warm = one_by_one(eng, prompts)
         m = eng.metrics()
     assert cold["tokens"] == ref["tokens"]
     assert cold["cached"] == [0] * len(prompts)
@@ -78,7 +77,7 @@ def test_hybrid_model_gives_vllm_s_tokens_with_kv_computed_loaded_or_damaged(
     kv = dram_over_nvme(copy, dram="80KiB", capacity="8MiB")
     llm = dict(base, enable_prefix_caching=True, kv_transfer_config=connector(kv))
     with Engine(model, llm, env, tmp_path / "prefix.log") as eng:
-        both = _one_by_one(eng, [prefix, prompts[-1]])
+        both = one_by_one(eng, [prefix, prompts[-1]])
         m = eng.settled_metrics()
     assert both["tokens"] == [ref_prefix["tokens"], ref["tokens"][-1]]
     assert both["cached"] == [3 * BLOCK, 8 * BLOCK]
@@ -89,11 +88,11 @@ def test_hybrid_model_gives_vllm_s_tokens_with_kv_computed_loaded_or_damaged(
 
     damaged = tmp_path / "damaged"
     shutil.copytree(store, damaged)
-    assert _flip_every_slot(damaged) > 0
+    assert flip_every_slot(damaged) > 0
     kv = dram_over_nvme(damaged, dram="80KiB", capacity="8MiB")
     with Engine(model, dict(base, kv_transfer_config=connector(kv)), env,
                 tmp_path / "damaged.log") as eng:  # fmt: skip
-        out = _one_by_one(eng, prompts)
+        out = one_by_one(eng, prompts)
         m = eng.settled_metrics()
     assert out["tokens"] == ref["tokens"]
     assert m.get("loaded_pages", 0) == 0

@@ -7,10 +7,9 @@ loaded from kvtier (most of them from the NVMe tier: the DRAM tier holds two pag
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs
+from vllm_engines import Engine, base_env, connector, dram_over_nvme, llm_kwargs, one_by_one
 from vllm_models import tiny_deepseek_v2
 from vllm_prompts import LENGTHS, prompts_for
 
@@ -31,20 +30,14 @@ def test_mla_model_gives_vllm_s_tokens_with_latents_computed_and_loaded(
     # no token flips.
     base = llm_kwargs(block_size=MLA_BLOCK, enable_prefix_caching=False, dtype="float32")
 
-    def one_by_one(eng: Engine) -> dict[str, list[Any]]:
-        # One prompt per call: the same batches in every engine (which prompts share a
-        # step otherwise depends on timing, and the kernels' numerics on the batch).
-        outs = [eng.generate([p], 8, logprobs=1) for p in prompts]
-        return {k: [o[k][0] for o in outs] for k in ("tokens", "cached", "logprobs")}
-
     with Engine(model, base, env, tmp_path / "ref.log") as eng:
-        ref = one_by_one(eng)
+        ref = one_by_one(eng, prompts)
     kv = dram_over_nvme(tmp_path / "nvme", dram="160KiB", capacity="8MiB")  # a page: 72 KiB
     with Engine(model, dict(base, kv_transfer_config=connector(kv)), env,
                 tmp_path / "kv.log") as eng:  # fmt: skip
-        cold = one_by_one(eng)
+        cold = one_by_one(eng, prompts)
         stored = eng.settled_metrics()
-        warm = one_by_one(eng)
+        warm = one_by_one(eng, prompts)
         m = eng.metrics()
     pages = [(len(p) - 1) // MLA_BLOCK for p in prompts]  # whole pages before the last token
     assert cold["tokens"] == ref["tokens"]

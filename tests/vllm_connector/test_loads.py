@@ -150,7 +150,7 @@ def test_several_kv_cache_groups_load_per_layer_group_and_fail_per_request(  # t
     from kvtier.integrations.vllm.paged import PagedKV
 
     paged = PagedKV(rig["paged"].layers, [1, 0])
-    loads = Loads(rig["loop"], rig["cache"], paged, {}, rig["run_keys"], 5.0, rig["count"])
+    loads = Loads(rig["loop"], rig["cache"], paged, {}, rig["run_keys"], 5.0, rig["count"], True)
     try:
         data = _store(rig, "a", 2, seed=5)
         loads.plan(_meta(async_loads=[_run("a", 0, [(3, NOT_HELD), (4, 6)])]))

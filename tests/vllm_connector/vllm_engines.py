@@ -217,3 +217,22 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def one_by_one(eng: Engine, prompts: list[list[int]], max_tokens: int = 8) -> dict[str, list[Any]]:
+    """Greedy ``tokens``, ``cached`` and ``logprobs`` per prompt, one prompt per call: the
+    same batches in every engine (which prompts share a step otherwise depends on timing,
+    and the kernels' numerics on the batch)."""
+    outs = [eng.generate([p], max_tokens, logprobs=1) for p in prompts]
+    return {k: [o[k][0] for o in outs] for k in ("tokens", "cached", "logprobs")}
+
+
+def flip_every_slot(store: Path) -> int:
+    """Flip one payload byte in every 4 KiB-aligned slot of every slab; returns slabs."""
+    slabs = sorted((store / "slabs").glob("*"))
+    for slab in slabs:
+        data = bytearray(slab.read_bytes())
+        for off in range(100, len(data), 4096):
+            data[off] ^= 0xFF
+        slab.write_bytes(bytes(data))
+    return len(slabs)

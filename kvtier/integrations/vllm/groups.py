@@ -64,9 +64,11 @@ class KVGroups:
                 groups whose block sizes differ, naming the group.
         """
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-        if len(groups) <= 1:
-            size = getattr(getattr(groups[0], "kv_cache_spec", None), "block_size", None)
-            return cls(block_size=int(size) if groups and size else None)
+        if not groups:
+            return cls()
+        if len(groups) == 1:
+            size = getattr(groups[0].kv_cache_spec, "block_size", None)
+            return cls(block_size=int(size) if size else None)
         sizes = set()
         group_of: dict[str, int] = {}
         for g, group in enumerate(groups):

@@ -57,9 +57,12 @@ class Loads:
         run_keys: Callable[[PageRun], list[PageKey] | None],
         load_timeout_s: float,
         count: Count,
+        by_request: bool = False,
     ) -> None:
         """``run_keys``: a run's page keys, ``None`` when the worker lacks its token ids;
-        ``count``: the connector's counters (``loaded_pages``, ``load_errors``, ...)."""
+        ``count``: the connector's counters (``loaded_pages``, ``load_errors``, ...);
+        ``by_request``: failures are reported per request (the model has several KV cache
+        groups, whatever groups this worker's layers are in)."""
         self.loop = loop
         self.cache = cache
         self.paged = paged
@@ -73,8 +76,7 @@ class Loads:
         )
         self._load: LoadJob | None = None
         self._errors: set[int] = set()
-        #: several KV cache groups: failures are reported per request
-        self.by_request = len(set(paged.layer_groups)) > 1
+        self.by_request = by_request
         self._failed: set[str] = set()
         #: asynchronous loads in flight: (the requests they are for, the job)
         self._async_jobs: list[tuple[set[str], LoadJob]] = []

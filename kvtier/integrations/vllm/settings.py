@@ -19,7 +19,8 @@ vLLM or to other connectors and are ignored.
   steps, instead of within the step that needs them: ``"never"``, ``"below-top"`` (hits
   with a page below the top tier: NVMe, remote) or ``"always"``. An asynchronous load
   keeps its request waiting (vLLM's ``WAITING_FOR_REMOTE_KVS``) while the other requests
-  run their steps; a synchronous one holds the whole step until its pages are in.
+  run their steps; a synchronous one holds the whole step until its pages are in. A model
+  with several KV cache groups (:mod:`.groups`) loads every hit asynchronously.
 * ``kvtier_runtime_dir`` (``$KVTIER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR/kvtier`` or
   ``/tmp/kvtier-<uid>``): where the lookup sockets live (0700).
 * ``kvtier_metrics_port`` (none): serve kvtier's Prometheus metrics (``GET /metrics``)

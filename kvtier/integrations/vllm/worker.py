@@ -135,6 +135,7 @@ class WorkerSide:
             self._run_keys,
             self.settings.load_timeout_s,
             self._count,
+            by_request=self.groups.hybrid,
         )
         close_at_exit(self)  # an engine that is never shut down still closes kvtier
         _log.info(
