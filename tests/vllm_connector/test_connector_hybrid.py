@@ -1,7 +1,7 @@
-"""A model whose layers keep different kinds of KV (Gemma 3, gpt-oss, Cohere 2: sliding-window
-layers beside full-attention ones) with vLLM's hybrid KV cache manager on: the connector
-declares ``SupportsHMA``, so vLLM keeps two KV cache groups, and a sliding-window layer holds
-only the blocks of its window.
+"""A model whose layers keep different kinds of KV (sliding-window layers beside
+full-attention ones, as in Gemma 2/3 or Cohere 2) with vLLM's hybrid KV cache manager on:
+the connector declares ``SupportsHMA``, so vLLM keeps two KV cache groups, and a
+sliding-window layer holds only the blocks of its window.
 
 A tiny random Gemma 3 (a 32-token window, blocks of 32 tokens: a hit of ``n`` pages leaves
 the window layers only the last page) gives vLLM's own greedy tokens and logprobs whether

@@ -1,7 +1,7 @@
 """vLLM's KV cache groups seen by the connector (vLLM's hybrid KV cache manager, HMA).
 
-A model whose layers keep different kinds of KV (Gemma 3, gpt-oss, Cohere 2: sliding-window
-layers beside full-attention ones) gets one *KV cache group* per kind when vLLM's hybrid KV
+A model whose layers keep different kinds of KV (sliding-window layers beside full-attention
+ones, as in Gemma 2/3 or Cohere 2) gets one *KV cache group* per kind when vLLM's hybrid KV
 cache manager is on (the connector declares ``SupportsHMA``). Each group has its own block
 table: block ``i`` of a request is a different vLLM block in each group, and a
 sliding-window group holds only the blocks of its window (vLLM's null block stands for the
