@@ -139,8 +139,8 @@ def saveable_runs(first: int, blocks: Sequence[Block]) -> list[tuple[int, list[B
     that every group holds."""
     out: list[tuple[int, list[Block]]] = []
     start = None
-    for i, b in enumerate([*blocks, NOT_HELD]):
-        if i < len(blocks) and held_by_all(b):
+    for i, b in enumerate([*blocks, NOT_HELD]):  # the sentinel ends the last run
+        if held_by_all(b):
             if start is None:
                 start = i
         elif start is not None:
