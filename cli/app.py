@@ -166,4 +166,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as ``python -m kvtier.cli.app``, this file is ``__main__``, and the command modules
+    # register on the ``kvtier.cli.app`` module's groups: start that module's app.
+    importlib.import_module("kvtier.cli.app").main()

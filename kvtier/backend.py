@@ -422,6 +422,10 @@ class ArenaBackend(Backend):
 
     kind: ClassVar[BackendKind] = BackendKind.ARENA
     medium: ClassVar[Medium] = Medium.HOST
+    #: Whether :meth:`view` gives a numpy view of a slot. An arena in device memory (the
+    #: ``hbm`` backend) sets it false: its :meth:`view` raises, and callers that want a
+    #: page's bytes on the host read it with :meth:`get` instead.
+    host_addressable: ClassVar[bool] = True
 
     @abstractmethod
     def slot_of(self, key: PageKey) -> int | None:

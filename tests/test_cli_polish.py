@@ -35,6 +35,19 @@ def test_version() -> None:
     assert version()[0].isdigit()
 
 
+@pytest.mark.parametrize("module", ["kvtier", "kvtier.cli.app"])
+def test_python_dash_m_runs_every_command(module: str, tmp_path: Path) -> None:
+    """``python -m kvtier`` (where the script is not on PATH) has every command. Run as
+    ``__main__``, ``kvtier.cli.app`` once had none: its commands registered on the module
+    imported under its own name."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, "inspect", "backends", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "dram" in {b["name"] for b in json.loads(done.stdout)["backends"]}
+
+
 def test_flags_show_as_flags_in_help() -> None:
     result = CliRunner().invoke(get_app(), ["inspect", "config", "--help"])
     assert result.exit_code == 0

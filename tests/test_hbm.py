@@ -6,7 +6,7 @@ unavailable with its reason, bad options are rejected, and the event poller and 
 ordering logic run against stand-in events (objects with the ``done`` property that
 ``cupy.cuda.Event`` has, flipped by a timer thread instead of a GPU), and the arena's own
 logic (conformance suite, slot-reuse ordering) runs against a test-only stand-in for the
-small CuPy surface it uses (see the section at the end; it proves nothing about CuPy).
+small CuPy surface it uses (tests/cupy_standin.py; it proves nothing about CuPy).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import asyncio
 import math
 import threading
 import time
-import types
-from typing import Any
 
 import numpy as np
 import pytest
+from cupy_standin import install_standin
 from kvtier.backends.hbm import HbmArena
 
 from kvtier import registry
@@ -300,148 +299,15 @@ def test_gpu_check_script_exits_with_reason_without_gpu() -> None:
 
 
 # -- the arena's own logic on CPU, against a stand-in for the CuPy surface it uses --------
-#
-# The stand-in below is NOT CuPy and proves nothing about CuPy or a GPU. It models the
-# semantics the arena relies on: "device" memory (host numpy underneath), streams that run
-# their queued operations in order on their own thread, events that are done until
-# recorded and then fire when their stream reaches them, and stream.wait_event. It checks
-# what *our* code does with that surface: batching, event waits off the loop, and the
-# per-slot ordering that keeps a slot from being overwritten under an in-flight read.
-
-
-class _StandInStream:
-    def __init__(self, non_blocking: bool = False, delay_s: float = 0.0) -> None:
-        import queue
-
-        self.delay_s = delay_s
-        self._q: queue.Queue[Any] = queue.Queue()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            op = self._q.get()
-            op()
-            self._q.task_done()
-
-    def enqueue(self, op: Any, slow: bool = False) -> None:
-        if slow and self.delay_s:
-            delay = self.delay_s
-            self._q.put(lambda: (time.sleep(delay), op()))
-        else:
-            self._q.put(op)
-
-    def wait_event(self, event: _StandInEvent) -> None:
-        flag = event._flag
-        self._q.put(flag.wait)
-
-    def synchronize(self) -> None:
-        self._q.join()
-
-    def __enter__(self) -> _StandInStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _StandInEvent:
-    def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
-        self._flag = threading.Event()
-        self._flag.set()  # like CUDA: an event never recorded counts as done
-
-    def record(self, stream: _StandInStream) -> None:
-        self._flag.clear()
-        stream.enqueue(self._flag.set)
-
-    @property
-    def done(self) -> bool:
-        return self._flag.is_set()
-
-
-class _StandInMemPtr:
-    def __init__(self, arr: np.ndarray) -> None:
-        self.arr = arr
-
-    @staticmethod
-    def _host(ptr: Any, n: int) -> np.ndarray:
-        import ctypes
-
-        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr.value))
-
-    def copy_from_host_async(self, ptr: Any, n: int, stream: _StandInStream) -> None:
-        src = self._host(ptr, n)
-        stream.enqueue(lambda: np.copyto(self.arr[:n], src))
-
-    def copy_to_host_async(self, ptr: Any, n: int, stream: _StandInStream) -> None:
-        dst = self._host(ptr, n)
-        stream.enqueue(lambda: np.copyto(dst, self.arr[:n]), slow=True)  # reads are slow
-
-    def copy_from_device_async(self, src: _StandInMemPtr, n: int, stream: _StandInStream) -> None:
-        stream.enqueue(lambda: np.copyto(self.arr[:n], src.arr[:n]))
-
-
-class _StandInArray:
-    def __init__(self, arr: np.ndarray, device: int = 0) -> None:
-        self._arr = arr
-        self.device = types.SimpleNamespace(id=device)
-        self.dtype = arr.dtype
-        self.ndim = arr.ndim
-        self.size = arr.size
-        self.shape = arr.shape
-        self.nbytes = arr.nbytes
-        self.flags = arr.flags
-        self.data = _StandInMemPtr(arr)
-
-    def __getitem__(self, item: Any) -> _StandInArray:
-        return _StandInArray(self._arr[item], self.device.id)
-
-
-_StandInArray.__module__ = "cupy"  # how the arena tells device arrays from host arrays
-
-
-def _standin_cupy(read_delay_s: float) -> types.ModuleType:
-    class OutOfMemoryError(MemoryError):
-        pass
-
-    class Device:
-        def __init__(self, index: int = 0) -> None:
-            self.id = index
-
-        def __enter__(self) -> Device:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-    cupy = types.ModuleType("cupy")
-    cupy.uint8 = np.uint8  # type: ignore[attr-defined]
-    cupy.empty = lambda n, dtype=np.uint8: _StandInArray(np.zeros(n, dtype))  # type: ignore[attr-defined]
-    cupy.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
-        Device=Device,
-        Stream=lambda non_blocking=False: _StandInStream(non_blocking, read_delay_s),
-        Event=_StandInEvent,
-        memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
-        runtime=types.SimpleNamespace(
-            getDeviceCount=lambda: 1, memGetInfo=lambda: (1 << 30, 1 << 30)
-        ),
-    )
-    return cupy
+# (tests/cupy_standin.py; it proves nothing about CuPy)
 
 
 @pytest.fixture
 def standin_cupy(monkeypatch):
     """Install the stand-in as ``cupy`` and clear the cached availability answer."""
-    import sys
-
     from kvtier import cuda_streams
 
-    def install(read_delay_s: float = 0.0) -> types.ModuleType:
-        mod = _standin_cupy(read_delay_s)
-        monkeypatch.setitem(sys.modules, "cupy", mod)
-        monkeypatch.setattr(cuda_streams, "_reason_cache", [])
-        return mod
-
-    yield install
+    yield lambda read_delay_s=0.0: install_standin(monkeypatch, read_delay_s)
     monkeypatch.setattr(cuda_streams, "_reason_cache", [])
 
 

@@ -1,7 +1,8 @@
 """Raw baselines for ``kvtier bench io``, pluggable per backend name.
 
 A baseline measures the same bytes moved the plainest fast way on the *same* medium
-kvtier just used: the arena's own slots (numpy memcpy), the store's directory (fio, or
+kvtier just used: the arena's own slots (numpy memcpy; ``cudaMemcpyAsync`` for the ``hbm``
+arena, :mod:`kvtier.bench.cuda_baseline`), the store's directory (fio, or
 threaded ``O_DIRECT`` ``pwrite``/``pread``), the same server (the C client
 ``redis-benchmark`` when installed, and a bare ``redis.asyncio`` pipeline). Each backend
 name maps to an :class:`IOProfile`: the backend options a bench run uses (a scratch
@@ -44,9 +45,11 @@ from kvtier.bench.baseline_types import (
     no_options,
     valkey_options,
 )
+from kvtier.bench.cuda_baseline import CUDA_MEMCPY_PROFILE
 from kvtier.bench.disk_baseline import aligned_buffers, disk_baseline, fio_io
 
 __all__ = [
+    "CUDA_MEMCPY_PROFILE",
     "DISK_IODEPTH",
     "DISK_JOBS",
     "DISK_PROFILE",
@@ -239,6 +242,7 @@ PROFILE_ENTRY_POINT_GROUP = "kvtier.bench_io_profiles"
 
 _PROFILES: dict[str, IOProfile] = {
     "dram": MEMCPY_PROFILE,
+    "hbm": CUDA_MEMCPY_PROFILE,
     "file": DISK_PROFILE,
     "nvme": DISK_PROFILE,
     "redis": REDIS_PROFILE,

@@ -206,7 +206,9 @@ async def run_live(
     cache = KVCache(config, predictor=predictor or "none")
     async with cache:
         top = cache.tiers[0].backend
-        view = top.view if isinstance(top, ArenaBackend) else None
+        # Loaded pages are checked in place when the top tier has host views; an arena in
+        # device memory (hbm) is checked through cache.read, a copy to the host.
+        view = top.view if isinstance(top, ArenaBackend) and top.host_addressable else None
         workload = ChatWorkload(
             cache, params, config.spec.page_bytes, config.spec.page_tokens, view
         )

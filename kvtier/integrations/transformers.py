@@ -127,7 +127,7 @@ class KVTierBridge:
                 f"the top tier {cache.tiers[0].name!r} must be a memory arena: attention "
                 "reads KV pages there"
             )
-        if not getattr(top, "host_addressable", True):
+        if not top.host_addressable:
             raise KVTierUsageError(
                 f"the top tier {cache.tiers[0].name!r} is device memory; KVTierCache gathers "
                 "pages on the host (a DRAM top tier): the device path is not implemented"

@@ -406,7 +406,7 @@ async def arena_zero_copy(ctx: CaseContext) -> None:
     b = await ctx.backend()
     if not isinstance(b, ArenaBackend):
         raise CaseSkipped("not an arena")
-    if not getattr(b, "host_addressable", True):
+    if not b.host_addressable:
         raise CaseSkipped("slots live in device memory: no numpy views (host_addressable=False)")
     keys = ctx.keys(3)
     data = ctx.pages(3, b.page_bytes)
