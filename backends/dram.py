@@ -1,15 +1,18 @@
 """The host DRAM tier: a preallocated arena of page slots in CPU memory.
 
-Memory comes from one of two places, chosen at :meth:`DramArena.open`:
+The memory is one page-aligned anonymous ``mmap``, bound to ``numa_node`` (or the
+``placement`` decision) *before* any page is faulted in, then locked in one of three ways,
+chosen at :meth:`DramArena.open`:
 
-* **pinned**: when a CUDA driver is present, a page-locked buffer from
-  ``torch.empty(..., pin_memory=True)``, so host<->device copies run at full PCIe speed,
-  allocated under ``numa_node``'s memory policy when one is given;
-* otherwise a page-aligned anonymous ``mmap``, bound to ``numa_node`` when one is given,
-  then ``mlock``-ed when the kernel allows it (``RLIMIT_MEMLOCK`` or ``CAP_IPC_LOCK``):
-  **mlocked**, which also faults every page in. When ``mlock`` is refused the arena still
-  works (**plain**), pre-faulted by touching every page so the first copy into a slot
-  does not pay for page faults; the refusal is logged once per process.
+* **pinned**: when a CUDA driver is present, registered with CUDA (``cudaHostRegister``,
+  portable: usable from every GPU), so host<->device copies run at full PCIe speed. The
+  registration faults every page in on the bound node; page-locked pages never migrate.
+* **mlocked**: without CUDA (or when CUDA refuses the registration, which is logged once
+  per process), ``mlock``-ed when the kernel allows it (``RLIMIT_MEMLOCK`` or
+  ``CAP_IPC_LOCK``), which also faults every page in.
+* **plain**: when ``mlock`` is refused too the arena still works, pre-faulted by touching
+  every page so the first copy into a slot does not pay for page faults; the refusal is
+  logged once per process.
 
 :meth:`DramArena.stats` reports which of the three (``memory``) the arena got.
 
@@ -40,6 +43,8 @@ from kvtier.backends.dram_memory import (
     available_memory,
     copy_pairs,
     cuda_available,
+    cuda_host_register,
+    cuda_host_unregister,
     same_memory,
     size_text,
     split_pairs,
@@ -49,6 +54,7 @@ from kvtier.backends.dram_memory import (
 from kvtier.aio import gather_to_the_end
 from kvtier.arena import SlotArena
 from kvtier.backend import Reservation, check_buffers
+from kvtier.cuda_streams import HostMapping
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.slots import SlotBook
@@ -67,9 +73,15 @@ __all__ = [
     "ArenaAllocationError",
     "DramArena",
     "available_memory",
+    "cuda_host_register",
     "split_pairs",
     "try_mlock",
 ]
+
+
+def _unregister(addr: int) -> None:
+    """Undo the arena's CUDA registration (looked up at call time: tests replace it)."""
+    cuda_host_unregister(addr)
 
 
 class DramArena(SlotArena):
@@ -130,8 +142,7 @@ class DramArena(SlotArena):
         self.gpu = gpu
         self._placement: HostPlacement | None = None
         self._buf: np.ndarray | None = None
-        self._torch_buf: torch.Tensor | None = None
-        self._mmap: mmap.mmap | None = None
+        self._mmap: HostMapping | None = None
         self._memory = "none"
         self._memory_note: str | None = None
         # A new book per open: a get finishing after close touches only its old book.
@@ -175,8 +186,10 @@ class DramArena(SlotArena):
         bytes alive). Idempotent."""
         await super().close()
         self.slots = SlotBook(0)
+        if self._mmap is not None:
+            # Views still handed out stay valid (the mmap lives on), just no longer pinned.
+            self._mmap.run_cleanups()
         self._buf = None
-        self._torch_buf = None
         self._mmap = None  # not mm.close(): outstanding views would make it raise
 
     def _plan(self) -> HostPlacement | None:
@@ -218,26 +231,11 @@ class DramArena(SlotArena):
         return None
 
     def _allocate(self) -> None:
-        if cuda_available():
-            import torch
-
-            # Pinned pages are locked as they are allocated and cannot migrate later:
-            # allocate them under the node's policy instead of binding afterwards.
-            with contextlib.ExitStack() as stack:
-                policy = self._memory_policy()
-                if policy is not None:
-                    from kvtier import numa
-
-                    stack.enter_context(numa.thread_policy(*policy))
-                self._torch_buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-            self._buf = self._torch_buf.numpy()
-            self._memory = "pinned"
-            return
         # Not MAP_POPULATE: the NUMA policy is set first, so pages are faulted in on the
-        # right node (by mlock, or by touching each one) instead of being migrated there.
+        # right node (by pinning, mlock, or touching each one) instead of being migrated.
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         try:
-            mm = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = HostMapping(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, OverflowError, MemoryError) as exc:
             available = available_memory()
             have = "unknown" if available is None else size_text(available)
@@ -247,25 +245,36 @@ class DramArena(SlotArena):
             ) from exc
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)
+        self._mmap = mm
+        self._buf = buf
+        pin_refusal = None
+        if cuda_available():
+            pin_refusal = cuda_host_register(buf.ctypes.data, self.nbytes)
+            if pin_refusal is None:
+                self._memory = "pinned"
+                # Unregistered at close, or when the last view is gone if never closed.
+                mm.before_unmap(_unregister, buf.ctypes.data)
+                return
+            if LOGGED.first("cudaHostRegister"):
+                _log.warning("dram arena not pinned for CUDA (continuing): %s", pin_refusal)
         refusal = try_mlock(buf.ctypes.data, self.nbytes)  # mlock faults every page in
         if refusal is None:
             self._memory = "mlocked"
+            self._memory_note = pin_refusal
         else:
             buf[:: mmap.PAGESIZE] = 0  # pre-fault: touch every page so no copy pays for it
             self._memory = "plain"
-            self._memory_note = refusal
+            self._memory_note = "; ".join(r for r in (pin_refusal, refusal) if r)
             if LOGGED.first("mlock"):
                 _log.warning("dram arena not locked in memory (continuing): %s", refusal)
-        self._mmap = mm
-        self._buf = buf
 
     def _bind_memory(self, buf: np.ndarray) -> None:
         """Bind ``buf`` per ``placement`` (logged with its reason), else to
         :attr:`numa_node` with ``mbind`` (no-op when neither is set).
 
-        Called once per :meth:`open` on the freshly allocated buffer. Pages already
-        faulted in are migrated (``MPOL_MF_MOVE``); page-locked pages cannot move, so a
-        pinned buffer should be allocated under the node's policy instead. Raises
+        Called once per :meth:`open` on the freshly allocated buffer, before any of its
+        pages is faulted in (pinning, ``mlock`` and pre-faulting come after), so every
+        page lands on the bound node; page-locked pages could not be migrated later. Raises
         :class:`kvtier.numa.NumaNodeError` for a node that does not exist here and
         :class:`kvtier.numa.NumaError` when the kernel refuses.
         """
@@ -309,13 +318,9 @@ class DramArena(SlotArena):
 
     def tensor(self, slot: int) -> torch.Tensor:
         """Zero-copy torch uint8 tensor over ``slot`` (shares memory with :meth:`view`)."""
-        view = self.view(slot)
-        if self._torch_buf is not None:
-            start = int(slot) * self.page_bytes
-            return self._torch_buf[start : start + self.page_bytes]
         import torch
 
-        return torch.from_numpy(view)
+        return torch.from_numpy(self.view(slot))
 
     def copy_threads_for(self, nbytes: int) -> int:
         """Threads one call copying ``nbytes`` runs on: one below

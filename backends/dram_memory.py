@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +62,39 @@ def cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # a broken torch install must not break the CPU path
         return False
+
+
+#: ``cudaHostRegisterPortable``: the registered memory counts as pinned for every GPU.
+CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+def cuda_host_register(addr: int, length: int) -> str | None:
+    """Page-lock ``length`` bytes at ``addr`` for CUDA (``cudaHostRegister``, portable),
+    through torch's CUDA runtime; this faults every page in. ``None`` on success, else why
+    it was refused (never raises)."""
+    try:
+        import torch
+
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(addr, length, CUDA_HOST_REGISTER_PORTABLE)
+        if int(err) == 0:
+            return None
+        why = cudart.cudaGetErrorString(err)
+    except Exception as exc:  # no CUDA runtime, a torch without it: not pinned, not fatal
+        return f"cudaHostRegister of {length} bytes failed: {exc!r}"
+    return (
+        f"cudaHostRegister of {length} bytes refused: {why} (error {int(err)}); check the "
+        "locked-memory limit (ulimit -l; containers: --ulimit memlock=-1)"
+    )
+
+
+def cuda_host_unregister(addr: int) -> None:
+    """Undo :func:`cuda_host_register` (``cudaHostUnregister``); errors are ignored: the
+    memory stays valid either way."""
+    with contextlib.suppress(Exception):
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(addr)  # type: ignore[no-untyped-call]
 
 
 def try_mlock(addr: int, length: int) -> str | None:

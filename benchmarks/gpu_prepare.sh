@@ -7,7 +7,8 @@
 #
 # It downloads, for CPython 3.12 on manylinux x86-64, the wheels that image lacks
 # (kvtier's other dependencies, KvikIO for CUDA 13, pytest-asyncio and the pytest /
-# hypothesis / typer versions kvtier's own venv uses) and builds kvtier's own wheel from
+# hypothesis / typer versions kvtier's own venv uses, with pydantic, which that typer
+# needs) and builds kvtier's own wheel from
 # the working tree. Nothing is installed on this machine. Rerun after changing kvtier:
 # its wheel is a snapshot.
 set -euo pipefail
@@ -23,7 +24,8 @@ for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux20
 done
 # Same versions as kvtier's own venv where it has them, so the GPU run tests what CI tests.
 pinned() { "$py" -m pip show "$1" 2>/dev/null | awk -v n="$1" '/^Version:/ {print n "==" $2}'; }
-wanted=(structlog redis hiredis zstandard lz4 pytest-asyncio pytest hypothesis typer click)
+wanted=(structlog redis hiredis zstandard lz4 pytest-asyncio pytest hypothesis typer click
+    pydantic pydantic-core annotated-types typing-inspection)
 specs=()
 for name in "${wanted[@]}"; do
     spec=$(pinned "$name")

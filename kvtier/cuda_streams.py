@@ -6,7 +6,7 @@ loop and without spinning a core:
 
 * :class:`EventPoller` runs one daemon thread that queries pending CUDA events
   (``cudaEventQuery``, via ``event.done``) with exponential backoff (20 us doubling to
-  2 ms) and sleeps on a condition variable when nothing is pending. A completed event
+  200 us) and sleeps on a condition variable when nothing is pending. A completed event
   resolves its asyncio future through ``loop.call_soon_threadsafe``.
   Why not ``cudaLaunchHostFunc``: its callback runs on a driver thread that must take the
   GIL, and while it waits for the GIL (up to the 5 ms switch interval when the loop thread
@@ -25,10 +25,12 @@ ordering logic are tested) on machines without CuPy. Only :class:`CopyStreams` a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import resource
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -61,7 +63,7 @@ class EventPoller:
     and fails pending waits with :class:`KVTierError`.
     """
 
-    def __init__(self, min_sleep_s: float = 20e-6, max_sleep_s: float = 2e-3) -> None:
+    def __init__(self, min_sleep_s: float = 20e-6, max_sleep_s: float = 2e-4) -> None:
         if not 0 < min_sleep_s <= max_sleep_s:
             raise KVTierUsageError(
                 f"poller sleeps must satisfy 0 < min <= max, got {min_sleep_s}, {max_sleep_s}"
@@ -318,6 +320,36 @@ class CopyStreams:
 # -- pinned host memory -------------------------------------------------------------------
 
 
+class HostMapping(mmap.mmap):
+    """An anonymous memory mapping that runs cleanups before it goes back to the kernel.
+
+    A CUDA host registration (``cudaHostRegister``) must be undone before its memory is
+    unmapped: a registration left behind on a freed range makes the next mapping at that
+    address fail to register (``cudaErrorHostMemoryAlreadyRegistered``) and can break
+    later device allocations (``cudaErrorAlreadyMapped``), as the first GPU run showed.
+    Numpy arrays made with ``np.frombuffer`` keep the mapping alive, so a cleanup added
+    with :meth:`before_unmap` runs once the last view of it is gone.
+    """
+
+    def before_unmap(self, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` once: at :meth:`run_cleanups`, or when this mapping is
+        released, whichever comes first. ``fn`` must not raise."""
+        cleanups: list[Any] = self.__dict__.setdefault("_cleanups", [])  # weakref.finalize
+        cleanups.append(weakref.finalize(self, fn, *args))
+
+    def run_cleanups(self) -> None:
+        """Run the cleanups now (each runs once; the memory stays mapped). Idempotent."""
+        for cleanup in self.__dict__.get("_cleanups", []):
+            cleanup()
+
+
+def _cupy_host_unregister(addr: int) -> None:
+    with contextlib.suppress(Exception):  # the memory stays valid either way
+        import cupy
+
+        cupy.cuda.runtime.hostUnregister(addr)
+
+
 def pinned_host_array(nbytes: int, placement: HostPlacement | None = None) -> np.ndarray:
     """A page-locked uint8 host array of ``nbytes``, on ``placement``'s NUMA node.
 
@@ -330,7 +362,7 @@ def pinned_host_array(nbytes: int, placement: HostPlacement | None = None) -> np
     cupy = require_cupy()
     if nbytes <= 0:
         raise KVTierUsageError(f"pinned buffer size must be > 0, got {nbytes}")
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = HostMapping(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arr = np.frombuffer(region, dtype=np.uint8)
     if placement is not None:
         from kvtier.placement import apply_memory
@@ -346,11 +378,18 @@ def pinned_host_array(nbytes: int, placement: HostPlacement | None = None) -> np
             f"{limit}: raise it (ulimit -l unlimited; containers: --ulimit memlock=-1) or "
             "shrink the DRAM tier"
         ) from exc
+    region.before_unmap(_cupy_host_unregister, arr.ctypes.data)
     return arr
 
 
 def unpin_host_array(arr: np.ndarray) -> None:
-    """Unregister an array from :func:`pinned_host_array` (its memory stays valid until the
-    array is garbage-collected)."""
-    cupy = require_cupy()
-    cupy.cuda.runtime.hostUnregister(arr.ctypes.data)
+    """Unregister an array from :func:`pinned_host_array` now, rather than when its last
+    view is garbage-collected (its memory stays valid until then). Idempotent."""
+    require_cupy()
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, HostMapping):
+        base.run_cleanups()
+        return
+    _cupy_host_unregister(arr.ctypes.data)

@@ -65,6 +65,93 @@ async def test_refused_mlock_is_logged_once_and_the_arena_still_works(
     assert len(refusals) == 1
 
 
+class _Registrations:
+    """Stands in for cudaHostRegister / cudaHostUnregister: records what was asked, and
+    what the memory policy of the first page was at the moment of pinning."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.refuse = refuse
+        self.registered: list[tuple[int, int, Any]] = []
+        self.unregistered: list[int] = []
+
+    def register(self, addr: int, length: int) -> str | None:
+        from kvtier import numa
+
+        start, _ = numa.page_range(addr, length)
+        self.registered.append((addr, length, numa.get_mempolicy(start)))
+        return self.refuse
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(dram, "cuda_available", lambda: True)
+        monkeypatch.setattr(dram, "cuda_host_register", self.register)
+        monkeypatch.setattr(dram, "cuda_host_unregister", self.unregistered.append)
+
+
+async def test_with_cuda_the_bound_buffer_is_registered_then_unregistered_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pinning comes after binding (page-locked pages cannot migrate), covers the whole
+    buffer, and is undone at close. On a GPU machine test_numa checks the real thing."""
+    from kvtier import numa
+
+    calls = _Registrations()
+    calls.install(monkeypatch)
+    node = numa.memory_nodes()[0]
+    arena = DramArena(page_bytes=PAGE, capacity_pages=4, numa_node=node)
+    async with arena:
+        assert arena.stats()["memory"] == "pinned" and arena.stats()["memory_note"] is None
+        ((addr, length, policy),) = calls.registered
+        assert addr == arena.view(0).ctypes.data and length == 4 * PAGE
+        assert policy == numa.PolicyInfo(numa.MemPolicy.BIND, (node,))
+        assert await arena.put(_keys(1), _pages(1)) == [True]
+    assert calls.unregistered == [addr]
+
+
+async def test_refused_cuda_registration_falls_back_to_mlock_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = _Registrations(refuse="cudaHostRegister refused: out of memory (test)")
+    calls.install(monkeypatch)
+    monkeypatch.setattr(dram, "LOGGED", LogOnce())
+    caplog.set_level(logging.WARNING, logger="kvtier.backends.dram")
+    for _ in range(2):
+        async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+            stats = arena.stats()
+            assert stats["memory"] in ("mlocked", "plain")
+            assert "out of memory (test)" in stats["memory_note"]
+            keys, data = _keys(1), _pages(1)
+            assert await arena.put(keys, data) == [True]
+            out = [np.empty(PAGE, np.uint8)]
+            assert await arena.get(keys, out) == [True]
+            np.testing.assert_array_equal(out[0], data[0])
+    assert calls.unregistered == []  # nothing was registered
+    refusals = [r for r in caplog.records if "not pinned for CUDA" in r.getMessage()]
+    assert len(refusals) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host memory")
+async def test_pinned_slots_are_pinned_for_torch_and_copy_to_the_gpu() -> None:
+    async with DramArena(page_bytes=PAGE, capacity_pages=2) as arena:
+        keys, data = _keys(1), _pages(1)
+        assert await arena.put(keys, data) == [True]
+        slot = arena.slot_of(keys[0])
+        assert slot is not None
+        t = arena.tensor(slot)
+        assert t.is_pinned()
+        on_gpu = t.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), torch.from_numpy(data[0]))
+
+
+def test_cuda_registration_without_a_cuda_runtime_is_refused_not_raised() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA runtime is present: the registration would succeed")
+    buf = np.zeros(PAGE, np.uint8)
+    reason = dram_memory.cuda_host_register(buf.ctypes.data, PAGE)
+    assert reason is not None and "cudaHostRegister" in reason
+    dram_memory.cuda_host_unregister(buf.ctypes.data)  # never raises either
+
+
 async def test_real_mlock_refusal_is_reported() -> None:
     """mlock of an unmapped range fails (ENOMEM): the helper reports it, never raises."""
     reason = dram.try_mlock(0, mmap.PAGESIZE)

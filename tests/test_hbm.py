@@ -357,3 +357,33 @@ async def test_standin_slot_reuse_waits_for_in_flight_read(standin_cupy, monkeyp
     monkeypatch.setattr(SlotOrdering, "before_write", lambda self, slot: [])
     out = await scenario()
     assert (out == 2).all()
+
+
+def test_a_host_mapping_runs_its_cleanups_once_before_it_is_unmapped() -> None:
+    """pinned_host_array and the pinned DRAM arena undo their CUDA registration this way:
+    once the last view of the memory is gone, or earlier on request, never twice."""
+    import gc
+    import mmap
+
+    from kvtier.cuda_streams import HostMapping
+
+    calls: list[int] = []
+    region = HostMapping(-1, 2 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(region, dtype=np.uint8)
+    region.before_unmap(calls.append, 1)
+    view = arr[10:20]
+    del region, arr
+    gc.collect()
+    assert calls == []  # a view still holds the memory
+    view[:] = 7  # and it is still mapped
+    del view
+    gc.collect()
+    assert calls == [1]
+
+    region = HostMapping(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.before_unmap(calls.append, 2)
+    region.run_cleanups()
+    region.run_cleanups()
+    del region
+    gc.collect()
+    assert calls == [1, 2]
