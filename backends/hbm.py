@@ -6,6 +6,9 @@ CUDA tensors (:meth:`HbmArena.tensor`, through DLPack). Pages enter and leave th
 (page-locked memory, e.g. the pinned DRAM arena's slot views, gives full PCIe speed) or a
 CuPy array on the same GPU (a device-to-device copy).
 
+A batch's copies are one ``cudaMemcpyAsync`` per run of consecutive slots whose host
+pages are consecutive too (:func:`coalesce`), else one per page.
+
 Copies run on dedicated non-blocking streams (:class:`~kvtier.cuda_streams.
 CopyStreams`), never the default stream, so they overlap with the engine's compute. Each
 call submits its whole batch from one executor hop (a copy from pageable host memory
@@ -53,6 +56,26 @@ if TYPE_CHECKING:
 
 def _is_device_array(obj: Any) -> bool:
     return type(obj).__module__.split(".")[0] == "cupy"
+
+
+def coalesce(jobs: Sequence[tuple[int, Any]], page_bytes: int) -> list[tuple[int, Any, int]]:
+    """One copy per run instead of one per page: ``(slot, other side)`` jobs become
+    ``(first slot, first other side, bytes)``, merging a job into the previous one when its
+    slot follows that run's last slot and its host buffer starts where the run's host
+    bytes end (pages that are consecutive views of one host buffer, as a DRAM tier's
+    adjacent slots are). Pages on the device are never merged: two device arrays that
+    happen to be adjacent may be separate allocations. Order is kept."""
+    runs: list[tuple[int, Any, int]] = []
+    end_slot = end_addr = -1
+    for slot, other in jobs:
+        addr = -1 if _is_device_array(other) else int(other.ctypes.data)
+        if runs and addr >= 0 and slot == end_slot and addr == end_addr:
+            first_slot, first, nbytes = runs[-1]
+            runs[-1] = (first_slot, first, nbytes + page_bytes)
+        else:
+            runs.append((slot, other, page_bytes))
+        end_slot, end_addr = slot + 1, (addr + page_bytes if addr >= 0 else -1)
+    return runs
 
 
 class HbmArena(SlotArena):
@@ -239,18 +262,18 @@ class HbmArena(SlotArena):
                 )
                 for ev in deps:
                     stream.wait_event(ev)
-            n = self.page_bytes
-            for slot, other in jobs:
-                mem = self.device_view(slot).data  # cupy MemoryPointer of the slot
+            base = self._buf.data  # cupy MemoryPointer of slot 0
+            for slot, other, nbytes in coalesce(jobs, self.page_bytes):
+                mem = base + slot * self.page_bytes
                 if _is_device_array(other):
                     if direction == "h2d":
-                        mem.copy_from_device_async(other.data, n, stream)
+                        mem.copy_from_device_async(other.data, nbytes, stream)
                     else:
-                        other.data.copy_from_device_async(mem, n, stream)
+                        other.data.copy_from_device_async(mem, nbytes, stream)
                 elif direction == "h2d":
-                    mem.copy_from_host_async(ctypes.c_void_p(other.ctypes.data), n, stream)
+                    mem.copy_from_host_async(ctypes.c_void_p(other.ctypes.data), nbytes, stream)
                 else:
-                    mem.copy_to_host_async(ctypes.c_void_p(other.ctypes.data), n, stream)
+                    mem.copy_to_host_async(ctypes.c_void_p(other.ctypes.data), nbytes, stream)
             event = self._streams.new_event()
             event.record(stream)
             for slot, _ in jobs:

@@ -84,6 +84,10 @@ class _StandInEvent:
 class _StandInMemPtr:
     def __init__(self, arr: np.ndarray) -> None:
         self.arr = arr
+        self.ptr = arr.ctypes.data
+
+    def __add__(self, offset: int) -> _StandInMemPtr:
+        return _StandInMemPtr(self.arr[offset:])
 
     @staticmethod
     def _host(ptr: Any, n: int) -> np.ndarray:

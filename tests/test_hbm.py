@@ -387,3 +387,59 @@ def test_a_host_mapping_runs_its_cleanups_once_before_it_is_unmapped() -> None:
     del region
     gc.collect()
     assert calls == [1, 2]
+
+
+def test_coalesce_merges_runs_of_consecutive_slots_and_host_bytes_only() -> None:
+    from cupy_standin import _StandInArray
+    from kvtier.backends.hbm import coalesce
+
+    page = 4096
+    host = np.zeros(6 * page, np.uint8)
+    views = [host[i * page : (i + 1) * page] for i in range(6)]
+    # slots 3,4,5 <- views 0,1,2 (one run); slot 7 <- view 3 (slot gap); slot 8 <- view 5
+    # (host gap); slot 9 <- a device array (never merged); slot 10 <- view 4
+    dev = _StandInArray(np.zeros(page, np.uint8))
+    jobs = [(3, views[0]), (4, views[1]), (5, views[2]), (7, views[3]), (8, views[5])]
+    jobs += [(9, dev), (10, views[4])]
+    runs = coalesce(jobs, page)
+    assert [(slot, nbytes) for slot, _, nbytes in runs] == [
+        (3, 3 * page), (7, page), (8, page), (9, page), (10, page)
+    ]  # fmt: skip
+    assert runs[0][1] is views[0] and runs[3][1] is dev
+    assert coalesce([], page) == []
+    # the same page twice in a row is two copies (the second starts where the first did)
+    assert len(coalesce([(0, views[0]), (1, views[0])], page)) == 2
+
+
+async def test_consecutive_pages_move_in_one_copy_and_keep_their_bytes(
+    standin_cupy, monkeypatch
+) -> None:
+    import cupy_standin
+
+    standin_cupy()
+    calls: list[int] = []
+    for name in ("copy_from_host_async", "copy_to_host_async"):
+        original = getattr(cupy_standin._StandInMemPtr, name)
+
+        def counted(self, ptr, n, stream, original=original):
+            calls.append(n)
+            return original(self, ptr, n, stream)
+
+        monkeypatch.setattr(cupy_standin._StandInMemPtr, name, counted)
+    page, n = 4096, 8
+    src = np.random.default_rng(3).integers(0, 256, n * page, dtype=np.uint8)
+    async with HbmArena(page_bytes=page, capacity_pages=n) as arena:
+        keys = _keys(n)
+        assert await arena.put(keys, [src[i * page : (i + 1) * page] for i in range(n)])
+        assert calls == [n * page]  # fresh arena: slots 0..7, one run
+        out = np.zeros(n * page, np.uint8)
+        assert await arena.get(keys, [out[i * page : (i + 1) * page] for i in range(n)])
+        assert calls == [n * page, n * page]
+        np.testing.assert_array_equal(out, src)
+        # reversed order: no run is consecutive on both sides, one copy per page
+        calls.clear()
+        back = np.zeros(n * page, np.uint8)
+        views = [back[i * page : (i + 1) * page] for i in range(n)]
+        assert await arena.get(keys[::-1], views[::-1]) == [True] * n
+        assert calls == [page] * n
+        np.testing.assert_array_equal(back, src)
