@@ -216,20 +216,6 @@ class DramArena(SlotArena):
 
         return thread_initializer(self._placement)
 
-    def _memory_policy(self) -> tuple[Any, list[int]] | None:
-        """``(MemPolicy, nodes)`` to allocate under, or ``None`` for the kernel default."""
-        from kvtier import numa
-
-        p = self._placement
-        if p is not None:
-            if p.memory == "none":
-                return None
-            mode = numa.MemPolicy.BIND if p.memory == "bind" else numa.MemPolicy.INTERLEAVE
-            return mode, list(p.nodes)
-        if self.numa_node is not None:
-            return numa.MemPolicy.BIND, [self.numa_node]
-        return None
-
     def _allocate(self) -> None:
         # Not MAP_POPULATE: the NUMA policy is set first, so pages are faulted in on the
         # right node (by pinning, mlock, or touching each one) instead of being migrated.
@@ -247,6 +233,7 @@ class DramArena(SlotArena):
         self._bind_memory(buf)
         self._mmap = mm
         self._buf = buf
+        self._memory_note = None
         pin_refusal = None
         if cuda_available():
             pin_refusal = cuda_host_register(buf.ctypes.data, self.nbytes)

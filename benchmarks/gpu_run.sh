@@ -53,7 +53,8 @@ export PYTHONUNBUFFERED=1 CUDA_DEVICE_ORDER=PCI_BUS_ID
     "$py" -P - <<'PY'
 import importlib, sys
 print("python", sys.version.split()[0])
-for name in ("kvtier", "torch", "cupy", "kvikio", "numpy", "pytest", "pytest_asyncio"):
+for name in ("kvtier", "torch", "cupy", "kvikio", "numpy", "pytest", "pytest_asyncio",
+             "typer", "pydantic", "structlog", "redis", "zstandard", "lz4"):
     try:
         mod = importlib.import_module(name)
         print(name, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
@@ -70,6 +71,7 @@ step pytest 200 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/test_layout.py tests/test_cli_bench_io.py tests/test_nvme_conformance.py \
     tests/test_nvme_store.py tests/test_nvme_kvikio_standin.py \
     tests/test_conformance_builtin.py tests/test_numa.py tests/test_topology.py \
+    tests/test_vllm_groups.py tests/test_cli_polish.py::test_python_dash_m_runs_every_command \
     >"$out/pytest.log" 2>&1
 step gpu_check 200 "$py" benchmarks/gpu_check.py --budget-s 150 --nvme-dir "$scratch" \
     --out "$out/gpu_check.json" 2>>"$log" >/dev/null

@@ -77,7 +77,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvtier.metrics_scrape",
         ),
     ),
-    ("cli", ("kvtier.cli.*",)),
+    ("cli", ("kvtier.cli.*", "kvtier.__main__")),
 ]
 
 #: Narrower rules inside a layer: (importer pattern, imported pattern that is forbidden).

@@ -96,32 +96,51 @@ def test_saveable_runs_skip_pages_some_group_does_not_hold() -> None:
     assert saveable_runs(0, []) == []
 
 
-def _hybrid_paged(seed: int = 0) -> tuple[list[torch.Tensor], PagedKV]:
+def _hybrid_paged(seed: int = 0, device: str = "cpu") -> tuple[list[torch.Tensor], PagedKV]:
     """Four layers over two tensors (vLLM shares each tensor between a layer of each
     group); layers 0 and 2: group 1 (sliding window), layers 1 and 3: group 0."""
     gen = torch.Generator().manual_seed(seed)
-    shared = [torch.randn(10, 2, 16, 32, generator=gen) for _ in range(2)]
+    shared = [torch.randn(10, 2, 16, 32, generator=gen).to(device) for _ in range(2)]
     layers = [shared[0], shared[0], shared[1], shared[1]]
     return shared, PagedKV(layers, [1, 0, 1, 0])
 
 
-def test_a_hybrid_page_holds_each_layer_s_block_of_its_own_group() -> None:
-    _, src = _hybrid_paged(1)
+def _done(event: object) -> None:
+    """Wait for a PagedKV copy: ``None`` on the CPU (done), a CUDA event on a GPU."""
+    if event is not None:
+        event.synchronize()  # type: ignore[attr-defined]
+
+
+# On a GPU the copies run on PagedKV's side stream from pinned host buffers (vLLM's GPU
+# path, which no vLLM run here has covered); on the CPU they are plain copies.
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_hybrid_page_holds_each_layer_s_block_of_its_own_group(device: str) -> None:
+    _, src = _hybrid_paged(1, device)
     blocks = [(2, 5), (3, 6)]  # page 0: full-attention block 2, sliding-window block 5
     pages = src.host_buffer(2)
-    src.gather(blocks, pages)
+    assert pages.device.type == "cpu" and pages.is_pinned() == (device == "cuda")
+    _done(src.gather(blocks, pages))
     lb = src.layer_bytes
     for row, (full, window) in enumerate(blocks):
         for layer, block in enumerate([window, full, window, full]):
             want = src.layers[layer][block].contiguous().view(torch.uint8).reshape(-1)
-            assert torch.equal(pages[row, layer * lb : (layer + 1) * lb], want)
+            assert torch.equal(pages[row, layer * lb : (layer + 1) * lb], want.cpu())
 
-    dst_tensors, dst = _hybrid_paged(2)
+    dst_tensors, dst = _hybrid_paged(2, device)
     before = [t.clone() for t in dst_tensors]
     targets = [(7, NOT_HELD), (8, 1)]  # page 0 outside the window: its window layers skipped
     staged = dst.stage(pages, 2)
     for layer in range(4):
-        dst.scatter_layer(layer, targets, staged)
+        _done(dst.scatter_layer(layer, targets, staged))
     for layer, tensor in enumerate(dst.layers):
         source = src.layers[layer]
         if dst.layer_groups[layer] == 0:  # full attention: both pages written
