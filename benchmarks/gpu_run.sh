@@ -9,7 +9,8 @@
 # /tmp/kvtier-gpu-site, without dependencies and without touching the system's packages,
 # and puts that first on PYTHONPATH. Each step has its own time limit and its output goes
 # to $OUT (default /tmp/kvtier-gpu-out): env.txt, pytest.log, gpu_check.json,
-# bench_run.json, bench_io_4MiB.json, bench_io_64KiB.json, steps.log. A failing step is
+# bench_run.json, bench_speculative.json (block tables over HBM), bench_io_4MiB.json,
+# bench_io_64KiB.json, steps.log. A failing step is
 # recorded and the next one runs; the exit status is the number of failed steps.
 # Without a GPU every step still runs: GPU tests skip with their reason, the GPU check
 # exits 2, and the bench steps fail at the hbm tier (a rehearsal of the script itself).
@@ -78,6 +79,9 @@ step gpu_check 200 "$py" benchmarks/gpu_check.py --budget-s 150 --nvme-dir "$scr
 step bench_run 150 "${kvtier[@]}" bench run -c benchmarks/gpu_tiers.toml --json \
     --nvme-dir "$scratch/bench-run" \
     >"$out/bench_run.json" 2>>"$log"
+step bench_speculative 120 "${kvtier[@]}" bench run -c benchmarks/gpu_tiers.toml --json \
+    --workload speculative --nvme-dir "$scratch/bench-spec" \
+    >"$out/bench_speculative.json" 2>>"$log"
 for size in 4MiB 64KiB; do
     step "bench_io_$size" 90 "${kvtier[@]}" bench io --tier hbm --tier dram --tier nvme \
         --page-size "$size" --pages 64 --repeats 5 --dir "$scratch" --json \

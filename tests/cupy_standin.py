@@ -117,6 +117,12 @@ class _StandInArray:
         self.flags = arr.flags
         self.data = _StandInMemPtr(arr)
 
+    def __dlpack__(self, **kwargs: Any) -> Any:  # a CPU tensor over the "device" bytes
+        return self._arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._arr.__dlpack_device__()
+
     def __getitem__(self, item: Any) -> _StandInArray:
         return _StandInArray(self._arr[item], self.device.id)
 

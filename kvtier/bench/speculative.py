@@ -237,7 +237,7 @@ class SpeculativeWorkload:
                     for lp in range(self.spec.pages_for(len(toks))):
                         slot = int(batch.block_table[row, lp])
                         n = min(pt, len(toks) - lp * pt)
-                        got = self.mgr.page(slot)[:, :, :n]
+                        got = self.mgr.page(slot)[:, :, :n].cpu()  # an hbm page: a copy
                         want = expect[:, :, lp * pt : lp * pt + n]
                         self.report.checked_pages += 1
                         if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):

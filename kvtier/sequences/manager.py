@@ -133,6 +133,15 @@ class SequenceManager:
         """The top-tier page in ``slot`` as a ``page_shape`` tensor (no copy)."""
         return page_tensor(self.arena.tensor(slot), self.spec)
 
+    def _page_rows(self, slots: list[int]) -> list[np.ndarray]:
+        """The pages in ``slots`` as host rows for :meth:`KVCache.store_pages`: the slots'
+        own views in a host arena (no copy; the tier's write then skips it), one
+        device-to-host copy of them all in an arena without host views (``hbm``)."""
+        if self.arena.host_addressable:
+            return [self.arena.view(slot) for slot in slots]
+        on_device = torch.stack([self.arena.tensor(slot) for slot in slots])
+        return list(on_device.cpu().numpy())
+
     def _copy_page(self, src: int, dst: int, tokens: int) -> None:
         self.page(dst)[:, :, :tokens] = self.page(src)[:, :, :tokens]
 
@@ -279,7 +288,7 @@ class SequenceManager:
         pages = [p for _, p in todo]
         page_keys_ = [by_lp[lp] for lp, _ in todo]
         parents = [by_lp.get(lp - 1, parent) for lp, _ in todo]
-        views = [self.arena.view(p.slot) for p in pages]
+        views = self._page_rows([p.slot for p in pages])
         try:
             ok = await self.cache.store_pages(page_keys_, views, parents=parents)
         except (CapacityError, TierIOError) as exc:

@@ -60,8 +60,9 @@ _READERS: dict[tuple[str, str], Reader] = {}
 def register_link(src_medium: str, dst_medium: str, reader: Reader) -> None:
     """Use ``reader`` for batches from a ``src_medium`` backend to a ``dst_medium`` one
     (``"*"`` as the destination matches any). The most specific pair wins: (source
-    medium, destination medium), then (source kind, destination medium), then (source
-    kind, destination kind), then (source kind, ``"*"``); kinds are ``arena``/``store``."""
+    medium, destination medium), then (source medium, ``"*"``), then (source kind,
+    destination medium), then (source kind, destination kind), then (source kind,
+    ``"*"``); kinds are ``arena``/``store``."""
     _READERS[(str(src_medium), str(dst_medium))] = reader
 
 
@@ -69,6 +70,9 @@ def reader_for(src: Backend, dst: Backend) -> Reader:
     """The reader registered for this pair of backends (see :func:`register_link`)."""
     for pair in (
         (str(src.medium), str(dst.medium)),
+        # a device arena to a store: staged (before this, ("arena", "*") took it, and its
+        # slot views do not exist: an hbm tier right above a disk tier could not write)
+        (str(src.medium), "*"),
         (str(src.kind), str(dst.medium)),
         (str(src.kind), str(dst.kind)),
         (str(src.kind), "*"),
@@ -82,8 +86,10 @@ def reader_for(src: Backend, dst: Backend) -> Reader:
 async def _from_slots(
     src: Backend, dst: Backend, keys: Sequence[PageKey], res: Sequence[Reservation]
 ) -> list[Any | None]:
-    """A host arena's slot views, no copy."""
+    """A host arena's slot views, no copy (staged for an arena without host views)."""
     assert isinstance(src, ArenaBackend)
+    if not src.host_addressable:
+        return await _staged(src, dst, keys, res)
     out: list[Any | None] = []
     for key in keys:
         slot = src.slot_of(key)
