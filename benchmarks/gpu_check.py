@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -116,6 +117,7 @@ def run_conformance() -> dict[str, Any]:
             return str(a.stats()["memory"])
 
     out["dram_memory"] = asyncio.run(dram_memory())
+    shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
