@@ -366,9 +366,9 @@ def sim(
     suite: Annotated[
         bool, typer.Option("--suite", help="run the policy suite (workload x capacity x policy)")
     ] = False,
-    half: Annotated[str, typer.Option(help="suite part: held-out | tune | fresh | all")] = (
-        "held-out"
-    ),
+    half: Annotated[
+        str, typer.Option(help="suite part: held-out | tune | fresh | shifts | all")
+    ] = "held-out",
     hardware: Annotated[str, typer.Option(help="hardware profile or .json")] = "h200-gen5",
     model: Annotated[str, typer.Option(help="KVSpec preset for the cost model")] = "llama3-70b",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object on stdout")] = False,

@@ -90,9 +90,9 @@ def run_suite_cli(
             f"--requests must be from 1 to {MAX_GENERATED_REQUESTS:,} (requests per "
             f"generated trace), got {requests}"
         )
-    if trace is not None and half == "fresh":
+    if trace is not None and half in ("fresh", "shifts"):
         raise KVTierUsageError(
-            "--half fresh has no Mooncake part (the trace has only two halves): drop "
+            f"--half {half} has no Mooncake part (the trace has only two halves): drop "
             "--trace, or use --half tune, held-out or all"
         )
     check_policies(pols)

@@ -4,6 +4,7 @@ the policy suite (``kvtier bench sim --suite``)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,13 @@ import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.sim.scenarios import SCENARIOS
+from kvtier.sim.shifts import SHIFTS
 from kvtier.sim.suite import run_suite, suite_traces
+from kvtier.sim.trace import Request
 from kvtier.sim.workloads import WORKLOADS, workload
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", sorted({**SCENARIOS, **SHIFTS}))
 def test_scenarios_are_seeded_prefix_consistent_and_hinted(name: str) -> None:
     a = workload(name, n=400, seed=1)
     b = workload(name, n=400, seed=1)
@@ -57,8 +60,33 @@ def test_scan_has_one_hit_prompts_and_rag_shares_chunks() -> None:
     assert len(firsts) < 0.5 * len(rag.requests)  # popular topics share their top chunk
 
 
+def _share_of_top(requests: list[Request], among: list[Request], first_block: int) -> float:
+    """The share of ``requests`` asking for the 5 documents ``among`` asks for most (a
+    document named by its first block after the system prompt, ``first_block``)."""
+    counts = Counter(r.blocks[first_block] for r in among)
+    top = {doc for doc, _ in counts.most_common(5)}
+    return sum(r.blocks[first_block] in top for r in requests) / len(requests)
+
+
+def test_shift_moves_to_new_documents_and_drift_reorders_one_pool() -> None:
+    tr = workload("shift", n=3000, seed=0)  # three phases of 1,000 requests
+    first, last = tr.requests[:1000], tr.requests[2000:]
+    assert all(r.blocks[:2] == tr.requests[0].blocks[:2] for r in tr.requests)
+    assert _share_of_top(first, first, 2) > 0.2
+    old = {r.blocks[2] for r in first}
+    late = sum(1 for r in last if r.blocks[2] in old) / len(last)
+    assert 0 < late < 0.1  # only a tail of the first pool (carry 0.1 over two pools)
+    dr = workload("drift", n=4000, seed=0)
+    early, final = dr.requests[:1000], dr.requests[3000:]
+    assert _share_of_top(final, early, 1) < 0.25 * _share_of_top(early, early, 1)
+    still = workload("drift", n=4000, seed=0, swaps=0)  # no drift: the favourites stay
+    early, final = still.requests[:1000], still.requests[3000:]
+    assert _share_of_top(final, early, 1) > 0.5 * _share_of_top(early, early, 1)
+    assert len({r.blocks[1] for r in dr.requests}) <= 800  # one pool of 800 documents
+
+
 def test_all_workloads_are_listed() -> None:
-    assert set(SCENARIOS) <= set(WORKLOADS)
+    assert set(SCENARIOS) <= set(WORKLOADS) and set(SHIFTS) <= set(WORKLOADS)
     assert {"chat", "docqa", "agent", "zipf"} <= set(WORKLOADS)
 
 
@@ -67,8 +95,11 @@ def test_suite_halves_do_not_overlap(tmp_path: Path) -> None:
     held = {t.label for t in suite_traces("held-out")}
     assert tune and held and not tune & held
     fresh = {t.label for t in suite_traces("fresh")}
-    assert {t.label for t in suite_traces("all")} == tune | held | fresh
+    shifts = {t.label for t in suite_traces("shifts")}
+    assert shifts == {"shift/s10", "shift/s11", "drift/s10", "drift/s11"}
+    assert {t.label for t in suite_traces("all")} == tune | held | fresh | shifts
     assert not tune & held and not held & fresh and not tune & fresh
+    assert not shifts & (tune | held | fresh)
     with pytest.raises(KVTierUsageError, match="unknown suite half"):
         suite_traces("middle")
     with pytest.raises(KVTierUsageError, match="not found"):

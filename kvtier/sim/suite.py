@@ -11,8 +11,10 @@ half (the second half of the Mooncake trace; ``agent``, ``zipf``, ``rag``, ``bur
 ``scan`` with seeds 2 and 3) was not looked at while tuning. The *fresh* part (the
 held-out workloads with seeds 4 and 5) was first run after the parameters were last
 changed, once the held-out half had been seen (no Mooncake part: the trace has only two
-halves). Hints in the generated traces are left out (the suite measures policies without
-engine help; see the hint benchmarks).
+halves). The *shifts* part (``shift`` and ``drift``, whose popularity moves over time,
+seeds 10 and 11) was added after that, a kind of traffic none of the others has. Hints
+in the generated traces are left out (the suite measures policies without engine help;
+see the hint benchmarks).
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ HELD_OUT_SEEDS: tuple[int, ...] = (2, 3)
 #: Seeds of the held-out workloads first run after the parameters were last changed
 #: (the ``fresh`` part: never looked at while choosing them).
 FRESH_SEEDS: tuple[int, ...] = (4, 5)
-HALVES: tuple[str, ...] = ("held-out", "tune", "fresh", "all")
+#: Workloads whose popularity moves (:mod:`kvtier.sim.shifts`), added on 2026-12-04 after
+#: the parameters were last changed (the ``shifts`` part: never used to choose them).
+SHIFT_WORKLOADS: tuple[str, ...] = ("shift", "drift")
+SHIFT_SEEDS: tuple[int, ...] = (10, 11)
+HALVES: tuple[str, ...] = ("held-out", "tune", "fresh", "shifts", "all")
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,9 @@ class SuiteTrace:
 def suite_traces(
     half: str = "held-out", requests: int = 4000, mooncake: Path | None = None
 ) -> list[SuiteTrace]:
-    """The traces of ``half`` (``held-out``, ``tune``, ``fresh`` or ``all`` of them); the
-    Mooncake halves only when ``mooncake`` names the trace file (``fresh`` has none).
+    """The traces of ``half`` (``held-out``, ``tune``, ``fresh``, ``shifts`` or ``all`` of
+    them); the Mooncake halves only when ``mooncake`` names the trace file (``fresh`` and
+    ``shifts`` have none).
     Raises :class:`KVTierUsageError` for an unknown half or a missing trace file."""
     if half not in HALVES:
         raise KVTierUsageError(f"unknown suite half {half!r}; known: {', '.join(HALVES)}")
@@ -77,10 +84,11 @@ def suite_traces(
         (TUNE_WORKLOADS, TUNE_SEEDS, "tune"),
         (HELD_OUT_WORKLOADS, HELD_OUT_SEEDS, "held-out"),
         (HELD_OUT_WORKLOADS, FRESH_SEEDS, "fresh"),
+        (SHIFT_WORKLOADS, SHIFT_SEEDS, "shifts"),
     ):
         if half not in (which, "all"):
             continue
-        if mooncake is not None and which != "fresh":
+        if mooncake is not None and which in ("tune", "held-out"):
             part = "a" if which == "tune" else "b"
             out.append(
                 SuiteTrace(

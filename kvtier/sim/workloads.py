@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import KVTierUsageError
-from kvtier.sim import scenarios
+from kvtier.sim import scenarios, shifts
 from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times
 from kvtier.sim.trace import Arrival, Trace
 
@@ -138,6 +138,7 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
     "agent": agent,
     "zipf": zipf,
     **scenarios.SCENARIOS,
+    **shifts.SHIFTS,
 }
 
 
