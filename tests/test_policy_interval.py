@@ -55,9 +55,28 @@ def test_interval_ignores_hints_but_keeps_their_clock() -> None:
     assert p.victims(2, every) == [k(2), k(1)]
 
 
+@pytest.mark.parametrize("lateness", [0.0, 1.0])
+def test_lateness_makes_a_page_whose_traffic_stopped_go_before_a_slow_steady_one(
+    lateness: float,
+) -> None:
+    # Page 1: used every second from 0 to 9, then never again: at 100 s it is 90 s past
+    # its forecast (10 s). Page 2: used at 60 and 90 s, next expected at 120 s (20 s off).
+    # The wait alone stretches page 1's mean interval to 100 / 9 = 11.1 s, so it still
+    # looks sooner than page 2 and page 2 goes first; with lateness 1 the 90 s it is late
+    # count too (101.1 s) and page 1 goes first.
+    p = IntervalPolicy(fallback="lru", lateness=lateness)
+    _uses(p, {1: [float(t) for t in range(10)], 2: [60.0, 90.0]})
+    p.on_time(100.0)
+    assert p.victims(2, every) == ([k(1), k(2)] if lateness else [k(2), k(1)])
+    assert p.forecast(k(1)) == pytest.approx(100.0 + 100.0 / 9 + lateness * 90.0)
+
+
 def test_interval_rejects_bad_parameters() -> None:
     with pytest.raises(ConfigError, match="rate_history"):
         make_policy("interval", rate_history=-2)
+    for bad in (-0.5, float("inf"), float("nan"), "1"):
+        with pytest.raises(ConfigError, match="lateness"):
+            make_policy("interval", lateness=bad)
     with pytest.raises(ConfigError, match="unknown eviction policy"):
         make_policy("interval", fallback="nope")
 

@@ -16,12 +16,17 @@ def k(i: int) -> PageKey:
     return PageKey(i.to_bytes(16, "big"))
 
 
-def scalar_score(first: float, last: float, count: float, now: float) -> float:
+def scalar_score(
+    first: float, last: float, count: float, now: float, lateness: float = 0.0
+) -> float:
     """The rate forecast's distance from now, as ``HintedPolicy._rate_forecast`` and
     ``_score`` compute it one page at a time."""
     at = last + (last - first) / (count - 1.0)
     if at < now:
-        at = now + (now - first) / (count - 1.0)
+        if lateness:
+            at = now + (now - first) / (count - 1.0) + lateness * (now - at)
+        else:
+            at = now + (now - first) / (count - 1.0)
     return at - now
 
 
@@ -34,11 +39,11 @@ entries = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(entries, times)
+@given(entries, times, st.sampled_from([0.0, 0.25, 1.0, 3.0]))
 def test_ranked_is_the_scalar_ranking_entry_for_entry(
-    ops: list[tuple[int, float, float, int, bool]], now: float
+    ops: list[tuple[int, float, float, int, bool]], now: float, lateness: float
 ) -> None:
-    table = RateTable()
+    table = RateTable(lateness)
     want: dict[PageKey, tuple[float, float, float]] = {}
     for i, a, b, count, drop in ops:
         first, last = min(a, b), max(a, b)
@@ -48,7 +53,9 @@ def test_ranked_is_the_scalar_ranking_entry_for_entry(
         else:
             table.set(k(i), first, last, float(count))
             want[k(i)] = (first, last, float(count))
-    expected = sorted(((scalar_score(*v, now), key) for key, v in want.items()), reverse=True)
+    expected = sorted(
+        ((scalar_score(*v, now, lateness), key) for key, v in want.items()), reverse=True
+    )
     assert list(table.ranked(now)) == expected
     assert len(table) == len(want)
 

@@ -13,7 +13,8 @@ For every page the policy keeps what the hints imply:
   ``SAME_REFERENCE_S``. A page with two or more has a *rate forecast*: its last
   unforeseen reference plus their mean interval (once that time is past, now plus the
   interval from the first one to now, divided by the number of intervals: the wait
-  stretches the estimate). Hints describe sessions; a page many sessions share is used by
+  stretches the estimate; plus ``lateness`` x how late it is, 0 here by default and 0.25
+  in ``interval``). Hints describe sessions; a page many sessions share is used by
   sessions no hint announced yet, and this is how the policy sees them.
 
 A page's *forecast* is the sooner of its live prediction and its rate forecast.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import ClassVar
@@ -79,6 +81,7 @@ class HintedPolicy(EvictionPolicy):
         history: float = 4.0,
         pin_share: float = 0.5,
         rate_history: float = 16.0,
+        lateness: float = 0.0,
     ) -> None:
         """``fallback``: a registered policy name. ``history``: how many capacities of
         hinted pages not (or no longer) in the tier keep their hint (and of evicted pages
@@ -86,11 +89,19 @@ class HintedPolicy(EvictionPolicy):
         capacities of evicted pages with two or more unforeseen references keep their
         rate. ``pin_share``: pins are honoured while pinned pages fill at most this share
         of the tier (an engine pinning more than fits gets plain eviction for them).
-        Raises :class:`ConfigError` for a bad value, naming this policy (``interval``
-        for the subclass)."""
-        for label, value in (("history", history), ("rate_history", rate_history)):
+        ``lateness``: once a rate forecast is past, each second late adds this many
+        seconds to it (0: the wait only stretches the mean interval; see
+        :mod:`kvtier.policy.rate_table`). Raises :class:`ConfigError` for a bad value,
+        naming this policy (``interval`` for the subclass)."""
+        for label, value in (
+            ("history", history),
+            ("rate_history", rate_history),
+            ("lateness", lateness),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ConfigError(f"{self.name}: {label} must be a number >= 0, got {value!r}")
+        if not math.isfinite(lateness):
+            raise ConfigError(f"{self.name}: lateness must be finite, got {lateness!r}")
         if (
             isinstance(pin_share, bool)
             or not isinstance(pin_share, int | float)
@@ -110,7 +121,7 @@ class HintedPolicy(EvictionPolicy):
         #: page -> [first, last, count] of its unforeseen references.
         self._unforeseen: dict[PageKey, list[float]] = {}
         #: The held pages with two or more of them, for ranking all at once.
-        self._rates = RateTable()
+        self._rates = RateTable(float(lateness))
         #: Pages with an unforeseen rate the tier no longer holds, oldest first.
         self._rate_absent: OrderedDict[PageKey, None] = OrderedDict()
         #: The same for pages with one unforeseen reference (kept ``history`` only).
@@ -234,6 +245,9 @@ class HintedPolicy(EvictionPolicy):
         at = last + (last - first) / (count - 1.0)
         if at >= self.now:
             return at
+        lateness = self._rates.lateness
+        if lateness:
+            return self.now + (self.now - first) / (count - 1.0) + lateness * (self.now - at)
         return self.now + (self.now - first) / (count - 1.0)
 
     def _recheck(self, key: PageKey) -> None:

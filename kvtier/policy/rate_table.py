@@ -5,14 +5,16 @@ far off their forecast next use is, and that distance moves with the clock, so a
 scores every page afresh. Without hints the forecast is the *rate forecast* alone: a page
 whose unforeseen references began at ``first``, were last seen at ``last`` and number
 ``count`` is expected at ``at = last + (last - first) / (count - 1)``; once ``at`` is past,
-at ``now + (now - first) / (count - 1)``. :class:`RateTable` keeps ``at``, ``first`` and
+at ``now + (now - first) / (count - 1) + lateness x (now - at)``: the wait stretches the
+mean interval, and with ``lateness`` > 0 the lateness itself counts as a sign that the
+page's traffic has moved on. :class:`RateTable` keeps ``at``, ``first`` and
 ``count - 1`` per page in numpy arrays, so the scores of all pages cost one vectorised
 pass, and :meth:`RateTable.ranked` sorts only as far as the walk reads.
 
 The floats are the ones the scalar formula gives (the same IEEE operations in the same
-order, ``(now + (now - first) / n) - now`` included), and ties are broken by key as a
-sort of ``(score, key)`` tuples does, so a ranking read from here is the scalar one, entry
-for entry.
+order, ``(now + (now - first) / n + lateness x (now - at)) - now`` included), and ties are
+broken by key as a sort of ``(score, key)`` tuples does, so a ranking read from here is
+the scalar one, entry for entry.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ FIRST_CHUNK = 64
 class RateTable:
     """Pages with a rate forecast: slot arrays of ``at``, ``first`` and ``count - 1``."""
 
-    def __init__(self) -> None:
+    def __init__(self, lateness: float = 0.0) -> None:
+        """``lateness``: the weight of an overdue page's lateness in its forecast (see the
+        module doc; 0 leaves the stretched mean interval alone)."""
+        self.lateness = lateness
         self._slot: dict[PageKey, int] = {}
         self._keys: list[PageKey | None] = []
         self._free: list[int] = []
@@ -88,7 +93,12 @@ class RateTable:
         if used.size == 0:
             return
         at = self._at[used]
-        overdue = (now + (now - self._first[used]) / self._n[used]) - now
+        if self.lateness:
+            overdue = (
+                now + (now - self._first[used]) / self._n[used] + self.lateness * (now - at)
+            ) - now
+        else:
+            overdue = (now + (now - self._first[used]) / self._n[used]) - now
         scores = np.where(at >= now, at - now, overdue)
         keys = self._keys
         chunk = FIRST_CHUNK
