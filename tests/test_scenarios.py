@@ -139,3 +139,47 @@ def test_cli_suite_json_and_plot(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "--suite picks its own workloads" in bad.stderr
     bad = CliRunner().invoke(get_app(), ["bench", "sim", "--suite", "--capacity", "150%"])
     assert bad.exit_code == 2 and "shares in (0, 1]" in bad.stderr
+
+
+def test_suite_markdown_merges_parts_into_the_docs_tables(tmp_path: Path) -> None:
+    """``benchmarks/suite_markdown.py``: the JSON of parts run apart becomes one table per
+    part, the best classic in bold, and summary lines counted as the suite counts them."""
+    import subprocess
+    import sys
+
+    reports = []
+    for half in ("shifts", "fresh"):
+        out = CliRunner().invoke(
+            get_app(),
+            [
+                "bench", "sim", "--suite", "--half", half, "--requests", "150",
+                "--capacity", "5%", "--json", "--no-progress",
+            ],
+        )  # fmt: skip
+        assert out.exit_code == 0, out.stderr
+        path = tmp_path / f"{half}.json"
+        path.write_text(out.stdout)
+        reports.append(json.loads(out.stdout))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "suite_markdown.py"
+    png = tmp_path / "merged.png"
+    proc = subprocess.run(
+        [sys.executable, str(script), *(str(tmp_path / f"{h}.json") for h in ("shifts", "fresh")),
+         "--plot", str(png)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("| ") and "/s" in line]
+    assert len(rows) == sum(len(r["rows"]) for r in reports)
+    for rep in reports:
+        for half, s in rep["summary"].items():
+            want = (
+                f"{half}: {s['cells']} cells; adaptive ahead in {s['ahead']}, level in "
+                f"{s['level']}, behind in {s['behind']}; mean gain {s['mean_gain']:+.4f}, "
+                f"smallest {s['min_gain']:+.4f}."
+            )
+            assert want in lines
+        for r in rep["rows"]:
+            line = next(x for x in rows if x.startswith(f"| {r['workload']} |"))
+            assert f"**{r['hit_rate'][r['best_classic']]:.4f}**" in line
+            assert line.endswith(f"{r['gain']:+.4f}{' (behind)' if r['gain'] < 0 else ''} |")
+    assert png.stat().st_size > 10_000
