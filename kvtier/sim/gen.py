@@ -3,7 +3,8 @@
 * :class:`Ids` hands out block ids that follow the prefix rule of real traces (an id
   names a block and everything before it): :meth:`Ids.chain` extends a context with new
   blocks, :meth:`Ids.shared` names a block shared by every request that uses it.
-* :func:`poisson_times` draws arrival times (or takes them from an arrival list).
+* :func:`poisson_times` draws arrival times (or takes them from an arrival list);
+  :func:`zipf_weights` gives skewed popularity.
 * :class:`TraceBuilder` collects requests and engine hints in any order and builds a
   time-ordered :class:`~kvtier.sim.trace.Trace`, placing each hint before the first
   request that arrives after it.
@@ -36,6 +37,11 @@ class Ids:
         if name not in self._known:
             self._known[name] = next(self._next)
         return self._known[name]
+
+
+def zipf_weights(n: int, alpha: float) -> list[float]:
+    """Zipf weights of ranks ``1..n`` with exponent ``alpha`` (for ``random.choices``)."""
+    return [1.0 / (i + 1) ** alpha for i in range(n)]
 
 
 def poisson_times(

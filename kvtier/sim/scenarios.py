@@ -27,15 +27,11 @@ import math
 import random
 from collections.abc import Callable
 
-from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times
+from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times, zipf_weights
 from kvtier.sim.trace import Trace
 
 #: A session start: arrival, context, shared prefix length, next gap by turn (or None).
 Start = tuple[float, list[int], int, Callable[[int], float | None]]
-
-
-def _zipf_weights(n: int, alpha: float) -> list[float]:
-    return [1.0 / (i + 1) ** alpha for i in range(n)]
 
 
 def _sessions(
@@ -82,7 +78,7 @@ def toolagent(
     prompts = [[ids.shared((10, p, i)) for i in range(rng.randint(16, 48))] for p in range(tools)]
     for sp in prompts:
         tb.hint(0.0, "pin", sp)
-    weights = _zipf_weights(tools, alpha)
+    weights = zipf_weights(tools, alpha)
     starts: list[Start] = []
     for t in poisson_times(max(n // 8, 1), rate, rng):
         prompt = rng.choices(prompts, weights)[0]
@@ -116,7 +112,7 @@ def rag(
     chunk_len = [rng.randint(2, 6) for _ in range(docs)]
     # A topic's usual ranking of documents (its relevant set).
     ranked = [rng.sample(range(docs), 2 * k) for _ in range(topics)]
-    weights = _zipf_weights(topics, alpha)
+    weights = zipf_weights(topics, alpha)
     starts: list[Start] = []
     for t in poisson_times(n, rate, rng):
         topic = rng.choices(range(topics), weights)[0]
@@ -157,7 +153,7 @@ def tenants(
         for _ in range(count)
     ]
     cont = [rng.uniform(0.3, 0.85) for _ in range(count)]
-    weights = _zipf_weights(count, alpha)
+    weights = zipf_weights(count, alpha)
     starts: list[Start] = []
     for t in poisson_times(n, rate, rng):
         c = rng.choices(range(count), weights)[0]
@@ -221,7 +217,7 @@ def scan(
     ids = Ids()
     tb = TraceBuilder("scan", block_tokens)
     pool = [[ids.shared((50, p, i)) for i in range(rng.randint(2, 12))] for p in range(prefixes)]
-    weights = _zipf_weights(prefixes, 0.9)
+    weights = zipf_weights(prefixes, 0.9)
     starts: list[Start] = []
     t = 0.0
     made = 0

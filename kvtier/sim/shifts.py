@@ -25,12 +25,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from kvtier.sim.gen import Ids, TraceBuilder, poisson_times
+from kvtier.sim.gen import Ids, TraceBuilder, poisson_times, zipf_weights
 from kvtier.sim.trace import Trace
-
-
-def _zipf_weights(n: int, alpha: float) -> list[float]:
-    return [1.0 / (i + 1) ** alpha for i in range(n)]
 
 
 def shift(
@@ -57,7 +53,7 @@ def shift(
         ]
         for ph in range(max(1, phases))
     ]
-    weights = _zipf_weights(prefixes, alpha)
+    weights = zipf_weights(prefixes, alpha)
     for i, t in enumerate(poisson_times(n, rate, rng)):
         phase = min(len(pools) - 1, i * len(pools) // n)
         if phase and rng.random() < carry:
@@ -89,7 +85,7 @@ def drift(
         for d in range(prefixes)
     ]
     rank = list(range(prefixes))  # rank -> document
-    weights = _zipf_weights(prefixes, alpha)
+    weights = zipf_weights(prefixes, alpha)
     for i, t in enumerate(poisson_times(n, rate, rng)):
         if i and i % max(1, every) == 0:
             for _ in range(swaps):

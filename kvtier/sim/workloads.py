@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.errors import KVTierUsageError
 from kvtier.sim import scenarios, shifts
-from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times
+from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times, zipf_weights
 from kvtier.sim.trace import Arrival, Trace
 
 
@@ -123,7 +123,7 @@ def zipf(
     """Independent requests over a Zipf(``alpha``) pool of prefixes."""
     rng = random.Random(seed)
     ids = Ids()
-    weights = [1.0 / (i + 1) ** alpha for i in range(prefixes)]
+    weights = zipf_weights(prefixes, alpha)
     pool = [[ids.shared((4, p, i)) for i in range(1 + p % 8)] for p in range(prefixes)]
     tb = TraceBuilder("zipf", block_tokens)
     for t in poisson_times(n, rate, rng, arrivals):
