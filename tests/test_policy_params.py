@@ -33,6 +33,14 @@ BAD = [
     ("interval", {"fallback": "hinted"}, r"^interval: the fallback cannot be 'hinted'"),
     ("interval", {"fallback": {"a": 1}}, r"^interval: fallback must be a policy name"),
     ("hinted", {"history": NAN}, r"^hinted: history must be a number >= 0, got nan"),
+    ("hinted", {"pin_share": "0.5"}, r"^hinted: pin_share must lie in \[0, 1\], got '0\.5'"),
+    ("hinted", {"pin_share": NAN}, r"^hinted: pin_share must lie in \[0, 1\], got nan"),
+    ("interval", {"lateness": INF}, r"^interval: lateness must be a finite number >= 0, got inf"),
+    (
+        "interval",
+        {"lateness": "0.25"},
+        r"^interval: lateness must be a finite number >= 0, got '0\.25'",
+    ),
     # before: accepted (a dict's keys were taken as the points; experts ran twice)
     ("adaptive", {"experts": ["lru", "lru"]}, r"^adaptive: experts repeat: \['lru', 'lru'\]"),
     ("adaptive", {"points": {"0:last": 1}}, r"^adaptive: points must be a list of 'bonus:order'"),

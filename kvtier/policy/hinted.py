@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import ClassVar
@@ -46,6 +45,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, close_order, victims_in_order
 from kvtier.policy.hints import Hint, NextUse
+from kvtier.policy.params import nonnegative_param, share_param
 from kvtier.policy.prefix_cut import policy_offers
 from kvtier.policy.rate_table import RateTable
 
@@ -93,25 +93,11 @@ class HintedPolicy(EvictionPolicy):
         seconds to it (0: the wait only stretches the mean interval; see
         :mod:`kvtier.policy.rate_table`). Raises :class:`ConfigError` for a bad value,
         naming this policy (``interval`` for the subclass)."""
-        for label, value in (
-            ("history", history),
-            ("rate_history", rate_history),
-            ("lateness", lateness),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ConfigError(f"{self.name}: {label} must be a number >= 0, got {value!r}")
-        if not math.isfinite(lateness):
-            raise ConfigError(f"{self.name}: lateness must be finite, got {lateness!r}")
-        if (
-            isinstance(pin_share, bool)
-            or not isinstance(pin_share, int | float)
-            or not (0.0 <= pin_share <= 1.0)
-        ):
-            raise ConfigError(f"{self.name}: pin_share must lie in [0, 1], got {pin_share!r}")
-        self.pin_share = float(pin_share)
+        self.history = nonnegative_param(self.name, "history", history)
+        self.rate_history = nonnegative_param(self.name, "rate_history", rate_history)
+        lateness = nonnegative_param(self.name, "lateness", lateness, finite=True)
+        self.pin_share = share_param(self.name, "pin_share", pin_share)
         self.fallback = _fallback(fallback, self.name)
-        self.history = float(history)
-        self.rate_history = float(rate_history)
         self.now = 0.0
         self._seen_c = 0
         self._resident: set[PageKey] = set()
@@ -121,7 +107,7 @@ class HintedPolicy(EvictionPolicy):
         #: page -> [first, last, count] of its unforeseen references.
         self._unforeseen: dict[PageKey, list[float]] = {}
         #: The held pages with two or more of them, for ranking all at once.
-        self._rates = RateTable(float(lateness))
+        self._rates = RateTable(lateness)
         #: Pages with an unforeseen rate the tier no longer holds, oldest first.
         self._rate_absent: OrderedDict[PageKey, None] = OrderedDict()
         #: The same for pages with one unforeseen reference (kept ``history`` only).
