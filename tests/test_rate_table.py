@@ -23,10 +23,7 @@ def scalar_score(
     ``_score`` compute it one page at a time."""
     at = last + (last - first) / (count - 1.0)
     if at < now:
-        if lateness:
-            at = now + (now - first) / (count - 1.0) + lateness * (now - at)
-        else:
-            at = now + (now - first) / (count - 1.0)
+        at = now + (now - first) / (count - 1.0) + lateness * (now - at)
     return at - now
 
 
@@ -58,6 +55,12 @@ def test_ranked_is_the_scalar_ranking_entry_for_entry(
     )
     assert list(table.ranked(now)) == expected
     assert len(table) == len(want)
+    if lateness == 0:  # the lateness term adds exactly nothing: the floats of before it
+        plain = []
+        for key, (first, last, count) in want.items():
+            at = last + (last - first) / (count - 1.0)
+            plain.append(((at if at >= now else now + (now - first) / (count - 1.0)) - now, key))
+        assert expected == sorted(plain, reverse=True)
 
 
 def test_ranked_reads_lazily_and_crosses_chunks_through_ties() -> None:

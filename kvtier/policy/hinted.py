@@ -231,10 +231,8 @@ class HintedPolicy(EvictionPolicy):
         at = last + (last - first) / (count - 1.0)
         if at >= self.now:
             return at
-        lateness = self._rates.lateness
-        if lateness:
-            return self.now + (self.now - first) / (count - 1.0) + lateness * (self.now - at)
-        return self.now + (self.now - first) / (count - 1.0)
+        late = self._rates.lateness * (self.now - at)
+        return self.now + (self.now - first) / (count - 1.0) + late
 
     def _recheck(self, key: PageKey) -> None:
         """Put a held page in, or take it out of, the pages without a forecast."""

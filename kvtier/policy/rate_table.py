@@ -12,9 +12,10 @@ page's traffic has moved on. :class:`RateTable` keeps ``at``, ``first`` and
 pass, and :meth:`RateTable.ranked` sorts only as far as the walk reads.
 
 The floats are the ones the scalar formula gives (the same IEEE operations in the same
-order, ``(now + (now - first) / n + lateness x (now - at)) - now`` included), and ties are
-broken by key as a sort of ``(score, key)`` tuples does, so a ranking read from here is
-the scalar one, entry for entry.
+order, ``(now + (now - first) / n + lateness x (now - at)) - now`` included; with
+``lateness`` 0 the added term is exactly 0.0, so the floats are those of the formula
+without it), and ties are broken by key as a sort of ``(score, key)`` tuples does, so a
+ranking read from here is the scalar one, entry for entry.
 """
 
 from __future__ import annotations
@@ -93,12 +94,8 @@ class RateTable:
         if used.size == 0:
             return
         at = self._at[used]
-        if self.lateness:
-            overdue = (
-                now + (now - self._first[used]) / self._n[used] + self.lateness * (now - at)
-            ) - now
-        else:
-            overdue = (now + (now - self._first[used]) / self._n[used]) - now
+        late = self.lateness * (now - at)
+        overdue = (now + (now - self._first[used]) / self._n[used] + late) - now
         scores = np.where(at >= now, at - now, overdue)
         keys = self._keys
         chunk = FIRST_CHUNK
