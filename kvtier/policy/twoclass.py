@@ -39,7 +39,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy
-from kvtier.policy.params import capacity_param
+from kvtier.policy.params import capacity_param, nonnegative_param
 
 ORDERS: tuple[str, ...] = ("last", "kth", "freq")
 
@@ -301,6 +301,5 @@ def check_two_class(
         raise ConfigError(f"{owner}: bonus must be a number >= 0 (or inf), got {bonus!r}")
     if order not in ORDERS:
         raise ConfigError(f"{owner}: order must be one of {', '.join(ORDERS)}, got {order!r}")
-    if isinstance(history, bool) or not isinstance(history, int | float) or not history >= 0:
-        raise ConfigError(f"{owner}: history must be a number >= 0, got {history!r}")
+    nonnegative_param(owner, "history", history)
     capacity_param(owner, capacity)
