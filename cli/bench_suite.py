@@ -14,7 +14,14 @@ from kvtier.cli.output import console, progress, table
 
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.eviction import EVICTION_POLICIES
-from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, run_suite, suite_traces
+from kvtier.sim.suite import (
+    CLASSIC,
+    DEFAULT_POLICY,
+    HALVES,
+    MOONCAKE_PARTS,
+    run_suite,
+    suite_traces,
+)
 from kvtier.sim.workloads import MAX_GENERATED_REQUESTS
 
 
@@ -90,7 +97,7 @@ def run_suite_cli(
             f"--requests must be from 1 to {MAX_GENERATED_REQUESTS:,} (requests per "
             f"generated trace), got {requests}"
         )
-    if trace is not None and half in ("fresh", "shifts"):
+    if trace is not None and half in HALVES and half not in (*MOONCAKE_PARTS, "all"):
         raise KVTierUsageError(
             f"--half {half} has no Mooncake part (the trace has only two halves): drop "
             "--trace, or use --half tune, held-out or all"

@@ -53,6 +53,8 @@ FRESH_SEEDS: tuple[int, ...] = (4, 5)
 SHIFT_WORKLOADS: tuple[str, ...] = ("shift", "drift")
 SHIFT_SEEDS: tuple[int, ...] = (10, 11)
 HALVES: tuple[str, ...] = ("held-out", "tune", "fresh", "shifts", "all")
+#: The parts that replay a half of the Mooncake trace when one is given.
+MOONCAKE_PARTS: tuple[str, ...] = ("tune", "held-out")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def suite_traces(
     ):
         if half not in (which, "all"):
             continue
-        if mooncake is not None and which in ("tune", "held-out"):
+        if mooncake is not None and which in MOONCAKE_PARTS:
             part = "a" if which == "tune" else "b"
             out.append(
                 SuiteTrace(
