@@ -2,8 +2,8 @@
 docs/benchmarks.md, one per part, with each part's summary line.
 
 Several JSON files (the parts run as separate processes, side by side) are merged; the
-summary lines are counted again from the merged rows. ``--plot`` draws the merged gains
-with :func:`kvtier.sim.suite.plot_suite`.
+summary lines are counted again from the merged rows (:func:`kvtier.sim.suite.summarise`).
+``--plot`` draws the merged gains with :func:`kvtier.sim.suite.plot_suite`.
 
     for h in tune held-out fresh shifts; do
       .venv/bin/kvtier bench sim --suite --half $h --json --no-progress \\
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from kvtier.sim.suite import plot_suite
+from kvtier.sim.suite import plot_suite, summarise
 
 
 def merge(paths: list[Path]) -> dict[str, Any]:
@@ -40,32 +39,18 @@ def merge(paths: list[Path]) -> dict[str, Any]:
         merged["rows"] += rep["rows"]
     if merged is None:
         raise SystemExit("give at least one suite JSON file")
-    merged["summary"] = summary(merged["rows"])
+    merged["summary"] = summarise(merged["rows"])
     return merged
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per part: cells, ahead / level / behind the best classic, mean and smallest gain."""
-    out: dict[str, dict[str, Any]] = {}
-    for half in dict.fromkeys(r["half"] for r in rows):
-        gains = [r["gain"] for r in rows if r["half"] == half and "gain" in r]
-        if gains:
-            out[half] = {
-                "cells": len(gains),
-                "ahead": sum(g > 0 for g in gains),
-                "level": sum(g == 0 for g in gains),
-                "behind": sum(g < 0 for g in gains),
-                "mean_gain": math.fsum(gains) / len(gains),
-                "min_gain": min(gains),
-            }
-    return out
 
 
 def tables(report: dict[str, Any]) -> str:
     """One markdown table per part, the best classic rate in bold, and a summary line."""
     default, classic = report["default"], report["classic"]
     lines: list[str] = []
-    for half, s in report["summary"].items():
+    for half in dict.fromkeys(r["half"] for r in report["rows"]):  # in the files' order
+        s = report["summary"].get(half)
+        if s is None:  # no gain: the default policy was not replayed
+            continue
         lines += [
             f"| workload | cap | pages | MIN | {default} (of MIN) | "
             + " | ".join(classic)

@@ -190,7 +190,21 @@ def run_suite(
             rows.append({**info, **cell})
             if progress is not None:
                 progress(1)
-    summary: dict[str, Any] = {}
+    return {
+        "default": DEFAULT_POLICY,
+        "classic": list(CLASSIC),
+        "policies": list(policies),
+        "capacities": list(capacities),
+        "rows": rows,
+        "summary": summarise(rows),
+    }
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per half (sorted by name), over the rows with a ``gain``: cells, cells where the
+    default is ahead of / level with / behind the best classic, the mean and smallest
+    gain. Halves without a gain (the default not replayed) are left out."""
+    summary: dict[str, dict[str, Any]] = {}
     for half in sorted({r["half"] for r in rows}):
         gains = [r["gain"] for r in rows if r["half"] == half and "gain" in r]
         if not gains:
@@ -203,14 +217,7 @@ def run_suite(
             "mean_gain": sum(gains) / len(gains),
             "min_gain": min(gains),
         }
-    return {
-        "default": DEFAULT_POLICY,
-        "classic": list(CLASSIC),
-        "policies": list(policies),
-        "capacities": list(capacities),
-        "rows": rows,
-        "summary": summary,
-    }
+    return summary
 
 
 def plot_suite(report: dict[str, Any], path: Path) -> None:
