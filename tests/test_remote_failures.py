@@ -326,3 +326,22 @@ def test_health_lets_one_probe_through_per_interval_and_backs_off(monkeypatch) -
     h.succeeded()
     assert h.may_send() and h.may_send()  # healthy again: everything goes
     assert h.skipped_batches == 3
+
+
+def test_a_picked_port_taken_before_the_start_is_replaced_and_a_given_one_is_not() -> None:
+    """CI failure (2026-12-04): another process bound the port ``free_port`` had picked
+    before the server did, and the server exited with "Address already in use"."""
+    import socket
+
+    server = RedisServer("valkey")
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with server:
+            assert server.port != taken
+            assert redis.Redis(port=server.port).ping()
+        given = RedisServer("valkey", port=taken)
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            given.start()
+        given.close()

@@ -36,6 +36,8 @@ Flavor = Literal["valkey", "redis"]
 
 #: How long to wait for a started server to answer PING.
 START_TIMEOUT_S = 10.0
+#: New ports tried when the one picked was taken before the server bound it.
+PORT_RETRIES = 3
 
 
 def server_binary(flavor: Flavor) -> str:
@@ -157,6 +159,8 @@ class RedisServer:
         self.flavor: Flavor = flavor
         self.binary = server_binary(flavor)
         self.port = port if port is not None else free_port(with_bus=cluster)
+        #: A port picked here may move if another process takes it before the first start.
+        self._port_may_move = port is None
         self.password = password
         self.tls = tls
         self.cluster = cluster
@@ -171,11 +175,8 @@ class RedisServer:
             "--daemonize", "no",
             "--enable-debug-command", "yes",
         ]  # fmt: skip
-        if tls is None:
-            args += ["--port", str(self.port)]
-        else:
+        if tls is not None:
             cert, key, ca = tls
-            args += ["--port", "0", "--tls-port", str(self.port)]
             args += ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca]
             args += ["--tls-auth-clients", "no"]
         if maxmemory is not None:
@@ -214,28 +215,49 @@ class RedisServer:
         path = self._dir / "server.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def start(self) -> None:
-        """Start the process and wait until it answers PING."""
-        if self.running:
-            return
-        self._proc = subprocess.Popen(
-            [self.binary, *self._args],
+    def _port_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        return ["--port", "0", "--tls-port", str(self.port)]
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [self.binary, *self._port_args(), *self._args],
             cwd=self._dir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+
+    def start(self) -> None:
+        """Start the process and wait until it answers PING. A port picked by this object
+        that another process took between the pick and the first start is replaced by a
+        new free one (up to ``PORT_RETRIES`` times); a port given, or one a server already
+        ran on (:meth:`restart` keeps it), is not."""
+        if self.running:
+            return
+        logged = len(self.log())
+        self._proc = self._spawn()
+        retries = PORT_RETRIES if self._port_may_move else 0
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                if retries and "Address already in use" in self.log()[logged:]:
+                    retries -= 1
+                    self.port = free_port(with_bus=self.cluster)
+                    logged = len(self.log())
+                    self._proc = self._spawn()
+                    continue
                 raise RuntimeError(
                     f"{self.flavor} server exited with {self._proc.returncode}: "
                     f"{self.log()[-2000:]}"
                 )
             if self.tls is not None:
                 if not _port_free(self.port):
+                    self._port_may_move = False
                     return
             elif _ping(self.port, self.password):
+                self._port_may_move = False
                 return
             time.sleep(0.02)
         self.stop()
