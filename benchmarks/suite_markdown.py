@@ -5,7 +5,7 @@ Several JSON files (the parts run as separate processes, side by side) are merge
 summary lines are counted again from the merged rows (:func:`kvtier.sim.suite.summarise`).
 ``--plot`` draws the merged gains with :func:`kvtier.sim.suite.plot_suite`.
 
-    for h in tune held-out fresh shifts; do
+    for h in tune held-out fresh shifts mixes; do
       .venv/bin/kvtier bench sim --suite --half $h --json --no-progress \\
         $([ $h = tune ] || [ $h = held-out ] && echo --trace "$TRACE") > /tmp/suite-$h.json &
     done; wait

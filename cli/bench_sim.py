@@ -367,7 +367,7 @@ def sim(
         bool, typer.Option("--suite", help="run the policy suite (workload x capacity x policy)")
     ] = False,
     half: Annotated[
-        str, typer.Option(help="suite part: held-out | tune | fresh | shifts | all")
+        str, typer.Option(help="suite part: held-out | tune | fresh | shifts | mixes | all")
     ] = "held-out",
     hardware: Annotated[str, typer.Option(help="hardware profile or .json")] = "h200-gen5",
     model: Annotated[str, typer.Option(help="KVSpec preset for the cost model")] = "llama3-70b",

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
+from kvtier.sim.mixes import MIXES
 from kvtier.sim.scenarios import SCENARIOS
 from kvtier.sim.shifts import SHIFTS
 from kvtier.sim.suite import run_suite, suite_traces
@@ -21,7 +22,7 @@ from kvtier.sim.trace import Request
 from kvtier.sim.workloads import WORKLOADS, workload
 
 
-@pytest.mark.parametrize("name", sorted({**SCENARIOS, **SHIFTS}))
+@pytest.mark.parametrize("name", sorted({**SCENARIOS, **SHIFTS, **MIXES}))
 def test_scenarios_are_seeded_prefix_consistent_and_hinted(name: str) -> None:
     a = workload(name, n=400, seed=1)
     b = workload(name, n=400, seed=1)
@@ -86,7 +87,7 @@ def test_shift_moves_to_new_documents_and_drift_reorders_one_pool() -> None:
 
 
 def test_all_workloads_are_listed() -> None:
-    assert set(SCENARIOS) <= set(WORKLOADS) and set(SHIFTS) <= set(WORKLOADS)
+    assert set(SCENARIOS) | set(SHIFTS) | set(MIXES) <= set(WORKLOADS)
     assert {"chat", "docqa", "agent", "zipf"} <= set(WORKLOADS)
 
 
@@ -97,9 +98,11 @@ def test_suite_halves_do_not_overlap(tmp_path: Path) -> None:
     fresh = {t.label for t in suite_traces("fresh")}
     shifts = {t.label for t in suite_traces("shifts")}
     assert shifts == {"shift/s10", "shift/s11", "drift/s10", "drift/s11"}
-    assert {t.label for t in suite_traces("all")} == tune | held | fresh | shifts
+    mixes = {t.label for t in suite_traces("mixes")}
+    assert mixes == {f"{w}/s{s}" for w in MIXES for s in (16, 17)}
+    assert {t.label for t in suite_traces("all")} == tune | held | fresh | shifts | mixes
     assert not tune & held and not held & fresh and not tune & fresh
-    assert not shifts & (tune | held | fresh)
+    assert not shifts & (tune | held | fresh) and not mixes & (tune | held | fresh | shifts)
     with pytest.raises(KVTierUsageError, match="unknown suite half"):
         suite_traces("middle")
     with pytest.raises(KVTierUsageError, match="not found"):

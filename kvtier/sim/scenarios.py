@@ -34,7 +34,7 @@ from kvtier.sim.trace import Trace
 Start = tuple[float, list[int], int, Callable[[int], float | None]]
 
 
-def _sessions(
+def run_sessions(
     tb: TraceBuilder,
     rng: random.Random,
     ids: Ids,
@@ -89,7 +89,7 @@ def toolagent(
             return None if turn >= steps - 1 else latency * rng.uniform(0.5, 1.5)
 
         starts.append((t, ids.chain(prompt, rng.randint(1, 3)), len(prompt), gap))
-    _sessions(tb, rng, ids, starts, n, (1, 4))
+    run_sessions(tb, rng, ids, starts, n, (1, 4))
     return tb.build(n)
 
 
@@ -130,7 +130,7 @@ def rag(
             return rng.uniform(10.0, 120.0) if follow and turn == 0 else None
 
         starts.append((t, ids.chain(ctx, 1), len(system), gap))
-    _sessions(tb, rng, ids, starts, n, (1, 2))
+    run_sessions(tb, rng, ids, starts, n, (1, 2))
     return tb.build(n)
 
 
@@ -162,7 +162,7 @@ def tenants(
             return rng.expovariate(1 / think[c]) if rng.random() < cont[c] else None
 
         starts.append((t, ids.chain(prompts[c], rng.randint(1, 6)), len(prompts[c]), gap))
-    _sessions(tb, rng, ids, starts, n, (1, 3))
+    run_sessions(tb, rng, ids, starts, n, (1, 3))
     return tb.build(n)
 
 
@@ -200,7 +200,7 @@ def bursty(
             return rng.lognormvariate(math.log(60.0), 0.8) if rng.random() < p_cont else None
 
         starts.append((t0, ids.chain(rng.choice(systems), rng.randint(1, 8)), 3, gap))
-    _sessions(tb, rng, ids, starts, n, (1, 4))
+    run_sessions(tb, rng, ids, starts, n, (1, 4))
     return tb.build(n)
 
 
@@ -240,7 +240,7 @@ def scan(
 
         starts.append((t, ids.chain(pool[p], rng.randint(1, 4)), len(pool[p]), gap))
         made += 1
-    _sessions(tb, rng, ids, starts, n + len(tb), (1, 3))
+    run_sessions(tb, rng, ids, starts, n + len(tb), (1, 3))
     return tb.build(n)
 
 

@@ -12,7 +12,10 @@ half (the second half of the Mooncake trace; ``agent``, ``zipf``, ``rag``, ``bur
 held-out workloads with seeds 4 and 5) was first run after the parameters were last
 changed, once the held-out half had been seen (no Mooncake part: the trace has only two
 halves). The *shifts* part (``shift`` and ``drift``, whose popularity moves over time,
-seeds 10 and 11) was added after that, a kind of traffic none of the others has. Hints
+seeds 10 and 11) was added after that, a kind of traffic none of the others has, and
+the *mixes* part (:mod:`kvtier.sim.mixes`: tenants in rotation, long conversations,
+templates several levels deep, heavy-tailed sizes, no skew; seeds 16 and 17) after an
+adversarial probe of the default policy found those shapes missing. Hints
 in the generated traces are left out (the suite measures policies without engine help;
 see the hint benchmarks).
 """
@@ -52,7 +55,11 @@ FRESH_SEEDS: tuple[int, ...] = (4, 5)
 #: the parameters were last changed (the ``shifts`` part: never used to choose them).
 SHIFT_WORKLOADS: tuple[str, ...] = ("shift", "drift")
 SHIFT_SEEDS: tuple[int, ...] = (10, 11)
-HALVES: tuple[str, ...] = ("held-out", "tune", "fresh", "shifts", "all")
+#: Workloads of :mod:`kvtier.sim.mixes`, added on 2026-12-04 (the ``mixes`` part: never
+#: used to choose the parameters).
+MIX_WORKLOADS: tuple[str, ...] = ("rotation", "longchat", "templates", "sizes", "uniform")
+MIX_SEEDS: tuple[int, ...] = (16, 17)
+HALVES: tuple[str, ...] = ("held-out", "tune", "fresh", "shifts", "mixes", "all")
 #: The parts that replay a half of the Mooncake trace when one is given.
 MOONCAKE_PARTS: tuple[str, ...] = ("tune", "held-out")
 
@@ -69,9 +76,9 @@ class SuiteTrace:
 def suite_traces(
     half: str = "held-out", requests: int = 4000, mooncake: Path | None = None
 ) -> list[SuiteTrace]:
-    """The traces of ``half`` (``held-out``, ``tune``, ``fresh``, ``shifts`` or ``all`` of
-    them); the Mooncake halves only when ``mooncake`` names the trace file (``fresh`` and
-    ``shifts`` have none).
+    """The traces of ``half`` (``held-out``, ``tune``, ``fresh``, ``shifts``, ``mixes`` or
+    ``all`` of them); the Mooncake halves only when ``mooncake`` names the trace file
+    (``fresh``, ``shifts`` and ``mixes`` have none).
     Raises :class:`KVTierUsageError` for an unknown half or a missing trace file."""
     if half not in HALVES:
         raise KVTierUsageError(f"unknown suite half {half!r}; known: {', '.join(HALVES)}")
@@ -87,6 +94,7 @@ def suite_traces(
         (HELD_OUT_WORKLOADS, HELD_OUT_SEEDS, "held-out"),
         (HELD_OUT_WORKLOADS, FRESH_SEEDS, "fresh"),
         (SHIFT_WORKLOADS, SHIFT_SEEDS, "shifts"),
+        (MIX_WORKLOADS, MIX_SEEDS, "mixes"),
     ):
         if half not in (which, "all"):
             continue

@@ -11,6 +11,11 @@ taken from an arrival list (e.g. :func:`~kvtier.sim.trace.read_azure_arrivals`).
 * ``agent``: agentic tool loops: a long tool preamble, then a session appending a tool
   result per step, many steps in quick succession.
 * ``zipf``: independent requests whose prefixes are drawn from a Zipfian pool.
+
+More live in :mod:`kvtier.sim.scenarios` (``toolagent``, ``rag``, ``tenants``, ``bursty``,
+``scan``), :mod:`kvtier.sim.shifts` (``shift``, ``drift``) and :mod:`kvtier.sim.mixes`
+(``rotation``, ``longchat``, ``templates``, ``sizes``, ``uniform``); all are in
+:data:`WORKLOADS`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import KVTierUsageError
-from kvtier.sim import scenarios, shifts
+from kvtier.sim import mixes, scenarios, shifts
 from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times, zipf_weights
 from kvtier.sim.trace import Arrival, Trace
 
@@ -139,6 +144,7 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
     "zipf": zipf,
     **scenarios.SCENARIOS,
     **shifts.SHIFTS,
+    **mixes.MIXES,
 }
 
 
