@@ -28,6 +28,7 @@ from kvtier.errors import KVTierUsageError
 from kvtier.sim import mixes, scenarios, shifts
 from kvtier.sim.gen import HINT_DELAY_S, Ids, TraceBuilder, poisson_times, zipf_weights
 from kvtier.sim.trace import Arrival, Trace
+from kvtier.sim.workload_params import check_params
 
 
 def chat(
@@ -154,13 +155,16 @@ MAX_GENERATED_REQUESTS = 1_000_000
 
 def workload(name: str, **params: object) -> Trace:
     """Generate the named workload; :class:`KVTierUsageError` listing names otherwise,
-    or for ``n`` (requests) that is not an integer in 1..``MAX_GENERATED_REQUESTS``."""
+    for a parameter the generator does not take or a value its name's rule refuses
+    (:mod:`kvtier.sim.workload_params`), or for ``n`` (requests) that is not an integer
+    in 1..``MAX_GENERATED_REQUESTS``."""
     try:
         gen = WORKLOADS[name]
     except KeyError:
         raise KVTierUsageError(
             f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}"
         ) from None
+    check_params(name, gen, params)
     n = params.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_GENERATED_REQUESTS:
         raise KVTierUsageError(
