@@ -7,7 +7,7 @@ names mean the same thing across generators: a count of things (``prefixes``,
 [0, 1], a Zipf exponent (``alpha``) a finite number >= 0. :func:`check_params` applies
 those rules, so a bad value is a :class:`~kvtier.errors.KVTierUsageError` that names the
 workload, the parameter and the value, not an ``IndexError`` from inside a generator or,
-for a negative rate, a trace whose clock runs backwards. A parameter the generator does
+for a negative rate, a trace with negative timestamps. A parameter the generator does
 not take is refused with the list of those it does.
 """
 
@@ -31,8 +31,9 @@ POSITIVE = frozenset({"rate", "burst_rate", "calm_rate", "think_s", "shape"})
 SHARES = frozenset({"carry", "loyal", "doc_share", "scan_share"})
 #: Finite numbers >= 0.
 EXPONENTS = frozenset({"alpha"})
-#: Checked elsewhere or free: ``n`` (:func:`~kvtier.sim.workloads.workload`), ``seed``
-#: (any integer), ``arrivals`` (a list of arrivals or None).
+#: No range rule here: ``n`` (checked by :func:`~kvtier.sim.workloads.workload`),
+#: ``seed`` (any integer; only its type is checked) and ``arrivals`` (a list of arrivals
+#: or None, passed on as given).
 OTHERS = frozenset({"n", "seed", "arrivals"})
 #: Every parameter name with a rule here.
 KNOWN = frozenset(INTEGERS) | POSITIVE | SHARES | EXPONENTS | OTHERS
