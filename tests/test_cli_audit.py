@@ -92,8 +92,9 @@ def test_the_suite_refuses_a_trace_half_without_blocks_and_a_fresh_half_with_a_t
     assert "its first half (0 of 1 requests) references no block" in error["message"]
     error = invoke("bench", "sim", "--suite", "--half", "fresh", "--trace", str(TRACE), code=2)
     assert "--half fresh has no Mooncake part" in error["message"]
-    error = invoke("bench", "sim", "--suite", "--half", "shifts", "--trace", str(TRACE), code=2)
-    assert "--half shifts has no Mooncake part" in error["message"]
+    for half in ("shifts", "mixes"):
+        error = invoke("bench", "sim", "--suite", "--half", half, "--trace", str(TRACE), code=2)
+        assert f"--half {half} has no Mooncake part" in error["message"]
 
 
 def test_json_output_is_strict_json_even_for_non_finite_numbers() -> None:
