@@ -2,7 +2,8 @@
 
 * :class:`Ids` hands out block ids that follow the prefix rule of real traces (an id
   names a block and everything before it): :meth:`Ids.chain` extends a context with new
-  blocks, :meth:`Ids.shared` names a block shared by every request that uses it.
+  blocks, :meth:`Ids.shared` names a block shared by every request that uses it and
+  :meth:`Ids.shared_chain` extends a context with a run of such blocks.
 * :func:`poisson_times` draws arrival times (or takes them from an arrival list);
   :func:`zipf_weights` gives skewed popularity.
 * :class:`TraceBuilder` collects requests and engine hints in any order and builds a
@@ -37,6 +38,13 @@ class Ids:
         if name not in self._known:
             self._known[name] = next(self._next)
         return self._known[name]
+
+    def shared_chain(
+        self, prefix_ids: Sequence[int], name: tuple[int, ...], blocks: int
+    ) -> list[int]:
+        """``prefix_ids`` followed by ``blocks`` shared blocks named ``(*name, 0)``,
+        ``(*name, 1)``...: the same ids every time the same name is asked for."""
+        return [*prefix_ids, *(self.shared((*name, j)) for j in range(blocks))]
 
 
 def zipf_weights(n: int, alpha: float) -> list[float]:

@@ -34,11 +34,6 @@ from kvtier.sim.scenarios import Start, run_sessions
 from kvtier.sim.trace import Trace
 
 
-def _doc(ids: Ids, tag: tuple[int, ...], prefix: list[int], blocks: int) -> list[int]:
-    """``prefix`` followed by ``blocks`` shared blocks named by ``tag``."""
-    return [*prefix, *(ids.shared((*tag, j)) for j in range(blocks))]
-
-
 def rotation(
     n: int = 5000,
     rate: float = 5.0,
@@ -60,7 +55,7 @@ def rotation(
     for system in systems:
         tb.hint(0.0, "pin", system)
     sets = [
-        [_doc(ids, (51, t, d), systems[t], rng.randint(2, 10)) for d in range(prefixes)]
+        [ids.shared_chain(systems[t], (51, t, d), rng.randint(2, 10)) for d in range(prefixes)]
         for t in range(tenants)
     ]
     weights = zipf_weights(prefixes, alpha)
@@ -114,16 +109,16 @@ def templates(
     rng = random.Random(seed)
     ids = Ids()
     tb = TraceBuilder("templates", block_tokens)
-    roots = [_doc(ids, (70, s), [], rng.randint(2, 6)) for s in range(systems)]
+    roots = [ids.shared_chain([], (70, s), rng.randint(2, 6)) for s in range(systems)]
     for root in roots:
         tb.hint(0.0, "pin", root)
     mids = [
-        [_doc(ids, (71, s, m), roots[s], rng.randint(1, 8)) for m in range(per_system)]
+        [ids.shared_chain(roots[s], (71, s, m), rng.randint(1, 8)) for m in range(per_system)]
         for s in range(systems)
     ]
     leaves = [
         [
-            [_doc(ids, (72, s, m, e), mid, rng.randint(1, 6)) for e in range(examples)]
+            [ids.shared_chain(mid, (72, s, m, e), rng.randint(1, 6)) for e in range(examples)]
             for m, mid in enumerate(row)
         ]
         for s, row in enumerate(mids)
@@ -157,10 +152,10 @@ def sizes(
     system = [ids.shared((80, i)) for i in range(2)]
     tb.hint(0.0, "pin", system)
     docs = [
-        _doc(ids, (81, d), system, int(min(400.0, 100.0 * rng.paretovariate(1.5))))
+        ids.shared_chain(system, (81, d), int(min(400.0, 100.0 * rng.paretovariate(1.5))))
         for d in range(documents)
     ]
-    talks = [_doc(ids, (82, c), system, rng.randint(1, 3)) for c in range(chats)]
+    talks = [ids.shared_chain(system, (82, c), rng.randint(1, 3)) for c in range(chats)]
     w_doc = zipf_weights(documents, 0.9)
     w_talk = zipf_weights(chats, 1.0)
     for t in poisson_times(n, rate, rng):
@@ -184,7 +179,7 @@ def uniform(
     rng = random.Random(seed)
     ids = Ids()
     tb = TraceBuilder("uniform", block_tokens)
-    docs = [_doc(ids, (90, d), [], rng.randint(2, 8)) for d in range(prefixes)]
+    docs = [ids.shared_chain([], (90, d), rng.randint(2, 8)) for d in range(prefixes)]
     for t in poisson_times(n, rate, rng):
         tb.request(t, ids.chain(rng.choice(docs), rng.randint(0, 2)), rng.randint(20, 400))
     return tb.build()

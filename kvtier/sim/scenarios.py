@@ -123,7 +123,7 @@ def rag(
         ctx = list(system)
         for d in picked:  # a chunk's block ids name everything before them too
             after = ctx[-1]
-            ctx += [ids.shared((21, after, d, j)) for j in range(chunk_len[d])]
+            ctx = ids.shared_chain(ctx, (21, after, d), chunk_len[d])
         follow = rng.random() < 0.25
 
         def gap(turn: int, follow: bool = follow) -> float | None:

@@ -47,10 +47,7 @@ def shift(
     system = [ids.shared((30, i)) for i in range(2)]
     tb.hint(0.0, "pin", system)
     pools = [
-        [
-            [*system, *(ids.shared((31, ph, d, j)) for j in range(rng.randint(2, 12)))]
-            for d in range(prefixes)
-        ]
+        [ids.shared_chain(system, (31, ph, d), rng.randint(2, 12)) for d in range(prefixes)]
         for ph in range(max(1, phases))
     ]
     weights = zipf_weights(prefixes, alpha)
@@ -80,10 +77,7 @@ def drift(
     tb = TraceBuilder("drift", block_tokens)
     system = [ids.shared((40, 0))]
     tb.hint(0.0, "pin", system)
-    pool = [
-        [*system, *(ids.shared((41, d, j)) for j in range(rng.randint(2, 10)))]
-        for d in range(prefixes)
-    ]
+    pool = [ids.shared_chain(system, (41, d), rng.randint(2, 10)) for d in range(prefixes)]
     rank = list(range(prefixes))  # rank -> document
     weights = zipf_weights(prefixes, alpha)
     for i, t in enumerate(poisson_times(n, rate, rng)):
