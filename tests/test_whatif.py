@@ -13,9 +13,10 @@ from kvtier.cache import KVCache
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import ROOT_KEY
 from kvtier.policy.eviction import make_policy
+from kvtier.policy.shadow import key_hash
 from kvtier.sim.replay import make_tiers, replay
 from kvtier.sim.trace import Trace
-from kvtier.sim.whatif import FACTORS, TierModel, WhatIf, factor_label
+from kvtier.sim.whatif import SAMPLE_SEED, FACTORS, TierModel, WhatIf, factor_label
 from kvtier.sim.workloads import workload
 
 
@@ -98,6 +99,50 @@ def test_whatif_bad_input() -> None:
         WhatIf([m], factors=[0.0])
     with pytest.raises(KVTierUsageError, match="capacity"):
         WhatIf([TierModel("x", 0, m.policy)])
+
+
+@pytest.mark.parametrize(
+    ("factors", "match"),
+    [
+        (None, "list of numbers"),
+        ("2", "list of numbers"),
+        ([True], "numbers, got True"),
+        (["2"], "numbers, got '2'"),
+        ([float("nan")], "finite"),
+        ([float("inf")], "finite"),
+        ([1e308], "<= 1000"),
+        ([-0.5], "> 0"),
+        ([1.004], "label '\\+0%' of the current size"),
+        ([0.5, 0.504], "label '-50%' of 0.5"),
+    ],
+)
+def test_whatif_bad_factors_are_named(factors: object, match: str) -> None:
+    m = TierModel("hbm", 10, functools.partial(make_policy, "lru"))
+    with pytest.raises(KVTierUsageError, match=match):
+        WhatIf([m], factors=factors)  # type: ignore[arg-type]
+
+
+def test_whatif_takes_numpy_numbers() -> None:
+    m = TierModel("hbm", 10, functools.partial(make_policy, "lru"))
+    w = WhatIf([m], factors=[np.int64(2), np.float64(0.5)], mini_pages=np.int64(64))  # type: ignore[arg-type]
+    assert w.factors == [0.5, 1.0, 2.0]
+    assert w.mini_pages == 64 and type(w.mini_pages) is int
+
+
+def test_no_estimate_before_a_sampled_reference() -> None:
+    """A sampled tier reports no estimate (not 100 %) until a page of its sample is
+    looked up: SHARDS' adjustment alone would count every expected reference a hit."""
+    m = TierModel("dram", 1 << 17, functools.partial(make_policy, "lru"))
+    w = WhatIf([m], mini_pages=16)
+    assert w.groups[0].rate < 1e-3
+    keys = [bytes([i % 256, i // 256]) * 8 for i in range(48)]
+    hashes_kept = [k for k in keys if w.groups[0].keeps(key_hash(k, SAMPLE_SEED))]
+    assert not hashes_kept  # none of these is in the sample
+    for i in range(0, 48, 4):
+        w.on_request(keys[i : i + 4])
+    est = w.estimates()["dram"]
+    assert est["sampled_refs"] == 0
+    assert set(est["hit_rate"].values()) == {None}
 
 
 async def test_live_cache_reports_whatif_in_stats_and_prometheus() -> None:

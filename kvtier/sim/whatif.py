@@ -29,9 +29,13 @@ hint-aware policies of the miniatures as in a replay.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
@@ -47,13 +51,48 @@ FACTORS: tuple[float, ...] = (0.5, 0.75, 1.25, 1.5, 2.0)
 _FULL = 1 << 64
 #: Hash seed of the what-if sample: not the one policies sample their own miniatures
 #: with, so a sampled adaptive tier's own miniatures see an independent sample.
-_SEED = 0x5748_4946
+SAMPLE_SEED = 0x5748_4946
+
+
+#: The largest capacity factor an estimate may be asked for (x1000: beyond it the sample
+#: of a tier would be too thin to hold a page).
+MAX_FACTOR = 1000.0
 
 
 def factor_label(f: float) -> str:
     """``0.75`` -> ``"-25%"``, ``2.0`` -> ``"+100%"``, ``1.0`` -> ``"+0%"``."""
     pct = round((f - 1.0) * 100)
     return f"{'+' if pct >= 0 else '-'}{abs(pct)}%"
+
+
+def check_factors(factors: object) -> list[float]:
+    """The capacity factors to estimate, sorted, with the current size (1.0) added.
+    Raises :class:`KVTierUsageError` naming the problem for a value that is not a
+    sequence of real numbers, a factor that is not finite, not > 0 or above
+    :data:`MAX_FACTOR`, or two factors with the same label (``1.004`` is ``"+0%"``, the
+    current size: its estimate would replace another's)."""
+    if isinstance(factors, str | bytes) or not isinstance(factors, Sequence | set | frozenset):
+        raise KVTierUsageError(
+            f"what-if: capacity factors must be a list of numbers, got {factors!r}"
+        )
+    out: dict[str, float] = {"+0%": 1.0}
+    for f in factors:
+        if isinstance(f, bool | np.bool_) or not isinstance(f, numbers.Real):
+            raise KVTierUsageError(f"what-if: capacity factors must be numbers, got {f!r}")
+        value = float(f)
+        if not (math.isfinite(value) and 0.0 < value <= MAX_FACTOR):
+            raise KVTierUsageError(
+                f"what-if: capacity factors must be finite, > 0 and <= {MAX_FACTOR:g}, got {f!r}"
+            )
+        label = factor_label(value)
+        if label in out and out[label] != value:
+            other = "the current size" if out[label] == 1.0 else repr(out[label])
+            raise KVTierUsageError(
+                f"what-if: capacity factor {f!r} has the label {label!r} of {other}: "
+                "give factors that differ by at least 1 %"
+            )
+        out[label] = value
+    return sorted(out.values())
 
 
 @dataclass(frozen=True)
@@ -111,8 +150,8 @@ class _Group:
         the few very popular pages (a system prompt), which hit at any size, so it is
         counted as hits (or taken away from them) before dividing."""
         expected = self.rate * self.all_refs
-        if expected <= 0:
-            return None
+        if expected <= 0 or self.refs == 0:
+            return None  # nothing sampled yet: no estimate (the adjustment alone gives 1)
         adjusted = self.hits[i] + (expected - self.refs)
         return min(max(adjusted / expected, 0.0), 1.0)
 
@@ -160,20 +199,22 @@ class WhatIf:
             raise KVTierUsageError(
                 f"what-if: unknown write policy {write_policy!r}; known: {WRITE_POLICIES}"
             )
-        for f in factors:
-            if isinstance(f, bool) or not isinstance(f, int | float) or not f > 0:
-                raise KVTierUsageError(f"what-if: capacity factors must be > 0, got {f!r}")
+        checked = check_factors(factors)
         for t in tiers:
             if isinstance(t.capacity, bool) or not isinstance(t.capacity, int) or t.capacity < 1:
                 raise KVTierUsageError(
                     f"what-if: tier {t.name!r} needs a capacity >= 1 page, got {t.capacity!r}"
                 )
-        if isinstance(mini_pages, bool) or not isinstance(mini_pages, int) or mini_pages < 16:
+        if (
+            isinstance(mini_pages, bool | np.bool_)
+            or not isinstance(mini_pages, numbers.Integral)
+            or mini_pages < 16
+        ):
             raise KVTierUsageError(f"what-if: mini_pages must be an int >= 16, got {mini_pages!r}")
-        self.tiers = list(tiers)
-        self.write_policy = write_policy
-        self.factors = sorted({1.0, *(float(f) for f in factors)})
-        self.mini_pages = mini_pages
+        self.tiers: list[TierModel] = list(tiers)
+        self.write_policy: str = write_policy
+        self.factors: list[float] = checked
+        self.mini_pages: int = int(mini_pages)
         self.reset()
 
     def reset(self) -> None:
@@ -189,7 +230,7 @@ class WhatIf:
         self.requests += 1
         if not keys:
             return
-        hashes = [key_hash(k, _SEED) for k in keys]
+        hashes = [key_hash(k, SAMPLE_SEED) for k in keys]
         for g in self.groups:
             g.all_refs += len(keys)
             sampled = [k for k, h in zip(keys, hashes, strict=True) if g.keeps(h)]
@@ -206,7 +247,7 @@ class WhatIf:
 
     def on_hint(self, hint: Hint, now_s: float) -> None:
         """An engine hint: given, for the sampled pages, to hint-aware policies."""
-        hashes = [key_hash(k, _SEED) for k in hint.keys]
+        hashes = [key_hash(k, SAMPLE_SEED) for k in hint.keys]
         for g in self.groups:
             keys = tuple(k for k, h in zip(hint.keys, hashes, strict=True) if g.keeps(h))
             if hint.keys and not keys:
@@ -220,7 +261,8 @@ class WhatIf:
     def estimates(self) -> dict[str, dict[str, Any]]:
         """Per tier: ``capacity_pages``, ``sample_rate``, ``sampled_refs`` and
         ``hit_rate`` by factor label (``"-50%"`` ... ``"+100%"``, ``"+0%"`` for the
-        current size): the estimated share of looked-up pages found at or above it."""
+        current size): the estimated share of looked-up pages found at or above it,
+        ``None`` until a page of the tier's sample was looked up."""
         out: dict[str, dict[str, Any]] = {}
         for g in self.groups:
             out[g.name] = {
