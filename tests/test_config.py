@@ -226,7 +226,7 @@ def _tiers(**first) -> dict:
         (
             _tiers(eviction="lru-k", eviction_params={"k": 0}),
             {},
-            r"tiers\[0\]\.eviction: lru-k: k must be",
+            r"tiers\[0\]\.eviction_params: lru-k: k must be",
         ),
         (_tiers(options="x"), {}, r"tiers\[0\]\.options: must be a table"),
         ({"pipeline": {"write_policy": "sometimes"}}, {}, r"pipeline\.write_policy: must be one"),

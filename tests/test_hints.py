@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import json
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvtier.policy  # noqa: F401 - registers policies
@@ -47,6 +49,26 @@ def test_hint_validation_names_the_problem() -> None:
         make_hint("pin", k(1))
     with pytest.raises(KVTierUsageError, match=r"t\.jsonl:3: field 'hash_ids'"):
         parse_hint({"hint": "pin", "hash_ids": "x"}, block_key, "t.jsonl:3")
+
+
+def test_the_hint_dataclass_checks_what_make_hint_checks() -> None:
+    """``Hint`` itself (documented, so built directly too) turns real numbers into floats
+    and key lists into tuples, and names what it refuses."""
+    assert Hint("ttl", (), np.float32(5)).value == 5.0
+    assert type(Hint("next_turn", (), np.int64(5)).value) is float
+    assert Hint("open", [k(1)]).keys == (k(1),)  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match=r"integer too large for a float \(401 digits\)"):
+        Hint("ttl", (), 10**400)
+    with pytest.raises(
+        KVTierUsageError, match=r"value Fraction\(.*\.\.\. is beyond the float range"
+    ):
+        make_hint("ttl", [], Fraction(10**400, 3))  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match=r"needs a finite number value, got np\.True_"):
+        Hint("ttl", (), np.bool_(True))  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match="sequence of page keys"):
+        Hint("pin", k(1))  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match="sequence of page keys"):
+        Hint("pin", None)  # type: ignore[arg-type]
 
 
 def test_trace_reader_takes_hint_lines(tmp_path: Path) -> None:

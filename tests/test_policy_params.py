@@ -77,8 +77,27 @@ def test_good_parameters_still_build(name: str, params: dict) -> None:
 def test_toml_eviction_params_are_checked_at_load(tmp_path: Path) -> None:
     path = tmp_path / "kvtier.toml"
     for eviction, table, match in [
-        ("arc", 'capacity = "5"', r"tiers\[0\]\.eviction: arc: capacity must be an integer"),
-        ("adaptive", 'experts = ["lru", "lru"]', r"tiers\[0\]\.eviction: adaptive: experts"),
+        (
+            "arc",
+            'capacity = "5"',
+            r"tiers\[0\]\.eviction_params: arc: capacity must be an integer",
+        ),
+        ("adaptive", 'experts = ["lru", "lru"]', r"tiers\[0\]\.eviction_params: adaptive: experts"),
+        # a bad name inside the parameters is named there, not on the valid `eviction`
+        (
+            "adaptive",
+            'experts = ["bogus"]',
+            r"tiers\[0\]\.eviction_params: adaptive: experts: unknown eviction policy 'bogus'",
+        ),
+        (
+            "hinted",
+            'fallback = "bogus"',
+            r"tiers\[0\]\.eviction_params: hinted: fallback: unknown eviction policy 'bogus'",
+        ),
+        # a fallback that keeps a clock would never be given it
+        ("hinted", 'fallback = "adaptive"', r"hinted: the fallback cannot be 'adaptive'"),
+        ("interval", 'fallback = "interval"', r"interval: the fallback cannot be 'interval'"),
+        ("bogus", "", r"tiers\[0\]\.eviction: unknown eviction policy 'bogus'"),
     ]:
         path.write_text(
             '[model]\npreset = "tiny"\n[[tiers]]\nbackend = "dram"\ncapacity = "1MiB"\n'

@@ -24,7 +24,7 @@ from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import Namespace
 from kvtier.log import parse_level
 from kvtier.policy.admission import make_admission
-from kvtier.policy.eviction import make_policy
+from kvtier.policy.eviction import EVICTION_POLICIES, make_policy
 from kvtier.policy.prefetch import LIVE_PREDICTORS
 from kvtier.policy.write import WRITE_POLICIES, WritePolicy
 from kvtier.spec import KVSpec, preset
@@ -387,7 +387,9 @@ def _build_tier(
     try:
         make_policy(eviction, **params)
     except ConfigError as exc:
-        raise ConfigError(f"{p}.eviction: {exc}{_src(sources, p + '.eviction')}") from None
+        # a known policy refusing its parameters: the parameters are what to fix
+        where = f"{p}.eviction_params" if eviction in EVICTION_POLICIES else f"{p}.eviction"
+        raise ConfigError(f"{where}: {exc}{_src(sources, where)}") from None
     options = _table(t.get("options", {}), f"{p}.options", sources)
     codec = _str(t.get("codec", "none"), f"{p}.codec", sources)
     codec_params = _table(t.get("codec_params", {}), f"{p}.codec_params", sources)

@@ -43,7 +43,11 @@ This policy covers that range with one bookkeeping and picks the point that fits
    (:mod:`kvtier.policy.hint_audit`: a ``next_turn`` that came true, a ``close`` of a page
    used again): once 32 were judged and fewer than 80 % came true, the ``hinted`` expert
    neither leads nor stays leader until they improve, so the tier does what it would do
-   without hints (exact hints: all true; half of them wrong: 20-50 % true).
+   without hints (exact hints: all true; half of them wrong: 20-50 % true). Pins hold
+   whoever leads, as long as the hints are trusted (an engine that sends only pins gives
+   the audit nothing to judge, so they hold): the pages the ``hinted`` expert holds
+   pinned (while they fill at most its ``pin_share`` of the tier) come last in the
+   tier's order.
 
 Nothing is tied to a trace: the points, the experts and four numbers are the whole
 configuration; they were chosen on half of kvtier's workloads and seeds and checked on
@@ -68,7 +72,7 @@ trace's timestamps, a live cache ``time.monotonic()``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Container, Generator, Sequence
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
@@ -99,7 +103,10 @@ def _expert(name: str) -> EvictionPolicy:
 
     if name in ("adaptive", "hinted"):
         raise ConfigError(f"adaptive: {name!r} cannot be an expert here")
-    return make_policy(name)
+    try:
+        return make_policy(name)
+    except ConfigError as exc:
+        raise ConfigError(f"adaptive: experts: {exc}") from None
 
 
 def point_policy(bonus: float, order: str, history: float) -> EvictionPolicy:
@@ -124,6 +131,22 @@ def _points(points: Sequence[str]) -> list[tuple[float, str]]:
     if len(set(out)) != len(out):
         raise ConfigError(f"adaptive: points repeat: {list(points)}")
     return out
+
+
+def _pins_last(
+    order: Generator[PageKey, None, None], pinned: Container[PageKey]
+) -> Generator[PageKey, None, None]:
+    """``order`` with the ``pinned`` pages held back until everything else was read."""
+    held: list[PageKey] = []
+    try:
+        for key in order:
+            if key in pinned:
+                held.append(key)
+            else:
+                yield key
+        yield from held
+    finally:
+        order.close()
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -429,12 +452,18 @@ class AdaptivePolicy(EvictionPolicy):
     ) -> Generator[PageKey, None, None]:
         """The tier's whole preference order, read lazily: prefix cuts over the leader's
         order (a point's two-class order, or an expert asked page by page; see
-        :mod:`kvtier.policy.base`)."""
+        :mod:`kvtier.policy.base`). The engine's pins hold whoever leads while its hints
+        are trusted: the pages the ``hinted`` expert holds pinned (its ``pin_share`` bound
+        included) come last."""
         expert = self.experts.get(self.leader)
         if expert is not None:
-            return self.forest.order(policy_offers(expert, evictable), evictable)
-        bonus, order = self.grid[self.leader]
-        return self.forest.order(lambda _done: self.book.ordered(bonus, order), evictable)
+            order = self.forest.order(policy_offers(expert, evictable), evictable)
+        else:
+            bonus, kind = self.grid[self.leader]
+            order = self.forest.order(lambda _done: self.book.ordered(bonus, kind), evictable)
+        pins = getattr(self._hinted, "honoured_pins", None)
+        pinned = pins() if callable(pins) and self._hints_trusted() else None
+        return _pins_last(order, pinned) if pinned else order
 
     def describe(self) -> dict[str, Any]:
         """The leader, how often it changed (and how often an expert took over its

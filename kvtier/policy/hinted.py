@@ -26,8 +26,7 @@ a ``close`` or past its ``ttl`` simply comes back to life: a wrong hint costs th
 lost, never correctness. Hints given for pages the tier does not hold are kept for
 ``history`` capacities of pages, so a hint that arrives before its pages does count; the
 rates of evicted pages are kept for ``rate_history`` capacities (``history`` for pages
-with one unforeseen reference), so a shared prompt evicted and fetched again keeps its
-rate.
+with one unforeseen reference): a shared prompt evicted and fetched again keeps its rate.
 
 Time comes from :meth:`on_time` (the replay passes the trace's clock, the live cache
 ``time.monotonic()``); without it every prediction is relative to the last hint.
@@ -44,7 +43,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, close_order, victims_in_order
-from kvtier.policy.hints import Hint, NextUse
+from kvtier.policy.hints import Hint, NextUse, hint_target
 from kvtier.policy.params import nonnegative_param, share_param
 from kvtier.policy.prefix_cut import policy_offers
 from kvtier.policy.rate_table import RateTable
@@ -65,9 +64,13 @@ def _fallback(name: str, owner: str) -> EvictionPolicy:
 
     if not isinstance(name, str):
         raise ConfigError(f"{owner}: fallback must be a policy name, got {name!r}")
-    if name == "hinted":
-        raise ConfigError(f"{owner}: the fallback cannot be 'hinted'")
-    return make_policy(name)
+    try:
+        policy = make_policy(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{owner}: fallback: {exc}") from None
+    if hint_target(policy) is not None:  # it would never be given the clock or the hints
+        raise ConfigError(f"{owner}: the fallback cannot be {name!r}, a policy that keeps time")
+    return policy
 
 
 class HintedPolicy(EvictionPolicy):
@@ -83,16 +86,15 @@ class HintedPolicy(EvictionPolicy):
         rate_history: float = 16.0,
         lateness: float = 0.0,
     ) -> None:
-        """``fallback``: a registered policy name. ``history``: how many capacities of
-        hinted pages not (or no longer) in the tier keep their hint (and of evicted pages
-        with one unforeseen reference, their count). ``rate_history``: how many
-        capacities of evicted pages with two or more unforeseen references keep their
-        rate. ``pin_share``: pins are honoured while pinned pages fill at most this share
-        of the tier (an engine pinning more than fits gets plain eviction for them).
-        ``lateness``: once a rate forecast is past, each second late adds this many
-        seconds to it (0: the wait only stretches the mean interval; see
-        :mod:`kvtier.policy.rate_table`). Raises :class:`ConfigError` for a bad value,
-        naming this policy (``interval`` for the subclass)."""
+        """``fallback``: a registered policy that keeps no clock. ``history``: how many
+        capacities of hinted pages not (or no longer) in the tier keep their hint (and of
+        evicted pages with one unforeseen reference, their count). ``rate_history``: how
+        many capacities of evicted pages with two or more unforeseen references keep their
+        rate. ``pin_share``: pins hold while pinned pages fill at most this share of the
+        tier (an engine pinning more than fits gets plain eviction for them). ``lateness``:
+        each second a rate forecast is late adds this many seconds to it (0: the wait only
+        stretches the mean interval; :mod:`kvtier.policy.rate_table`). Raises
+        :class:`ConfigError` naming a bad value and this policy (or ``interval``)."""
         self.history = nonnegative_param(self.name, "history", history)
         self.rate_history = nonnegative_param(self.name, "rate_history", rate_history)
         lateness = nonnegative_param(self.name, "lateness", lateness, finite=True)
@@ -104,9 +106,9 @@ class HintedPolicy(EvictionPolicy):
         #: page -> pending predicted uses (time, overdue after, tolerance), soonest first;
         #: a page shared by several sessions has one per session (at most 8).
         self._predicted: dict[PageKey, list[tuple[float, float, float]]] = {}
-        #: page -> [first, last, count] of its unforeseen references.
+        #: page -> [first, last, count] of its unforeseen references; the held pages
+        #: with two or more of them, for ranking all at once.
         self._unforeseen: dict[PageKey, list[float]] = {}
-        #: The held pages with two or more of them, for ranking all at once.
         self._rates = RateTable(lateness)
         #: Pages with an unforeseen rate the tier no longer holds, oldest first.
         self._rate_absent: OrderedDict[PageKey, None] = OrderedDict()
@@ -363,9 +365,7 @@ class HintedPolicy(EvictionPolicy):
                 key in self._resident and key not in done and (evictable is None or evictable(key))
             )
 
-        pinned: set[PageKey] | frozenset[PageKey] = self._pinned
-        if sum(1 for key in pinned if key in self._resident) > self.pin_share * self.c:
-            pinned = frozenset()  # more pinned than the tier can afford: plain pages
+        pinned = self.honoured_pins()
         now = self.now
         # 1. dead pages: closed, then expired
         for key in [*self._dead, *(k for k, exp in self._expiry.items() if exp <= now)]:
@@ -413,6 +413,11 @@ class HintedPolicy(EvictionPolicy):
         for key in self._fallback_order(usable):
             done.add(key)
             yield key
+
+    def honoured_pins(self) -> set[PageKey] | frozenset[PageKey]:
+        """The pinned pages, or none while the held ones fill over ``pin_share`` of it."""
+        over = sum(1 for key in self._pinned if key in self._resident) > self.pin_share * self.c
+        return frozenset() if over else self._pinned
 
     def _score(self, key: PageKey) -> float | None:
         """How far off the page's forecast is, divided by its weight (None: no forecast)."""

@@ -23,8 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import KEY_BYTES, PageKey
@@ -57,27 +59,56 @@ class Hint:
     value: float | None = None
 
     def __post_init__(self) -> None:
+        """Check every field, naming a bad one. A real number ``value`` (numpy's too)
+        becomes a ``float`` and any sequence of keys a tuple."""
         if not isinstance(self.kind, str) or self.kind not in HINT_KINDS:
             raise KVTierUsageError(
                 f"unknown hint kind {self.kind!r}; known: {', '.join(HINT_KINDS)}"
             )
+        if isinstance(self.keys, bytes | bytearray | str) or not isinstance(self.keys, Sequence):
+            raise KVTierUsageError(
+                f"hint keys must be a sequence of page keys, got {self.keys!r:.40}"
+            )
+        if not isinstance(self.keys, tuple):
+            object.__setattr__(self, "keys", tuple(self.keys))
         needs = HINT_KINDS[self.kind]
-        v = self.value
+        v = _real_value(self.kind, self.value)
         if needs:
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise KVTierUsageError(f"hint {self.kind!r} needs a finite number value, got {v!r}")
+            if v is None or not math.isfinite(v):
+                raise KVTierUsageError(
+                    f"hint {self.kind!r} needs a finite number value, got {self.value!r}"
+                )
             if v < 0 or (self.kind == "priority" and v <= 0):
                 raise KVTierUsageError(
                     f"hint {self.kind!r}: value must be "
-                    f"{'> 0' if self.kind == 'priority' else '>= 0'}, got {v!r}"
+                    f"{'> 0' if self.kind == 'priority' else '>= 0'}, got {self.value!r}"
                 )
-        elif v is not None:
-            raise KVTierUsageError(f"hint {self.kind!r} takes no value, got {v!r}")
+            object.__setattr__(self, "value", v)
+        elif self.value is not None:
+            raise KVTierUsageError(f"hint {self.kind!r} takes no value, got {self.value!r}")
         for i, k in enumerate(self.keys):
             if not isinstance(k, bytes) or len(k) != KEY_BYTES:
                 raise KVTierUsageError(
                     f"hint keys[{i}] must be a {KEY_BYTES}-byte page key, got {k!r:.40}"
                 )
+
+
+def _real_value(kind: str, value: object) -> float | None:
+    """``value`` as a float when it is a real number (not a bool), else ``None``. Raises
+    :class:`KVTierUsageError` for one beyond the float range."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer (or a fraction) beyond the float range
+        if isinstance(value, Integral):
+            digits = len(str(abs(int(value))))
+            raise KVTierUsageError(
+                f"hint {kind!r}: value is an integer too large for a float ({digits} digits)"
+            ) from None
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else f"{shown[:36]}..."
+        raise KVTierUsageError(f"hint {kind!r}: value {shown} is beyond the float range") from None
 
 
 class NextUse:
@@ -107,15 +138,6 @@ def make_hint(kind: str, keys: Sequence[PageKey], value: float | None = None) ->
     """A :class:`Hint` with ``keys`` as a tuple (validated)."""
     if isinstance(keys, bytes | bytearray | str):
         raise KVTierUsageError("hint keys must be a sequence of page keys, not a single key")
-    # numbers (numpy's too) become floats; anything else reaches Hint's check as it is
-    if isinstance(value, Real) and not isinstance(value, bool):
-        try:
-            value = float(value)
-        except OverflowError:  # an integer beyond the float range
-            raise KVTierUsageError(
-                f"hint {kind!r}: value is an integer too large for a float "
-                f"({len(str(abs(int(value))))} digits)"
-            ) from None
     return Hint(kind, tuple(keys), value)
 
 
