@@ -332,7 +332,7 @@ class KVCache:
         keys = self.page_keys(tokens, parent, ns)
         rows = self._input.rows(pages, len(keys), "pages")
         parents: list[PageKey | None] = [parent, *keys[:-1]] if keys else []
-        return StoreResult(keys, await self.pipeline.store(keys, rows, parents, ns.label))
+        return StoreResult(keys, await self._calling().store(keys, rows, parents, ns.label))
 
     async def store_pages(
         self,
@@ -346,7 +346,7 @@ class KVCache:
         rows = self._input.rows(pages, len(ks), "pages")
         pars = check_parents(parents, len(ks))
         label = namespace_label(namespace, self.namespace)
-        return await self.pipeline.store(ks, rows, pars, label)
+        return await self._calling().store(ks, rows, pars, label)
 
     async def lookup(
         self, tokens: Tokens, parent: PageKey = ROOT_KEY, namespace: NamespaceArg = None
@@ -378,6 +378,12 @@ class KVCache:
         return LookupResult(found, tiers, len(found) * self.spec.page_tokens)
 
     # -- hints and observers (kvtier/cache_hooks.py) ------------------------------------
+
+    def _calling(self) -> Pipeline:
+        """The pipeline (raises when not open), the clock ticked for what a call evicts."""
+        pipe = self.pipeline
+        self.hooks.on_call()
+        return pipe
 
     def attach(self, observer: CacheObserver) -> Callable[[], None]:
         """Tell ``observer`` about every lookup, load, hint and clock tick from now on;
@@ -418,24 +424,19 @@ class KVCache:
         """Move ``keys`` out of the tier named ``tier`` now, as eviction would: each page is
         written to the tier below unless a lower tier holds it already or the write policy
         drops it (the last tier drops pages). Pages the tier does not hold are ignored.
-
         Returns the pages that stay in ``tier`` (their write-down failed, or the backend
         failed to delete them). Raises :class:`KVTierUsageError` for an unknown tier name
-        or a pinned key (before moving anything).
-        """
-        pipe = self.pipeline
+        or a pinned key (before moving anything)."""
+        pipe = self._calling()
         if not isinstance(tier, str):
             raise KVTierUsageError(f"tier must be a tier name, got {type(tier).__name__}")
         return await pipe.demote(pipe.tier(tier), check_keys(keys))
 
     async def load(self, keys: Sequence[PageKey], pin: bool = True) -> LoadResult:
-        """Bring ``keys`` to the top tier in one batched pass.
-
-        With ``pin`` every key (found or not) is pinned until :meth:`release`; the slots
-        stay valid meanwhile. Raises :class:`~kvtier.errors.CapacityError` when the pages
-        cannot fit because the top tier is pinned full.
-        """
-        result = await self.pipeline.load(ks := check_keys(keys), pin)
+        """Bring ``keys`` to the top tier in one batched pass. With ``pin`` every key (found
+        or not) is pinned until :meth:`release`; the slots stay valid meanwhile. Raises
+        :class:`~kvtier.errors.CapacityError` when the top tier is pinned full."""
+        result = await self._calling().load(ks := check_keys(keys), pin)
         self.hooks.on_load(ks)
         return result
 
@@ -443,9 +444,8 @@ class KVCache:
         """Unpin keys pinned by :meth:`load` (one pin per occurrence).
 
         Takes effect immediately; the returned object may be awaited (``await
-        cache.release(keys)`` and ``cache.release(keys)`` are equivalent; typed ``Any`` so
-        that both sync and async call sites type-check). Raises
-        :class:`KVTierUsageError` for a key that is not pinned (released twice).
+        cache.release(keys)`` is the same; typed ``Any`` so that both sync and async call
+        sites type-check). Raises :class:`KVTierUsageError` for a key not pinned.
         """
         self.pipeline.release(check_keys(keys))
         return _Done()
@@ -456,11 +456,11 @@ class KVCache:
         pages read back from stores are checksum-verified."""
         ks = check_keys(keys)
         rows = self._input.rows(out, len(ks), "out", writable=True)
-        return await self.pipeline.read(ks, rows)
+        return await self._calling().read(ks, rows)
 
     async def prefetch(self, keys: Sequence[PageKey], deadline_s: float) -> PrefetchResult:
         """Move ``keys`` toward the top tier; returns what arrived within ``deadline_s``."""
-        return await self.pipeline.prefetch(check_keys(keys), deadline_s)
+        return await self._calling().prefetch(check_keys(keys), deadline_s)
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
         """Remove ``keys`` from every tier (pinned keys raise); returns pages removed."""

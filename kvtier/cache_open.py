@@ -75,8 +75,9 @@ def check_owner(owner: Owner | None) -> None:
     if threading.get_ident() != thread or (running is not None and running is not loop):
         raise KVTierUsageError(
             "KVCache is used from another thread or event loop than the one that started "
-            "it; call it on that loop (from another thread: "
-            "asyncio.run_coroutine_threadsafe(coro, loop))"
+            "it; call it on that loop (from another thread: a coroutine method through "
+            "asyncio.run_coroutine_threadsafe(coro, loop), a plain one such as hint() "
+            "through loop.call_soon_threadsafe)"
         )
 
 

@@ -16,17 +16,22 @@ rest of their move):
 Every page it moved up is tracked until it is used or leaves the top tier: counted as
 ``useful`` when a ``load`` or ``lookup`` finds it in the top tier, ``wasted`` when it is
 evicted first (``kvtier_predicted_prefetch_pages_total{outcome}``, with ``issued``,
-``arrived``, ``late`` and ``missing`` from the prefetch results). At most
-``max_inflight`` prefetches run at once (a request arriving while they are busy is not
-prefetched: the predictor never queues behind itself). :meth:`aclose` (called by
-``KVCache.close``) cancels what has not started.
+``arrived``, ``late`` and ``missing`` from the prefetch results). A page is issued once
+while a prefetch of it runs (two lookups of one request do not move it twice) and
+counted ``arrived`` or ``late`` once while tracked, so that ``arrived + late == useful +
+wasted + tracked + forgotten`` (``forgotten``: dropped past ``track``) in
+:meth:`LivePrefetcher.stats`, which counts this predictor's pages (the metric counts
+those of every predictor the cache had). At most ``max_inflight`` prefetches run at once
+(a request arriving while they are busy is not prefetched: the predictor never queues
+behind itself). :meth:`aclose` (called by ``KVCache.close``) cancels what has not
+started; so does a detach (``on_detach``), which also stops listening to the directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
 
 from kvtier.errors import KVTierUsageError
@@ -34,6 +39,7 @@ from kvtier.index.directory import Directory
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.metrics import CacheMetrics
+from kvtier.observers import check_count, check_seconds, shared_counter
 from kvtier.policy.hints import Hint
 from kvtier.policy.prefetch import LIVE_PREDICTORS, LookaheadPredictor
 from kvtier.transfer.pipeline import PrefetchResult
@@ -44,10 +50,15 @@ _log = get_logger("kvtier.prefetcher")
 #: Predictor names :class:`LivePrefetcher` accepts.
 PREDICTORS: tuple[str, ...] = LIVE_PREDICTORS
 
+#: The outcomes counted (``stats()["pages"]`` and the metric's ``outcome`` label).
+OUTCOMES: tuple[str, ...] = ("issued", "arrived", "late", "missing", "useful", "wasted")
+
+_OWNER = "live predictor"
+
 
 def check_predictor(name: str) -> None:
     """Raise :class:`KVTierUsageError` unless ``name`` is one of :data:`PREDICTORS`."""
-    if name not in PREDICTORS:
+    if not isinstance(name, str) or name not in PREDICTORS:
         raise KVTierUsageError(f"unknown predictor {name!r}; known: {', '.join(PREDICTORS)}")
 
 
@@ -76,11 +87,15 @@ class LivePrefetcher:
     Args:
         cache: the open cache to prefetch into.
         predictor: one of :data:`PREDICTORS`.
-        deadline_s: each prefetch's deadline (pages later than this keep moving and are
-            counted ``late``).
-        max_inflight: prefetch calls running at once.
-        max_pages: pages per prefetch call.
-        track: pages tracked for useful/wasted at most (oldest forgotten first).
+        deadline_s: each prefetch's deadline, finite seconds > 0 (pages later than this
+            keep moving and are counted ``late``).
+        max_inflight: prefetch calls running at once (an integer >= 1).
+        max_pages: pages per prefetch call (an integer >= 1).
+        track: pages tracked for useful/wasted at most (an integer >= 1; oldest
+            forgotten first).
+
+    Raises :class:`KVTierUsageError` naming a bad argument. Directory events reach it
+    once it is attached (``on_attach``) until it is detached or closed.
     """
 
     name: ClassVar[str] = "predictor"
@@ -95,27 +110,50 @@ class LivePrefetcher:
         track: int = 1 << 16,
     ) -> None:
         check_predictor(predictor)
-        if not deadline_s >= 0:
-            raise KVTierUsageError(f"predictor deadline_s must be >= 0, got {deadline_s!r}")
+        self.deadline_s = check_seconds(_OWNER, "deadline_s", deadline_s)
+        self.max_inflight = check_count(_OWNER, "max_inflight", max_inflight)
+        self.max_pages = check_count(_OWNER, "max_pages", max_pages)
+        self.track = check_count(_OWNER, "track", track)
         self.cache = cache
         self.predictor = predictor
-        self.deadline_s = float(deadline_s)
-        self.max_inflight = max(int(max_inflight), 1)
-        self.max_pages = max(int(max_pages), 1)
-        self.track = max(int(track), 1)
         self.use_prefix = "prefix" in predictor.split("+")
         self.lookahead = LookaheadPredictor() if "lookahead" in predictor.split("+") else None
         self.top = cache.tiers[0].name
         self._tasks: set[asyncio.Task[None]] = set()
         self._moved: OrderedDict[PageKey, None] = OrderedDict()  # moved up, not yet used
+        self._inflight: set[PageKey] = set()  # in a prefetch still running (one at most)
         self.skipped = 0
-        self._count = cache.metrics.counter(
+        self.forgotten = 0  # dropped from tracking past ``track``
+        self._counts: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
+        self._metric = shared_counter(
+            cache.metrics,
             "predicted_prefetch_pages_total",
             "Pages the live predictor prefetched, by outcome (issued, arrived, late, "
             "missing, useful, wasted)",
             ["outcome"],
         )
-        self._unsubscribe = cache.directory.subscribe(self)
+        self._unsubscribe: Callable[[], None] = _nothing
+
+    def _inc(self, outcome: str, by: int = 1) -> None:
+        """Count ``by`` pages of ``outcome`` (this predictor's and the cache's metric)."""
+        if by:
+            self._counts[outcome] += by
+            self._metric.inc(outcome, by=by)
+
+    # -- attach and detach ---------------------------------------------------------------
+
+    def on_attach(self) -> None:
+        """Attached to the cache: listen to its directory (pages leaving the top tier)."""
+        self._unsubscribe()
+        self._unsubscribe = self.cache.directory.subscribe(self)
+
+    def on_detach(self) -> None:
+        """Detached (by hand or after a failure): stop listening, cancel the prefetches
+        still running (:meth:`aclose` waits for them)."""
+        self._unsubscribe()
+        self._unsubscribe = _nothing
+        for t in list(self._tasks):
+            t.cancel()
 
     # -- directory listener: a moved page leaving the top tier unused is wasted ----------
 
@@ -126,7 +164,7 @@ class LivePrefetcher:
         """Directory listener: a page this predictor moved up left the top tier."""
         if tier == self.top and key in self._moved:
             del self._moved[key]
-            self._count.inc("wasted")
+            self._inc("wasted")
 
     # -- observer hooks ----------------------------------------------------------------
 
@@ -135,7 +173,7 @@ class LivePrefetcher:
         for k in keys:
             if k in self._moved and d.is_committed(k, self.top):
                 del self._moved[k]
-                self._count.inc("useful")
+                self._inc("useful")
 
     def on_load(self, keys: Sequence[PageKey]) -> None:
         """A ``load`` of ``keys``: moved pages it finds were useful."""
@@ -156,13 +194,16 @@ class LivePrefetcher:
                 tier = d.locate(k)
                 if tier is not None and tier != self.top:
                     want[k] = None
+        for k in [k for k in want if k in self._inflight]:  # on its way up already
+            del want[k]
         if not want:
             return
         if len(self._tasks) >= self.max_inflight:
             self.skipped += 1
             return
         batch = list(want)[: self.max_pages]
-        self._count.inc("issued", by=len(batch))
+        self._inc("issued", len(batch))
+        self._inflight.update(batch)
         task = asyncio.get_running_loop().create_task(self._prefetch(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -174,6 +215,8 @@ class LivePrefetcher:
         """The prefetcher needs no clock."""
 
     async def _prefetch(self, keys: list[PageKey]) -> None:
+        """Prefetch ``keys`` (issued, and in flight until this returns) and count what
+        came of it."""
         try:
             res = await self.cache.prefetch(keys, self.deadline_s)
         except asyncio.CancelledError:
@@ -181,19 +224,30 @@ class LivePrefetcher:
         except Exception as exc:  # a prediction must never break the engine
             _log.warning("live prefetch failed", error=repr(exc), pages=len(keys))
             return
-        self._count.inc("arrived", by=len(res.arrived))
-        self._count.inc("late", by=len(res.late))
-        self._count.inc("missing", by=len(res.missing))
+        finally:
+            self._inflight.difference_update(keys)
+        self._inc("missing", len(res.missing))
+        self._track(res.arrived, "arrived")
+        self._track(res.late, "late")
         d = self.cache.directory
-        for k in (*res.arrived, *res.late):
-            self._moved[k] = None
-            self._moved.move_to_end(k)
         for k in res.arrived:
             if k in self._moved and not d.is_committed(k, self.top):  # evicted again
                 del self._moved[k]
-                self._count.inc("wasted")
+                self._inc("wasted")
         while len(self._moved) > self.track:
             self._moved.popitem(last=False)
+            self.forgotten += 1
+
+    def _track(self, keys: Sequence[PageKey], outcome: str) -> None:
+        """Track ``keys`` (moved up, or still moving) and count those not tracked yet as
+        ``outcome`` (a page is counted once while tracked)."""
+        new = 0
+        for k in keys:
+            if k not in self._moved:
+                new += 1
+                self._moved[k] = None
+            self._moved.move_to_end(k)
+        self._inc(outcome, new)
 
     async def aclose(self) -> None:
         """Cancel prefetches still running, wait for them, and stop listening. Their own
@@ -208,12 +262,18 @@ class LivePrefetcher:
             self._unsubscribe()
 
     def stats(self) -> dict[str, Any]:
-        """Counts by outcome, pages still tracked, requests skipped while busy."""
-        outcomes = ("issued", "arrived", "late", "missing", "useful", "wasted")
+        """This predictor's page counts by outcome, pages still tracked and forgotten
+        (``arrived + late == useful + wasted + tracked + forgotten``), requests skipped
+        while busy."""
         return {
             "predictor": self.predictor,
-            "pages": {o: int(self._count.get(o)) for o in outcomes},
+            "pages": dict(self._counts),
             "tracked": len(self._moved),
+            "forgotten": self.forgotten,
             "skipped_busy": self.skipped,
             "deadline_s": self.deadline_s,
         }
+
+
+def _nothing() -> None:
+    """Does nothing (not listening yet)."""

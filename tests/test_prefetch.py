@@ -53,10 +53,11 @@ async def test_prefetch_of_pages_being_evicted_fetches_them_back(tmp_path: Path)
         assert np.array_equal(out, data)
 
 
-@pytest.mark.parametrize("deadline", [float("inf"), 10**400])
+@pytest.mark.parametrize("deadline", [float("inf"), 10**400, np.float32(30), np.int64(30)])
 async def test_prefetch_with_an_unbounded_deadline_waits_for_everything(tmp_path: Path, deadline):
     """A deadline too large for a float (an int past 1e308) means 'no deadline', like inf;
-    it must not raise OverflowError after the batches were launched."""
+    it must not raise OverflowError after the batches were launched. numpy's numbers are
+    seconds too (they were refused as not "a real number")."""
     rng = np.random.default_rng(31)
     async with open_cache(config(tmp_path, dram_pages=16, file_pages=64)) as cache:
         keys = await stored_below_dram(cache, rng, 3)

@@ -105,7 +105,11 @@ async def test_lookahead_prefetches_pages_that_followed_before(tmp_path: Path) -
 
 
 def test_unknown_predictor_is_a_usage_error() -> None:
-    with pytest.raises(KVTierUsageError, match="unknown predictor 'psychic'"):
+    # the names listed are the ones the cache takes, "none" included
+    with pytest.raises(
+        KVTierUsageError,
+        match=r"unknown predictor 'psychic'; known: prefix, lookahead, prefix\+lookahead, none$",
+    ):
         KVCache({"model": {"preset": "tiny"}}, env={}, predictor="psychic")
 
 
@@ -188,3 +192,124 @@ async def test_the_config_switches_observers_on_and_arguments_override_it(
 def test_whatif_must_be_a_bool() -> None:
     with pytest.raises(KVTierUsageError, match="whatif must be True or False, got 'yes'"):
         KVCache({"model": {"preset": "tiny"}}, env={}, whatif="yes")  # type: ignore[arg-type]
+
+
+# -- overlapping lookups, a second predictor, bad arguments ----------------------------------
+
+
+async def _demoted(cache: KVCache, seq: int, n: int) -> list[Any]:
+    """``n`` pages stored, written down and moved out of the top tier (to the disk)."""
+    keys = (await cache.store(_tokens(seq, n), np.zeros((n, 512), dtype=np.uint8))).keys
+    await _settle(cache)
+    assert await cache.demote("dram", keys) == []
+    assert all(cache.directory.locate(k) == "disk" for k in keys)
+    return keys
+
+
+async def _in_top(cache: KVCache, keys: list[Any]) -> None:
+    """Wait (5 s at most) until every key is committed in the top tier."""
+    for _ in range(500):
+        if all(cache.directory.is_committed(k, "dram") for k in keys):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("prefetched pages never reached the top tier")
+
+
+def _balanced(stats: dict[str, Any]) -> bool:
+    pages = stats["pages"]
+    return bool(
+        pages["arrived"] + pages["late"]
+        == pages["useful"] + pages["wasted"] + stats["tracked"] + stats["forgotten"]
+    )
+
+
+async def test_overlapping_lookups_of_one_request_count_each_page_once(tmp_path: Path) -> None:
+    """Two lookups of one request at once issued (and counted arrived) every page twice:
+    16 issued, 16 arrived, 8 useful, 0 tracked for 8 pages moved."""
+    async with KVCache(_cfg(tmp_path, top_pages=32), env={}, configure_log=False) as cache:
+        pred = LivePrefetcher(cache, "prefix", deadline_s=5.0)
+        cache.attach(pred)
+        keys = await _demoted(cache, 1, 8)
+        tokens = _tokens(1, 8)
+        await asyncio.gather(cache.lookup(tokens), cache.lookup(tokens))
+        await asyncio.gather(*pred._tasks)
+        stats = pred.stats()
+        assert stats["pages"]["issued"] == stats["pages"]["arrived"] == 8
+        assert stats["tracked"] == 8 and _balanced(stats)
+        await cache.load(keys)
+        cache.release(keys)
+        stats = cache.stats()["predictor"]
+        assert stats["pages"]["useful"] == 8 and stats["tracked"] == 0
+        assert _balanced(stats)
+
+
+async def test_a_second_predictor_follows_a_detached_one(tmp_path: Path) -> None:
+    """A second LivePrefetcher raised 'metric ... registered twice', even after the first
+    (from KVCache(predictor=...)) was detached; a detached one kept counting pages that
+    left the top tier (it still listened to the directory)."""
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False, predictor="prefix") as cache:
+        with pytest.raises(KVTierUsageError, match="a predictor observer is already attached"):
+            cache.attach(LivePrefetcher(cache))
+        first = next(o for o in cache.hooks.observers if isinstance(o, LivePrefetcher))
+        keys = await _demoted(cache, 1, 4)
+        await cache.lookup(_tokens(1, 4))
+        await asyncio.gather(*first._tasks)
+        assert first.stats()["pages"]["arrived"] + first.stats()["pages"]["late"] == 4
+        await _in_top(cache, keys)  # late pages land in the background
+        assert first.stats()["tracked"] == 4
+        cache.hooks.detach("predictor")
+        second = LivePrefetcher(cache, "prefix", deadline_s=5.0)
+        cache.attach(second)
+        await cache.demote("dram", keys)  # first's pages leave the top tier unused
+        assert first.stats()["pages"]["wasted"] == 0  # detached: it no longer listens
+        await cache.lookup(_tokens(1, 4))
+        await asyncio.gather(*second._tasks)
+        await cache.load(keys)
+        cache.release(keys)
+        assert cache.stats()["predictor"]["pages"]["useful"] == 4
+        assert cache.stats()["predictor"]["pages"]["issued"] == 4  # its own count
+        prom = cache.metrics.to_prometheus()  # the metric counts both predictors' pages
+        assert 'kvtier_predicted_prefetch_pages_total{outcome="issued"} 8' in prom
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"deadline_s": "1"}, "deadline_s must be a number of seconds, got '1'"),
+        ({"deadline_s": True}, "deadline_s must be a number of seconds, got True"),
+        ({"deadline_s": float("inf")}, "deadline_s must be finite and > 0 seconds, got inf"),
+        ({"deadline_s": float("nan")}, "deadline_s must be finite and > 0 seconds, got nan"),
+        ({"deadline_s": 0}, "deadline_s must be finite and > 0 seconds, got 0"),
+        ({"deadline_s": -1.0}, r"deadline_s must be finite and > 0 seconds, got -1\.0"),
+        ({"max_inflight": "x"}, "max_inflight must be an integer >= 1, got 'x'"),
+        ({"max_inflight": float("nan")}, "max_inflight must be an integer >= 1, got nan"),
+        ({"max_inflight": 0}, "max_inflight must be an integer >= 1, got 0"),
+        ({"max_inflight": -5}, "max_inflight must be an integer >= 1, got -5"),
+        ({"max_pages": float("inf")}, "max_pages must be an integer >= 1, got inf"),
+        ({"max_pages": 2.0}, r"max_pages must be an integer >= 1, got 2\.0"),
+        ({"track": None}, "track must be an integer >= 1, got None"),
+        ({"track": 0}, "track must be an integer >= 1, got 0"),
+        ({"predictor": None}, "unknown predictor None"),
+    ],
+)
+async def test_live_prefetcher_arguments_are_checked_by_name(
+    tmp_path: Path, kwargs: dict[str, Any], match: str
+) -> None:
+    """They raised TypeError, ValueError or OverflowError without the argument's name, or
+    were clamped to 1 (max_inflight=0) or taken (deadline_s=inf)."""
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False) as cache:
+        with pytest.raises(KVTierUsageError, match=match):
+            LivePrefetcher(cache, **kwargs)
+
+
+async def test_live_prefetcher_defaults_and_numpy_integers(tmp_path: Path) -> None:
+    async with KVCache(_cfg(tmp_path), env={}, configure_log=False) as cache:
+        pred = LivePrefetcher(cache, max_inflight=np.int32(2), deadline_s=np.float64(0.5))  # type: ignore[arg-type]
+        assert (pred.max_inflight, pred.deadline_s) == (2, 0.5)
+        default = LivePrefetcher(cache)
+        assert (default.deadline_s, default.max_inflight, default.max_pages, default.track) == (
+            0.05,
+            4,
+            256,
+            1 << 16,
+        )

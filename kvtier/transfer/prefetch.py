@@ -14,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Collection, Sequence
+from numbers import Real
+
+import numpy as np
 
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
@@ -26,8 +29,8 @@ from kvtier.transfer.results import PrefetchResult
 def _deadline(deadline_s: float) -> float:
     """``deadline_s`` as a timeout; raises :class:`KVTierUsageError` for a bad one."""
     if (
-        isinstance(deadline_s, bool)
-        or not isinstance(deadline_s, int | float)
+        isinstance(deadline_s, bool | np.bool_)
+        or not isinstance(deadline_s, Real)  # numpy's numbers too, as hint values
         or not deadline_s >= 0  # also NaN
     ):
         raise KVTierUsageError(
