@@ -48,7 +48,7 @@ def main() -> None:
         wrong = corrupt_hints(tr, 0.5, seed=args.seed + 1)
         for share in args.capacity or [0.01, 0.05]:
             cap = max(1, int(share * tr.distinct_blocks()))
-            ceiling = belady_min([r.blocks for r in tr.requests], cap).prefix_hit_rate
+            ceiling = belady_min([r.blocks for r in tr.requests], cap).ceiling
             cells = [
                 rate(tr, cap, default, False),
                 rate(tr, cap, default, True),

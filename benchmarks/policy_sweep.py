@@ -40,7 +40,7 @@ def sweep(trace: Trace, policies: list[str], shares: list[float]) -> None:
     blocks = [r.blocks for r in trace.requests]
     distinct = trace.distinct_blocks()
     caps = [max(int(s * distinct), 1) for s in shares]
-    mins = [belady_min(blocks, c).prefix_hit_rate for c in caps]
+    mins = [belady_min(blocks, c).ceiling for c in caps]
     head = " ".join(f"{s * 100:g}%".rjust(15) for s in shares)
     print(f"\n{trace.name}: {len(blocks)} requests, {trace.total_refs} refs, {distinct} distinct")
     print(f"{'policy':32} {head}   cpu s")

@@ -7,9 +7,14 @@ import random
 
 import pytest
 
+import kvtier.policy  # noqa: F401 - registers the policies
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
+from kvtier.policy.eviction import make_policy
 from kvtier.sim.belady import belady_min
+from kvtier.sim.replay import make_tiers, replay
+from kvtier.sim.trace import Request, Trace
+from kvtier.sim.workloads import workload
 
 
 def k(i: int) -> PageKey:
@@ -59,3 +64,31 @@ def test_min_prefix_hits_stop_at_first_miss() -> None:
 def test_min_bad_capacity() -> None:
     with pytest.raises(KVTierUsageError, match="capacity"):
         belady_min([[k(1)]], -1)
+
+
+def test_the_ceiling_holds_on_a_trace_that_reuses_ids_out_of_prefix_position() -> None:
+    """Ids reused outside their prefix (a hand-made or foreign trace): MIN's own prefix
+    hits fall below LRU's, but the ceiling (its block hits) stays above every policy."""
+    requests = [[k(1)], [k(5)], [k(4), k(6), k(5), k(1)], [k(6), k(4)]]
+    trace = Trace(
+        "non-prefix",
+        512,
+        [Request(float(t), 512 * len(r), 1, tuple(r)) for t, r in enumerate(requests)],
+    )
+    for cap in (2, 3):
+        ceiling = belady_min(requests, cap)
+        assert ceiling.prefix_hit_rate < ceiling.ceiling
+        for policy in ("lru", "lru-k", "arc", "s3-fifo", "adaptive"):
+            got = replay(trace, make_tiers([cap], functools.partial(make_policy, policy)))
+            assert got.prefix_hit_rate <= ceiling.ceiling, (policy, cap)
+    lru = replay(trace, make_tiers([3], functools.partial(make_policy, "lru")))
+    assert lru.prefix_hit_rate == 0.25 > belady_min(requests, 3).prefix_hit_rate
+
+
+@pytest.mark.parametrize("name", ["chat", "docqa", "rag", "agent"])
+def test_on_prefix_consistent_traces_the_ceiling_is_mins_prefix_hit_rate(name: str) -> None:
+    tr = workload(name, n=600, seed=1).without_hints()
+    blocks = [r.blocks for r in tr.requests]
+    for share in (0.01, 0.05, 0.25):
+        got = belady_min(blocks, max(1, int(share * tr.distinct_blocks())))
+        assert got.hits == got.prefix_hits

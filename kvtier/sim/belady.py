@@ -10,6 +10,13 @@ Hits are counted two ways, matching :mod:`kvtier.sim.replay`:
 * ``hits``: every reference found resident when its request arrives;
 * ``prefix_hits``: only the leading run of resident blocks of each request (the KV an
   engine can reuse). This is the hit rate the trace README reports.
+
+The *ceiling* shown beside a policy's prefix hit rate is MIN's ``hits``: no policy's
+prefix hits (a subset of its hits) can exceed it. On a prefix-consistent trace (a block
+id stands for its whole prefix, as in Mooncake's traces and every kvtier generator) the
+two counts are equal, since a page's parent is always used before it and MIN keeps
+parents before children. On a trace that reuses ids out of prefix position, MIN's own
+prefix hits may fall below what LRU gets, so they are no ceiling there.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ class MinResult:
     def prefix_hit_rate(self) -> float:
         """Prefix hits over references (0 for an empty trace)."""
         return self.prefix_hits / self.refs if self.refs else 0.0
+
+    @property
+    def ceiling(self) -> float:
+        """The most prefix hits over references any policy can get at this capacity (MIN's
+        hit rate; equal to its prefix hit rate on a prefix-consistent trace)."""
+        return self.hit_rate
 
 
 def next_uses(flat: Sequence[PageKey]) -> list[int]:

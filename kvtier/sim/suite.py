@@ -146,7 +146,7 @@ def run_cell(
     distinct = trace.distinct_blocks()
     cap = max(1, int(share * distinct))
     blk = blocks if blocks is not None else [r.blocks for r in trace.requests]
-    ceiling = belady_min(blk, cap).prefix_hit_rate
+    ceiling = belady_min(blk, cap).ceiling
     rates: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for pol in policies:
