@@ -59,8 +59,8 @@ def _render(data: dict[str, Any]) -> None:
         pages = pred["pages"]
         console.print(
             f"predictor {pred['predictor']}: issued {pages['issued']}, arrived "
-            f"{pages['arrived']}, late {pages['late']}, useful {pages['useful']}, "
-            f"wasted {pages['wasted']}",
+            f"{pages['arrived']}, late {pages['late']}, missing {pages['missing']}, "
+            f"useful {pages['useful']}, wasted {pages['wasted']}",
             highlight=False,
         )
     console.print(

@@ -14,17 +14,30 @@ and the default policy's gain over the best classic policy, and (``--plot``) one
 from __future__ import annotations
 
 import functools
-import math
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from kvtier.cli.app import bench_app
-from kvtier.cli.bench_suite import check_policies, render_suite, run_suite_cli
+from kvtier.cli.bench_suite import (
+    check_suite_plot,
+    check_trace_file,
+    render_suite,
+    run_suite_cli,
+)
 from kvtier.cli.output import console, emit, given_options, progress, run_guarded, table
-from kvtier.cli.sim_sizes import codec_page_factors, parse_capacity, tier_pages
+from kvtier.cli.sim_checks import (
+    check_admission,
+    check_args,
+    check_hardware_tiers,
+    check_names,
+    check_plot_path,
+    hardware_profile,
+    model_spec,
+    parse_codec_options,
+)
+from kvtier.cli.sim_sizes import codec_page_factors, parse_capacity, tier_pages, unique_capacities
 
 from kvtier.errors import KVTierUsageError
 from kvtier.policy.admission import admission_names, make_admission
@@ -32,110 +45,38 @@ from kvtier.policy.eviction import make_policy
 from kvtier.policy.prefetch import LookaheadPredictor
 from kvtier.sim.belady import belady_min
 from kvtier.sim.cost import evaluate
-from kvtier.sim.hardware import profile
 from kvtier.sim.replay import WRITE_POLICIES, make_tiers, replay
 from kvtier.sim.suite import CLASSIC, DEFAULT_POLICY, plot_suite
 from kvtier.sim.trace import Trace, read_mooncake
 from kvtier.sim.workloads import WORKLOADS, workload
-from kvtier.spec import preset
 
 #: Policies ``bench sim`` replays when none is named: the suite's candidate and the classics.
 DEFAULT_POLICIES = [DEFAULT_POLICY, *CLASSIC]
-
-
-def check_args(
-    requests: int | None,
-    block_tokens: int,
-    tier_scale: float,
-    tiers: list[str],
-    admission: str,
-    capacities: list[str],
-    plot_file: Path | None,
-) -> None:
-    """Refuse meaningless arguments before any work (a replay can take minutes):
-    :class:`KVTierUsageError` naming the option."""
-    if requests is not None and requests < 1:
-        raise KVTierUsageError(f"--requests must be >= 1, got {requests}")
-    if block_tokens < 1:
-        raise KVTierUsageError(f"--block-tokens must be >= 1, got {block_tokens}")
-    if not math.isfinite(tier_scale) or tier_scale <= 0:
-        raise KVTierUsageError(f"--tier-scale must be a finite number > 0, got {tier_scale}")
-    if not tiers:
-        raise KVTierUsageError("--tiers must name at least one tier, e.g. --tiers hbm,dram")
-    if len(set(tiers)) != len(tiers):
-        raise KVTierUsageError(f"--tiers must name distinct tiers, got {','.join(tiers)!r}")
-    if admission not in admission_names():
-        known = ", ".join(admission_names())
-        raise KVTierUsageError(
-            f"--admission: unknown admission policy {admission!r}; known: {known}"
-        )
-    for c in capacities:  # page counts now; shares of the trace once it is read
-        tier_pages(c, parse_capacity(c, 1), tier_scale, tiers, [1.0] * len(tiers))
-    if plot_file is not None:
-        check_plot_path(plot_file)
-
-
-def check_names(policies: list[str], write_policy: str, prefetch: str | None) -> None:
-    """``--policy``, ``--write-policy`` and ``--prefetch`` name known things:
-    :class:`KVTierUsageError` naming the option, before the trace is read."""
-    check_policies(policies)
-    if prefetch not in (None, "lookahead"):
-        raise KVTierUsageError(
-            f"--prefetch: unknown prefetch predictor {prefetch!r}; known: lookahead"
-        )
-    if write_policy not in WRITE_POLICIES:
-        raise KVTierUsageError(
-            f"--write-policy: unknown write policy {write_policy!r}; "
-            f"known: {', '.join(WRITE_POLICIES)}"
-        )
-
-
-def check_hardware_tiers(hardware: str, tiers: list[str]) -> None:
-    """Every tier of ``--tiers`` has a link in the ``--hardware`` profile (the cost model
-    needs it): :class:`KVTierUsageError` naming the profile's tiers and a ``--tiers``
-    that fits it, before the replay (which can take minutes)."""
-    hw = profile(hardware)
-    missing = [t for t in tiers if t not in hw.links]
-    if missing:
-        fits = [t for t in hw.links if t in hw.tier_bytes] or list(hw.links)
-        raise KVTierUsageError(
-            f"--hardware {hardware} has no tier {missing[0]!r} (from --tiers "
-            f"{','.join(tiers)}); its tiers are {', '.join(hw.links)}: choose --tiers "
-            f"among them, e.g. --tiers {','.join(fits)}"
-        )
-
-
-def check_plot_path(path: Path) -> None:
-    """The plot can be written there: the directory exists and is writable, and the file
-    type is one matplotlib writes (by the suffix)."""
-    parent = path.parent
-    if not parent.is_dir():
-        raise KVTierUsageError(f"--plot: directory {parent} does not exist")
-    if path.is_dir():
-        raise KVTierUsageError(f"--plot: {path} is a directory")
-    if not os.access(parent, os.W_OK):
-        raise KVTierUsageError(f"--plot: directory {parent} is not writable")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    kinds = Figure().canvas.get_supported_filetypes()
-    suffix = path.suffix.lstrip(".").lower()
-    if suffix not in kinds:
-        raise KVTierUsageError(
-            f"--plot: cannot write a {suffix or 'suffix-less'} file; use one of "
-            f"{', '.join(sorted(kinds))}"
-        )
+#: Capacities ``bench sim`` replays when none is given.
+DEFAULT_CAPACITIES = ["1%", "5%", "10%"]
 
 
 def _load(trace: Path | None, name: str | None, requests: int | None, block_tokens: int) -> Trace:
+    """The trace to replay: ``--trace`` (its first ``requests``) or the generated
+    ``--workload``. :class:`KVTierUsageError` naming ``--trace`` for a trace that cannot
+    be read or whose requests reference no block (nothing to replay: every row would
+    read hit rate 0 beside a MIN of 0)."""
     if (trace is None) == (name is None):
         raise KVTierUsageError("give exactly one of --trace FILE or --workload NAME")
-    if trace is not None:
-        return read_mooncake(trace, block_tokens, limit=requests)
-    assert name is not None
-    return workload(name, n=requests or 5000, block_tokens=block_tokens)
+    if name is not None:
+        return workload(name, n=requests or 5000, block_tokens=block_tokens)
+    assert trace is not None
+    check_trace_file(trace)
+    try:
+        tr = read_mooncake(trace, block_tokens, limit=requests)
+    except KVTierUsageError as exc:
+        raise KVTierUsageError(f"--trace: {exc}") from None
+    if tr.total_refs == 0:
+        raise KVTierUsageError(
+            f"--trace {trace}: its {len(tr.requests)} request(s) reference no block (every "
+            "hash_ids is empty): nothing to replay"
+        )
+    return tr
 
 
 def run_sim(
@@ -161,8 +102,8 @@ def run_sim(
     """
     check_names(policies, write_policy, prefetch)
     check_hardware_tiers(hardware, tier_names)
-    hw = profile(hardware)
-    spec = preset(model)
+    hw = hardware_profile(hardware)
+    spec = model_spec(model)
     factors = codec_page_factors(codecs or {}, tier_names, spec)
     distinct = tr.distinct_blocks()
     blocks = [r.blocks for r in tr.requests]
@@ -199,9 +140,9 @@ def run_sim(
                         "capacity_share": sum(caps) / distinct if distinct else 0.0,
                         "hit_rate": res.prefix_hit_rate,
                         "hit_rate_per_tier": res.tier_hit_rates(),
-                        "min_hit_rate": ceiling.prefix_hit_rate,
-                        "of_min": res.prefix_hit_rate / ceiling.prefix_hit_rate
-                        if ceiling.prefix_hit_rate
+                        "min_hit_rate": ceiling.ceiling,
+                        "of_min": res.prefix_hit_rate / ceiling.ceiling
+                        if ceiling.ceiling
                         else None,
                         "pages_moved": res.pages_moved,
                         "bytes_moved": {
@@ -355,7 +296,8 @@ def sim(
     tier_scale: Annotated[float, typer.Option(help="each lower tier = this x the one above")] = 4.0,
     write_policy: Annotated[str, typer.Option(help=", ".join(WRITE_POLICIES))] = "write-back",
     admission: Annotated[
-        str, typer.Option(help="for --write-policy selective: reuse | frequency")
+        str,
+        typer.Option(help=f"for --write-policy selective: {' | '.join(admission_names())}"),
     ] = "reuse",
     prefetch: Annotated[
         str | None, typer.Option(help="lookahead: run the lookahead prefetch predictor")
@@ -400,6 +342,7 @@ def sim(
                 )
             if plot_file is not None:
                 check_plot_path(plot_file)
+                check_suite_plot(policy)
             rep = run_suite_cli(half, requests, trace, policy, capacity, show_progress)
             if plot_file is not None:
                 plot_suite(rep, plot_file)
@@ -409,33 +352,20 @@ def sim(
         if given_options(ctx, ["half"]):
             raise KVTierUsageError("--half chooses a part of the policy suite: add --suite")
         names = [t.strip() for t in tiers.split(",") if t.strip()]
-        check_args(
-            requests,
-            block_tokens,
-            tier_scale,
-            names,
-            admission,
-            capacity or ["1%", "5%", "10%"],
-            plot_file,
-        )
+        capacities = capacity or DEFAULT_CAPACITIES
+        check_args(requests, block_tokens, tier_scale, names, admission, capacities, plot_file)
+        check_admission(bool(given_options(ctx, ["admission"])), write_policy)
         check_hardware_tiers(hardware, names)
-        # a policy named twice is replayed once (it would give the same row twice)
+        # a policy (or a capacity) named twice is replayed once: it would give the same row
         policies = list(dict.fromkeys(policy)) if policy else DEFAULT_POLICIES
         check_names(policies, write_policy, prefetch)
-        codecs: dict[str, str] = {}
-        for item in codec or []:
-            tier_name, eq, codec_name = item.partition("=")
-            if not eq or not tier_name or not codec_name:
-                raise KVTierUsageError(
-                    f"--codec {item!r}: use TIER=CODEC[:key=value,...], e.g. nvme=fp8-e4m3"
-                )
-            codecs[tier_name] = codec_name
-        codec_page_factors(codecs, names, preset(model))  # bad tier or codec names: now
+        codecs = parse_codec_options(codec or [])
+        codec_page_factors(codecs, names, model_spec(model))  # bad tier or codec names: now
         tr = _load(trace, workload_name, requests, block_tokens)
         report = run_sim(
             tr,
             policies,
-            capacity or ["1%", "5%", "10%"],
+            unique_capacities(capacities),
             names,
             tier_scale,
             write_policy,

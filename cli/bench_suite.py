@@ -80,6 +80,29 @@ def render_suite(report: dict[str, Any]) -> None:
         )
 
 
+def check_suite_plot(policies: list[str] | None) -> None:
+    """``--suite --plot`` draws the default policy's gain over the best classic one: a
+    ``--policy`` list must hold the default and at least one classic policy, else
+    :class:`KVTierUsageError` naming both options (before: an empty plot, exit 0)."""
+    pols = policies or [DEFAULT_POLICY, *CLASSIC]
+    if DEFAULT_POLICY not in pols or not set(CLASSIC) & set(pols):
+        raise KVTierUsageError(
+            f"--plot draws {DEFAULT_POLICY}'s gain over the best classic policy "
+            f"({', '.join(CLASSIC)}): --policy {' --policy '.join(pols)} must name "
+            f"{DEFAULT_POLICY} and at least one of them, or drop --plot"
+        )
+
+
+def check_trace_file(trace: Path) -> None:
+    """``--trace`` names a file: :class:`KVTierUsageError` naming the option otherwise
+    (an empty ``--trace ""`` reaches here as ``.``, the current directory)."""
+    if not trace.exists():
+        raise KVTierUsageError(f"--trace: trace file not found: {trace}")
+    if not trace.is_file():
+        hint = " (an empty --trace names the current directory)" if str(trace) == "." else ""
+        raise KVTierUsageError(f"--trace: {trace} is not a file{hint}")
+
+
 def run_suite_cli(
     half: str,
     requests: int | None,
@@ -90,20 +113,26 @@ def run_suite_cli(
 ) -> dict[str, Any]:
     """Run the policy suite (:func:`kvtier.sim.suite.run_suite`) on ``half``'s workloads
     (and the Mooncake ``trace``'s halves when given) for the CLI; checks the options
-    first (:class:`KVTierUsageError` naming the bad one)."""
+    first (:class:`KVTierUsageError` naming the bad one). The report's ``classic`` lists
+    the classic policies that ran (the ones the ``best_classic`` of each row is chosen
+    among), not every classic policy."""
     pols = policies or [DEFAULT_POLICY, *CLASSIC]
+    if half not in HALVES:
+        raise KVTierUsageError(f"--half: unknown suite half {half!r}; known: {', '.join(HALVES)}")
     if requests is not None and not 1 <= requests <= MAX_GENERATED_REQUESTS:
         raise KVTierUsageError(
             f"--requests must be from 1 to {MAX_GENERATED_REQUESTS:,} (requests per "
             f"generated trace), got {requests}"
         )
-    if trace is not None and half in HALVES and half not in (*MOONCAKE_PARTS, "all"):
+    if trace is not None and half not in (*MOONCAKE_PARTS, "all"):
         raise KVTierUsageError(
             f"--half {half} has no Mooncake part (the trace has only two halves): drop "
             "--trace, or use --half tune, held-out or all"
         )
     check_policies(pols)
-    shares = [_share(c) for c in capacities] if capacities else None
+    if trace is not None:
+        check_trace_file(trace)
+    shares = list(dict.fromkeys(_share(c) for c in capacities)) if capacities else None
     traces = suite_traces(half, requests or 4000, trace)
     kwargs: dict[str, Any] = {"policies": pols}
     if shares is not None:
@@ -111,6 +140,7 @@ def run_suite_cli(
     n = len(traces) * len(shares or [0, 0, 0, 0])
     with progress(show_progress, "suite", n) as adv:
         report = run_suite(traces, progress=adv, **kwargs)
+    report["classic"] = [p for p in CLASSIC if p in pols]
     report["half"] = half
     report["requests"] = requests or 4000
     report["trace"] = str(trace) if trace is not None else None
@@ -118,11 +148,13 @@ def run_suite_cli(
 
 
 def _share(text: str) -> float:
+    """A suite capacity: a share of the distinct blocks in (0, 1] (``1%``, ``0.01``);
+    :class:`KVTierUsageError` naming ``--capacity`` otherwise."""
     t = text.strip()
     try:
         v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise KVTierUsageError(f"bad suite capacity {text!r}: use 1% or 0.01") from None
+        raise KVTierUsageError(f"--capacity: bad suite capacity {text!r}: use 1% or 0.01") from None
     if not 0 < v <= 1:
-        raise KVTierUsageError(f"suite capacities are shares in (0, 1], got {text!r}")
+        raise KVTierUsageError(f"--capacity: suite capacities are shares in (0, 1], got {text!r}")
     return v

@@ -67,6 +67,19 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--tiers", "a,a"], "--tiers must name distinct tiers"),
         (["--plot", "/nonexistent-dir/x.png"], "--plot: directory /nonexistent-dir does not exist"),
         (["--plot", "/tmp/x.nosuchformat"], "cannot write a nosuchformat file"),
+        # before: OverflowError reported as a kvtier bug (blocks x block tokens > 2**63 - 1)
+        (["--block-tokens", "9223372036854775807"], "--block-tokens must be at most 1,048,576"),
+        (["--block-tokens", str(1 << 20 | 1)], "(1 << 20 tokens per block), got 1048577"),
+        # before: accepted (300000 pages for 3 distinct blocks)
+        (["--capacity", "101%"], "--capacity 101%: a share of the distinct blocks is at most"),
+        (["--capacity", "1e7%"], "--capacity 1e7%: a share of the distinct blocks is at most"),
+        # before: ignored without a word (JSON "admission": null)
+        (["--admission", "frequency"], "--admission applies only to --write-policy selective"),
+        (["--admission", "reuse", "--write-policy", "write-through"], "drop --admission or add"),
+        # before: the messages did not name the option
+        (["--model", "nosuch"], "--model: unknown KVSpec preset 'nosuch'"),
+        (["--capacity", "0"], "--capacity: capacity must be a finite number > 0, got '0'"),
+        (["--plot", ""], "--plot: . is a directory (an empty --plot names the current"),
     ],
 )
 def test_bench_sim_refuses_meaningless_arguments(args: list[str], needle: str) -> None:
@@ -329,11 +342,14 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
         (["bench", "run", "-c", str(DATA / "README.md")], "is not valid TOML"),
         # before: an infinite queue delay was taken, and the run waited forever
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "inf"],
-         "--queue-delay-ms must be a finite number >= 0, got inf"),
+         "--queue-delay-ms must be a number of ms from 0 to 60000 (a minute per turn), got inf"),
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "1e999"],
-         "--queue-delay-ms must be a finite number >= 0, got inf"),
+         "--queue-delay-ms must be a number of ms from 0 to 60000 (a minute per turn), got inf"),
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "-1"],
-         "--queue-delay-ms must be a finite number >= 0, got -1"),
+         "--queue-delay-ms must be a number of ms from 0 to 60000 (a minute per turn), got -1"),
+        # before: taken, and each turn waited 115 days
+        (["bench", "run", "--model", "tiny", "--queue-delay-ms", "1e10"],
+         "--queue-delay-ms must be a number of ms from 0 to 60000 (a minute per turn)"),
     ],
 )  # fmt: skip
 def test_values_that_would_exhaust_memory_or_make_no_sense_are_refused(

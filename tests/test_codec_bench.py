@@ -4,9 +4,12 @@ they report (no timing is asserted: benchmarks are not timed tests)."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from kvtier.cli.app import get_app
+from kvtier.cli.sim_sizes import codec_page_factors
 from typer.testing import CliRunner
 
 from kvtier.bench.codec import parse_codec
@@ -80,6 +83,65 @@ def test_codec_option_parsing() -> None:
     assert parse_codec("fp8-e4m3:scale=token") == ("fp8-e4m3", {"scale": "token"})
     with pytest.raises(KVTierUsageError, match="key=value"):
         parse_codec("zstd:level")
+
+
+def test_codec_option_values_take_a_sign_and_only_ascii_digits() -> None:
+    """Before: ``level=-5`` stayed the string '-5' (so a valid negative level could not be
+    given), and ``level=²`` raised ValueError from ``int()`` (str.isdigit is true)."""
+    assert parse_codec("zstd:level=-5") == ("zstd", {"level": -5})
+    assert parse_codec("zstd:level=+3") == ("zstd", {"level": 3})
+    assert parse_codec("zstd:level=²") == ("zstd", {"level": "²"})  # the codec refuses it
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("zstd:=3", "codec parameter '=3' in 'zstd:=3' has no name"),
+     ("zstd:level=3,level=4", "codec parameter 'level' is given twice in 'zstd:level=3,level=4'")],
+)  # fmt: skip
+def test_codec_option_refuses_a_blank_or_repeated_parameter(text: str, needle: str) -> None:
+    """Before: a blank name gave "unknown parameter(s) " and a repeat silently won."""
+    with pytest.raises(KVTierUsageError, match=re.escape(needle)):
+        parse_codec(text)
+
+
+SIM_CODEC = ["bench", "sim", "--workload", "chat", "--requests", "20", "--capacity", "5",
+             "--policy", "lru", "--tiers", "hbm,dram", "--no-progress", "--json"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("codecs", "needle"),
+    [(["dram=zstd:level=²"], "--codec dram=zstd:level=²: codec 'zstd': parameter 'level'"),
+     (["dram=nosuch"], "--codec dram=nosuch: unknown codec 'nosuch'"),
+     (["dram=zstd:shuffel=true"], "--codec dram=zstd:shuffel=true: codec 'zstd': unknown"),
+     (["dram=zstd", "dram=lz4"], "--codec: tier 'dram' is given twice (dram=zstd and dram=lz4)"),
+     (["dram=zstd:=3"], "--codec dram=zstd:=3: codec parameter '=3'")],
+)  # fmt: skip
+def test_bench_sim_codec_errors_name_the_option(codecs: list[str], needle: str) -> None:
+    """Before: ``level=²`` was "unexpected ValueError ... a kvtier bug" (exit 1), a second
+    ``--codec`` for a tier silently replaced the first, and codec errors did not name
+    ``--codec``."""
+    args = [a for c in codecs for a in ("--codec", c)]
+    result = CliRunner().invoke(get_app(), [*SIM_CODEC, *args])
+    assert result.exit_code == 2, result.output
+    assert needle in json.loads(result.stdout)["error"]["message"]
+
+
+def test_bench_sim_codec_takes_a_negative_zstd_level() -> None:
+    data = _run(*SIM_CODEC[1:-1], "--codec", "dram=zstd:level=-5")
+    assert data["codecs"] == {"dram": "zstd:level=-5"}
+
+
+def test_the_docs_give_the_codec_page_factors_the_code_computes() -> None:
+    """docs/cli.md said "about 2 for fp8-e4m3/int8"; int8's default per-channel scales
+    (a float32 per head dimension over 16 tokens) make it 1.6."""
+    spec = preset("llama3-70b")
+    factors = codec_page_factors(
+        {"a": "fp8-e4m3", "b": "int8", "c": "int8:scale=token"}, ["a", "b", "c"], spec
+    )
+    assert [round(f, 2) for f in factors] == [2.0, 1.6, 1.94]
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "cli.md").read_text().split())
+    assert "about 2 for `fp8-e4m3`" in docs and "1.6 for `int8`" in docs
+    assert "about 1.94 for `int8:scale=token`" in docs
 
 
 def test_inspect_codecs_lists_the_builtins() -> None:

@@ -16,6 +16,7 @@ Two parts, each with its own baseline measured in the same run (ratios, never ba
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import tempfile
 import time
@@ -56,18 +57,35 @@ def label(name: str, params: dict[str, Any]) -> str:
 
 
 def parse_codec(text: str) -> tuple[str, dict[str, Any]]:
-    """``zstd``, ``zstd:level=3`` or ``zstd:level=3,shuffle=false`` -> (name, params)."""
+    """``zstd``, ``zstd:level=3`` or ``zstd:level=3,shuffle=false`` -> (name, params).
+
+    A value is a bool (``true``/``false``), an integer (ASCII digits with an optional
+    sign: ``-5``, ``+3``) or else the string as written (the codec checks it). Raises
+    :class:`KVTierUsageError` for an item that is not ``key=value``, a blank key or a key
+    given twice."""
     name, _, rest = text.partition(":")
     params: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise KVTierUsageError(f"codec parameter {item!r} in {text!r} is not key=value")
-        low = value.lower()
-        params[key] = (
-            low == "true" if low in ("true", "false") else int(value) if value.isdigit() else value
-        )
+        if not key.strip():
+            raise KVTierUsageError(f"codec parameter {item!r} in {text!r} has no name")
+        if key in params:
+            raise KVTierUsageError(f"codec parameter {key!r} is given twice in {text!r}")
+        params[key] = parse_value(value)
     return name, params
+
+
+def parse_value(value: str) -> bool | int | str:
+    """A codec parameter's value: ``true``/``false`` (any case) as a bool, an integer
+    of ASCII digits with an optional sign as an int, anything else as the string."""
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if re.fullmatch(r"[+-]?[0-9]+", value):
+        return int(value)
+    return value
 
 
 def _best(fn: Callable[[], None], repeat: int) -> float:

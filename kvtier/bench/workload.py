@@ -20,7 +20,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from math import inf
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,6 +48,8 @@ def page_content(key: bytes, page_bytes: int) -> np.ndarray:
 
 #: Most tokens a chat workload may generate (its streams are built up front, 8 bytes each).
 MAX_WORKLOAD_TOKENS = 1 << 25
+#: Longest queueing delay a turn may be given (ms): a minute.
+MAX_QUEUE_DELAY_MS = 60_000.0
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,14 @@ class ChatParams:
 
     def __post_init__(self) -> None:
         delay = self.queue_delay_ms
-        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < inf:
+        if (
+            isinstance(delay, bool)
+            or not isinstance(delay, int | float)
+            or not 0 <= delay <= MAX_QUEUE_DELAY_MS
+        ):
             raise KVTierUsageError(
-                f"bench run: --queue-delay-ms must be a finite number >= 0, got {delay!r}"
+                "bench run: --queue-delay-ms must be a number of ms from 0 to "
+                f"{MAX_QUEUE_DELAY_MS:g} (a minute per turn), got {delay!r}"
             )
         for name in ("sessions", "turns", "system_prompts", "concurrency"):
             value = getattr(self, name)

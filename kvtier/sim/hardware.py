@@ -137,61 +137,174 @@ def profile(name: str) -> HardwareProfile:
     raise KVTierUsageError(f"unknown hardware profile {name!r}; known: {known} or a .json file")
 
 
+#: The smallest rate a profile may give (FLOP/s, bytes/s): slower is no hardware, and a
+#: rate like 5e-324 made the cost model's times infinite (then NaN).
+MIN_RATE = 1.0
+#: The longest per-transfer latency a profile may give, seconds (an hour): beyond it the
+#: cost model's sums overflow to infinity.
+MAX_LATENCY_S = 3600.0
+#: The most accelerators a node of a profile may have.
+MAX_GPUS = 1 << 20
+
+
 def load_profile(path: str | Path) -> HardwareProfile:
     """Read a profile from JSON (same fields as :class:`HardwareProfile`; links as
-    ``{"tier": {"bandwidth": B/s, "latency_s": s}}``)."""
+    ``{"tier": {"bandwidth": B/s, "latency_s": s}}``).
+
+    Every figure must be a JSON number (not a string, a boolean or null) within its range:
+    ``flops``, ``mem_bw`` and each link's ``bandwidth`` finite and at least
+    :data:`MIN_RATE` per second; ``mem_bytes`` finite and > 0; each ``latency_s``
+    (default 0) finite, from 0 to :data:`MAX_LATENCY_S`; each ``tier_bytes`` finite and
+    >= 0; ``gpus`` (default 0) an integer from 0 to :data:`MAX_GPUS`; ``links`` an object
+    of at least one tier. Anything else raises :class:`KVTierUsageError` naming the
+    file, the field and the value (never an ``OverflowError`` or ``RecursionError``)."""
     p = Path(path)
-    try:
-        raw: dict[str, Any] = json.loads(p.read_text())
-        if not isinstance(raw, dict):
-            raise KVTierUsageError(
-                f"hardware profile {p}: must be a JSON object of fields "
-                f"(flops, mem_bw, mem_bytes, links, ...), got a {type(raw).__name__}"
-            )
-        links = {
-            k: LinkProfile(float(v["bandwidth"]), float(v.get("latency_s", 0.0)))
-            for k, v in raw["links"].items()
-        }
-        hw = HardwareProfile(
-            name=str(raw.get("name", p.stem)),
-            gpus=int(raw.get("gpus", 0)),
-            flops=float(raw["flops"]),
-            mem_bw=float(raw["mem_bw"]),
-            mem_bytes=float(raw["mem_bytes"]),
-            links=links,
-            tier_bytes={k: float(v) for k, v in raw.get("tier_bytes", {}).items()},
-            description=str(raw.get("description", "")),
+    raw = _read_object(p)
+    links_raw = _field(raw, "links", p)
+    if not isinstance(links_raw, dict) or not links_raw:
+        raise KVTierUsageError(
+            f"hardware profile {p}: links must be a JSON object of at least one tier, e.g. "
+            f'{{"dram": {{"bandwidth": 1e10, "latency_s": 1e-6}}}}, got {_shown(links_raw)}'
         )
+    tier_raw = raw.get("tier_bytes", {})
+    if not isinstance(tier_raw, dict):
+        raise KVTierUsageError(
+            f"hardware profile {p}: tier_bytes must be a JSON object of tier sizes in bytes, "
+            f"got {_shown(tier_raw)}"
+        )
+    return HardwareProfile(
+        name=str(raw.get("name", p.stem)),
+        gpus=_gpus(raw.get("gpus", 0), p),
+        flops=_rate(_field(raw, "flops", p), "flops", p),
+        mem_bw=_rate(_field(raw, "mem_bw", p), "mem_bw", p),
+        mem_bytes=_size(_field(raw, "mem_bytes", p), "mem_bytes", p, positive=True),
+        links={str(k): _link(v, f"links.{k}", p) for k, v in links_raw.items()},
+        tier_bytes={str(k): _size(v, f"tier_bytes.{k}", p) for k, v in tier_raw.items()},
+        description=str(raw.get("description", "")),
+    )
+
+
+def _read_object(p: Path) -> dict[str, Any]:
+    """The JSON object in file ``p``; :class:`KVTierUsageError` naming the file when it
+    cannot be read, is not JSON (or nests too deeply to parse) or is not an object."""
+    try:
+        raw = json.loads(p.read_text())
     except FileNotFoundError:
         raise KVTierUsageError(f"hardware profile file not found: {p}") from None
-    except KeyError as exc:
-        raise KVTierUsageError(f"hardware profile {p}: missing field {exc}") from None
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise KVTierUsageError(f"hardware profile {p}: bad field: {exc}") from None
     except OSError as exc:  # a directory, no permission
         raise KVTierUsageError(f"hardware profile {p} cannot be read: {exc.strerror}") from None
-    _check_profile(hw, p)
-    return hw
+    except RecursionError:
+        raise KVTierUsageError(f"hardware profile {p}: invalid JSON: nested too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, an integer of too many digits
+        raise KVTierUsageError(f"hardware profile {p}: invalid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise KVTierUsageError(
+            f"hardware profile {p}: must be a JSON object of fields "
+            f"(flops, mem_bw, mem_bytes, links, ...), got a {type(raw).__name__}"
+        )
+    return raw
 
 
-def _check_profile(hw: HardwareProfile, p: Path) -> None:
-    """Rates and sizes are finite and > 0, latencies finite and >= 0: the cost model
-    divides by them (a 0 flops profile raised ZeroDivisionError; a negative bandwidth
-    gave negative transfer times)."""
-    fields = {"flops": hw.flops, "mem_bw": hw.mem_bw, "mem_bytes": hw.mem_bytes}
-    fields.update({f"links.{k}.bandwidth": v.bandwidth for k, v in hw.links.items()})
-    for name, value in fields.items():
-        if not (math.isfinite(value) and value > 0):
-            raise KVTierUsageError(
-                f"hardware profile {p}: {name} must be a finite number > 0, got {value!r}"
-            )
-    lat = {f"links.{k}.latency_s": v.latency_s for k, v in hw.links.items()}
-    lat.update({f"tier_bytes.{k}": v for k, v in hw.tier_bytes.items()})
-    for name, value in lat.items():
-        if not (math.isfinite(value) and value >= 0):
-            raise KVTierUsageError(
-                f"hardware profile {p}: {name} must be a finite number >= 0, got {value!r}"
-            )
+def _field(raw: dict[str, Any], name: str, p: Path) -> Any:
+    """``raw[name]``; :class:`KVTierUsageError` naming the missing field otherwise."""
+    if name not in raw:
+        raise KVTierUsageError(f"hardware profile {p}: missing field {name!r}")
+    return raw[name]
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as the message shows it: numbers as floats (``0.0``; ``inf`` beyond
+    the float range; the digit count of an integer too long for a float); anything else
+    as its JSON text and kind (``nan (a string)``, ``true (a boolean)``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{json.dumps(value)} (a boolean)"
+    if isinstance(value, int):
+        try:
+            return repr(float(value))
+        except OverflowError:
+            return f"a {len(str(abs(value)))}-digit integer"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return f"{value} (a string: write a JSON number, without quotes)"
+    return f"{json.dumps(value)[:60]} ({'a list' if isinstance(value, list) else 'an object'})"
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a JSON number within the float range; ``None`` for
+    anything else (a string, a boolean, null, a list, an integer of 400 digits)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _rate(value: Any, name: str, p: Path) -> float:
+    """A rate (FLOP/s, bytes/s): a finite JSON number of at least :data:`MIN_RATE`."""
+    number = _number(value)
+    if number is None or number <= 0:
+        raise KVTierUsageError(
+            f"hardware profile {p}: {name} must be a finite number > 0, got {_shown(value)}"
+        )
+    if number < MIN_RATE:
+        raise KVTierUsageError(
+            f"hardware profile {p}: {name} must be at least {MIN_RATE:g} per second, got {number!r}"
+        )
+    return number
+
+
+def _size(value: Any, name: str, p: Path, positive: bool = False) -> float:
+    """A size in bytes: a finite JSON number, > 0 when ``positive``, else >= 0."""
+    number = _number(value)
+    if number is None or number < 0 or (positive and number == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise KVTierUsageError(
+            f"hardware profile {p}: {name} must be a finite number {bound}, got {_shown(value)}"
+        )
+    return number
+
+
+def _latency(value: Any, name: str, p: Path) -> float:
+    """A latency in seconds: a finite JSON number from 0 to :data:`MAX_LATENCY_S`."""
+    number = _size(value, name, p)
+    if number > MAX_LATENCY_S:
+        raise KVTierUsageError(
+            f"hardware profile {p}: {name} must be at most {MAX_LATENCY_S:g} s (an hour), "
+            f"got {number!r}"
+        )
+    return number
+
+
+def _link(value: Any, name: str, p: Path) -> LinkProfile:
+    """A link: an object with ``bandwidth`` (:func:`_rate`) and optional ``latency_s``
+    (:func:`_latency`, default 0)."""
+    if not isinstance(value, dict):
+        raise KVTierUsageError(
+            f"hardware profile {p}: {name} must be a JSON object "
+            f'{{"bandwidth": B/s, "latency_s": s}}, got {_shown(value)}'
+        )
+    if "bandwidth" not in value:
+        raise KVTierUsageError(f"hardware profile {p}: missing field '{name}.bandwidth'")
+    return LinkProfile(
+        _rate(value["bandwidth"], f"{name}.bandwidth", p),
+        _latency(value.get("latency_s", 0.0), f"{name}.latency_s", p),
+    )
+
+
+def _gpus(value: Any, p: Path) -> int:
+    """The accelerator count: a JSON integer from 0 (a CPU node) to :data:`MAX_GPUS`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GPUS:
+        small = isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**18
+        raise KVTierUsageError(
+            f"hardware profile {p}: gpus must be an integer from 0 to {MAX_GPUS}, "
+            f"got {value if small else _shown(value)}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
