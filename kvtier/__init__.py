@@ -4,6 +4,8 @@ GPU HBM -> pinned CPU DRAM -> NVMe SSD -> a remote memory pool, with an asyncio 
 that moves pages between tiers. See ``docs/architecture.md``.
 """
 
+from pathlib import Path as _Path
+
 from kvtier.errors import (
     BackendUnavailableError,
     CapacityError,
@@ -37,3 +39,12 @@ __all__ = [
     "page_keys",
     "preset",
 ]
+
+# Run from a source checkout's root (``python -m kvtier`` there), this folder shadows the
+# installed package, whose ``kvtier.backends`` and ``kvtier.cli`` are the checkout's
+# ``backends/`` and ``cli/`` (pyproject's ``package-dir``): find them there too.
+_CHECKOUT = _Path(__file__).resolve().parent.parent
+if not any((_Path(p) / "cli").is_dir() for p in __path__) and all(
+    (_CHECKOUT / sub / "__init__.py").is_file() for sub in ("backends", "cli")
+):
+    __path__.append(str(_CHECKOUT))

@@ -6,7 +6,7 @@ tiers' hint-aware eviction policies (:func:`~kvtier.policy.hints.hint_target`, l
 through wrappers such as leaf-first). The facade calls it at these points:
 
 * a call that references pages (``store``, ``store_pages``, ``load``, ``read``,
-  ``prefetch``, ``demote``, ``delete``), before the pipeline runs it: the clock ticks
+  ``prefetch``, ``demote``), before the pipeline runs it: the clock ticks
   for hint-aware policies and observers (:meth:`CacheHooks.on_call`), so that an
   eviction the call triggers sees expired ``ttl`` hints and overdue predictions;
 * a ``lookup`` (a request): the clock ticks, then observers see the keys and where the

@@ -35,8 +35,15 @@ class ScrapeError(KVTierError):
 Series = dict[str, list[tuple[dict[str, str], float]]]
 
 
+_ESCAPED = re.compile(r"\\(.)")
+_UNESCAPED = {"n": "\n", '"': '"', "\\": "\\"}
+
+
 def _unescape(value: str) -> str:
-    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+    """A label value as written before the exposition format escaped it: ``\\\\``,
+    ``\\"`` and ``\\n`` read left to right (one pass, so ``\\\\n`` is a backslash and
+    an ``n``, not a backslash and a newline)."""
+    return _ESCAPED.sub(lambda m: _UNESCAPED.get(m.group(1), m.group(0)), value)
 
 
 def _number(text: str) -> float:

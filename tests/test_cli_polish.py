@@ -48,6 +48,19 @@ def test_python_dash_m_runs_every_command(module: str, tmp_path: Path) -> None:
     assert "dram" in {b["name"] for b in json.loads(done.stdout)["backends"]}
 
 
+def test_python_dash_m_kvtier_runs_from_the_checkouts_root() -> None:
+    """From the repository's root the source folder ``kvtier/`` shadows the installed
+    package; ``kvtier.cli`` and ``kvtier.backends`` (the root's ``cli/`` and
+    ``backends/``) are found all the same (it was ``No module named 'kvtier.cli'``)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier", "inspect", "backends", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+        cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "dram" in {b["name"] for b in json.loads(done.stdout)["backends"]}
+
+
 def test_flags_show_as_flags_in_help() -> None:
     result = CliRunner().invoke(get_app(), ["inspect", "config", "--help"])
     assert result.exit_code == 0
@@ -224,3 +237,20 @@ def test_vllm_metrics_endpoint_is_named_with_where_the_cache_metrics_are() -> No
     )
     with pytest.raises(ScrapeError, match="kvtier_metrics_port"):
         cache_stats(parse_prometheus(text), "http://127.0.0.1:8000/metrics")
+
+
+@pytest.mark.parametrize(
+    ("written", "value"),
+    [
+        ('dr\\\\nam \\"x\\"', 'dr\\nam "x"'),
+        ("a\\nb", "a\nb"),
+        ("ends\\\\", "ends\\"),
+        ("\\\\\\\\n", "\\\\n"),
+        ("plain", "plain"),
+    ],
+)
+def test_scraped_label_values_read_back_as_written(written: str, value: str) -> None:
+    """Escaped label values (``\\\\``, ``\\"``, ``\\n``) read back in one left-to-right
+    pass: a backslash before an ``n`` stays a backslash and an ``n``."""
+    text = f'kvtier_pages{{tier="{written}"}} 3\n'
+    assert parse_prometheus(text)["kvtier_pages"] == [({"tier": value}, 3.0)]

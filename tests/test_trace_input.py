@@ -5,6 +5,7 @@ bug. What real traces hold stays accepted."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -118,3 +119,16 @@ def test_bench_sim_exits_2_naming_the_line(tmp_path: Path, line: str, suite: boo
     assert result.exit_code == 2, result.output
     error = json.loads(result.stdout)["error"]
     assert "t.jsonl:2: " in error["message"] and "kvtier bug" not in result.output
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_byte_that_is_not_utf8_is_named_by_line(tmp_path: Path, compress: bool) -> None:
+    """The line of the first byte that is not UTF-8, and its offset in the file (it was
+    the offset inside the decoder's chunk, with no line)."""
+    good = b'{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+    data = good * 300 + good[:-1] + b"\xff\n"
+    path = tmp_path / ("t.jsonl.gz" if compress else "t.jsonl")
+    path.write_bytes(gzip.compress(data) if compress else data)
+    where = f"line 301, byte {300 * len(good) + len(good) - 1} of the file"
+    with pytest.raises(KVTierUsageError, match=f"is not UTF-8 text \\({where}\\)"):
+        read_mooncake(path)

@@ -274,12 +274,30 @@ def open_trace(path: str | Path, what: str = "trace") -> Iterator[io.TextIOBase]
         # utf-8-sig: a byte-order mark (files saved by some Windows editors) is dropped
         with opener(p, "rb") as binary, io.TextIOWrapper(binary, "utf-8-sig", newline="") as text:
             yield text
-    except UnicodeDecodeError as exc:
-        raise KVTierUsageError(f"{what} {p} is not UTF-8 text (byte {exc.start})") from None
+    except UnicodeDecodeError:
+        raise KVTierUsageError(f"{what} {p} is not UTF-8 text ({_first_bad_utf8(p)})") from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise KVTierUsageError(f"{what} {p}: broken gzip data: {exc}") from None
     except OSError as exc:
         raise KVTierUsageError(f"{what} {p} cannot be read: {exc.strerror or exc}") from None
+
+
+def _first_bad_utf8(p: Path) -> str:
+    """Where ``p`` (gzip or plain) first fails to decode as UTF-8: its line and the byte's
+    offset in the (uncompressed) file. Reads the whole file: only on the error path."""
+    with p.open("rb") as raw:
+        compressed = raw.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open if compressed else open)(p, "rb") as binary:
+            data = binary.read()
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = data[: exc.start]
+        line = before.count(b"\n") + before.count(b"\r") - before.count(b"\r\n") + 1
+        return f"line {line}, byte {exc.start} of the file"
+    except (OSError, EOFError, zlib.error):
+        pass
+    return "a byte that is not UTF-8"
 
 
 def _trace_name(p: Path) -> str:
