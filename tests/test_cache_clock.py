@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvtier.cache import KVCache
 from kvtier.keys import PageKey

@@ -16,7 +16,7 @@ from kvtier.policy.eviction import make_policy
 from kvtier.policy.shadow import key_hash
 from kvtier.sim.replay import make_tiers, replay
 from kvtier.sim.trace import Trace
-from kvtier.sim.whatif import SAMPLE_SEED, FACTORS, TierModel, WhatIf, factor_label
+from kvtier.sim.whatif import FACTORS, SAMPLE_SEED, TierModel, WhatIf, factor_label
 from kvtier.sim.workloads import workload
 
 
