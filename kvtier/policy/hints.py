@@ -72,8 +72,8 @@ class Hint:
         if not isinstance(self.keys, tuple):
             object.__setattr__(self, "keys", tuple(self.keys))
         needs = HINT_KINDS[self.kind]
-        v = _real_value(self.kind, self.value)
         if needs:
+            v = _real_value(self.kind, self.value)
             if v is None or not math.isfinite(v):
                 raise KVTierUsageError(
                     f"hint {self.kind!r} needs a finite number value, got {self.value!r}"
