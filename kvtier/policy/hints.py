@@ -85,7 +85,7 @@ class Hint:
                 )
             object.__setattr__(self, "value", v)
         elif self.value is not None:
-            raise KVTierUsageError(f"hint {self.kind!r} takes no value, got {self.value!r}")
+            raise KVTierUsageError(f"hint {self.kind!r} takes no value, got {self.value!r:.60}")
         for i, k in enumerate(self.keys):
             if not isinstance(k, bytes) or len(k) != KEY_BYTES:
                 raise KVTierUsageError(
