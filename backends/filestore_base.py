@@ -186,10 +186,14 @@ class FileStoreBase(StoreBackend):
             ) from exc
 
     def _scan_files(self) -> tuple[set[PageKey], int]:
-        make_store_root(self.path, self.modes, "file store")
-        self._lock_dir()
+        # the directory's modes change only once it is known to be usable: a directory
+        # refused below (a symlinked lock or .tmp, another store object's) keeps its own
+        make_store_root(self.path, self.modes, "file store", fix_mode=False)
         tmp = self.path / TMP_SUFFIX
-        if check_no_symlink(tmp, self.path, want="dir"):
+        has_tmp = check_no_symlink(tmp, self.path, want="dir")
+        self._lock_dir()
+        set_mode(self.path, self.modes.dir)
+        if has_tmp:
             shutil.rmtree(tmp)  # never follows symlinks inside it
         private_dir(tmp, self.modes, self.path)
         largest = HEADER_SIZE + self.page_bytes

@@ -57,19 +57,21 @@ def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> boo
     """Check that ``root`` is a store directory; return whether it holds a store already.
 
     With ``create``, a missing directory (and missing parents) is created private
-    (``modes.dir``, ``0700`` by default). Raises :class:`NotAStoreError` for a file, or a
-    directory with foreign content and no index; :class:`KVTierUsageError` for a missing
-    directory when not creating; :class:`~kvtier.backends.store_files.UnsafeStoreError`
-    when one of the store's own entries (index, its WAL/SHM, lock, slabs) is a symlink or
-    of the wrong type; :class:`~kvtier.backends.store_files.StorePathError` for a path the
-    OS refuses (NUL byte, name too long...).
+    (``modes.dir``, ``0700`` by default), and an existing one brought to ``modes.dir``
+    once it passed every check: a directory refused here is left as it was. Raises
+    :class:`NotAStoreError` for a file, or a directory with foreign content and no
+    index; :class:`KVTierUsageError` for a missing directory when not creating;
+    :class:`~kvtier.backends.store_files.UnsafeStoreError` when one of the store's own
+    entries (index, its WAL/SHM, lock, slabs) is a symlink or of the wrong type;
+    :class:`~kvtier.backends.store_files.StorePathError` for a path the OS refuses (NUL
+    byte, name too long...).
     """
     root = check_path_text(root, "NVMe store")
     modes = modes or Modes()
     try:
         exists = root.exists()
         if exists and not root.is_dir():
-            raise NotAStoreError(f"{root} is not a directory, so not an NVMe store")
+            raise NotAStoreError(not_a_directory(root))
     except OSError as exc:
         raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
     if not exists:
@@ -89,10 +91,18 @@ def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> boo
             raise
         return False
     check_store_entries(root)
-    if create:
+    has_index = (root / INDEX_FILE).exists()
+    if not has_index:
+        _check_new_store(root, create)
+    if create:  # only once the directory is known to be a store (or an empty one)
         set_mode(root, modes.dir)
-    if (root / INDEX_FILE).exists():
-        return True
+    return has_index
+
+
+def _check_new_store(root: Path, create: bool) -> None:
+    """Refuse an existing directory without an index that holds anything but a store's
+    own files (or, when not creating, that has no slabs either): :class:`NotAStoreError`.
+    Changes nothing, so a refused directory keeps its modes."""
     try:
         names = [p.name for p in root.iterdir()]
     except OSError as exc:
@@ -100,7 +110,6 @@ def check_store_dir(root: Path, create: bool, modes: Modes | None = None) -> boo
     check_only_store_files(root, names)
     if not create and not (root / "slabs").is_dir():
         raise NotAStoreError(f"{root} is not an NVMe store: it has no {INDEX_FILE}")
-    return False
 
 
 def check_store_entries(root: Path) -> None:
@@ -202,6 +211,11 @@ def check_only_store_files(root: Path, names: list[str]) -> None:
             f"{root} is not an NVMe store: it has no {INDEX_FILE} but holds other files "
             f"({shown}); pick an empty or new directory"
         )
+
+
+def not_a_directory(root: Path) -> str:
+    """Why ``root``, an existing file (or device), cannot be an NVMe store."""
+    return f"NVMe store: {root} exists and is not a directory, so not an NVMe store"
 
 
 def page_size_conflict(root: Path, held: int, page_bytes: int) -> str:

@@ -17,7 +17,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.backends.nvme_dir import check_only_store_files, page_size_conflict
+from kvtier.backends.nvme_dir import (
+    NotAStoreError,
+    check_only_store_files,
+    not_a_directory,
+    page_size_conflict,
+)
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
     LOCK_FILE,
@@ -58,6 +63,8 @@ def preflight_store(path: str | os.PathLike[str], page_bytes: int) -> Preflight:
     missing = missing_store_note(root, "NVMe store")
     if missing is not None:
         return Preflight(missing)
+    if not _is_dir(root):
+        raise NotAStoreError(not_a_directory(root))
     has_index = (root / INDEX_FILE).exists()
     if has_index or (root / SLAB_DIR).is_dir():
         check_store_dir(root, create=False)  # a store: no symlink inside, no foreign file
@@ -75,6 +82,15 @@ def preflight_store(path: str | os.PathLike[str], page_bytes: int) -> Preflight:
             return Preflight(f"{root} has slab files but no index: opening rebuilds it")
         return Preflight(f"the store will be created in {root}")
     return _read_index(root, page_bytes)
+
+
+def _is_dir(root: Path) -> bool:
+    """Whether the existing ``root`` is a directory (following a symlink: the store
+    directory may be one); :class:`StorePathError` when it cannot be looked at."""
+    try:
+        return root.is_dir()
+    except OSError as exc:
+        raise StorePathError(f"NVMe store {root}: {describe_os_error(exc)}") from exc
 
 
 def _check_empty(root: Path) -> None:

@@ -25,6 +25,7 @@ import errno
 import fcntl
 import os
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,9 +116,12 @@ def _missing_parents(path: Path) -> tuple[list[Path], Path]:
     return missing, p
 
 
-def make_store_root(path: Path, modes: Modes, what: str) -> bool:
+def make_store_root(path: Path, modes: Modes, what: str, fix_mode: bool = True) -> bool:
     """Create the store directory ``path`` (and missing parents, each with ``modes.dir``)
-    or check the existing one; bring it to ``modes.dir``. Returns whether it was created.
+    or check the existing one; with ``fix_mode``, bring an existing one to ``modes.dir``
+    (pass ``False`` to do that only after the caller's own checks passed, with
+    :func:`set_mode`, so that a directory it refuses keeps its modes). Returns whether it
+    was created.
 
     The root itself may be a symlink to a directory (the user's path). Raises
     :class:`StorePathError` when it exists and is not a directory, or cannot be created.
@@ -136,7 +140,7 @@ def make_store_root(path: Path, modes: Modes, what: str) -> bool:
                 os.chmod(d, modes.dir)  # the umask may have removed bits the modes keep
         if not path.is_dir():
             raise StorePathError(f"{what}: {path} exists and is not a directory")
-        if not missing:
+        if not missing and fix_mode:
             set_mode(path, modes.dir)
     except OSError as exc:
         raise StorePathError(f"{what}: cannot use {path}: {describe_os_error(exc)}") from exc
@@ -259,25 +263,45 @@ def missing_store_note(path: Path, what: str) -> str | None:
 
 
 def check_creatable(path: Path, what: str) -> Path:
-    """Check, creating nothing, that the missing directory ``path`` (and its missing
-    parents) could be made as :func:`make_store_root` makes them: the nearest existing
-    ancestor is a directory this process may write into, on a writable file system, and
-    no missing name is too long. Returns that ancestor; raises :class:`StorePathError`
-    naming it and why."""
+    """Check, leaving nothing behind, that the missing directory ``path`` (and its
+    missing parents) could be made as :func:`make_store_root` makes them: the nearest
+    existing ancestor is a directory in which a directory can really be made (one with a
+    unique hidden name is made and removed at once, :func:`try_mkdir`: ``access()``
+    answers yes for root even where the file system refuses, as under ``/sys`` or
+    ``/proc``), and no missing name is too long. Returns that ancestor; raises
+    :class:`StorePathError` naming it and why."""
     missing, p = _missing_parents(path)
     try:
         if not p.is_dir():
             raise StorePathError(f"{what}: cannot create {path}: {p} exists and is not a directory")
-        if not os.access(p, os.W_OK | os.X_OK):
-            why = "read-only file system" if _read_only_fs(p) else "permission denied"
+        why = try_mkdir(p)
+        if why is not None:
             raise StorePathError(f"{what}: cannot create {path}: {p} is not writable ({why})")
         longest = os.pathconf(p, "PC_NAME_MAX")
+    except StorePathError:
+        raise
     except OSError as exc:
         raise StorePathError(f"{what}: cannot use {path}: {describe_os_error(exc)}") from exc
     for d in missing:
         if len(os.fsencode(d.name)) > longest:
             raise StorePathError(f"{what}: cannot create {path}: file name too long ({d.name!r})")
     return p
+
+
+def try_mkdir(parent: Path) -> str | None:
+    """Whether a directory can be made in ``parent``: ``None`` when one with a unique
+    hidden name (``.kvtier-check-*``) was made and removed again, else why not, in words.
+    Only the parent's modification time changes."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".kvtier-check-", dir=parent)
+    except OSError as exc:
+        if exc.errno == errno.EROFS or _read_only_fs(parent):
+            return "read-only file system"
+        if exc.errno == errno.EACCES:
+            return "permission denied"
+        return f"making a directory there fails: {describe_os_error(exc)}"
+    os.rmdir(probe)
+    return None
 
 
 def _read_only_fs(path: Path) -> bool:

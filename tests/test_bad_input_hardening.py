@@ -327,7 +327,7 @@ def test_io_threads_of_the_wrong_type_is_named(tmp_path: Path, backend: str) -> 
 @pytest.mark.parametrize(
     ("section", "values", "needle"),
     [
-        ("namespace", {"rank": 2**70}, r"rank must be an integer in \[0, 2\*\*31\)"),
+        ("namespace", {"rank": 2**70}, r"namespace\.rank: must be an integer in \[0, 2147483647\]"),
         ("pipeline", {"batch_pages": 2**70}, r"batch_pages: must be an integer in \[1, "),
         ("pipeline", {"max_inflight_per_link": 10**9}, "max_inflight_per_link: must be"),
     ],

@@ -28,6 +28,11 @@ DEFAULT_LOWER_HIGH_WATERMARK = LAST_HIGH_WATERMARK
 #: Upper bounds of pipeline settings (beyond them a value is a mistake).
 MAX_BATCH_PAGES = 1 << 20
 MAX_INFLIGHT_PER_LINK = 1 << 10
+#: Upper bound of ``model.page_tokens``: engines use pages of 16 to 256 tokens; beyond
+#: 65536 a page of any real model is gigabytes, a mistake rather than a page size.
+MAX_PAGE_TOKENS = 1 << 16
+#: Upper bound of ``namespace.rank`` (the namespace's 32-bit signed range).
+MAX_RANK = 2**31 - 1
 #: What a tier that cannot open does: ``fail`` raises from ``KVCache.start``; ``skip``
 #: logs an error and the cache runs without it (only below the top tier).
 ON_OPEN_ERROR = ("skip", "fail")

@@ -17,13 +17,15 @@ from kvtier.errors import ConfigError
 _MAX_CONFIG_BYTES = 16 << 20
 
 
-def read_file(path: Path) -> dict[str, Any]:
-    """The TOML table in ``path``; :class:`ConfigError` for a file that is missing,
-    unreadable, not UTF-8 text (binary, UTF-16) or not TOML."""
+def read_file(path: Path | str) -> dict[str, Any]:
+    """The TOML table in ``path``; :class:`ConfigError` for an empty path, a file that is
+    missing, a directory, unreadable, not UTF-8 text (binary, UTF-16) or not TOML."""
     if "\x00" in str(path):
         raise ConfigError(f"config file path {str(path)!r} contains a NUL byte")
+    if str(path) == "":
+        raise ConfigError("config file: an empty path was given; name a TOML file")
     try:
-        with path.open("rb") as f:
+        with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
                 raise ConfigError(f"config file {str(path)!r} is larger than 16 MiB")
             data = f.read()
@@ -37,6 +39,12 @@ def read_file(path: Path) -> dict[str, Any]:
         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except IsADirectoryError:
+        # Path("") reads as ".": an empty -c/--config arrives as that
+        empty = " (an empty path names the current directory)" if str(path) == "." else ""
+        raise ConfigError(
+            f"config file {str(path)!r} is a directory, not a TOML file{empty}"
+        ) from None
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ConfigError(f"config file {str(path)!r} cannot be read: {reason}") from None
@@ -74,8 +82,8 @@ def load_config(
         source = Path(env[ENV_CONFIG_FILE])
         origin = f"env:{ENV_CONFIG_FILE}"
     if isinstance(source, str | Path):
+        layer = read_file(source if source == "" else Path(source))
         path = Path(source)
-        layer = read_file(path)
         origin = f"file:{path}" if origin == "python" else f"{origin}={path}"
     elif isinstance(source, KVTierConfig):
         layer = to_raw(source)

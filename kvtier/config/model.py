@@ -16,10 +16,12 @@ from kvtier.config.defaults import (
     DEFAULT_HYSTERESIS,
     MAX_BATCH_PAGES,
     MAX_INFLIGHT_PER_LINK,
+    MAX_PAGE_TOKENS,
+    MAX_RANK,
     ON_OPEN_ERROR,
     default_watermarks,
 )
-from kvtier.config.raw import flatten
+from kvtier.config.raw import check_tier_name, flatten, source_note
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import Namespace
 from kvtier.log import parse_level
@@ -168,9 +170,7 @@ class ResolvedConfig:
         return rows
 
 
-def _src(sources: Mapping[str, str], key: str) -> str:
-    origin = sources.get(key)
-    return f" (from {origin})" if origin and origin != "default" else ""
+_src = source_note  # " (from ORIGIN)" of a key, or of a table's leaves
 
 
 def _int(
@@ -223,6 +223,8 @@ def _build_spec(model: Mapping[str, Any], sources: Mapping[str, str]) -> KVSpec:
     is named after it (``llama3-8b-L2H8D128``, ``custom-L4H2D64``): the name is the
     namespace's default model id, so two shapes never share pages."""
     fields = {k: v for k, v in model.items() if k != "preset"}
+    if "page_tokens" in fields:
+        _int(fields["page_tokens"], "model.page_tokens", sources, maximum=MAX_PAGE_TOKENS)
     try:
         if "preset" in model:
             base = preset(_str(model["preset"], "model.preset", sources))
@@ -262,12 +264,13 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
             spec,
             model_id=model_id or None,
             revision=_str(ns_raw.get("revision", "main"), "namespace.revision", sources),
-            rank=_int(ns_raw.get("rank", 0), "namespace.rank", sources, minimum=0),
+            rank=_int(ns_raw.get("rank", 0), "namespace.rank", sources, 0, MAX_RANK),
         )
     except KVTierUsageError as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"namespace: {exc}") from None
+        key = next((f"namespace.{k}" for k in ns_raw if f".{k} " in str(exc)), "namespace")
+        raise ConfigError(f"{key}: {exc}{_src(sources, key)}") from None
 
     pipe = raw.get("pipeline", {})
     wp_raw = pipe.get("write_policy", "write-through")
@@ -304,7 +307,10 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
             f"{_src(sources, 'log.format')}"
         )
     log_level = str(log.get("level", "info"))
-    parse_level(log_level)
+    try:
+        parse_level(log_level)
+    except ConfigError as exc:  # it names log.level; add where the value came from
+        raise ConfigError(f"{exc}{_src(sources, 'log.level')}") from None
 
     observe = raw.get("observe", {})
     whatif = _bool(observe.get("whatif", False), "observe.whatif", sources)
@@ -319,7 +325,7 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: at least one tier is required")
     tiers: list[TierConfig] = []
-    seen: set[str] = set()
+    seen: dict[str, tuple[str, str]] = {}
     for i, t in enumerate(tiers_raw):
         tiers.append(_build_tier(i, t, spec, sources, seen, len(tiers_raw)))
     namespace = _with_codec_representation(namespace, tiers, spec)
@@ -346,7 +352,7 @@ def _build_tier(
     t: Mapping[str, Any],
     spec: KVSpec,
     sources: Mapping[str, str],
-    seen: set[str],
+    seen: dict[str, tuple[str, str]],
     count: int | None = None,
 ) -> TierConfig:
     p = f"tiers[{i}]"
@@ -356,9 +362,7 @@ def _build_tier(
                 f"{p}.{required}: missing (every tier needs a backend and a capacity)"
             )
     name = _str(t.get("name", t["backend"]), f"{p}.name", sources)
-    if name in seen:
-        raise ConfigError(f"{p}.name: duplicate tier name {name!r}{_src(sources, p + '.name')}")
-    seen.add(name)
+    check_tier_name(p, name, "name" in t, seen, sources)
     backend = _str(t["backend"], f"{p}.backend", sources)
     try:
         capacity = parse_size(t["capacity"], f"{p}.capacity")
@@ -421,6 +425,12 @@ def _check_codec(
     holds no encoded page."""
     if codec == NO_CODEC and not params:
         return
+    if codec == NO_CODEC:
+        key = f"{p}.codec_params"
+        raise ConfigError(
+            f"{key}: parameters given without a codec (set {p}.codec, e.g. 'zstd', or "
+            f"remove them){_src(sources, key)}"
+        )
     try:
         made = make_codec(codec, spec, **params)
     except ConfigError as exc:

@@ -64,6 +64,65 @@ def record(sources: dict[str, str], raw: Mapping[str, Any], origin: str, prefix:
         sources[key] = origin
 
 
+def source_note(sources: Mapping[str, str], key: str) -> str:
+    """`` (from ORIGIN)`` for the value at ``key``, or for a table, for the first of its
+    leaves (``tiers[0].codec_params.level``) with a source other than the default; ``""``
+    when there is none."""
+    origin = sources.get(key)
+    if origin is None:
+        inner = [v for k, v in sources.items() if k.startswith((f"{key}.", f"{key}["))]
+        origin = next((v for v in inner if v != "default"), None)
+    return f" (from {origin})" if origin and origin != "default" else ""
+
+
+#: What a tier name may not be, and why: ``KVTIER_TIERS__<name>__<key>`` variables find a
+#: tier by its name, ignoring case, or by its index (see :func:`check_tier_name`).
+_NAME_RULE = (
+    "KVTIER_TIERS__<name or index>__<key> variables find a tier by its name (ignoring "
+    "case) or its index"
+)
+
+
+def check_tier_name(
+    p: str,
+    name: str,
+    given: bool,
+    seen: dict[str, tuple[str, str]],
+    sources: Mapping[str, str],
+) -> None:
+    """Refuse a tier name (``name`` of tier ``p``, e.g. ``tiers[1]``; ``given``: written
+    in the config, else the backend's name) that an environment variable could not reach
+    or would confuse with another tier's: only digits (an index), ``__`` inside or ``_``
+    at an end (the level separator), the name of a tier in ``seen`` (lower-cased name ->
+    (tier, name)) ignoring case. Records it in ``seen``. :class:`ConfigError` names the key and
+    its source."""
+    key = f"{p}.name"
+    where = source_note(sources, key)
+    if name.isdigit():
+        raise ConfigError(
+            f"{key}: {name!r} is only digits, which would read as an index ({_NAME_RULE}){where}"
+        )
+    if "__" in name or name.startswith("_") or name.endswith("_"):
+        raise ConfigError(
+            f"{key}: {name!r} holds '__' or starts or ends with '_', which would be read "
+            f"as the separator of levels ({_NAME_RULE}){where}"
+        )
+    other = seen.get(name.lower())
+    if other is not None and not given:
+        raise ConfigError(
+            f"{key}: duplicate tier name {name!r}: no name is given, so the tier is named "
+            f"after its backend, and {other[0]} is named {other[1]!r}; give each tier a "
+            f"name{where}"
+        )
+    if other is not None:
+        case = "" if other[1] == name else "; names must differ in more than case, as "
+        raise ConfigError(
+            f"{key}: duplicate tier name {name!r} ({other[0]} is named {other[1]!r}{case}"
+            f"{_NAME_RULE if case else ''}){where}"
+        )
+    seen[name.lower()] = (p, name)
+
+
 def check_shape(raw: Any, origin: str) -> None:
     """Reject unknown sections and keys, naming them and where they came from."""
     where = f" (from {origin})"
@@ -147,9 +206,16 @@ def _env_layer(
 
 def _refuse_single_underscores(name: str) -> None:
     """A ``KVTIER_`` variable without ``__`` is left to other parts of kvtier, unless it
-    starts with a config section: ``KVTIER_PIPELINE_BATCH_PAGES`` is a setting misspelt
-    with single underscores, which would otherwise be dropped without a word."""
+    is a config section (``KVTIER_TIERS``) or starts with one: ``KVTIER_PIPELINE_BATCH_PAGES``
+    is a setting misspelt with single underscores, which would otherwise be dropped without
+    a word."""
     rest = name[len(ENV_PREFIX) :]
+    if rest.lower() in (*SECTIONS, "tiers"):
+        hint = "TIERS__<name or index>__<key>" if rest.lower() == "tiers" else f"{rest}__<key>"
+        raise ConfigError(
+            f"{name}: a section is not set as a whole; set its keys, one variable each, "
+            f"with double underscores between levels (KVTIER_{hint})"
+        )
     for section in (*SECTIONS, "tiers"):
         head = section.upper() + "_"
         if rest.startswith(head) and len(rest) > len(head):

@@ -7,6 +7,7 @@ which walks pages from the coldest in the order of their K-th most recent access
 from __future__ import annotations
 
 import heapq
+import inspect
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
@@ -229,7 +230,8 @@ def register_policy(name: str, factory: Callable[..., EvictionPolicy]) -> None:
 
 
 def make_policy(name: str, **params: object) -> EvictionPolicy:
-    """Build the eviction policy ``name`` with ``params``; :class:`ConfigError` if unknown."""
+    """Build the eviction policy ``name`` with ``params``; :class:`ConfigError` if unknown,
+    or for a parameter it does not take (naming those it takes, from its signature)."""
     try:
         factory = EVICTION_POLICIES[name]
     except KeyError:
@@ -238,4 +240,15 @@ def make_policy(name: str, **params: object) -> EvictionPolicy:
     try:
         return factory(**params)
     except TypeError as exc:
-        raise ConfigError(f"eviction policy {name!r}: bad parameters {params}: {exc}") from None
+        try:
+            taken = list(inspect.signature(factory).parameters.values())
+        except (TypeError, ValueError):  # no signature to read: the error as it is
+            taken = [inspect.Parameter("params", inspect.Parameter.VAR_KEYWORD)]
+        names = [p.name for p in taken if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        bad = [k for k in params if k not in names]
+        if not bad or any(p.kind is p.VAR_KEYWORD for p in taken):
+            raise ConfigError(f"eviction policy {name!r}: bad parameters {params}: {exc}") from None
+        raise ConfigError(
+            f"unknown parameter {bad[0]!r} for eviction policy {name!r}; it takes: "
+            f"{', '.join(names) or 'no parameters'}"
+        ) from None
