@@ -62,8 +62,14 @@ def _render(data: dict[str, Any]) -> None:
 
 
 def _tiers(requested: list[str] | None) -> tuple[list[str], list[dict[str, str]]]:
-    """Tiers to measure, and the ones skipped (only when none was named)."""
+    """Tiers to measure, and the ones skipped (only when none was named). A tier named
+    twice is a usage error (it would be measured, and reported, twice)."""
     if requested:
+        repeated = sorted({n for n in requested if requested.count(n) > 1})
+        if repeated:
+            raise KVTierUsageError(
+                f"--tier {', '.join(repeated)} is given more than once: name each tier once"
+            )
         for name in requested:
             registry.resolve(name)  # unknown -> usage error; unavailable -> failure
         return list(requested), []

@@ -21,10 +21,10 @@ from kvtier.cli.output import (
     table,
 )
 
-from kvtier.bench.live import bench_run
+from kvtier.bench.live import bench_run, load_base
 from kvtier.bench.speculative import SpeculativeParams
 from kvtier.bench.workload import ChatParams
-from kvtier.config import format_size, load_config, parse_size
+from kvtier.config import format_size, parse_size
 from kvtier.errors import KVTierUsageError
 from kvtier.spec import preset
 
@@ -245,7 +245,7 @@ def bench_run_command(
                     f"--predictor: unknown predictor {pred!r}; known: none, {', '.join(PREDICTORS)}"
                 )
         top = parse_size(dram_capacity, "--dram-capacity") if dram_capacity else None
-        base = load_config(config)
+        base = load_base(config, model)
         with progress(not as_json, "bench run", params.sessions * params.turns) as advance:
             result = asyncio.run(
                 bench_run(

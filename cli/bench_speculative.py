@@ -11,8 +11,9 @@ from typing import Any
 
 from kvtier.cli.output import EXIT_FAILURE, console, emit, fail, progress, render_config, table
 
+from kvtier.bench.live import load_base
 from kvtier.bench.speculative import SpeculativeParams, bench_speculative
-from kvtier.config import format_size, load_config, parse_size
+from kvtier.config import format_size, parse_size
 
 
 def _render(data: dict[str, Any]) -> None:
@@ -68,7 +69,7 @@ def run_speculative_cli(
     """Run the workload and print its report (exit 1 on a mismatch or a stored
     unverified page). Raises kvtier errors for the caller's ``run_guarded``."""
     top = parse_size(dram_capacity, "--dram-capacity") if dram_capacity else None
-    base = load_config(config)
+    base = load_base(config, model)
     with progress(not as_json, "bench run (speculative)", params.steps) as advance:
         result = asyncio.run(
             bench_speculative(

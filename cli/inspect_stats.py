@@ -14,7 +14,7 @@ from kvtier.metrics_scrape import cache_stats, parse_prometheus, scrape
 
 def stats_report(url: str, timeout_s: float) -> dict[str, Any]:
     """:func:`~kvtier.metrics_scrape.cache_stats` of the endpoint at ``url``."""
-    return cache_stats(parse_prometheus(scrape(url, timeout_s)), url)
+    return cache_stats(parse_prometheus(scrape(url, timeout_s), url), url)
 
 
 def _pct(value: float | None) -> str:

@@ -95,6 +95,24 @@ def _render(data: dict[str, Any]) -> None:
         err_console.print(f"note: {note}", highlight=False, markup=False)
 
 
+def _check_root_and_node(root: Path, mode: str, numa_node: int | None) -> None:
+    """Refuse a ``--root`` that is not an existing directory (a typo would otherwise read
+    as a machine with no NUMA, GPU or NVMe information), and ``--numa-node`` with
+    ``--placement none`` (which binds nothing, so the node would be ignored). Raises
+    :class:`KVTierUsageError` naming the option and value."""
+    if "\x00" in str(root):
+        raise KVTierUsageError(f"--root {str(root)!r} contains a NUL byte")
+    if not root.exists():
+        raise KVTierUsageError(f"--root {root}: no such directory")
+    if not root.is_dir():
+        raise KVTierUsageError(f"--root {root} is not a directory")
+    if mode == "none" and numa_node is not None:
+        raise KVTierUsageError(
+            f"--numa-node {numa_node} with --placement none: placement none binds no memory "
+            "to any node; drop --numa-node, or use --placement auto or local"
+        )
+
+
 @inspect_app.command("topology")
 def inspect_topology(
     mode: Annotated[
@@ -129,6 +147,7 @@ def inspect_topology(
             raise KVTierUsageError(
                 f"--placement must be {', '.join(modes[:-1])} or {modes[-1]}, got {mode!r}"
             )
+        _check_root_and_node(root, mode, numa_node)
         for p in path or []:
             if not p.exists():
                 raise KVTierUsageError(f"--path {p}: no such file or directory")

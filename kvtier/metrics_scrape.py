@@ -7,8 +7,11 @@ server. :func:`scrape` fetches such an endpoint; :func:`parse_prometheus` reads 
 ``kvtier inspect stats`` shows: occupancy, hit rate, errors, link GB/s.
 
 Raises :class:`ScrapeError` (a :class:`~kvtier.errors.KVTierError`) naming the URL and the
-reason when the endpoint cannot be read or holds no kvtier metrics, and
-:class:`~kvtier.errors.KVTierUsageError` for a URL that is not ``http(s)://``.
+reason when the endpoint cannot be read, holds no kvtier metrics, or holds a ``kvtier_``
+sample kvtier itself never exports (a value that is not a number, a series given twice,
+or, among the series ``inspect stats`` reads, a value that is negative, NaN, infinite or
+not below 2**63), and :class:`~kvtier.errors.KVTierUsageError` for a URL that is not
+``http(s)://``.
 """
 
 from __future__ import annotations
@@ -54,10 +57,20 @@ def _number(text: str) -> float:
     return float(text)
 
 
-def parse_prometheus(text: str) -> Series:
-    """``{metric name: [(labels, value), ...]}`` of every sample line in ``text``
-    (comments and malformed lines are skipped)."""
+def _at(source: str) -> str:
+    return f" at {source}" if source else ""
+
+
+def parse_prometheus(text: str, source: str = "") -> Series:
+    """``{metric name: [(labels, value), ...]}`` of every sample line in ``text``.
+
+    Comments and malformed lines are skipped, and so are samples of other exporters
+    whose value is not a number. A ``kvtier_`` sample whose value is not a number, or a
+    ``kvtier_`` series (name and labels) given twice, raises :class:`ScrapeError` naming
+    the series, its value(s) and ``source``: kvtier exports neither, and keeping one of
+    them would show a figure the cache never had."""
     out: Series = defaultdict(list)
+    seen: dict[tuple[str, frozenset[tuple[str, str]]], str] = {}
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -65,12 +78,28 @@ def parse_prometheus(text: str) -> Series:
         m = _LINE.match(line)
         if m is None:
             continue
-        name, _, labels, value = m.group(1), m.group(2), m.group(3) or "", m.group(4)
+        name, value = m.group(1), m.group(4)
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(m.group(3) or "")}
+        ours = name.startswith(PREFIX)
+        series = f"{name}{m.group(2) or ''}"
         try:
             number = _number(value)
         except ValueError:
+            if ours:
+                raise ScrapeError(
+                    f"{series} has value {value!r}{_at(source)}: not a number (kvtier "
+                    "exports numbers only)"
+                ) from None
             continue
-        out[name].append(({k: _unescape(v) for k, v in _LABEL.findall(labels)}, number))
+        if ours:
+            key = (name, frozenset(labels.items()))
+            if key in seen:
+                raise ScrapeError(
+                    f"{series} is given twice{_at(source)} (values {seen[key]} and {value}): "
+                    "kvtier exports each series once"
+                )
+            seen[key] = value
+        out[name].append((labels, number))
     return dict(out)
 
 
@@ -113,6 +142,46 @@ def _rows(series: Series, fields: dict[str, str], label: str) -> dict[str, dict[
     return {n: {k: per_field[k].get(n, 0.0) for k in fields} for n in names}
 
 
+#: The series :func:`cache_stats` reads (without the prefix): counts, totals and gauges
+#: that kvtier exports as finite numbers >= 0 below :data:`MAX_COUNT`.
+STATS_SERIES = (
+    "used_pages", "capacity_pages", "hits_total", "misses_total", "stored_pages_total",
+    "evicted_pages_total", "dropped_pages_total", "failed_pages_total", "link_pages_total",
+    "link_bytes_total", "link_seconds_total", "link_failed_pages_total", "queue_depth",
+    "fetch_latency_seconds_count", "fetch_latency_seconds_sum",
+)  # fmt: skip
+#: Bound (exclusive) of every value in :data:`STATS_SERIES`: no count kvtier keeps
+#: reaches it (it is also where a float stops holding whole numbers near exactly).
+MAX_COUNT = 2.0**63
+
+
+def _shown(value: float) -> str:
+    """``value`` as a message shows it: whole numbers without ``.0``."""
+    if math.isfinite(value) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return repr(value)
+
+
+def _labelled(name: str, labels: dict[str, str]) -> str:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return f"{name}{{{inner}}}" if inner else name
+
+
+def check_counts(series: Series, source: str = "") -> None:
+    """Refuse a value of :data:`STATS_SERIES` that kvtier never exports: negative, NaN,
+    infinite, or not below :data:`MAX_COUNT`. Raises :class:`ScrapeError` naming the
+    series, its value and ``source``."""
+    for short in STATS_SERIES:
+        name = PREFIX + short
+        for labels, value in series.get(name, []):
+            if math.isfinite(value) and 0 <= value < MAX_COUNT:
+                continue
+            raise ScrapeError(
+                f"{_labelled(name, labels)} has value {_shown(value)}{_at(source)}: kvtier "
+                "exports this series as a finite number >= 0 below 2**63"
+            )
+
+
 def _whole(value: float | None) -> float | int | None:
     """A count read back from the text format (where every number is a float) as an int
     when it is a whole number (a count is; an odd exporter's fraction stays a float)."""
@@ -126,7 +195,11 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
     ``hit_rate``, ``stored_pages``, ``evicted_pages``, ``dropped_pages``,
     ``failed_pages``; per link ``pages``, ``bytes``, ``seconds``, ``gb_per_s``,
     ``failed_pages``; fetch latency count and mean; queue depths. Counts (pages, bytes,
-    fetches, queued batches) are ints; seconds, rates and shares are floats."""
+    fetches, queued batches) are ints; seconds, rates and shares are floats.
+
+    Raises :class:`ScrapeError` when ``series`` holds no kvtier metrics, or a value
+    :func:`check_counts` refuses (so no NaN, infinity or negative count reaches the
+    report)."""
     if not any(name.startswith(PREFIX) for name in series):
         hint = ""
         if any(name.startswith("vllm:kvtier_") for name in series):
@@ -137,6 +210,7 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
                 "connector's kvtier_metrics_port"
             )
         raise ScrapeError(f"no kvtier metrics (names starting with {PREFIX!r}) at {source}{hint}")
+    check_counts(series, source)
     fields = {
         "used_pages": "used_pages",
         "capacity_pages": "capacity_pages",

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.backend import ArenaBackend, BackendKind
+from kvtier.backend import ArenaBackend, Backend, BackendKind
 from kvtier.bench.baseline_types import (
     DISK_IODEPTH,
     DISK_JOBS,
@@ -99,14 +99,22 @@ def _timed_copies(
     return time.perf_counter() - start
 
 
-def _kvtier_copy_threads(target: IOTarget) -> int:
-    """Threads the arena copies one call of ``batch_pages`` pages on: its own answer
-    (``copy_threads_for(nbytes)``, e.g. one thread for a batch too small to split) when it
-    gives one, else ``target.threads``."""
-    ask = getattr(target.backend, "copy_threads_for", None)
+def kvtier_call_threads(backend: Backend, call_pages: int, page_bytes: int, threads: int) -> int:
+    """Threads kvtier's path copies one backend call of ``call_pages`` pages on: the
+    backend's own answer (``copy_threads_for(nbytes)``: for ``dram`` one thread below
+    8 MiB per call, else its I/O threads, at most one per core) when it has one, else
+    ``threads`` (its copy threads)."""
+    ask = getattr(backend, "copy_threads_for", None)
     if callable(ask):
-        return max(1, int(ask(target.batch_pages * target.page_bytes)))
-    return max(1, target.threads)
+        return max(1, int(ask(call_pages * page_bytes)))
+    return max(1, threads)
+
+
+def _kvtier_copy_threads(target: IOTarget) -> int:
+    """:func:`kvtier_call_threads` of one call of ``batch_pages`` pages (or of every
+    page, when there are fewer: a call never holds more)."""
+    call_pages = min(target.batch_pages, len(target.keys))
+    return kvtier_call_threads(target.backend, call_pages, target.page_bytes, target.threads)
 
 
 async def _memcpy_pass(

@@ -30,6 +30,7 @@ from kvtier.bench.baselines import (
     BaselineSample,
     IOTarget,
     aligned_buffers,
+    kvtier_call_threads,
     profile_for,
     registered_profile,
 )
@@ -38,6 +39,9 @@ from kvtier.errors import ConfigError, KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
 
 DEFAULT_PAGE_BYTES = 4 * 1024 * 1024
+#: Most timed repeats a run takes (``--repeats``): medians settle long before, and a run
+#: this long already takes hours on a slow disk.
+MAX_REPEATS = 10_000
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,9 @@ class IOBenchParams:
     Attributes:
         page_bytes: bytes per page (the transfer unit).
         pages: pages written and read per repeat.
-        repeats: timed repeats; figures are medians. One untimed warm-up pass runs first
-            (first-touch effects would otherwise land on kvtier's side only).
+        repeats: timed repeats (at most :data:`MAX_REPEATS`); figures are medians. One
+            untimed warm-up pass runs first (first-touch effects would otherwise land on
+            kvtier's side only).
         batch_pages: pages per backend call (and the remote baseline's pipeline depth).
         workdir: directory for disk stores (a sub-directory per backend is created and
             removed); ``None`` = a temporary directory.
@@ -72,6 +77,10 @@ class IOBenchParams:
                 raise KVTierUsageError(
                     f"bench io: {flag} must be a positive integer, got {value!r}"
                 )
+        if self.repeats > MAX_REPEATS:
+            raise KVTierUsageError(
+                f"bench io: --repeats must be at most {MAX_REPEATS:,}, got {self.repeats}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             # numpy's generators take only seeds >= 0 (a ValueError deep in the run)
             raise KVTierUsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
@@ -94,9 +103,11 @@ class IOBenchParams:
 class TierIOResult:
     """The figures of one backend. Rates in GB/s (1e9 bytes per second), medians over
     repeats; ratios are medians of the per-repeat ratios kvtier / baseline.
-    ``other_baselines`` has, per further baseline measured beside the main one (e.g.
-    ``redis.asyncio`` beside the C client), its ``write_gbps``, ``read_gbps``,
-    ``write_ratio`` and ``read_ratio`` computed the same way."""
+    ``threads`` is the number of threads kvtier's path copied one call of
+    ``batch_pages`` pages on (:func:`path_threads`). ``other_baselines`` has, per further
+    baseline measured beside the main one (e.g. ``redis.asyncio`` beside the C client),
+    its ``write_gbps``, ``read_gbps``, ``write_ratio`` and ``read_ratio`` computed the
+    same way."""
 
     tier: str
     kind: str
@@ -142,6 +153,15 @@ def bench_keys(tier: str, repeat: int, n: int, seed: int) -> list[PageKey]:
 def copy_threads(backend: Backend) -> int:
     """Threads a backend's batch copies run on (its I/O threads, at most one per core)."""
     return max(1, min(backend.io_threads, os.cpu_count() or 1))
+
+
+def path_threads(backend: Backend, params: IOBenchParams) -> int:
+    """Threads kvtier's path copies one backend call of ``batch_pages`` pages (at most
+    ``pages``: a call holds no more) on, as the backend decides per call
+    (:func:`~kvtier.bench.baselines.kvtier_call_threads`): the ``threads`` a result
+    reports, and the count the memcpy baseline of an arena matches."""
+    call_pages = min(params.batch_pages, params.pages)
+    return kvtier_call_threads(backend, call_pages, params.page_bytes, copy_threads(backend))
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -197,6 +217,7 @@ async def bench_backend(
     kv_r: list[float] = []
     base: list[BaselineSample] = []
     verified = mismatches = 0
+    threads = 1
     async with profile.options(workdir) as options:
         try:
             backend: Backend = cls(
@@ -212,6 +233,7 @@ async def bench_backend(
                 f"'{PROFILE_ENTRY_POINT_GROUP}', see docs/backend-authors.md)"
             ) from exc
         async with backend:
+            threads = path_threads(backend, params)
             for repeat in range(-1, params.repeats):  # -1: the warm-up pass
                 keys = bench_keys(name, repeat, params.pages, params.seed)
                 write_s, ok = await _timed_batches(backend.put, keys, pages, params.batch_pages)
@@ -272,7 +294,7 @@ async def bench_backend(
         page_bytes=params.page_bytes,
         pages=params.pages,
         repeats=params.repeats,
-        threads=copy_threads(backend),
+        threads=threads,
         kvtier_write_gbps=kw,
         kvtier_read_gbps=kr,
         baseline_write_gbps=bw,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,16 @@ from typing import Any
 from kvtier import registry
 from kvtier.backend import ArenaBackend
 from kvtier.bench.workload import ChatParams, ChatWorkload, footprint
-from kvtier.config import KVTierConfig, ResolvedConfig, format_size, load_config
+from kvtier.config import (
+    ENV_CONFIG_FILE,
+    ENV_PREFIX,
+    KVTierConfig,
+    ResolvedConfig,
+    format_size,
+    load_config,
+)
+from kvtier.config.load import read_file
+from kvtier.config.raw import check_shape, record
 from kvtier.errors import ConfigError, KVTierError, KVTierUsageError
 
 #: Backends that keep pages in a local directory (option ``path``).
@@ -42,6 +52,63 @@ def default_top_pages(params: ChatParams, page_tokens: int, batch_pages: int) ->
 def disk_backend() -> str:
     """``nvme`` when it is registered and available here, else ``file``."""
     return "nvme" if registry.describe("nvme").available else "file"
+
+
+def _section_of(name: str) -> str | None:
+    """The config section a ``KVTIER_A__B`` variable sets (``"model"``), else ``None``."""
+    if not name.startswith(ENV_PREFIX) or "__" not in name:
+        return None
+    return name[len(ENV_PREFIX) :].split("__")[0].lower()
+
+
+def _replaced_model_name(model: Any, env: Mapping[str, str]) -> str | None:
+    """The name of the model ``--model`` replaces (the file's ``[model]`` table and the
+    ``KVTIER_MODEL__*`` variables), or ``None`` when that model does not resolve."""
+    try:
+        return load_config({"model": model}, env=env).config.spec.name
+    except KVTierError:
+        return None
+
+
+def load_base(
+    source: Path | None, model: str | None = None, env: Mapping[str, str] | None = None
+) -> ResolvedConfig:
+    """The configuration ``bench run`` starts from, resolved as
+    :func:`~kvtier.config.load_config` resolves ``source`` (a TOML file; ``None``:
+    ``$KVTIER_CONFIG`` if set, else the embedded default) and the ``KVTIER_*`` variables
+    of ``env`` (default ``os.environ``), but with the preset ``model``, when given, in
+    place of the model *before* anything is validated: capacities are checked against a
+    page of the model the run uses, not of the one it replaces.
+
+    As in :func:`run_config`, ``model`` replaces the whole model (the file's ``[model]``
+    keys and ``KVTIER_MODEL__*`` are dropped) and a namespace model id equal to the
+    replaced model's name. Raises :class:`~kvtier.errors.ConfigError` as ``load_config``.
+    """
+    env = os.environ if env is None else env
+    if model is None:
+        return load_config(source, env=env)
+    origin = f"file:{source}"
+    if source is None and env.get(ENV_CONFIG_FILE):
+        source = Path(env[ENV_CONFIG_FILE])
+        origin = f"env:{ENV_CONFIG_FILE}={source}"
+    layer: dict[str, Any] = {} if source is None else read_file(source)
+    check_shape(layer, origin)
+    model_env = {k: v for k, v in env.items() if _section_of(k) == "model"}
+    old_name = _replaced_model_name(layer.get("model", {}), model_env)
+    keep = {k: v for k, v in env.items() if k not in model_env}
+    if old_name is not None:
+        keep = {
+            k: v
+            for k, v in keep.items()
+            if not (k.upper() == "KVTIER_NAMESPACE__MODEL_ID" and v == old_name)
+        }
+        if layer.get("namespace", {}).get("model_id") == old_name:
+            del layer["namespace"]["model_id"]
+    layer["model"] = {"preset": model}
+    origins: dict[str, str] = {}
+    record(origins, layer, origin)
+    origins["model.preset"] = "--model"
+    return load_config(layer, env=keep, origins=origins)
 
 
 def run_config(
