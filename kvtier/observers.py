@@ -25,7 +25,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierUsageError
@@ -36,6 +36,8 @@ from kvtier.policy.eviction import make_policy
 from kvtier.policy.hints import Hint
 from kvtier.sim.whatif import FACTORS, TierModel, WhatIf
 from kvtier.transfer.tier import Tier
+
+_M = TypeVar("_M", Gauge, Counter)
 
 
 @runtime_checkable
@@ -94,28 +96,32 @@ def _mismatch(name: str, labels: Sequence[str], found: object) -> KVTierUsageErr
     )
 
 
+def _shared(
+    metrics: Metrics, kind: type[_M], make: Callable[[str, str, Sequence[str]], _M],
+    name: str, help: str, labels: Sequence[str],
+) -> _M:  # fmt: skip
+    """The metric ``name`` of ``metrics`` registered already, or a new one by ``make``;
+    :class:`KVTierUsageError` when it is registered with another ``kind`` or labels."""
+    found = _registered(metrics, name)
+    if found is None:
+        return make(name, help, labels)
+    if not isinstance(found, kind) or found.labels != tuple(labels):
+        raise _mismatch(name, labels, found)
+    return found
+
+
 def shared_gauge(metrics: Metrics, name: str, help: str, labels: Sequence[str]) -> Gauge:
     """The gauge ``name`` of ``metrics``: the one registered already (by an observer of
     the same kind before) or a new one. Raises :class:`KVTierUsageError` when ``name``
     is registered with another type or other labels."""
-    found = _registered(metrics, name)
-    if found is None:
-        return metrics.gauge(name, help, labels)
-    if not isinstance(found, Gauge) or found.labels != tuple(labels):
-        raise _mismatch(name, labels, found)
-    return found
+    return _shared(metrics, Gauge, metrics.gauge, name, help, labels)
 
 
 def shared_counter(metrics: Metrics, name: str, help: str, labels: Sequence[str]) -> Counter:
     """The counter ``name`` of ``metrics``: the one registered already (by an observer of
     the same kind before; it goes on counting, as a counter must) or a new one. Raises
     :class:`KVTierUsageError` when ``name`` is registered with another type or labels."""
-    found = _registered(metrics, name)
-    if found is None:
-        return metrics.counter(name, help, labels)
-    if not isinstance(found, Counter) or found.labels != tuple(labels):
-        raise _mismatch(name, labels, found)
-    return found
+    return _shared(metrics, Counter, metrics.counter, name, help, labels)
 
 
 class SizedCache(Protocol):
