@@ -35,9 +35,10 @@ def parse_size(value: Any, key: str = "size") -> int:
     optional fraction and exponent (``1.5``, ``1e9``, ``2.5e3``), then an optional unit
     (strings only, spaces allowed between): ``KiB``/``MiB``/``GiB``/``TiB``/``PiB`` are
     powers of 1024, ``KB``/``MB``/``GB``/``TB``/``PB`` powers of 1000, a bare
-    ``K``/``M``/``G``/``T``/``P`` is binary. The value, computed exactly, must be a whole
-    number of bytes in ``[0, 2**63 - 1]``: ``"1.5GiB"`` and TOML's ``1.5e9`` are sizes,
-    ``"0.1KiB"`` (102.4 bytes) and ``4194304.7`` are refused, never rounded.
+    ``K``/``M``/``G``/``T``/``P`` is binary. The value is computed exactly; with a unit it
+    is the whole bytes it holds (``"1.3GiB"``: 1395864371, ``"0.1KiB"``: 102), without one
+    it must be a whole number of bytes (``4194304.7`` and ``"1e-3"`` are refused: a
+    fraction of a byte is a mistake, not a size), in ``[0, 2**63 - 1]``.
     """
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{key}: expected a size in bytes or a string like '4GiB', got {value!r}")
@@ -58,7 +59,10 @@ def parse_size(value: Any, key: str = "size") -> int:
             f"{key}: {value!r} has 'i' without a unit (e.g. '5KiB', '5MiB', or 5 bytes)"
         )
     base = 1000 if (unit and not binary and suffix_b) else 1024
-    return _whole(Fraction(number) * base ** _SIZE_POWERS[unit.lower()], key, value)
+    exact = Fraction(number) * base ** _SIZE_POWERS[unit.lower()]
+    if unit:  # a fraction of a unit ("1.3GiB"): the whole bytes it holds
+        return _in_range(math.floor(exact), key, value)
+    return _whole(exact, key, value)
 
 
 def _whole(exact: Fraction, key: str, given: Any) -> int:
