@@ -23,14 +23,13 @@ from kvtier import registry
 from kvtier.backend import ArenaBackend
 from kvtier.bench.workload import ChatParams, ChatWorkload, footprint
 from kvtier.config import (
-    ENV_CONFIG_FILE,
     ENV_PREFIX,
     KVTierConfig,
     ResolvedConfig,
     format_size,
     load_config,
 )
-from kvtier.config.load import read_file
+from kvtier.config.load import file_layer
 from kvtier.config.raw import check_shape, record
 from kvtier.errors import ConfigError, KVTierError, KVTierUsageError
 
@@ -87,11 +86,8 @@ def load_base(
     env = os.environ if env is None else env
     if model is None:
         return load_config(source, env=env)
-    origin = f"file:{source}"
-    if source is None and env.get(ENV_CONFIG_FILE):
-        source = Path(env[ENV_CONFIG_FILE])
-        origin = f"env:{ENV_CONFIG_FILE}={source}"
-    layer: dict[str, Any] = {} if source is None else read_file(source)
+    found, origin = file_layer(source, env)
+    layer: dict[str, Any] = found or {}
     check_shape(layer, origin)
     model_env = {k: v for k, v in env.items() if _section_of(k) == "model"}
     old_name = _replaced_model_name(layer.get("model", {}), model_env)

@@ -78,13 +78,8 @@ def load_config(
     record(sources, raw, "default")
     layer: Mapping[str, Any] | None = None
     origin = "python"
-    if source is None and env.get(ENV_CONFIG_FILE):
-        source = Path(env[ENV_CONFIG_FILE])
-        origin = f"env:{ENV_CONFIG_FILE}"
-    if isinstance(source, str | Path):
-        layer = read_file(source if source == "" else Path(source))
-        path = Path(source)
-        origin = f"file:{path}" if origin == "python" else f"{origin}={path}"
+    if source is None or isinstance(source, str | Path):
+        layer, origin = file_layer(source, env)
     elif isinstance(source, KVTierConfig):
         layer = to_raw(source)
     elif isinstance(source, Mapping):
@@ -103,6 +98,21 @@ def load_config(
     config = validate_raw(raw, sources)
     preset = raw["model"].get("preset") if isinstance(raw.get("model"), dict) else None
     return ResolvedConfig(config, sources, preset if isinstance(preset, str) else None)
+
+
+def file_layer(
+    source: str | Path | None, env: Mapping[str, str]
+) -> tuple[dict[str, Any] | None, str]:
+    """The TOML table of the file ``source`` names (``None``: ``$KVTIER_CONFIG`` of
+    ``env`` when set, else no file: ``(None, "python")``) and its origin as sources name
+    it (``file:PATH``, ``env:KVTIER_CONFIG=PATH``); :class:`ConfigError` as
+    :func:`read_file`."""
+    if source is None:
+        if not env.get(ENV_CONFIG_FILE):
+            return None, "python"
+        path = Path(env[ENV_CONFIG_FILE])
+        return read_file(path), f"env:{ENV_CONFIG_FILE}={path}"
+    return read_file(source if source == "" else Path(source)), f"file:{Path(source)}"
 
 
 def default_config() -> KVTierConfig:
