@@ -230,11 +230,10 @@ class CacheHooks:
         self._call("on_lookup", keys, found_tiers)
 
     def on_load(self, keys: Sequence[PageKey]) -> None:
-        """A load (done): the clock ticks, observers with an ``on_load`` hook see it."""
-        if not self._observers and not self.targets():
-            return
-        self._tick()
-        self._call("on_load", keys)
+        """A load (done): observers with an ``on_load`` hook see it (the clock ticked
+        before the load, :meth:`on_call`)."""
+        if self._observers:
+            self._call("on_load", keys)
 
     def hint(self, hint: Hint) -> None:
         """An engine hint: counted, the clock ticks, policies and observers are told."""
