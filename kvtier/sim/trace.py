@@ -268,11 +268,8 @@ def open_trace(path: str | Path, what: str = "trace") -> Iterator[io.TextIOBase]
             f"{what} file not found: {p}" if not p.exists() else f"{what} {p} is not a file"
         )
     try:
-        with p.open("rb") as raw:
-            compressed = raw.read(2) == b"\x1f\x8b"
-        opener = gzip.open if compressed else open
         # utf-8-sig: a byte-order mark (files saved by some Windows editors) is dropped
-        with opener(p, "rb") as binary, io.TextIOWrapper(binary, "utf-8-sig", newline="") as text:
+        with _open_bytes(p) as binary, io.TextIOWrapper(binary, "utf-8-sig", newline="") as text:
             yield text
     except UnicodeDecodeError:
         raise KVTierUsageError(f"{what} {p} is not UTF-8 text ({_first_bad_utf8(p)})") from None
@@ -282,13 +279,19 @@ def open_trace(path: str | Path, what: str = "trace") -> Iterator[io.TextIOBase]
         raise KVTierUsageError(f"{what} {p} cannot be read: {exc.strerror or exc}") from None
 
 
+def _open_bytes(p: Path) -> gzip.GzipFile | io.BufferedReader:
+    """``p`` opened for reading bytes, through gzip when it is compressed (by its first
+    bytes, whatever its name)."""
+    with p.open("rb") as raw:
+        compressed = raw.read(2) == b"\x1f\x8b"
+    return gzip.open(p, "rb") if compressed else p.open("rb")
+
+
 def _first_bad_utf8(p: Path) -> str:
     """Where ``p`` (gzip or plain) first fails to decode as UTF-8: its line and the byte's
     offset in the (uncompressed) file. Reads the whole file: only on the error path."""
-    with p.open("rb") as raw:
-        compressed = raw.read(2) == b"\x1f\x8b"
     try:
-        with (gzip.open if compressed else open)(p, "rb") as binary:
+        with _open_bytes(p) as binary:
             data = binary.read()
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
