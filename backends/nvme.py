@@ -48,7 +48,11 @@ Options (besides ``page_bytes``, ``capacity_pages``, ``io_threads``):
 * ``direct_io``: ``"auto"`` (O_DIRECT when the file system supports it), ``True``
   (required), ``False`` (buffered I/O).
 * ``slab_bytes``: size of each slab file (default 1 GiB, at most ``capacity_pages`` slots;
-  fixed when a store is created).
+  fixed when a store is created). The last slab the capacity reaches holds only the slots
+  left, and grows when the store is reopened with more capacity: the slabs never take
+  more than ``capacity_pages`` slots (beyond the slots of pages kept from a larger
+  capacity). A tier's ``capacity_pages`` counts slots (:meth:`page_footprint`: the page,
+  its 64-byte header and the padding to 4 KiB), so a tier takes at most its capacity.
 * ``preallocate``: reserve slab space up front (``posix_fallocate``, default) so a full
   disk fails ``reserve`` rather than ``write``.
 * ``group_access``: files ``0660`` and directories ``0770`` instead of the private
@@ -148,7 +152,8 @@ class NvmeStore(NvmeReads):
     async def _reserve(self, keys: Sequence[PageKey], namespace: str) -> list[Reservation | None]:
         assert self.layout is not None
         out: list[Reservation | None] = []
-        needed: dict[int, list[int]] = {}
+        needed: dict[int, list[int]] = {}  # slab -> batch positions past its file's end
+        reach: dict[int, int] = {}  # slab -> the furthest slot of it this batch takes
         first: dict[bytes, int] = {}  # a key repeated in one batch shares one slot
         for i, key in enumerate(keys):
             k = check_key(key, i)
@@ -169,15 +174,20 @@ class NvmeStore(NvmeReads):
                 continue
             slot = self._alloc_slot()
             self._reserved[slot] = Pending(k, namespace)
-            slab = self.layout.locate(slot)[0]
-            if slab not in self._ready_slabs:
+            slab, within = divmod(slot, self.layout.slots_per_slab)
+            if within >= self._slab_slots.get(slab, 0):
                 needed.setdefault(slab, []).append(i)
+                reach[slab] = max(reach.get(slab, 0), within)
             out.append(Reservation(PageKey(k), slot))
         if needed:
             try:
                 async with self._slab_lock:
-                    todo = sorted(s for s in needed if s not in self._ready_slabs)
+                    targets = {s: self._slab_target(s, w) for s, w in sorted(reach.items())}
+                    todo = {s: n for s, n in targets.items() if n > self._slab_slots.get(s, 0)}
                     failed = await self.run_blocking(self._ensure_slabs, todo) if todo else {}
+                    for s, n in todo.items():
+                        if s not in failed:
+                            self._slab_slots[s] = max(n, self._slab_slots.get(s, 0))
             except BaseException:
                 self._abort_now(out)  # cancelled: the caller never sees these slots
                 raise
@@ -190,7 +200,6 @@ class NvmeStore(NvmeReads):
                     assert r is not None
                     self._release(r.handle)
                     out[i] = None
-            self._ready_slabs.update(s for s in needed if s not in failed)
         return out
 
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
@@ -456,7 +465,7 @@ class NvmeStore(NvmeReads):
                 "index_rebuilt_at_open": self.rebuilt_index,
                 "index_rows_dropped_at_open": self.dropped_index_rows,
                 "slot_bytes": self.layout.slot_bytes if self.layout else None,
-                "slabs": len(self._ready_slabs),
+                "slabs": len(self._slab_slots),
             }
         )
         out.update(dict(self._counters))

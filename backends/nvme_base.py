@@ -99,6 +99,14 @@ class NvmeStoreBase(StoreBackend):
 
     default_io_threads: ClassVar[int] = 8
 
+    @classmethod
+    def page_footprint(cls, page_bytes: int) -> int:
+        """The slot a page takes on disk: its payload, a 64-byte header and the padding
+        to 4 KiB (:class:`~kvtier.backends.nvme_layout.SlotLayout`; a 512-byte page takes
+        4 KiB, a 2 MiB page 2 MiB + 4 KiB). With the last slab cut to the slots left
+        (:meth:`_slab_target`), a tier never takes more disk than its capacity."""
+        return SlotLayout(page_bytes, 1).slot_bytes
+
     def __init__(
         self,
         *,
@@ -164,7 +172,7 @@ class NvmeStoreBase(StoreBackend):
         self._reserved: dict[int, Pending] = {}
         self._quarantined: dict[int, str] = {}
         self._slots = FreeSlots(lowest_first=True, next_new=0)  # slots of the slab files
-        self._ready_slabs: set[int] = set()
+        self._slab_slots: dict[int, int] = {}  # slab -> slots its file holds
         self._slab_lock = asyncio.Lock()
         self._committing: dict[int, Pending] = {}  # rows on their way into the index
         self._undeleted: set[int] = set()  # slots whose delete never reached the index
@@ -248,7 +256,7 @@ class NvmeStoreBase(StoreBackend):
         self._entries = {r.key: r for r in opened.rows}
         self._quarantined = dict(opened.quarantined)
         self._slots = FreeSlots(opened.free, lowest_first=True, next_new=opened.hwm)
-        self._ready_slabs = set(opened.ready_slabs)
+        self._slab_slots = dict(opened.slab_slots)
         self.recovered_pages = len(opened.rows)
         self.rebuilt_index = opened.rebuilt is not None
         self.dropped_index_rows = opened.dropped_rows
@@ -365,12 +373,24 @@ class NvmeStoreBase(StoreBackend):
         if self._reserved.pop(slot, None) is not None:
             self._free_slot(slot)
 
-    def _ensure_slabs(self, slabs: list[int]) -> dict[int, BaseException]:
+    def _slab_target(self, slab: int, within: int) -> int:
+        """Slots slab ``slab`` should hold for a slot ``within`` it: the whole slab, or
+        for the last slab the store's capacity reaches only the slots left (at least
+        ``within + 1``), so the slab files never take more than ``capacity_pages`` slots
+        of disk. A slot past the capacity (a store reopened with less) still fits."""
+        assert self.layout is not None
+        per = self.layout.slots_per_slab
+        left = self.capacity_pages - slab * per
+        return min(per, max(within + 1, left))
+
+    def _ensure_slabs(self, targets: dict[int, int]) -> dict[int, BaseException]:
+        """Grow each slab of ``targets`` to hold that many slots (on a worker thread).
+        Returns the slabs that could not grow, with the error."""
         assert self._slabs is not None
         failed: dict[int, BaseException] = {}
-        for slab in slabs:
+        for slab, slots in targets.items():
             try:
-                self._slabs.ensure(slab, self._preallocate)
+                self._slabs.ensure(slab, self._preallocate, slots)
             except OSError as exc:
                 failed[slab] = exc
         return failed

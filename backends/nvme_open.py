@@ -82,7 +82,7 @@ class OpenedStore:
     quarantined: dict[int, str]
     free: list[int]
     hwm: int
-    ready_slabs: set[int]
+    slab_slots: dict[int, int]
     rebuilt: RebuildResult | None
     dropped_rows: int
 
@@ -130,7 +130,6 @@ def open_store(
             _report_bad_rows(root, index, checked)
         used = [r.slot for r in checked.rows] + list(checked.quarantined)
         free, hwm = free_slots(used, layout, extents)
-        ready = {i for i, n in extents.items() if n >= layout.slots_per_slab}
     except BaseException:
         if slabs is not None:
             slabs.close()
@@ -149,7 +148,7 @@ def open_store(
         checked.quarantined,
         free,
         hwm,
-        ready,
+        extents,
         rebuilt,
         checked.bad_rows,
     )

@@ -127,8 +127,11 @@ class SlabFiles:
                 self._fds[slab] = fd
             return fd
 
-    def ensure(self, slab: int, preallocate: bool = True) -> None:
-        """Create slab ``slab`` if needed and make sure its full size is allocated.
+    def ensure(self, slab: int, preallocate: bool = True, slots: int | None = None) -> None:
+        """Create slab ``slab`` if needed and make sure ``slots`` slots of it (default:
+        the whole slab) are allocated. A slab file is never shrunk: the last slab a
+        store's capacity reaches holds only the slots left, and grows when the capacity
+        does.
 
         Without ``preallocate`` the file only gets its full length (sparse): disk space is
         then taken by page writes, which is where a full disk will show.
@@ -147,7 +150,8 @@ class SlabFiles:
             if fd is None:
                 fd = open_private(path, flags, self.modes, self.root)
                 self._fds[slab] = fd
-        size = self.layout.slab_bytes
+        per = self.layout.slots_per_slab
+        size = (per if slots is None else max(1, min(slots, per))) * self.layout.slot_bytes
         try:
             if os.fstat(fd).st_size < size:
                 if preallocate:

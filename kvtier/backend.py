@@ -45,6 +45,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 import numpy as np
 
 from kvtier.aio import finish_even_if_cancelled, gather_to_the_end
+from kvtier.buffers import check_blobs as check_blobs
+from kvtier.buffers import check_buffer as check_buffer
+from kvtier.buffers import check_buffers as check_buffers
 from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.keys import PageKey
 
@@ -99,54 +102,6 @@ class Reservation:
     handle: int
     present: bool = False
     view: np.ndarray | None = None
-
-
-_UINT8 = np.dtype(np.uint8)
-
-
-def check_buffer(buf: Any, page_bytes: int, what: str = "buffer") -> np.ndarray:
-    """Return ``buf`` as a 1-D uint8 array of ``page_bytes`` bytes, or raise.
-
-    Accepts numpy arrays and objects with the buffer protocol (bytes, memoryview) without
-    copying. Raises :class:`KVTierUsageError` naming the shape, dtype or size that is wrong.
-    """
-    if isinstance(buf, np.ndarray):
-        arr = buf
-    else:
-        try:
-            arr = np.frombuffer(memoryview(buf), dtype=np.uint8)
-        except TypeError:
-            raise KVTierUsageError(
-                f"{what} must be a numpy uint8 array or a bytes-like object, "
-                f"got {type(buf).__name__}"
-            ) from None
-    if arr.dtype != np.uint8:
-        raise KVTierUsageError(f"{what} must have dtype uint8, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise KVTierUsageError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.nbytes != page_bytes:
-        raise KVTierUsageError(f"{what} must hold {page_bytes} bytes (one page), got {arr.nbytes}")
-    if not arr.flags.c_contiguous:
-        raise KVTierUsageError(f"{what} must be C-contiguous")
-    return arr
-
-
-def check_buffers(
-    bufs: Sequence[Any], count: int, page_bytes: int, writable: bool = False
-) -> list[np.ndarray]:
-    """Validate a batch of page buffers against the number of keys it goes with."""
-    if len(bufs) != count:
-        raise KVTierUsageError(f"got {len(bufs)} buffers for {count} keys")
-    # Fast path for what callers pass almost always (pages of an arena or of a batch
-    # array): no per-buffer label is formatted unless a buffer is wrong.
-    out = [b if type(b) is np.ndarray and b.dtype is _UINT8 and b.ndim == 1
-           and b.nbytes == page_bytes and b.flags.c_contiguous
-           else check_buffer(b, page_bytes, f"buffer {i}") for i, b in enumerate(bufs)]  # fmt: skip
-    if writable:
-        for i, arr in enumerate(out):
-            if not arr.flags.writeable:
-                raise KVTierUsageError(f"buffer {i} must be writable to receive a page")
-    return out
 
 
 @dataclass(frozen=True)
@@ -231,6 +186,19 @@ class Backend(ABC):
         self._opened = False
 
     # -- discovery ---------------------------------------------------------------------
+
+    @classmethod
+    def page_footprint(cls, page_bytes: int) -> int:
+        """Bytes of a tier's capacity one page of ``page_bytes`` takes in this backend:
+        ``page_bytes`` here (an arena's slot); a backend whose pages take more (a header,
+        alignment: the ``nvme`` slots) overrides it, or its tiers outgrow their capacity.
+        Must be cheap and must not open anything."""
+        return page_bytes
+
+    @classmethod
+    def capacity_pages_for(cls, capacity_bytes: int, page_bytes: int) -> int:
+        """Pages a tier of ``capacity_bytes`` holds (``create_backend`` builds tiers so)."""
+        return capacity_bytes // cls.page_footprint(page_bytes)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -476,23 +444,3 @@ class StoreBackend(Backend):
         whole pages only, so a hit is ``page_bytes``."""
         got = await self.get(keys, out)
         return [self.page_bytes if hit else None for hit in got]
-
-
-def check_blobs(blobs: Sequence[Any], count: int, max_bytes: int) -> list[np.ndarray]:
-    """Validate a batch of variable-length blobs: 1-D C-contiguous uint8, 1 to
-    ``max_bytes`` bytes each, one per key; :class:`KVTierUsageError` names the bad one."""
-    if len(blobs) != count:
-        raise KVTierUsageError(f"got {len(blobs)} blobs for {count} keys")
-    out: list[np.ndarray] = []
-    for i, blob in enumerate(blobs):
-        try:
-            n = blob.nbytes if isinstance(blob, np.ndarray) else memoryview(blob).nbytes
-        except TypeError:
-            raise KVTierUsageError(
-                f"blob {i} must be a numpy uint8 array or a bytes-like object, "
-                f"got {type(blob).__name__}"
-            ) from None
-        if not 1 <= n <= max_bytes:
-            raise KVTierUsageError(f"blob {i} holds {n} bytes; a blob holds 1 to {max_bytes}")
-        out.append(check_buffer(blob, n, f"blob {i}"))
-    return out

@@ -35,7 +35,7 @@ from kvtier.backend import Backend, Preflight
 from kvtier.codec import tiers as codec_tiers
 from kvtier.codec.scaled import INPUT_DTYPES, np_dtype
 from kvtier.codec.store import CodecStore
-from kvtier.codec.tiers import TierCodecError
+from kvtier.codec.tiers import TierCapacityError, TierCodecError
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import PageKey
@@ -59,6 +59,8 @@ def create_backend(config: KVTierConfig, i: int) -> Backend:
             codec=tc.codec,
             codec_params=tc.codec_params,
         )
+    except TierCapacityError as exc:
+        raise ConfigError(f"tiers[{i}].capacity ({tc.name}): {exc}") from None
     except TierCodecError as exc:
         raise ConfigError(f"tiers[{i}].codec ({tc.name}): {exc}") from None
     except ConfigError as exc:

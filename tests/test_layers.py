@@ -42,7 +42,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("machine", ("kvtier.topology", "kvtier.numa", "kvtier.placement", "kvtier.cuda_streams")),
     (
         "contract",
-        ("kvtier.backend", "kvtier.registry", "kvtier.slots", "kvtier.arena", "kvtier.options"),
+        (
+            "kvtier.backend",
+            "kvtier.buffers",
+            "kvtier.registry",
+            "kvtier.slots",
+            "kvtier.arena",
+            "kvtier.options",
+        ),
     ),
     ("backends", ("kvtier.backends.*", "kvtier.codec.*")),
     ("index", ("kvtier.index.*",)),

@@ -13,10 +13,12 @@ ordinary store. Per page, the inner store holds one *blob*: a codec frame
   fixed-slot store (NVMe) gets the blob zero-padded to its slot, so it keeps and reads a
   whole slot and only the codec's CPU time changes.
 * **Capacity counts logical pages**: :attr:`capacity_pages` is the inner store's, which
-  holds ``capacity bytes // slot_bytes`` slots (:func:`tier_capacity_pages`). A tier never
-  holds more bytes than configured; ``fp8-e4m3`` doubles the pages a 16-bit tier holds,
-  while a lossless codec saves bytes moved and stored but does not raise the page count
-  (its worst case is a raw page).
+  holds ``capacity bytes // footprint`` slots of ``slot_bytes``, the footprint being the
+  backend's :meth:`~kvtier.backend.Backend.page_footprint` (:func:`tier_capacity_pages`;
+  on NVMe the slot with its header, 4 KiB-aligned). A tier never holds more bytes than
+  configured; ``fp8-e4m3`` doubles the pages a 16-bit tier holds, while a lossless codec
+  saves bytes moved and stored but does not raise the page count (its worst case is a
+  raw page).
 * **Off the event loop, batched.** Encoding and decoding run on this store's executor:
   one hop per batch, a large batch split across its threads (the compressors and numpy
   release the GIL).
@@ -36,7 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvtier.backend import Preflight, Reservation, StoreBackend, check_buffers
+from kvtier.backend import Backend, Preflight, Reservation, StoreBackend, check_buffers
 from kvtier.codec.base import Codec, CodecError
 from kvtier.codec.frame import (
     FLAG_RAW,
@@ -58,9 +60,15 @@ def slot_bytes(codec: Codec) -> int:
     return FRAME_SIZE + max(codec.max_encoded_bytes(), 0 if codec.fixed_size else codec.page_bytes)
 
 
-def tier_capacity_pages(capacity_bytes: int, codec: Codec) -> int:
-    """Logical pages a tier of ``capacity_bytes`` holds with ``codec``."""
-    return capacity_bytes // slot_bytes(codec)
+def tier_capacity_pages(
+    capacity_bytes: int, codec: Codec, backend: type[Backend] | None = None
+) -> int:
+    """Logical pages a tier of ``capacity_bytes`` holds with ``codec``: slots of
+    :func:`slot_bytes`, each taking :meth:`~kvtier.backend.Backend.page_footprint` of
+    ``backend`` (``slot_bytes`` itself when ``None``)."""
+    if backend is None:
+        return capacity_bytes // slot_bytes(codec)
+    return backend.capacity_pages_for(capacity_bytes, slot_bytes(codec))
 
 
 class CodecStore(StoreBackend):

@@ -5,6 +5,11 @@ before: no wrapper, the plain store format. Any other codec applies to store bac
 only: the store is built for the codec's slot size and ``capacity_bytes // slot`` pages
 (:func:`kvtier.codec.store.tier_capacity_pages`) and wrapped in a
 :class:`~kvtier.codec.store.CodecStore`.
+
+Either way a tier holds ``capacity_bytes // footprint`` pages, the footprint being the
+room one page (or slot) takes in the backend
+(:meth:`~kvtier.backend.Backend.page_footprint`: the page itself in memory, a 4 KiB-aligned
+slot with its header on NVMe), so a tier never takes more than its capacity.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ class TierCodecError(ConfigError):
     """A tier's codec does not fit its backend (an arena) or its capacity."""
 
 
+class TierCapacityError(ConfigError):
+    """A tier's capacity holds no page in its backend (which may need more room per page
+    than the page itself: :meth:`~kvtier.backend.Backend.page_footprint`)."""
+
+
 def create_backend(
     backend: str,
     *,
@@ -35,19 +45,18 @@ def create_backend(
 ) -> Backend:
     """The (unopened) backend of one tier.
 
-    Raises :class:`TierCodecError` (a :class:`ConfigError`) for an unknown codec, bad codec
-    parameters, a codec on an arena backend or a capacity below one encoded page; the
+    Raises :class:`TierCapacityError` (a :class:`ConfigError`) for a capacity that holds no
+    page, :class:`TierCodecError` (one too) for an unknown codec, bad codec parameters, a
+    codec on an arena backend or a capacity below one encoded page; the
     backend's own errors (unknown options, bad values) propagate as
     :func:`kvtier.registry.create` raises them.
     """
-    if codec == NO_CODEC:
-        return registry.create(
-            backend,
-            page_bytes=spec.page_bytes,
-            capacity_pages=capacity_bytes // spec.page_bytes,
-            **options,
-        )
     cls = registry.resolve(backend)
+    if codec == NO_CODEC:
+        pages = cls.capacity_pages_for(capacity_bytes, spec.page_bytes)
+        if pages < 1:
+            raise TierCapacityError(_no_page(backend, capacity_bytes, spec.page_bytes, cls))
+        return registry.create(backend, page_bytes=spec.page_bytes, capacity_pages=pages, **options)
     if cls.kind is not BackendKind.STORE:
         raise TierCodecError(
             f"codec {codec!r} needs a store backend; {backend!r} is an {cls.kind} "
@@ -57,12 +66,18 @@ def create_backend(
         made = make_codec(codec, spec, **dict(codec_params or {}))
     except ConfigError as exc:
         raise TierCodecError(str(exc)) from None
-    pages = tier_capacity_pages(capacity_bytes, made)
+    pages = tier_capacity_pages(capacity_bytes, made, cls)
     if pages < 1:
         raise TierCodecError(
-            f"capacity {capacity_bytes} bytes holds no page of {slot_bytes(made)} bytes "
-            f"encoded with {codec!r}"
+            _no_page(backend, capacity_bytes, slot_bytes(made), cls) + f" encoded with {codec!r}"
         )
     inner = cls(page_bytes=slot_bytes(made), capacity_pages=pages, **options)
     assert isinstance(inner, StoreBackend)
     return wrap(inner, made)
+
+
+def _no_page(backend: str, capacity_bytes: int, page_bytes: int, cls: type[Backend]) -> str:
+    """Why a capacity holds no page, with the room one page takes in this backend."""
+    takes = cls.page_footprint(page_bytes)
+    room = "" if takes == page_bytes else f" (on {backend!r} one takes {takes} bytes)"
+    return f"capacity {capacity_bytes} bytes holds no page of {page_bytes} bytes{room}"

@@ -67,8 +67,11 @@ class TierConfig:
     codec_params: dict[str, Any] = field(default_factory=dict)
 
     def capacity_pages(self, page_bytes: int) -> int:
-        """Whole pages that fit in ``capacity_bytes``."""
-        return self.capacity_bytes // page_bytes
+        """Pages of ``page_bytes`` the tier holds (``Backend.capacity_pages_for``); raises
+        the registry's errors for a backend that is unknown or unavailable here."""
+        from kvtier import registry
+
+        return registry.resolve(self.backend).capacity_pages_for(self.capacity_bytes, page_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
