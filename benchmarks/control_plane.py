@@ -236,6 +236,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 n = await fn()
                 prof.disable()
                 profiles[name] = by_module(prof, n)
+                if args.profile_dump:
+                    prof.dump_stats(f"{args.profile_dump}.{name.split()[0]}.prof")
             results["profile_us_per_page"] = profiles
     data_s = memcpy_seconds(DATA_PAGE_BYTES)
     results["data_us_per_2mib_page"] = data_s * 1e6
@@ -284,6 +286,11 @@ def main(argv: list[str] | None = None) -> None:
         help='the tiers\' eviction_params as JSON, e.g. \'{"experts": ["s3-fifo"]}\'',
     )
     p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--profile-dump",
+        default="",
+        help="with --profile: also write each phase's cProfile stats to PREFIX.PHASE.prof",
+    )
     p.add_argument("--json", default="")
     p.add_argument(
         "--rescan",

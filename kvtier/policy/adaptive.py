@@ -72,17 +72,17 @@ trace's timestamps, a live cache ``time.monotonic()``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, ClassVar
 
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
-from kvtier.policy.base import EvictionPolicy, copy_holding_of, victims_in_order
+from kvtier.policy.base import EvictionPolicy, copy_holding_of, pins_last, victims_in_order
 from kvtier.policy.eviction import LRUPolicy
 from kvtier.policy.hint_audit import HintAudit
-from kvtier.policy.hints import Hint, HintAware, hint_target
+from kvtier.policy.hints import Hint, HintAware, hint_target, sub_hint
 from kvtier.policy.prefix_cut import PageForest, PrefixCutPolicy, policy_offers
-from kvtier.policy.shadow import KeySampler, MiniCache, RecentPins
+from kvtier.policy.shadow import _FULL, KeySampler, MiniCache, RecentPins, key_hash
 from kvtier.policy.twoclass import TwoClassBook, TwoClassPolicy, check_two_class
 
 #: The points of the family the miniatures compare, as ``"bonus:order"``: LRU, a short
@@ -131,22 +131,6 @@ def _points(points: Sequence[str]) -> list[tuple[float, str]]:
     if len(set(out)) != len(out):
         raise ConfigError(f"adaptive: points repeat: {list(points)}")
     return out
-
-
-def _pins_last(
-    order: Generator[PageKey, None, None], pinned: Container[PageKey]
-) -> Generator[PageKey, None, None]:
-    """``order`` with the ``pinned`` pages held back until everything else was read."""
-    held: list[PageKey] = []
-    try:
-        for key in order:
-            if key in pinned:
-                held.append(key)
-            else:
-                yield key
-        yield from held
-    finally:
-        order.close()
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -202,6 +186,8 @@ class AdaptivePolicy(EvictionPolicy):
             raise ConfigError(f"adaptive: experts repeat: {list(experts)}")
         #: Experts with their own bookkeeping, by position in ``minis`` / ``names``.
         self.experts: dict[int, EvictionPolicy] = {}
+        #: ``experts.values()``, kept as a list for the per-page hooks.
+        self._expert_list: list[EvictionPolicy] = []
         #: The experts and miniature policies that keep time.
         self._clocked: list[HintAware] = []
         self._now = 0.0
@@ -267,14 +253,20 @@ class AdaptivePolicy(EvictionPolicy):
             m.capacity = cap
 
     def _reference(self, key: PageKey, parent: PageKey | None) -> None:
-        if not self.sampler.keeps(key):
-            return
-        cap = max(self.sampler.rate * self.c, 1.0)
+        sampler = self.sampler
+        if sampler.threshold < _FULL and key_hash(key) >= sampler.threshold:
+            return  # not in the sample (``sampler.keeps``)
+        book = self.book
+        c = book._fixed_c or max(book._seen_c, 1)  # self.c
+        cap = sampler.rate * c
+        if cap < 1.0:
+            cap = 1.0
         decay = 1.0 - 1.0 / (self.window * cap)
-        self.pins.push(key, self.minis[0].capacity)
-        for m in self.minis:
+        minis = self.minis
+        self.pins.push(key, minis[0].capacity)
+        for m in minis:
             m.reference(key, parent, decay)
-        if self.minis[0].evicted:  # scores only differ from the first eviction on
+        if minis[0].evicted:  # scores only differ from the first eviction on
             self._refs_decayed = self._refs_decayed * decay + 1.0
         self._since_check += 1
         if self._since_check >= 32:
@@ -333,6 +325,7 @@ class AdaptivePolicy(EvictionPolicy):
             new_clock.on_time(self._now)
             self._clocked.append(new_clock)
         self.experts[i] = copied
+        self._expert_list = list(self.experts.values())
         self.takeovers += 1
 
     def _oldest_first(self) -> Generator[PageKey, None, None]:
@@ -366,6 +359,7 @@ class AdaptivePolicy(EvictionPolicy):
                 self._clocked.append(target)
         self.names.append(name)
         self.experts[len(self.minis) - 1] = expert
+        self._expert_list = list(self.experts.values())
 
     # -- hints ---------------------------------------------------------------------------
 
@@ -400,37 +394,40 @@ class AdaptivePolicy(EvictionPolicy):
         target = hint_target(expert)
         if target is not None:
             target.on_hint(hint, now_s)
-        sampled = tuple(k for k in hint.keys if self.sampler.keeps(k))
+        sampled = self.sampler.sample(hint.keys)
         if sampled or not hint.keys:
             mini_target = hint_target(self.minis[self._hinted_at].policy)
             if mini_target is not None:
-                mini_target.on_hint(Hint(hint.kind, sampled, hint.value), now_s)
+                mini_target.on_hint(sub_hint(hint, sampled), now_s)
 
     # -- the EvictionPolicy hooks ------------------------------------------------------
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
-        if key in self.book.resident:
+        book = self.book
+        if key in book.resident:
             self.on_access(key)
             return
-        before = self.c
-        self.book.insert(key)
+        before = book._seen_c  # ``c`` is max(_seen_c, 1), which grows by 1 at most
+        book.insert(key)
         self.forest.add(key, parent)
         if self.audit is not None:
             self.audit.referenced(key, self._now)
-        for expert in self.experts.values():
+        for expert in self._expert_list:
             expert.on_insert(key, parent)
-        if self.c != before or not self.minis[0].capacity:
+        grew = before >= 1 and book._seen_c != before and not book._fixed_c  # ``c`` moved
+        if grew or not self.minis[0].capacity:
             self._resize()
         self._reference(key, parent)
 
     def on_access(self, key: PageKey) -> None:
-        if key not in self.book.resident:
+        book = self.book
+        if key not in book.resident:
             return
-        self.book.access(key)
-        self.forest.touch(key)
+        book._touch(key)  # book.access
+        self.forest.orphans.pop(key, None)  # forest.touch
         if self.audit is not None:
             self.audit.referenced(key, self._now)
-        for expert in self.experts.values():
+        for expert in self._expert_list:
             expert.on_access(key)
         self._reference(key, None)
 
@@ -441,7 +438,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.forest.remove(key)
         if self.audit is not None:
             self.audit.forget(key)
-        for expert in self.experts.values():
+        for expert in self._expert_list:
             expert.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:
@@ -463,7 +460,7 @@ class AdaptivePolicy(EvictionPolicy):
             order = self.forest.order(lambda _done: self.book.ordered(bonus, kind), evictable)
         pins = getattr(self._hinted, "honoured_pins", None)
         pinned = pins() if callable(pins) and self._hints_trusted() else None
-        return _pins_last(order, pinned) if pinned else order
+        return pins_last(order, pinned) if pinned else order
 
     def describe(self) -> dict[str, Any]:
         """The leader, how often it changed (and how often an expert took over its

@@ -41,7 +41,7 @@ the expert that ran alone in an exact miniature when that expert takes the lead.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Generator, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from kvtier.keys import PageKey
@@ -185,3 +185,19 @@ def first_evictable(
             if len(out) >= n:
                 break
     return out
+
+
+def pins_last(
+    order: Generator[PageKey, None, None], pinned: Container[PageKey]
+) -> Generator[PageKey, None, None]:
+    """``order`` with the ``pinned`` pages held back until everything else was read."""
+    held: list[PageKey] = []
+    try:
+        for key in order:
+            if key in pinned:
+                held.append(key)
+            else:
+                yield key
+        yield from held
+    finally:
+        order.close()

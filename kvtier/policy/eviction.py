@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import inspect
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
@@ -89,7 +89,8 @@ class LRUKPolicy(EvictionPolicy):
         self._seen_c = 0
         self._clock = 0
         #: Reference times per known page (resident or evicted), most recent last.
-        self._hist: dict[PageKey, deque[int]] = {}
+        #: (tuples, which the garbage collector does not track, unlike deques).
+        self._hist: dict[PageKey, tuple[int, ...]] = {}
         self._resident: set[PageKey] = set()
         # Resident pages with < k references, oldest last reference first.
         self._cold: OrderedDict[PageKey, None] = OrderedDict()
@@ -104,16 +105,23 @@ class LRUKPolicy(EvictionPolicy):
         return self._fixed_c or max(self._seen_c, 1)
 
     def _touch(self, key: PageKey) -> None:
-        self._clock += 1
+        self._clock = clock = self._clock + 1
+        k = self.k
         hist = self._hist.get(key)
         if hist is None:
-            hist = self._hist[key] = deque(maxlen=self.k)
-        hist.append(self._clock)
-        if len(hist) < self.k:
-            self._cold[key] = None
-            self._cold.move_to_end(key)
+            hist = (clock,)
+        elif len(hist) < k:
+            hist = (*hist, clock)
+        else:  # the oldest reference leaves, as from a deque of maxlen k
+            hist = (*hist[1:], clock)
+        self._hist[key] = hist
+        if len(hist) < k:
+            cold = self._cold
+            cold[key] = None
+            cold.move_to_end(key)
         else:
-            self._cold.pop(key, None)
+            if self._cold:
+                self._cold.pop(key, None)
             heapq.heappush(self._hot, (hist[0], key))
             if len(self._hot) > 4 * len(self._resident) + 64:
                 self._compact()
@@ -128,10 +136,13 @@ class LRUKPolicy(EvictionPolicy):
         if key in self._resident:
             self.on_access(key)
             return
-        self._retained.pop(key, None)
-        self._resident.add(key)
+        if self._retained:
+            self._retained.pop(key, None)
+        resident = self._resident
+        resident.add(key)
         self._touch(key)
-        self._seen_c = max(self._seen_c, len(self._resident))
+        if len(resident) > self._seen_c:
+            self._seen_c = len(resident)
 
     def on_access(self, key: PageKey) -> None:
         if key in self._resident:
@@ -142,10 +153,11 @@ class LRUKPolicy(EvictionPolicy):
             return
         self._resident.discard(key)
         self._cold.pop(key, None)
-        self._retained[key] = None
-        limit = self.history * self.c
-        while len(self._retained) > limit:
-            old, _ = self._retained.popitem(last=False)
+        retained = self._retained
+        retained[key] = None
+        limit = self.history * (self._fixed_c or max(self._seen_c, 1))  # self.c
+        while len(retained) > limit:
+            old, _ = retained.popitem(last=False)
             del self._hist[old]
 
     def _valid(self, kth: int, key: PageKey) -> bool:

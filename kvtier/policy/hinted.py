@@ -43,6 +43,7 @@ from typing import ClassVar
 from kvtier.errors import ConfigError
 from kvtier.keys import PageKey
 from kvtier.policy.base import EvictionPolicy, close_order, victims_in_order
+from kvtier.policy.hint_predict import add_predictions, overdue_of
 from kvtier.policy.hints import Hint, NextUse, hint_target
 from kvtier.policy.params import nonnegative_param, share_param
 from kvtier.policy.prefix_cut import policy_offers
@@ -105,10 +106,10 @@ class HintedPolicy(EvictionPolicy):
         self._resident: set[PageKey] = set()
         #: page -> pending predicted uses (time, overdue after, tolerance), soonest first;
         #: a page shared by several sessions has one per session (at most 8).
-        self._predicted: dict[PageKey, list[tuple[float, float, float]]] = {}
+        self._predicted: dict[PageKey, tuple[tuple[float, float, float], ...]] = {}
         #: page -> [first, last, count] of its unforeseen references; the held pages
         #: with two or more of them, for ranking all at once.
-        self._unforeseen: dict[PageKey, list[float]] = {}
+        self._unforeseen: dict[PageKey, tuple[float, float, float]] = {}
         self._rates = RateTable(lateness)
         #: Pages with an unforeseen rate the tier no longer holds, oldest first.
         self._rate_absent: OrderedDict[PageKey, None] = OrderedDict()
@@ -146,20 +147,6 @@ class HintedPolicy(EvictionPolicy):
         if now_s > self.now:
             self.now = now_s
 
-    def _predict(self, key: PageKey, at: float, overdue: float, tolerance: float) -> None:
-        pending = self._predicted.setdefault(key, [])
-        pending.append((at, overdue, tolerance))
-        pending.sort()
-        del pending[8:]
-        heapq.heappush(self._overdue, (max(p[1] for p in pending), key))
-        if len(self._overdue) > 4 * len(self._predicted) + 64:
-            self._overdue = [
-                (max(p[1] for p in pend), k) for k, pend in self._predicted.items() if pend
-            ]
-            heapq.heapify(self._overdue)
-        self._dead.pop(key, None)
-        self._expiry.pop(key, None)
-
     def _note_absent(self, key: PageKey) -> None:
         if key in self._resident:
             return
@@ -183,8 +170,9 @@ class HintedPolicy(EvictionPolicy):
         self.hints_seen += 1
         kind = hint.kind
         if (use := self._next_use.window(hint, now)) is not None:
-            for k in hint.keys:
-                self._predict(k, *use)
+            self._overdue = add_predictions(
+                hint.keys, use, self._predicted, self._overdue, (self._dead, self._expiry)
+            )
         elif kind == "close":
             for k in hint.keys:
                 self._predicted.pop(k, None)
@@ -205,24 +193,20 @@ class HintedPolicy(EvictionPolicy):
             self._pinned.update(hint.keys)
         elif kind == "unpin":
             self._pinned.difference_update(hint.keys)
+        resident, absent = self._resident, self._absent
+        limit = self.history * self.c
         for k in hint.keys:
-            self._note_absent(k)
-            if k in self._resident:
-                self._change(k)
+            if k in resident:
+                self._changed.add(k)  # its forecast inputs changed: its score is stale
+                self._fresh_scores.pop(k, None)
                 self._recheck(k)
+                continue
+            absent[k] = None  # _note_absent
+            absent.move_to_end(k)
+            while len(absent) > limit:
+                self._forget(absent.popitem(last=False)[0])
 
     # -- the EvictionPolicy hooks -------------------------------------------------------
-
-    def _count_unforeseen(self, key: PageKey, pending: list[tuple[float, float, float]]) -> None:
-        now = self.now
-        if pending and any(at <= now + tol and overdue >= now for at, overdue, tol in pending):
-            return  # a use the hints foretold
-        seen = self._unforeseen.get(key)
-        if seen is None:
-            self._unforeseen[key] = [now, now, 1.0]
-        elif now >= seen[1] + SAME_REFERENCE_S:
-            seen[1] = now
-            seen[2] += 1.0
 
     def _rate_forecast(self, key: PageKey) -> float | None:
         """The page's next use by its unforeseen rate, if it has two such references."""
@@ -237,8 +221,14 @@ class HintedPolicy(EvictionPolicy):
         return self.now + (self.now - first) / (count - 1.0) + late
 
     def _recheck(self, key: PageKey) -> None:
-        """Put a held page in, or take it out of, the pages without a forecast."""
-        if key in self._resident and self._unforecast(key):
+        """Put a held page in, or take it out of, the pages without a forecast
+        (:meth:`forecast` is None: no rate, no live prediction), cheaply."""
+        seen = self._unforeseen.get(key)
+        if (
+            key in self._resident
+            and (seen is None or seen[2] < 2.0)
+            and (key not in self._predicted or self._live_prediction(key) is None)
+        ):
             self._plain.add(key)
         else:
             self._plain.discard(key)
@@ -249,13 +239,6 @@ class HintedPolicy(EvictionPolicy):
         while heap and heap[0][0] < self.now:
             self._recheck(heapq.heappop(heap)[1])
 
-    def _unforecast(self, key: PageKey) -> bool:
-        """Whether the page has no forecast (:meth:`_forecast` is None), cheaply."""
-        seen = self._unforeseen.get(key)
-        if seen is not None and seen[2] >= 2.0:
-            return False
-        return key not in self._predicted or self._live_prediction(key) is None
-
     def forecast(self, key: PageKey) -> float | None:
         """When the page is expected next (trace or monotonic seconds): the sooner of its
         live prediction and its rate forecast; None when it has neither."""
@@ -265,48 +248,64 @@ class HintedPolicy(EvictionPolicy):
             return rate
         return live if rate is None else min(live, rate)
 
-    def _change(self, key: PageKey) -> None:
-        """Note that the page's forecast inputs changed (its ranked score is stale)."""
-        self._changed.add(key)
-        self._fresh_scores.pop(key, None)
-
     def _referenced(self, key: PageKey) -> None:
-        self._change(key)
+        """A held page referenced: its count, rate, predictions, :meth:`_recheck`."""
+        self._changed.add(key)  # its forecast inputs changed: its score is stale
+        if self._fresh_scores:
+            self._fresh_scores.pop(key, None)
+        now = self.now
         pending = self._predicted.get(key)
-        self._count_unforeseen(key, pending or [])
         seen = self._unforeseen.get(key)
-        if seen is not None and seen[2] >= 2.0:
+        counted = False
+        if pending and any(at <= now + tol and overdue >= now for at, overdue, tol in pending):
+            pass  # a use the hints foretold
+        elif seen is None:
+            self._unforeseen[key] = (now, now, 1.0)  # tuples: no objects for the GC to track
+        elif now >= seen[1] + SAME_REFERENCE_S:
+            self._unforeseen[key] = seen = (seen[0], now, seen[2] + 1.0)
+            counted = True
+        rated = seen is not None and seen[2] >= 2.0
+        if rated and seen and (counted or key not in self._rates):  # else it has it as is
             self._rates.set(key, *seen)
         if pending is not None:  # the predicted uses due by now happened
-            now = self.now
-            left = [p for p in pending if p[0] > now + p[2] and p[1] >= now]
+            left = tuple(p for p in pending if p[0] > now + p[2] and p[1] >= now)
             if left:
                 self._predicted[key] = left
-                heapq.heappush(self._overdue, (max(p[1] for p in left), key))
+                heapq.heappush(self._overdue, (max(map(overdue_of, left)), key))
             else:
                 del self._predicted[key]
-        self._dead.pop(key, None)  # a closed page used again: the hint was wrong
-        exp = self._expiry.get(key)
-        if exp is not None and exp <= self.now:
-            del self._expiry[key]
+        if self._dead:
+            self._dead.pop(key, None)  # a closed page used again: the hint was wrong
+        if self._expiry:
+            exp = self._expiry.get(key)
+            if exp is not None and exp <= now:
+                del self._expiry[key]
+        # _recheck of a held page
+        if rated or (key in self._predicted and self._live_prediction(key) is not None):
+            self._plain.discard(key)
+        else:
+            self._plain.add(key)
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
-        if key in self._resident:
+        resident = self._resident
+        if key in resident:
             self.on_access(key)
             return
-        self._resident.add(key)
-        self._absent.pop(key, None)
-        self._rate_absent.pop(key, None)
-        self._once_absent.pop(key, None)
-        self._seen_c = max(self._seen_c, len(self._resident))
+        resident.add(key)
+        if self._absent:
+            self._absent.pop(key, None)
+        if self._rate_absent:
+            self._rate_absent.pop(key, None)
+        if self._once_absent:
+            self._once_absent.pop(key, None)
+        if len(resident) > self._seen_c:
+            self._seen_c = len(resident)
         self._referenced(key)
-        self._recheck(key)
         self.fallback.on_insert(key, parent)
 
     def on_access(self, key: PageKey) -> None:
         if key in self._resident:
             self._referenced(key)
-            self._recheck(key)
             self.fallback.on_access(key)
 
     def on_remove(self, key: PageKey) -> None:
@@ -316,20 +315,20 @@ class HintedPolicy(EvictionPolicy):
         self._rates.discard(key)
         self.fallback.on_remove(key)
         self._changed.discard(key)
-        self._fresh_scores.pop(key, None)
+        if self._fresh_scores:
+            self._fresh_scores.pop(key, None)
         self._plain.discard(key)
         self._left_since_ranking += 1
-        seen = self._unforeseen.get(key)
+        unforeseen = self._unforeseen
+        seen = unforeseen.get(key)
         if seen is not None:
-            # A page used more than once keeps its rate for longer: a shared prompt is
-            # what comes back after its eviction.
+            # a page used more than once keeps its rate longer (a shared prompt comes back)
             many = seen[2] >= 2.0
             absent = self._rate_absent if many else self._once_absent
             absent[key] = None
-            limit = (self.rate_history if many else self.history) * self.c
+            limit = (self.rate_history if many else self.history) * max(self._seen_c, 1)
             while len(absent) > limit:
-                old, _ = absent.popitem(last=False)
-                self._unforeseen.pop(old, None)
+                unforeseen.pop(absent.popitem(last=False)[0], None)
         if (
             key in self._predicted
             or key in self._dead

@@ -134,6 +134,18 @@ class NextUse:
         return now + gap, now + 2 * gap + 1.0, 0.1 * gap + 1.0
 
 
+def sub_hint(hint: Hint, keys: tuple[PageKey, ...]) -> Hint:
+    """``hint`` for ``keys``, some of its own keys (a sample of them): equal to
+    ``Hint(hint.kind, keys, hint.value)``, without checking again what ``hint`` passed."""
+    if keys is hint.keys:
+        return hint
+    out = object.__new__(Hint)
+    object.__setattr__(out, "kind", hint.kind)
+    object.__setattr__(out, "keys", keys)
+    object.__setattr__(out, "value", hint.value)
+    return out
+
+
 def make_hint(kind: str, keys: Sequence[PageKey], value: float | None = None) -> Hint:
     """A :class:`Hint` with ``keys`` as a tuple (validated)."""
     if isinstance(keys, bytes | bytearray | str):

@@ -57,18 +57,24 @@ class PageForest:
         ``parent`` descends from ``key`` through orphans that ``key`` gets back: parents
         given by a caller that contradict the ones before would otherwise close a cycle,
         which no walk of the forest ends)."""
-        if parent is not None and (parent not in self.parent or self._descends(parent, key)):
+        par = self.parent
+        if parent is not None and (
+            parent not in par or (key in self._waiting and self._descends(parent, key))
+        ):
             parent = None
-        self.parent[key] = parent
+        par[key] = parent
         kids: dict[PageKey, None] = {}
         self.kids[key] = kids
         if parent is not None:
             self.kids[parent][key] = None
-        for kid in self._waiting.pop(key, {}):  # it came back: its orphans are its again
-            del self._lost[kid]
-            self.parent[kid] = key
-            kids[kid] = None
-            self.orphans.pop(kid, None)
+        waiting = self._waiting.pop(key, None)
+        if waiting:  # it came back: its orphans are its again
+            lost, orphans = self._lost, self.orphans
+            for kid in waiting:
+                del lost[kid]
+                par[kid] = key
+                kids[kid] = None
+                orphans.pop(kid, None)
 
     def _descends(self, page: PageKey, key: PageKey) -> bool:
         """Whether ``page`` is in the subtree that ``key``, coming back, gets: its root
@@ -85,22 +91,29 @@ class PageForest:
     def remove(self, key: PageKey) -> None:
         """``key`` left the tier; its children become orphans."""
         parent = self.parent.pop(key, None)
-        if parent is not None and parent in self.kids:
-            self.kids[parent].pop(key, None)
-        kids = self.kids.pop(key, {})
-        for kid in kids:
-            self.parent[kid] = None
-            self.orphans[kid] = None
-            self._lost[kid] = key
+        all_kids = self.kids
+        if parent is not None:
+            siblings = all_kids.get(parent)
+            if siblings is not None:
+                siblings.pop(key, None)
+        kids = all_kids.pop(key, None)
+        orphans = self.orphans
         if kids:
+            par, lost = self.parent, self._lost
+            for kid in kids:
+                par[kid] = None
+                orphans[kid] = None
+                lost[kid] = key
             self._waiting[key] = dict(kids)
-        self.orphans.pop(key, None)
-        lost = self._lost.pop(key, None)
-        if lost is not None:
-            waiting = self._waiting[lost]
-            del waiting[key]
-            if not waiting:
-                del self._waiting[lost]
+        if orphans:
+            orphans.pop(key, None)
+        if self._lost:
+            gone = self._lost.pop(key, None)
+            if gone is not None:
+                waiting = self._waiting[gone]
+                del waiting[key]
+                if not waiting:
+                    del self._waiting[gone]
 
     def touch(self, key: PageKey) -> None:
         """``key`` was referenced: a page in use is not dead weight."""
@@ -109,16 +122,17 @@ class PageForest:
     def _post_order(self, top: PageKey, done: set[PageKey]) -> Iterator[PageKey]:
         """``top``'s subtree (pages not in ``done``), descendants deepest first, then
         ``top``; oldest child first."""
-        stack: list[tuple[PageKey, Iterator[PageKey]]] = [(top, iter(self.kids[top]))]
+        kids = self.kids
+        stack: list[tuple[PageKey, Iterator[PageKey]]] = [(top, iter(kids[top]))]
         while stack:
             node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is not None:
-                if nxt not in done and nxt in self.kids:
-                    stack.append((nxt, iter(self.kids[nxt])))
-                continue
-            stack.pop()
-            yield node
+            for nxt in it:  # the next child to walk down to, if any is left
+                if nxt not in done and nxt in kids:
+                    stack.append((nxt, iter(kids[nxt])))
+                    break
+            else:
+                stack.pop()
+                yield node
 
     def order(
         self, offers: Offers, evictable: Callable[[PageKey], bool] | None = None
@@ -197,19 +211,22 @@ class PrefixCutPolicy(EvictionPolicy):
         self.forest = PageForest()
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
-        if key in self.forest:
-            self.on_access(key)
+        forest = self.forest
+        if key in forest.parent:
+            forest.orphans.pop(key, None)  # forest.touch
+            self.inner.on_access(key)
             return
-        self.forest.add(key, parent)
+        forest.add(key, parent)
         self.inner.on_insert(key, parent)
 
     def on_access(self, key: PageKey) -> None:
-        if key in self.forest:
-            self.forest.touch(key)
+        forest = self.forest
+        if key in forest.parent:
+            forest.orphans.pop(key, None)  # forest.touch
             self.inner.on_access(key)
 
     def on_remove(self, key: PageKey) -> None:
-        if key in self.forest:
+        if key in self.forest.parent:
             self.forest.remove(key)
             self.inner.on_remove(key)
 

@@ -26,7 +26,11 @@ from kvtier.policy.base import EvictionPolicy
 _FULL = 1 << 64
 
 
-def key_hash(key: PageKey, seed: int = 0x6B76) -> int:
+#: The hash seed of the policies' own samples (:class:`KeySampler`).
+_SEED = 0x6B76
+
+
+def key_hash(key: PageKey, seed: int = _SEED) -> int:
     """A 64-bit hash of ``key`` used for sampling (stable across processes). Samplers
     stacked on one another (what-if miniatures of a tier whose policy samples itself)
     use different ``seed`` values, so the inner sample is independent of the outer."""
@@ -38,16 +42,25 @@ class KeySampler:
 
     def __init__(self) -> None:
         self.rate = 1.0
-        self._threshold = _FULL
+        #: Keys whose hash is below this are kept (``2**64``: every key).
+        self.threshold = _FULL
 
     def keeps(self, key: PageKey) -> bool:
         """Whether ``key`` is in the sample."""
-        return self._threshold >= _FULL or key_hash(key) < self._threshold
+        return self.threshold >= _FULL or key_hash(key) < self.threshold
+
+    def sample(self, keys: tuple[PageKey, ...]) -> tuple[PageKey, ...]:
+        """The keys of ``keys`` in the sample, in order (``keys`` itself when all are)."""
+        threshold = self.threshold
+        if threshold >= _FULL:
+            return keys
+        h = xxhash.xxh3_64_intdigest
+        return tuple(k for k in keys if h(k, seed=_SEED) < threshold)
 
     def halve(self) -> None:
         """Keep half as many keys from now on (a subset of the keys kept so far)."""
         self.rate /= 2
-        self._threshold = int(_FULL * self.rate)
+        self.threshold = int(_FULL * self.rate)
 
 
 class RecentPins:
@@ -113,23 +126,24 @@ class MiniCache:
     def reference(self, key: PageKey, parent: PageKey | None, decay: float) -> bool:
         """Reference ``key``; returns whether it was a hit."""
         self.refs += 1
-        self.score *= decay
         if self._own_pins:
             self.pins.push(key, self.capacity)
-        if key in self.resident:
+        resident = self.resident
+        if key in resident:
             self.policy.on_access(key)
             self.hits += 1
-            self.score += 1.0
+            self.score = self.score * decay + 1.0
             return True
+        self.score *= decay
         cap = int(self.capacity)
         if cap < 1:
             return False
-        if len(self.resident) >= cap:
+        if len(resident) >= cap:
             # Evict a small batch at once (1/32 of the pages): one victim search serves
             # several misses, as a real tier evicting down to its low watermark does.
             self.shrink_to(cap - 1 - cap // 32)
-        self.resident.add(key)
-        self.policy.on_insert(key, parent if parent in self.resident else None)
+        resident.add(key)
+        self.policy.on_insert(key, parent if parent in resident else None)
         return False
 
     def shrink_to(self, size: int) -> None:

@@ -79,36 +79,42 @@ class TwoClassBook:
         return self._fixed_c or max(self._seen_c, 1)
 
     def _touch(self, key: PageKey) -> None:
-        self.clock += 1
-        now = self.clock
-        prev = self.refs.get(key)
-        uses, second = (prev[0] + 1, prev[2]) if prev is not None else (1, 0)
-        self.refs[key] = (min(uses, 255), second, now)
-        if uses >= 2:
-            self.cold.pop(key, None)
-            level = min(uses - 2, LEVELS - 1)
-            if self._lists:
-                old = self._level.get(key)
-                if old is not None and old != level:
-                    del self.hot[old][key]
-                lst = self.hot[level]
-                lst[key] = now
-                lst.move_to_end(key)
-            self._level[key] = level
-            if self._heap:
-                heapq.heappush(self.kth, (second, key))
-                if len(self.kth) > 4 * len(self.resident) + 64:
-                    self.kth = [(self.refs[k][1], k) for k in self._level]
-                    heapq.heapify(self.kth)
-        else:
+        self.clock = now = self.clock + 1
+        refs = self.refs
+        prev = refs.get(key)
+        if prev is None:
+            # unknown, so not resident before (a resident page keeps its references)
+            refs[key] = (1, 0, now)
             self.cold[key] = now
-            self.cold.move_to_end(key)
+            return
+        uses = prev[0] + 1
+        second = prev[2]
+        refs[key] = (uses if uses < 255 else 255, second, now)
+        self.cold.pop(key, None)
+        level = uses - 2 if uses < LEVELS + 1 else LEVELS - 1
+        if self._lists:
+            old = self._level.get(key)
+            if old is not None and old != level:
+                del self.hot[old][key]
+            lst = self.hot[level]
+            lst[key] = now
+            lst.move_to_end(key)
+        self._level[key] = level
+        if self._heap:
+            kth = self.kth
+            heapq.heappush(kth, (second, key))
+            if len(kth) > 4 * len(self.resident) + 64:
+                self.kth = [(refs[k][1], k) for k in self._level]
+                heapq.heapify(self.kth)
 
     def insert(self, key: PageKey) -> None:
         """``key`` entered (it is not resident)."""
-        self.retained.pop(key, None)
-        self.resident.add(key)
-        self._seen_c = max(self._seen_c, len(self.resident))
+        if self.retained:
+            self.retained.pop(key, None)
+        resident = self.resident
+        resident.add(key)
+        if len(resident) > self._seen_c:
+            self._seen_c = len(resident)
         self._touch(key)
 
     def access(self, key: PageKey) -> None:
@@ -122,11 +128,14 @@ class TwoClassBook:
         level = self._level.pop(key, None)
         if level is not None and self._lists:
             del self.hot[level][key]
-        self.retained[key] = None
-        limit = self.history * self.c
-        while len(self.retained) > limit:
-            old, _ = self.retained.popitem(last=False)
-            del self.refs[old]
+        retained = self.retained
+        retained[key] = None
+        limit = self.history * (self._fixed_c or max(self._seen_c, 1))
+        if len(retained) > limit:
+            refs = self.refs
+            while len(retained) > limit:
+                old, _ = retained.popitem(last=False)
+                del refs[old]
 
     def _kth_order(self) -> Generator[tuple[PageKey, int], None, None]:
         """Hot pages by second most recent reference. Entries are popped as they are

@@ -40,7 +40,7 @@ import numpy as np
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.policy.base import AdmissionPolicy, EvictionPolicy
-from kvtier.policy.hints import Hint, hint_target
+from kvtier.policy.hints import Hint, HintAware, hint_target, sub_hint
 from kvtier.policy.shadow import key_hash
 from kvtier.policy.write import WRITE_POLICIES
 from kvtier.sim.replayer import Replayer, SimTier
@@ -140,6 +140,7 @@ class _Group:
         self.refs = 0
         self.all_refs = 0  # every reference, sampled or not
         self.requests = 0
+        self._targets: list[HintAware] | None = None
 
     def keeps(self, h: int) -> bool:
         return h < self.threshold
@@ -169,6 +170,14 @@ class _Group:
 
     def policies(self) -> list[EvictionPolicy]:
         return [t.policy for r in self.replayers for t in r.tiers]
+
+    def hint_targets(self) -> list[HintAware]:
+        """The hint-aware policies of the miniatures (found once: a tier's policy object
+        stays the same for the group's life)."""
+        if self._targets is None:
+            found = (hint_target(p) for p in self.policies())
+            self._targets = [t for t in found if t is not None]
+        return self._targets
 
 
 class WhatIf:
@@ -233,30 +242,28 @@ class WhatIf:
         hashes = [key_hash(k, SAMPLE_SEED) for k in keys]
         for g in self.groups:
             g.all_refs += len(keys)
-            sampled = [k for k, h in zip(keys, hashes, strict=True) if g.keeps(h)]
+            cut = g.threshold  # g.keeps(h), inlined
+            sampled = [k for k, h in zip(keys, hashes, strict=True) if h < cut]
             if sampled:
                 g.request(sampled)
 
     def on_time(self, now_s: float) -> None:
         """The clock, for hint-aware policies."""
         for g in self.groups:
-            for p in g.policies():
-                target = hint_target(p)
-                if target is not None:
-                    target.on_time(now_s)
+            for target in g.hint_targets():
+                target.on_time(now_s)
 
     def on_hint(self, hint: Hint, now_s: float) -> None:
         """An engine hint: given, for the sampled pages, to hint-aware policies."""
         hashes = [key_hash(k, SAMPLE_SEED) for k in hint.keys]
         for g in self.groups:
-            keys = tuple(k for k, h in zip(hint.keys, hashes, strict=True) if g.keeps(h))
+            cut = g.threshold  # g.keeps(h), inlined
+            keys = tuple(k for k, h in zip(hint.keys, hashes, strict=True) if h < cut)
             if hint.keys and not keys:
                 continue
-            sampled = Hint(hint.kind, keys, hint.value)
-            for p in g.policies():
-                target = hint_target(p)
-                if target is not None:
-                    target.on_hint(sampled, now_s)
+            sampled = sub_hint(hint, keys)
+            for target in g.hint_targets():
+                target.on_hint(sampled, now_s)
 
     def estimates(self) -> dict[str, dict[str, Any]]:
         """Per tier: ``capacity_pages``, ``sample_rate``, ``sampled_refs`` and
