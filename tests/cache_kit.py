@@ -18,6 +18,7 @@ import numpy as np
 from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
 
+from kvtier import registry
 from kvtier.backend import Medium
 from kvtier.cache import KVCache
 from kvtier.errors import TierIOError
@@ -35,8 +36,10 @@ def open_cache(cfg: dict[str, Any]) -> KVCache:
 
 
 def tier(name: str, backend: str, pages: int, **extra: Any) -> dict[str, Any]:
-    """A tier table holding ``pages`` pages of the tiny spec."""
-    out: dict[str, Any] = {"name": name, "backend": backend, "capacity": pages * PAGE}
+    """A tier table holding ``pages`` pages of the tiny spec: ``pages`` times the room one
+    takes in ``backend`` (``Backend.page_footprint``: a 4 KiB slot on nvme)."""
+    footprint = registry.resolve(backend).page_footprint(PAGE)
+    out: dict[str, Any] = {"name": name, "backend": backend, "capacity": pages * footprint}
     out.update(extra)
     return out
 
