@@ -208,6 +208,13 @@ def test_bad_user_config_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="smaller than one page"):
         resolve(ConnectorSettings(kvtier_config=tiny), _vllm_config("/m"), _paged(),
                 "CPU_ATTN", ParallelPlace(), env={})  # fmt: skip
+    # A key from the file is named with the file, not "(from python)".
+    misspelt = tmp_path / "misspelt.toml"
+    misspelt.write_text('[[tiers]]\nname = "dram"\nbackend = "dram"\ncapcity = "64KiB"\n')
+    named = rf"tiers\[0\]\.capcity: unknown key \(from file:{misspelt}\)"
+    with pytest.raises(ConfigError, match=named):
+        resolve(ConnectorSettings(kvtier_config=str(misspelt)), _vllm_config("/m"), _paged(),
+                "CPU_ATTN", ParallelPlace(), env={})  # fmt: skip
 
 
 def test_config_origin_names_where_the_user_config_came_from() -> None:

@@ -6,9 +6,10 @@ the kvtier configuration a worker opens.
   ``num_kv_heads`` is this rank's share of the heads.
 * **Namespace**: ``model_id`` is the kvtier config's ``namespace.model_id`` when set, else
   vLLM's model (name or path); ``revision`` is the config's when set, else vLLM's
-  ``--revision``, else, for a local directory, a fingerprint of its weights (config file,
-  file names and sizes, and 64 KiB samples of each weight file: two checkpoints at one
-  path do not share pages), else ``main``. Always appended to ``model_id``: the attention
+  ``--revision``, else, for a local directory, a fingerprint of its weights (config files,
+  file names and sizes, and every byte of each weight file, remembered by file identity
+  in the runtime directory: :mod:`.weights`; two checkpoints at one path do not share
+  pages), else ``main``. Always appended to ``model_id``: the attention
   backend and, on the CPU, its kernel ISA (the byte arrangement inside a block), the KV
   cache dtype as vLLM names it (fp8 variants share one torch dtype), the model dtype, a
   hash of the effective HF config (``hf_overrides`` included: :func:`kv_variant`) and the
@@ -36,18 +37,19 @@ import torch
 import xxhash
 
 from kvtier.config import ENV_CONFIG_FILE, ResolvedConfig, load_config
+from kvtier.config.raw import check_shape, record
 from kvtier.errors import ConfigError
 from kvtier.log import get_logger
 from kvtier.spec import KVSpec, canonical_dtype
 
 from .paged import PagedKV
-from .settings import ConnectorSettings
+from .settings import ConnectorSettings, runtime_dir
+from .weights import weights_fingerprint
 
 _log = get_logger("kvtier.vllm.identity")
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SAMPLES = 16
-_SAMPLE_BYTES = 64 << 10
+#: Where a worker remembers the digests of weight files (in the runtime directory).
+WEIGHT_DIGESTS_FILE = "weight-digests.json"
 
 
 @dataclass(frozen=True)
@@ -82,31 +84,6 @@ def parallel_place(vllm_config: Any, worker: bool) -> ParallelPlace:
         tp_rank = int(get_tp_group().rank_in_group)
         pp_rank = int(get_pp_group().rank_in_group)
     return ParallelPlace(tp_size, pp_size, tp_rank, pp_rank, dp_rank)
-
-
-def weights_fingerprint(directory: Path) -> str | None:
-    """A short fingerprint of the model files in ``directory`` (``None`` if it is not a
-    directory or holds no weights). Reads the config files whole and 16 samples of 64 KiB
-    from each weight file, so it costs about a megabyte of reads per weight file."""
-    if not directory.is_dir():
-        return None
-    h = xxhash.xxh3_128()
-    weights = 0
-    for path in sorted(directory.iterdir()):
-        if not path.is_file():
-            continue
-        name = path.name
-        if name.endswith(".json"):
-            h.update(name.encode() + b"\0" + path.read_bytes())
-        elif name.endswith(_WEIGHT_SUFFIXES):
-            size = path.stat().st_size
-            h.update(f"{name}\0{size}\0".encode())
-            with path.open("rb") as f:
-                for i in range(_SAMPLES):
-                    f.seek(max(0, size - _SAMPLE_BYTES) * i // max(1, _SAMPLES - 1))
-                    h.update(f.read(_SAMPLE_BYTES))
-            weights += 1
-    return f"weights-{h.hexdigest()[:16]}" if weights else None
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
@@ -236,6 +213,8 @@ def resolve(
     layer, origin = user_layer(settings, env)
     if not isinstance(layer, dict):
         raise ConfigError(f"kvtier config ({origin}) must be a table")
+    with config_errors_named(origin):
+        check_shape(layer, origin)  # an unknown key is named with its file or table
     mc = vllm_config.model_config
     model = str(mc.model)
     spec = spec_for(paged, model, getattr(mc, "use_mla", False) is True)
@@ -264,7 +243,9 @@ def resolve(
     env.pop(ENV_CONFIG_FILE, None)
     model_id = str(ns_user.get("model_id") or model)
     revision = ns_user.get("revision") or getattr(mc, "revision", None)
-    revision = revision or weights_fingerprint(Path(model)) or "main"
+    revision = revision or weights_fingerprint(Path(model), _digests(settings)) or "main"
+    origins: dict[str, str] = {}  # an error names the file or table a key came from
+    record(origins, {k: v for k, v in layer.items() if k not in ("model", "namespace")}, origin)
     layer["model"] = spec.to_dict()
     layer["namespace"] = {
         "model_id": f"{model_id}#vllm/{backend_name}/{kv_variant(vllm_config)}"
@@ -272,8 +253,19 @@ def resolve(
         "revision": str(revision),
         "rank": place.rank,
     }
+    record(origins, {"model": layer["model"], "namespace": layer["namespace"]}, "the vLLM engine")
     with config_errors_named(origin):
-        return load_config(layer, env=env)
+        return load_config(layer, env=env, origins=origins)
+
+
+def _digests(settings: ConnectorSettings) -> Path | None:
+    """The file remembering weight digests, ``None`` when the runtime directory cannot be
+    used (the digests are then computed at every start)."""
+    try:
+        return runtime_dir(settings) / WEIGHT_DIGESTS_FILE
+    except (ConfigError, OSError) as exc:
+        _log.warning("weight digests will not be remembered", error=str(exc))
+        return None
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ vLLM or to other connectors and are ignored.
   run their steps; a synchronous one holds the whole step until its pages are in. A model
   with several KV cache groups (:mod:`.groups`) loads every hit asynchronously.
 * ``kvtier_runtime_dir`` (``$KVTIER_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR/kvtier`` or
-  ``/tmp/kvtier-<uid>``): where the lookup sockets live (0700).
+  ``/tmp/kvtier-<uid>``): where the lookup sockets and the remembered weight digests live
+  (0700).
 * ``kvtier_metrics_port`` (none): serve kvtier's Prometheus metrics (``GET /metrics``)
   from each worker on this port plus its rank (0: any free port, logged).
 * ``kvtier_metrics_host`` (``127.0.0.1``): the address that metrics server binds.
@@ -152,7 +153,8 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
 
 
 def runtime_dir(settings: ConnectorSettings, env: Mapping[str, str] | None = None) -> Path:
-    """The private directory of the lookup sockets (created 0700 if missing).
+    """The private directory of the lookup sockets and the remembered weight digests
+    (created 0700 if missing).
 
     Raises :class:`ConfigError` when the path is a symlink, not a directory, or owned by
     another user (a socket there could be answered by someone else)."""
