@@ -197,8 +197,15 @@ class Backend(ABC):
 
     @classmethod
     def capacity_pages_for(cls, capacity_bytes: int, page_bytes: int) -> int:
-        """Pages a tier of ``capacity_bytes`` holds (``create_backend`` builds tiers so)."""
-        return capacity_bytes // cls.page_footprint(page_bytes)
+        """Pages a tier of ``capacity_bytes`` holds (``create_backend`` builds tiers so);
+        a footprint below the page is the backend's fault, named (:class:`KVTierError`)."""
+        room = cls.page_footprint(page_bytes)
+        if isinstance(room, bool) or not isinstance(room, int) or room < page_bytes:
+            raise KVTierError(
+                f"{cls.__name__}.page_footprint({page_bytes}) gave {room!r}: a backend bug "
+                f"(it must be an int >= the page, {page_bytes})"
+            )
+        return capacity_bytes // room
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -19,7 +19,7 @@ from kvtier.backends.nvme_layout import BLOCK, SlotLayout
 from kvtier.codec import slot_bytes
 from kvtier.codec.registry import make_codec
 from kvtier.config import load_config
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import PageKey
 from kvtier.spec import preset
 from kvtier.tier_check import create_backend
@@ -125,3 +125,13 @@ def test_memory_and_coded_tiers_count_their_own_footprint(tmp_path: Path) -> Non
     on_disk = SlotLayout(slot, 1).slot_bytes
     assert on_disk == BLOCK  # still one 4 KiB slot with its header
     assert create_backend(coded, 1).capacity_pages == 64 * 1024 // on_disk
+
+
+def test_a_plugin_footprint_below_the_page_is_named_as_its_bug() -> None:
+    class Broken(NvmeStore):
+        @classmethod
+        def page_footprint(cls, page_bytes: int) -> int:
+            return 0
+
+    with pytest.raises(KVTierError, match=r"Broken\.page_footprint\(512\) gave 0: a backend bug"):
+        Broken.capacity_pages_for(1 << 20, 512)
