@@ -169,21 +169,62 @@ def test_an_attention_mask_with_zeros_is_refused(where: str) -> None:
                            max_new_tokens=2, do_sample=False)  # fmt: skip
 
 
-def test_the_mask_generate_infers_from_the_pad_token_is_accepted() -> None:
-    """A prompt holding the pad token: generate masks exactly those tokens, so the KV is
-    still a function of the token ids (the example server's random prompts do this)."""
+def test_the_mask_generate_infers_from_the_pad_token_is_refused() -> None:
+    """A prompt holding the pad token: generate masks those tokens out and shifts the
+    positions after them. The same ids without that mask compute other KV, and page keys
+    are the ids only: pages stored under one were served under the other (wrong tokens,
+    found by a docs-only probe). All ones, passed explicitly, is served and reused."""
     model = _llama(pad_token_id=0)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     ids = _prompt(18, 8)
     ids[0, 3] = ids[0, 11] = 0
-    want = _greedy(model, ids, DynamicCache(config=model.config))
+    ones = torch.ones_like(ids)
     with KVTierBridge.start(_config(model.config), env={}) as bridge:
+        with (
+            bridge.new_cache(model.config) as cache,
+            pytest.raises(KVTierUsageError, match=r"attention_mask=torch\.ones_like"),
+        ):
+            _greedy(model, ids, cache)
+        want = model.generate(ids, attention_mask=ones, cache=DynamicCache(config=model.config),
+                              max_new_tokens=8, do_sample=False)  # fmt: skip
         for _ in range(2):  # the second time from the pages the first one stored
             with bridge.new_cache(model.config) as cache:
                 cache.load_prefix(ids)
-                assert _greedy(model, ids, cache).tolist() == want.tolist()
+                out = model.generate(ids, attention_mask=ones, cache=cache, max_new_tokens=8,
+                                     do_sample=False)  # fmt: skip
+                assert out.tolist() == want.tolist()
         assert cache.stats.prefix_tokens == 16
+
+
+def test_positions_that_do_not_continue_the_cache_are_refused() -> None:
+    """position_ids 500.. gave the pages rope at other positions, and a plain request with
+    the same ids then loaded them (wrong tokens)."""
+    model = _llama()
+    ids = _prompt(12, 5)
+    with KVTierBridge.start(_config(model.config), env={}) as bridge, torch.no_grad():
+        with (
+            bridge.new_cache(model.config) as cache,
+            pytest.raises(KVTierUsageError, match="position_ids that continue the cached"),
+        ):
+            model(ids, cache=cache, position_ids=torch.arange(500, 512)[None])
+        with bridge.new_cache(model.config) as cache:  # the positions generate uses: fine
+            model(ids, cache=cache, position_ids=torch.arange(12)[None])
+            model(ids[:, :1], cache=cache, position_ids=torch.tensor([[12]]))
+            assert cache.tokens == [*ids[0].tolist(), int(ids[0, 0])]
+
+
+def test_another_config_of_one_checkpoint_is_refused() -> None:
+    """The same checkpoint with a rope override computes other KV for the same ids: it
+    loaded the plain model's pages (wrong tokens)."""
+    plain = _llama()
+    scaled = _llama(rope_theta=20000.0)
+    plain.config._name_or_path = scaled.config._name_or_path = "org/llama"
+    with KVTierBridge.start(_config(plain.config), env={}) as bridge:
+        bridge.new_cache(plain.config).close()
+        bridge.new_cache(_llama().config).close()  # an equal config is the same model
+        with pytest.raises(KVTierUsageError, match="config differs"):
+            bridge.new_cache(scaled.config)
 
 
 def test_a_second_checkpoint_on_one_bridge_is_refused() -> None:

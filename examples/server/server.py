@@ -99,12 +99,15 @@ class Generator:
         if use_cache:
             with self.bridge.new_cache(self.model.config) as cache:
                 cached = cache.load_prefix(ids)
-                out = self.model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
+                # every token counts (a raw token list may hold the pad id): all ones
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                          max_new_tokens=new, do_sample=False)  # fmt: skip
                 computed = cache.stats.computed_tokens
         else:
             cached = 0
             dyn = DynamicCache(config=self.model.config)
-            out = self.model.generate(ids, cache=dyn, max_new_tokens=new, do_sample=False)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=dyn,
+                                      max_new_tokens=new, do_sample=False)  # fmt: skip
             computed = len(tokens) + new - 1
         return {
             "tokens": out[0, len(tokens) :].tolist(),

@@ -41,19 +41,18 @@ def attach(model: torch.nn.Module) -> None:
                 "is not supported"
             )
         mask = kwargs.get("attention_mask")
-        if (
-            isinstance(mask, torch.Tensor)
-            and (mask.dim() != 2 or not bool(mask.all()))
-            and not _mask_follows_tokens(mask, cache.tokens, ids, _pad_id(module))
-        ):
-            # KV depends on the mask (masked tokens, left-padding positions) and page keys
-            # hash token ids only: pages made under one mask would be served under another
+        if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all())):
+            # KV depends on the mask (masked tokens, the positions after them) and page keys
+            # hash token ids only: pages made under one mask would be served under another.
+            # This holds for the mask generate infers from a pad token in the prompt too:
+            # the same ids without it compute other KV.
             raise KVTierUsageError(
-                "KVTierCache needs an attention_mask of all ones, or the one generate infers "
-                "from the pad token (zeros exactly where the pad token is): got a "
-                f"{mask.dim()}-D mask with other zeros or layout; page keys carry token ids "
-                "only, not the mask"
+                "KVTierCache needs an attention_mask of all ones: got a "
+                f"{mask.dim()}-D mask with zeros; page keys carry token ids only, not the "
+                "mask. A prompt that holds the pad token gets such a mask from generate: "
+                "pass attention_mask=torch.ones_like(input_ids) to attend to every token"
             )
+        check_positions(kwargs.get("position_ids"), len(cache.tokens), ids)
         cache.observe_tokens(ids)
 
     def done(
@@ -103,24 +102,22 @@ def _carries_data(value: Any) -> bool:
     return True
 
 
-def _pad_id(model: torch.nn.Module) -> int | None:
-    """The pad token id ``generate`` masks out (``None`` when the model has none)."""
-    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        pad = getattr(config, "pad_token_id", None)
-        if isinstance(pad, int) and not isinstance(pad, bool):
-            return pad
-    return None
-
-
-def _mask_follows_tokens(
-    mask: torch.Tensor, past: list[int], ids: torch.Tensor, pad: int | None
-) -> bool:
-    """Whether ``mask`` (over the cached tokens ``past`` and this forward's ``ids``) has its
-    zeros exactly where the pad token is: the mask ``generate`` infers when a prompt holds
-    the pad token. The KV is then a function of the token ids, which key the pages."""
-    if pad is None or mask.dim() != 2 or mask.shape[0] != 1:
-        return False
-    tokens = past + [int(t) for t in ids.reshape(-1).tolist()]
-    if mask.shape[1] != len(tokens):
-        return False
-    return bool(torch.equal(mask[0].bool(), torch.tensor(tokens) != pad))
+def check_positions(positions: Any, past: int, ids: Any) -> None:
+    """Refuse ``position_ids`` other than the ones that continue the cached tokens
+    (``past, past + 1, ...``): a token's KV depends on its position (rope), and page keys
+    on the token ids before it only, so KV at other positions would be served as this."""
+    if not isinstance(positions, torch.Tensor):
+        return
+    n = ids.shape[-1] if isinstance(ids, torch.Tensor) else len(ids)
+    flat = positions.reshape(-1)
+    if (
+        positions.dim() > 2
+        or flat.numel() != n
+        or not torch.equal(flat.to(torch.long).cpu(), torch.arange(past, past + n))
+    ):
+        raise KVTierUsageError(
+            f"KVTierCache needs position_ids that continue the cached tokens ({past} to "
+            f"{past + n - 1}); got {tuple(positions.shape)} positions "
+            f"{flat[:4].tolist()}{'...' if flat.numel() > 4 else ''}: a page's KV depends "
+            "on its positions, its key on the token ids only"
+        )

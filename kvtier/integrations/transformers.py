@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 from collections.abc import Coroutine, Iterator, Mapping
 from contextlib import contextmanager
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import xxhash
 
 from kvtier.backend import ArenaBackend
 from kvtier.cache import KVCache
@@ -107,6 +109,23 @@ def warn_unnamed_checkpoint(cache: KVCache, source: str) -> bool:
     return True
 
 
+#: Config fields that do not change a token's KV (run options, bookkeeping).
+_KV_NEUTRAL_CONFIG = frozenset({
+    "_name_or_path", "transformers_version", "architectures", "use_cache", "return_dict",
+    "output_attentions", "output_hidden_states", "torch_dtype", "dtype",
+})  # fmt: skip
+
+
+def config_digest(model_config: Any) -> str | None:
+    """A digest of the fields of a transformers config that can change a token's KV (all
+    but :data:`_KV_NEUTRAL_CONFIG`; the dtype is the spec's), ``None`` without a config."""
+    to_dict = getattr(model_config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    fields = {k: v for k, v in to_dict().items() if k not in _KV_NEUTRAL_CONFIG}
+    return xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True, default=str).encode())
+
+
 class KVTierBridge:
     """A :class:`KVCache` plus the event loop that owns it, callable from other threads.
 
@@ -140,6 +159,7 @@ class KVTierBridge:
         self._pages = arena_pages(top, cache.spec)
         self._thread: threading.Thread | None = None
         self._checkpoint: str | None = None  # the first checkpoint seen: pages are its KV
+        self._config: str | None = None  # and the digest of its config (config_digest)
 
     # -- running coroutines on the cache's loop -----------------------------------------
 
@@ -180,7 +200,21 @@ class KVTierBridge:
                 f"{self.cache.namespace.model_id!r}); {source!r} needs its own bridge "
                 "with its own namespace.model_id"
             )
-        return KVTierCache(self, model_config, layer_prefetch=layer_prefetch)
+        cache = KVTierCache(self, model_config, layer_prefetch=layer_prefetch)  # geometry
+        digest = config_digest(model_config)
+        if digest is not None and self._config is None:
+            self._config = digest
+        elif digest is not None and digest != self._config:
+            cache.close()
+            # the same checkpoint with another config (a rope scaling override, another
+            # rope theta) computes other KV for the same token ids
+            raise KVTierUsageError(
+                f"this bridge serves one model config (namespace model id "
+                f"{self.cache.namespace.model_id!r}); this model's config differs from it "
+                "(an override such as rope scaling changes the KV of the same tokens): "
+                "open another bridge with its own namespace.model_id or revision"
+            )
+        return cache
 
     @property
     def pages(self) -> torch.Tensor:
