@@ -58,10 +58,14 @@ def master_binary() -> str:
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now (each socket is held until all are
+    chosen: one at a time, the kernel could hand out one port twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _port_open(port: int) -> bool:
@@ -93,9 +97,8 @@ class MooncakeCluster:
         self.binary = master_binary()
         self.pool_bytes = pool_bytes
         self.lease_ms = lease_ms
-        self.rpc_port = _free_port()
-        self.http_port = _free_port()
-        self.metrics_port = _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = _free_ports(3)
+        self._started = False
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-mooncake-"))
         self._master: subprocess.Popen[bytes] | None = None
         self._pool: subprocess.Popen[bytes] | None = None
@@ -114,7 +117,25 @@ class MooncakeCluster:
         return {"master": self.master_address, "metadata_server": self.metadata_server}
 
     def start_master(self) -> None:
-        """Start the metadata server and ``mooncake_master``; wait until both answer."""
+        """Start the metadata server and ``mooncake_master``; wait until both answer. A
+        first start that finds one of its ports taken meanwhile (another process bound it
+        after it was chosen) is tried again, twice, on new ports; a restart keeps them."""
+        for attempt in range(3):
+            try:
+                self._start_master()
+            except RuntimeError as exc:
+                if self._started or attempt == 2 or "Address already in use" not in str(exc):
+                    raise
+                self._stop(self._master)
+                self._stop(self._meta)
+                self._master = self._meta = None
+                (self._dir / "master.log").unlink(missing_ok=True)
+                self.rpc_port, self.http_port, self.metrics_port = _free_ports(3)
+            else:
+                self._started = True
+                return
+
+    def _start_master(self) -> None:
         log = open(self._dir / "master.log", "ab")  # noqa: SIM115 - owned by the process
         args = [
             self.binary,
