@@ -193,18 +193,13 @@ class HintedPolicy(EvictionPolicy):
             self._pinned.update(hint.keys)
         elif kind == "unpin":
             self._pinned.difference_update(hint.keys)
-        resident, absent = self._resident, self._absent
-        limit = self.history * self.c
+        resident = self._resident
         for k in hint.keys:
             if k in resident:
-                self._changed.add(k)  # its forecast inputs changed: its score is stale
-                self._fresh_scores.pop(k, None)
+                self._stale(k)
                 self._recheck(k)
-                continue
-            absent[k] = None  # _note_absent
-            absent.move_to_end(k)
-            while len(absent) > limit:
-                self._forget(absent.popitem(last=False)[0])
+            else:
+                self._note_absent(k)
 
     # -- the EvictionPolicy hooks -------------------------------------------------------
 
@@ -248,11 +243,15 @@ class HintedPolicy(EvictionPolicy):
             return rate
         return live if rate is None else min(live, rate)
 
-    def _referenced(self, key: PageKey) -> None:
-        """A held page referenced: its count, rate, predictions, :meth:`_recheck`."""
-        self._changed.add(key)  # its forecast inputs changed: its score is stale
+    def _stale(self, key: PageKey) -> None:
+        """The page's forecast inputs changed: its ranked score is stale."""
+        self._changed.add(key)
         if self._fresh_scores:
             self._fresh_scores.pop(key, None)
+
+    def _referenced(self, key: PageKey) -> None:
+        """A held page referenced: its count, rate, predictions, :meth:`_recheck`."""
+        self._stale(key)
         now = self.now
         pending = self._predicted.get(key)
         seen = self._unforeseen.get(key)
@@ -280,11 +279,7 @@ class HintedPolicy(EvictionPolicy):
             exp = self._expiry.get(key)
             if exp is not None and exp <= now:
                 del self._expiry[key]
-        # _recheck of a held page
-        if rated or (key in self._predicted and self._live_prediction(key) is not None):
-            self._plain.discard(key)
-        else:
-            self._plain.add(key)
+        self._recheck(key)
 
     def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
         resident = self._resident
