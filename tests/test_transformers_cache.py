@@ -237,6 +237,9 @@ async def test_bridge_refuses_the_loop_thread(model: LlamaForCausalLM, tmp_path:
         bridge = KVTierBridge(cache, asyncio.get_running_loop())
         with pytest.raises(KVTierUsageError, match="executor"):
             bridge.call(cache.flush())
+        # new_cache() on the loop raises at once, not at the cache's first use
+        with pytest.raises(KVTierUsageError, match=r"new_cache\(\) was called on the event loop"):
+            bridge.new_cache(model.config)
         # from an executor thread it works
         loop = asyncio.get_running_loop()
         c: KVTierCache = await loop.run_in_executor(None, bridge.new_cache, model.config)

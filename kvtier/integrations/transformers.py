@@ -169,11 +169,7 @@ class KVTierBridge:
         Raises :class:`KVTierUsageError` when called from that loop's own thread (waiting
         there would deadlock: run the model in an executor instead).
         """
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self.loop:
+        if self._on_loop_thread():
             coro.close()
             raise KVTierUsageError(
                 "KVTierCache was used on the event loop that owns the KVCache; run the model "
@@ -181,13 +177,29 @@ class KVTierBridge:
             )
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def _on_loop_thread(self) -> bool:
+        """Whether the caller runs on the cache's own loop (where waiting deadlocks)."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start ``coro`` on the cache's loop without waiting."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def new_cache(self, model_config: Any = None, layer_prefetch: bool = True) -> KVTierCache:
         """A fresh :class:`KVTierCache` for one sequence (checked against ``model_config``
-        when given; a checkpoint the namespace does not name is warned about once)."""
+        when given; a checkpoint the namespace does not name is warned about once).
+
+        Raises :class:`KVTierUsageError` when called on the loop that owns the
+        :class:`KVCache` (every use of the cache would wait on that loop: deadlock)."""
+        if self._on_loop_thread():
+            raise KVTierUsageError(
+                "new_cache() was called on the event loop that owns the KVCache; create and "
+                "use KVTierCache in an executor thread (loop.run_in_executor) so the loop "
+                "stays free"
+            )
         source = str(getattr(model_config, "_name_or_path", "") or "")
         if source and self._checkpoint is None:
             self._checkpoint = source
