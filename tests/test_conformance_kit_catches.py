@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -16,7 +17,7 @@ import pytest
 
 from kvtier.backend import Reservation, StoreBackend, check_blobs, check_buffers
 from kvtier.keys import PageKey
-from kvtier.testing.conformance import check_backend
+from kvtier.testing.conformance import check_backend, conformance_cases
 from kvtier.testing.kit import ConformanceError
 
 PAGE = 512
@@ -220,6 +221,119 @@ class ClaimsToFinishBeforeRaising(DictStore):
         return await asyncio.get_running_loop().run_in_executor(None, copy)
 
 
+#: "durable" delete records of :class:`TombstoneOutlivesPut`: path -> deleted keys
+TOMBS: dict[str, set[PageKey]] = {}
+
+
+class TombstoneOutlivesPut(DictStore):
+    """Deletes by recording a durable tombstone that recovery subtracts; a put of the key
+    after its delete leaves the tombstone, so that committed page is lost on reopen."""
+
+    def __init__(self, *, path: str, **kw: Any) -> None:
+        super().__init__(path=path, **kw)
+        self.tombs = TOMBS.setdefault(path, set())
+
+    async def open(self) -> None:
+        await super().open()
+        for key in self.tombs:
+            self.disk.pop(key, None)
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        self.tombs.update(k for k in keys if k in self.disk)
+        return await super().delete(keys)
+
+
+class RacyReserve(DictStore):
+    """Awaits (a metadata round trip) between its room check and taking the room: puts
+    at once into the last free room all succeed, past the capacity."""
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        self._check_open()
+        out: list[Reservation | None] = []
+        for k in keys:
+            if k in self.disk:
+                out.append(Reservation(k, -1, present=True))
+            elif self.used_pages() < self.capacity_pages:
+                await asyncio.sleep(0)
+                self.next += 1
+                self.pending[self.next] = (k, None)
+                out.append(Reservation(k, self.next))
+            else:
+                out.append(None)
+        return out
+
+
+class SlotPool(DictStore):
+    """Pages in slots of one buffer; ``delete`` frees a slot at once. A ``get`` looks up
+    its slots, then (as a read queued behind other I/O) copies a few loop turns later, so
+    a slot deleted and reused meanwhile hands it another key's page."""
+
+    async def open(self) -> None:
+        await super().open()
+        self.pool = np.zeros((self.capacity_pages, self.page_bytes), np.uint8)
+        self.free = list(range(self.capacity_pages))
+        self.slot: dict[PageKey, int] = {}
+        for key, blob in list(self.disk.items()):
+            self.keep_in_slot(key, blob)
+
+    def keep_in_slot(self, key: PageKey, blob: bytes) -> None:
+        self.slot[key] = s = self.free.pop()
+        self.pool[s, : len(blob)] = np.frombuffer(blob, np.uint8)
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        ok = await super().commit(reservations)
+        for r, good in zip(reservations, ok, strict=True):
+            if good and r.key not in self.slot:
+                self.keep_in_slot(r.key, self.disk[r.key])
+        return ok
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        for k in keys:
+            if k in self.slot:
+                self.free.append(self.slot.pop(k))
+        return await super().delete(keys)
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        self._check_open()
+        bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        slots = [self.slot.get(k) for k in keys]
+        for _ in range(8):
+            await asyncio.sleep(0)
+        for s, buf in zip(slots, bufs, strict=True):
+            if s is not None:
+                buf[:] = self.pool[s]
+        return [None if s is None else self.page_bytes for s in slots]
+
+
+class LeaksAThread(DictStore):
+    """Starts a watcher thread in ``open`` that its ``close`` never stops."""
+
+    async def open(self) -> None:
+        await super().open()
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, args=(5.0,), name="leaky-watcher").start()
+
+
+class ListsKeysTwice(DictStore):
+    async def keys(self) -> list[PageKey]:
+        return 2 * await super().keys()
+
+
+class NeverYields(DictStore):
+    """Correct, and copies its (small) batches on the loop without yielding: a call too
+    short to let another task run is within the rules."""
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        return self.keep(reservations, [b.tobytes() for b in bufs])
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        self._check_open()
+        return self.fill(keys, check_buffers(out, len(keys), self.page_bytes, writable=True))
+
+
 def _factory(cls: type[DictStore], path: str) -> Any:
     return lambda: cls(page_bytes=PAGE, capacity_pages=8, path=path)
 
@@ -238,6 +352,11 @@ async def test_the_reference_store_passes(tmp_path: Any) -> None:
         (WritesIntoAborted, "write into an aborted reservation answered True"),
         (HalfOfShortBlobs, "reads back wrong"),
         (ClaimsToFinishBeforeRaising, "of the caller's buffers after it had returned"),
+        (TombstoneOutlivesPut, "a delete's record outlive a later put of the key"),
+        (RacyReserve, "8 puts at once with room for 2 pages: 8 answered True"),
+        (SlotPool, "whose buffers hold other bytes (key 0: another key's page put meanwhile"),
+        (LeaksAThread, "threads started during 3 open/close cycles still run"),
+        (ListsKeysTwice, "keys() lists 10 keys for 5 committed pages"),
     ],
 )
 async def test_a_broken_store_fails_with_a_message_naming_the_fault(
@@ -245,3 +364,17 @@ async def test_a_broken_store_fails_with_a_message_naming_the_fault(
 ) -> None:
     with pytest.raises(ConformanceError, match=re.escape(needle)):
         await check_backend(_factory(variant, str(tmp_path)), persistent=True)
+
+
+async def test_a_store_that_never_yields_on_small_batches_passes(tmp_path: Any) -> None:
+    """The loop case fails a call that holds the loop too long, not one too short to let
+    a heartbeat run (it failed such a store before, whatever the call's length)."""
+    report = await check_backend(_factory(NeverYields, str(tmp_path)), persistent=True)
+    assert "loop_not_blocked" in report.passed
+
+
+async def test_a_delete_record_outliving_a_put_is_named_in_a_fresh_store(tmp_path: Any) -> None:
+    """The pytest form (a fresh store per case) names the lost page itself."""
+    (case,) = [c for c in conformance_cases() if c.name == "survives_reopen"]
+    with pytest.raises(ConformanceError, match="a page put again after its delete did not"):
+        await case.run(_factory(TombstoneOutlivesPut, str(tmp_path / "fresh")), persistent=True)

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
-import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,7 +16,6 @@ import numpy as np
 from kvtier.backend import ArenaBackend, Backend, BackendClosedError, Reservation
 from kvtier.errors import KVTierUsageError
 from kvtier.testing.case import (
-    LOOP_HOLD_FLOOR_S,
     MAX_FILL_PAGES,
     Case,
     CaseContext,
@@ -32,6 +28,13 @@ from kvtier.testing.cases_ownership import (
     delete_spares_reservations,
     racing_commits_keep_one_page,
     write_keeps_no_reference,
+)
+from kvtier.testing.cases_races import (
+    close_stops_threads,
+    describe_diff,
+    get_during_delete_keeps_its_bytes,
+    loop_not_blocked,
+    puts_race_for_the_last_room,
 )
 from kvtier.testing.cases_stores import short_blobs, survives_reopen
 from kvtier.testing.kit import CaseSkipped, ConformanceError, build
@@ -113,9 +116,14 @@ async def round_trip(ctx: CaseContext) -> None:
     ok, out = await read_back(b, keys)
     expect(ok == [True] * 5, f"get of 5 committed pages answered {ok}")
     for i in range(5):
-        expect(_same(out[i], data[i]), f"page {i} read back differs from what was put")
+        expect(
+            _same(out[i], data[i]),
+            f"page {i} read back differs from what was put: {describe_diff(out[i], data[i])}",
+        )
     expect(await b.contains(keys) == [True] * 5, "contains() misses committed pages")
-    expect(set(await b.keys()) == set(keys), "keys() differs from the committed keys")
+    listed = await b.keys()
+    expect(set(listed) == set(keys), "keys() differs from the committed keys")
+    expect(len(listed) == len(keys), f"keys() lists {len(listed)} keys for 5 committed pages")
     # bytes-like buffers are accepted too
     more = ctx.keys(1)
     expect(await b.put(more, [bytes(data[0])]) == [True], "put of a bytes buffer failed")
@@ -342,63 +350,6 @@ async def concurrent_calls(ctx: CaseContext) -> None:
     expect(b.used_pages() == 0, "space left taken after concurrent deletes")
 
 
-class _Heartbeat:
-    """A task that records a timestamp every time the loop runs it."""
-
-    def __init__(self) -> None:
-        self.stop = False
-        self.ticks: list[float] = []
-
-    async def run(self) -> None:
-        while not self.stop:
-            self.ticks.append(time.perf_counter())
-            await asyncio.sleep(0)
-
-
-async def loop_not_blocked(ctx: CaseContext) -> None:
-    """While a full-capacity put, then get, runs, the loop keeps serving other tasks: it
-    runs a heartbeat at least once, and the longest stretch it is held is at most half the
-    call's duration or :data:`LOOP_HOLD_FLOOR_S` plus the GIL switch interval, whichever is
-    more (with tiny pages the loop's own bookkeeping is most of a call; a worker thread
-    holding the GIL can delay the loop by a switch interval). A heuristic on a busy
-    machine, so the best of several attempts counts."""
-    b = await ctx.backend()
-    n = min(b.capacity_pages, 256)
-    keys = ctx.keys(n)
-    data = ctx.pages(n, b.page_bytes)
-    out = empty_pages(b, n)
-    worst = ""
-    for _attempt in range(5):
-        held: list[str] = []
-        for op in ("put", "get"):
-            beat = _Heartbeat()
-            hb = asyncio.create_task(beat.run())
-            await asyncio.sleep(0)
-            t0 = time.perf_counter()
-            if op == "put":
-                ok = await b.put(keys, data)
-            else:
-                ok = await b.get(keys, out)
-            t1 = time.perf_counter()
-            beat.stop = True
-            await hb
-            expect(ok == [True] * n, f"full-capacity {op} failed")
-            during = [t for t in beat.ticks if t0 <= t <= t1]
-            gap = max(y - x for x, y in itertools.pairwise([t0, *during, t1]))
-            allowed = max(0.5 * (t1 - t0), LOOP_HOLD_FLOOR_S + sys.getswitchinterval())
-            if not during or gap > allowed:
-                held.append(
-                    f"{op} held the loop {gap * 1e3:.2f} ms of {(t1 - t0) * 1e3:.2f} ms "
-                    f"({len(during)} heartbeats ran meanwhile)"
-                )
-        expect(all(_same(o, d) for o, d in zip(out, data, strict=True)), "wrong bytes read")
-        await b.delete(keys)
-        if not held:
-            return
-        worst = "; ".join(held)
-    raise ConformanceError(f"blocking work seems to run on the event loop: {worst}")
-
-
 # -- arenas -----------------------------------------------------------------------------
 
 
@@ -477,6 +428,17 @@ CASES: tuple[Case, ...] = (
     Case("empty_batches", "empty batches are fine", empty_batches),
     Case("concurrent_calls", "concurrent calls on one loop stay correct", concurrent_calls),
     Case("loop_not_blocked", "a large batch does not block the event loop", loop_not_blocked),
+    Case(
+        "get_during_delete_keeps_its_bytes",
+        "a get's hits hold their keys' pages though the keys are deleted and room reused",
+        get_during_delete_keeps_its_bytes,
+    ),
+    Case(
+        "puts_race_for_the_last_room",
+        "puts racing for the last room never pass the capacity",
+        puts_race_for_the_last_room,
+    ),
+    Case("close_stops_threads", "close() stops the threads a backend started", close_stops_threads),
     Case("arena_zero_copy", "arena views/tensors are zero-copy, slots stable", arena_zero_copy),
     Case("survives_reopen", "committed pages survive close and reopen", survives_reopen),
     Case("short_blobs", "variable-length stores keep blobs shorter than a page", short_blobs),
