@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvtier.backend import Backend
-from kvtier.errors import BackendUnavailableError, UnknownBackendError
+from kvtier.errors import BackendUnavailableError, KVTierError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "kvtier.backends"
 #: The distribution whose registrations are the built-ins.
@@ -96,6 +97,12 @@ def _load_target(target: str) -> type[Backend]:
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, Backend)):
         raise UnknownBackendError(f"{target!r} is not a kvtier Backend subclass")
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        raise UnknownBackendError(
+            f"{target!r} is an abstract class: it does not implement {missing} (a bug of "
+            "the package that registers it)"
+        )
     return obj
 
 
@@ -189,6 +196,23 @@ def resolve(name: str) -> type[Backend]:
 
 
 def create(name: str, *, page_bytes: int, capacity_pages: int, **options: Any) -> Backend:
-    """Resolve ``name`` and construct it (not yet opened)."""
+    """Resolve ``name`` and construct it (not yet opened): see :func:`construct`."""
     cls = resolve(name)
-    return cls(page_bytes=page_bytes, capacity_pages=capacity_pages, **options)
+    return construct(cls, page_bytes=page_bytes, capacity_pages=capacity_pages, **options)
+
+
+def construct(cls: type[Backend], **kwargs: Any) -> Backend:
+    """``cls(**kwargs)``. kvtier's own errors (a bad option named as a
+    :class:`ConfigError`) and ``TypeError`` (an unknown or missing option) pass as they
+    are; anything else the constructor raises (a plugin that connects in its constructor
+    and fails) becomes a :class:`BackendUnavailableError` naming the class, not a bare
+    exception from inside it."""
+    try:
+        return cls(**kwargs)
+    except (KVTierError, TypeError):
+        raise
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"backend {cls.__module__}:{cls.__qualname__} could not be created: its "
+            f"constructor raised {exc!r}"
+        ) from exc

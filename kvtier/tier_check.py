@@ -37,7 +37,7 @@ from kvtier.codec.scaled import INPUT_DTYPES, np_dtype
 from kvtier.codec.store import CodecStore
 from kvtier.codec.tiers import TierCapacityError, TierCodecError
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, KVTierUsageError
+from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.spec import KVSpec
 
@@ -47,8 +47,8 @@ def create_backend(config: KVTierConfig, i: int) -> Backend:
     wrapped in a :class:`~kvtier.codec.store.CodecStore` (by
     :func:`kvtier.codec.tiers.create_backend`).
     Raises :class:`ConfigError` for a bad option or codec and the registry's errors for an
-    unknown or unavailable backend, each naming the tier (``tiers[1] (nvme, backend
-    'nvme')``, ``tiers[1].codec (nvme)``)."""
+    unknown or unavailable backend (or one whose constructor failed), each naming the
+    tier (``tiers[1] (nvme, backend 'nvme')``, ``tiers[1].codec (nvme)``)."""
     tc = config.tiers[i]
     try:
         backend = codec_tiers.create_backend(
@@ -67,7 +67,7 @@ def create_backend(config: KVTierConfig, i: int) -> Backend:
         raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
     except TypeError as exc:
         raise ConfigError(f"tiers[{i}].options ({tc.name}): {exc}") from None
-    except KVTierUsageError as exc:
+    except (KVTierUsageError, BackendUnavailableError) as exc:
         raise type(exc)(f"tiers[{i}] ({tc.name}, backend {tc.backend!r}): {exc}") from None
     check_top_tier_room(config, i, backend.capacity_pages)
     return backend
@@ -168,6 +168,7 @@ async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> 
     except Exception as exc:
         result.step, result.error = "open", f"{type(exc).__name__}: {exc}"
         return result
+    step = "write"  # the step a raised exception is reported at
     try:
         key = PageKey(os.urandom(16))
         page = probe_page(config.spec)
@@ -177,6 +178,7 @@ async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> 
             result.step = "write"
             result.error = _why(backend, "a probe page could not be stored (full, unreachable?)")
             return result
+        step = "read"
         out = np.empty(config.spec.page_bytes, np.uint8)
         if await backend.get([key], [out]) != [True] or not np.array_equal(out, want):
             result.step = "read"
@@ -184,13 +186,14 @@ async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> 
             with contextlib.suppress(Exception):  # leave no probe page behind
                 await backend.delete([key])
             return result
+        step = "delete"
         if await backend.delete([key]) != [True] or await backend.contains([key]) != [False]:
             result.step, result.error = "delete", _why(backend, "the probe page was not deleted")
             return result
         result.ok = True
         return result
     except Exception as exc:
-        result.step = result.step or "probe"
+        result.step = result.step or step
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     finally:

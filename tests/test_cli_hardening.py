@@ -370,12 +370,45 @@ def test_binary_config_files_are_named_by_every_command(
     assert "is not UTF-8 text" in invoke("inspect", "config", code=2)["message"]
 
 
-@pytest.mark.parametrize("fault", ["delete_keeps", "wrong_bytes"])
+def test_inspect_config_check_names_a_plugin_that_cannot_be_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin whose constructor raises (it connects there and fails) is a tier failing
+    at ``create`` in ``--check``, beside the tiers that pass (before: 'unexpected
+    ValueError ... a kvtier bug', exit 1, no report)."""
+    (tmp_path / "kvtier_ctor_fault.py").write_text(
+        "from kvtier.backends.dram import DramArena\n\n"
+        "class Store(DramArena):\n"
+        "    def __init__(self, **kw):\n"
+        "        raise ValueError('cannot connect to fancyd')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _write(
+        tmp_path,
+        DRAM + '[[tiers]]\nname = "far"\nbackend = "kvtier_ctor_fault:Store"\ncapacity = "1MiB"\n',
+    )
+    result = CliRunner().invoke(
+        get_app(), ["inspect", "config", "-c", str(path), "--check", "--json"]
+    )
+    assert result.exit_code == 1, result.output
+    checks = json.loads(result.stdout)["checks"]
+    assert [(c["tier"], c["ok"], c["step"]) for c in checks] == [
+        ("dram", True, None),
+        ("far", False, "create"),
+    ]
+    assert "its constructor raised ValueError('cannot connect to fancyd')" in checks[1]["error"]
+    # without --check the configuration cannot be shown either: the same error, exit 1
+    error = invoke("inspect", "config", "-c", str(path), code=1)
+    assert "tiers[1] (far, backend 'kvtier_ctor_fault:Store')" in error["message"]
+
+
+@pytest.mark.parametrize("fault", ["delete_keeps", "wrong_bytes", "put_raises", "get_raises"])
 async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
-    """``--check`` fails a tier whose delete answers True but keeps the page, and one that
-    reads back wrong bytes; either way no probe page is left in the tier."""
+    """``--check`` fails a tier whose delete answers True but keeps the page, one that
+    reads back wrong bytes, and one whose write or read raises, each at its step; no probe
+    page is left in the tier."""
     import numpy as np
     from kvtier.backends.dram import DramArena
 
@@ -391,7 +424,14 @@ async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
                 return [True] * len(keys)
             return await super().delete(keys)
 
+        async def put(self, keys, data, namespace=""):  # type: ignore[no-untyped-def]
+            if fault == "put_raises":
+                raise OSError("the pool refused the write")
+            return await super().put(keys, data, namespace)
+
         async def get(self, keys, out):  # type: ignore[no-untyped-def]
+            if fault == "get_raises":
+                raise OSError("the pool refused the read")
             ok = await super().get(keys, out)
             if fault == "wrong_bytes":
                 for o in out:
@@ -412,7 +452,8 @@ async def test_config_check_catches_a_bad_probe_and_leaves_nothing(
     monkeypatch.setattr(tier_check, "create_backend", create)
     result = await tier_check.check_tier(cfg, 0)
     assert not result.ok
-    assert result.step == ("delete" if fault == "delete_keeps" else "read")
+    want = {"delete_keeps": "delete", "wrong_bytes": "read", "put_raises": "write"}
+    assert result.step == want.get(fault, "read")  # a raised error is named at its step
     if fault == "wrong_bytes":  # the probe was deleted on the way out
         assert len(made[0].deleted) == 1
 

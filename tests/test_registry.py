@@ -19,12 +19,14 @@ import kvtier.testing
 from kvtier import registry
 from kvtier.backend import Backend
 from kvtier.cache import KVCache
+from kvtier.config import load_config
 from kvtier.errors import (
     BackendUnavailableError,
     ConfigError,
     KVTierUsageError,
     UnknownBackendError,
 )
+from kvtier.tier_check import create_backend
 
 PLUGIN_SRC = Path(__file__).resolve().parent.parent / "plugins" / "kvtier-example"
 
@@ -244,6 +246,47 @@ def test_an_availability_check_that_raises_is_the_plugins_fault(tmp_path: Path) 
         ):
             registry.resolve("kvtier_raising_check:Store")
     sys.modules.pop("kvtier_raising_check", None)
+
+
+def test_a_plugin_class_that_is_abstract_or_whose_constructor_raises_is_named(
+    tmp_path: Path,
+) -> None:
+    """An abstract class is named with its missing methods (not blamed on the tier's
+    options), and a constructor that raises something of its own (a plugin connecting in
+    ``__init__``) becomes a BackendUnavailableError naming the class, also through a
+    configuration, where the tier is named too."""
+    (tmp_path / "kvtier_plugin_faults.py").write_text(
+        "from kvtier.backend import StoreBackend\n"
+        "from kvtier.backends.dram import DramArena\n\n"
+        "class Half(StoreBackend):\n"
+        "    async def get(self, keys, out):\n"
+        "        return []\n\n"
+        "class Connects(DramArena):\n"
+        "    def __init__(self, **kw):\n"
+        "        raise OSError('cannot reach fancyd at 127.0.0.1:1')\n"
+    )
+    for _ in _on_path(tmp_path):
+        with pytest.raises(UnknownBackendError, match=r"Half' is an abstract class: it does not "
+                           r"implement abort, commit, .*write \(a bug of the package"):  # fmt: skip
+            registry.resolve("kvtier_plugin_faults:Half")
+        info = registry.describe("kvtier_plugin_faults:Half")
+        assert not info.available and "abstract class" in (info.reason or "")
+        with pytest.raises(
+            BackendUnavailableError,
+            match=r"kvtier_plugin_faults:Connects could not be created: its constructor "
+            r"raised OSError\('cannot reach fancyd",
+        ):
+            registry.create("kvtier_plugin_faults:Connects", page_bytes=4096, capacity_pages=2)
+        raw = {
+            "model": {"preset": "tiny"},
+            "tiers": [
+                {"name": "dram", "backend": "dram", "capacity": "64KiB"},
+                {"name": "far", "backend": "kvtier_plugin_faults:Connects", "capacity": "1MiB"},
+            ],
+        }
+        with pytest.raises(BackendUnavailableError, match=r"^tiers\[1\] \(far, backend "):
+            create_backend(load_config(raw, env={}).config, 1)
+    sys.modules.pop("kvtier_plugin_faults", None)
 
 
 def test_unknown_name_lists_registered_backends() -> None:

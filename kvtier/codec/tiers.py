@@ -71,7 +71,7 @@ def create_backend(
         raise TierCodecError(
             _no_page(backend, capacity_bytes, slot_bytes(made), cls) + f" encoded with {codec!r}"
         )
-    inner = cls(page_bytes=slot_bytes(made), capacity_pages=pages, **options)
+    inner = registry.construct(cls, page_bytes=slot_bytes(made), capacity_pages=pages, **options)
     assert isinstance(inner, StoreBackend)
     return wrap(inner, made)
 
