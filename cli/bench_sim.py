@@ -351,7 +351,13 @@ def sim(
             return
         if given_options(ctx, ["half"]):
             raise KVTierUsageError("--half chooses a part of the policy suite: add --suite")
-        names = [t.strip() for t in tiers.split(",") if t.strip()]
+        names = [t.strip() for t in tiers.split(",")]
+        if any(names) and not all(names):  # none at all: check_args names that
+            raise KVTierUsageError(
+                f"--tiers {tiers!r} has an empty tier name: give names separated by single "
+                "commas (e.g. hbm,dram,nvme)"
+            )
+        names = [n for n in names if n]
         capacities = capacity or DEFAULT_CAPACITIES
         check_args(requests, block_tokens, tier_scale, names, admission, capacities, plot_file)
         check_admission(bool(given_options(ctx, ["admission"])), write_policy)

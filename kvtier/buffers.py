@@ -34,6 +34,8 @@ def check_buffer(buf: Any, page_bytes: int, what: str = "buffer") -> np.ndarray:
                 f"{what} must be a numpy uint8 array or a bytes-like object, "
                 f"got {type(buf).__name__}"
             ) from None
+        except BufferError as exc:  # a strided memoryview: numpy cannot wrap it
+            raise KVTierUsageError(f"{what} must be C-contiguous ({exc})") from None
     if arr.dtype != np.uint8:
         raise KVTierUsageError(f"{what} must have dtype uint8, got {arr.dtype}")
     if arr.ndim != 1:

@@ -74,18 +74,30 @@ NamespaceArg = Namespace | str | None
 
 
 def namespace_of(namespace: NamespaceArg, default: Namespace) -> Namespace:
-    """``namespace`` as a :class:`~kvtier.keys.Namespace` (``default`` when ``None``, a
-    label parsed); :class:`KVTierUsageError` for anything else or a string that is not a
-    namespace label."""
-    if isinstance(namespace, Namespace):
-        return namespace
+    """``namespace`` as a :class:`~kvtier.keys.Namespace` (``default``, the cache's own,
+    when ``None``; a label parsed). :class:`KVTierUsageError` for anything else, a string
+    that is not a namespace label, or a namespace whose page geometry (tokens per page, KV
+    dtype with any lossy-codec mark, layout version) is not the cache's: its pages would be
+    keyed as something they are not. Another model id, revision or rank is fine."""
     if namespace is None:
         return default
     if isinstance(namespace, str):
-        return Namespace.from_label(namespace)
-    raise KVTierUsageError(
-        f"namespace must be a Namespace, a label string or None, got {type(namespace).__name__}"
-    )
+        namespace = Namespace.from_label(namespace)
+    if not isinstance(namespace, Namespace):
+        raise KVTierUsageError(
+            f"namespace must be a Namespace, a label string or None, got {type(namespace).__name__}"
+        )
+    geometry = (namespace.page_tokens, namespace.kv_dtype, namespace.layout_version)
+    ours = (default.page_tokens, default.kv_dtype, default.layout_version)
+    if geometry != ours:
+        raise KVTierUsageError(
+            f"namespace {namespace.label!r} keys pages of {namespace.page_tokens} tokens of "
+            f"{namespace.kv_dtype} (layout {namespace.layout_version}); this cache's pages "
+            f"are {default.page_tokens} tokens of {default.kv_dtype} (layout "
+            f"{default.layout_version}): a namespace may name another model, revision or "
+            "rank, not another page geometry"
+        )
+    return namespace
 
 
 def namespace_label(namespace: Namespace | str | None, default: Namespace) -> str:

@@ -85,6 +85,12 @@ async def test_read_rejects_bad_output(cache):
         await cache.read(res.keys, strided)
     with pytest.raises(KVTierUsageError, match=r"out\[0\] must be writable"):
         await cache.read(res.keys, [b"x" * PAGE, bytearray(PAGE)])
+    # a strided memoryview (numpy cannot wrap it: a bare BufferError before)
+    views = [memoryview(bytearray(2 * PAGE))[::2] for _ in range(2)]
+    with pytest.raises(KVTierUsageError, match=r"out\[0\] must be C-contiguous"):
+        await cache.read(res.keys, views)
+    with pytest.raises(KVTierUsageError, match=r"pages\[0\] must be C-contiguous"):
+        await cache.store(TOKENS_2, views)
 
 
 @pytest.mark.parametrize(
@@ -415,3 +421,28 @@ async def test_store_pages_parents_that_close_a_cycle_do_not_jam_a_tier(tmp_path
         for t in cache.stats()["tiers"]:
             assert t["used_pages"] <= t["high_pages"], t
         assert cache.directory.locate(key(2039)) is not None
+
+
+async def test_a_namespace_of_another_page_geometry_is_refused(cache):
+    """A namespace may name another model, revision or rank, but not other tokens per
+    page, another KV dtype or layout: 16 tokens stored as one page of this cache's size
+    under a p16 / float32 label were accepted before, keyed as what they are not."""
+    import dataclasses
+
+    own = cache.namespace
+    for other in (
+        dataclasses.replace(own, page_tokens=own.page_tokens * 4),
+        dataclasses.replace(own, kv_dtype="float32"),
+        dataclasses.replace(own, layout_version=own.layout_version + 1),
+    ):
+        tokens = list(range(other.page_tokens))
+        with pytest.raises(KVTierUsageError, match="not another page geometry"):
+            await cache.store(tokens, np.zeros((1, PAGE), np.uint8), namespace=other.label)
+        with pytest.raises(KVTierUsageError, match="not another page geometry"):
+            cache.page_keys(tokens, namespace=other)
+        with pytest.raises(KVTierUsageError, match="not another page geometry"):
+            await cache.lookup(tokens, namespace=other)
+    fine = dataclasses.replace(own, model_id="another-model", revision="r2", rank=1)
+    res = await cache.store(list(range(own.page_tokens)), np.ones((1, PAGE), np.uint8),
+                            namespace=fine)  # fmt: skip
+    assert res.stored == [True]

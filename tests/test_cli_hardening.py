@@ -64,6 +64,7 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--block-tokens", "0"], "--block-tokens must be >= 1"),
         (["--admission", "bogus"], "unknown admission policy 'bogus'"),
         (["--tiers", ","], "--tiers must name at least one tier"),
+        (["--tiers", "hbm,,dram"], "--tiers 'hbm,,dram' has an empty tier name"),  # was accepted
         (["--tiers", "a,a"], "--tiers must name distinct tiers"),
         (["--plot", "/nonexistent-dir/x.png"], "--plot: directory /nonexistent-dir does not exist"),
         (["--plot", "/tmp/x.nosuchformat"], "cannot write a nosuchformat file"),
@@ -336,6 +337,10 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
           "999999999"], "draft_tokens must be at most"),
         (["bench", "io", "--tier", "dram", "--page-size", "64TiB", "--pages", "2"],
          "GiB is available: lower --pages or --page-size"),
+        # a MemoryError reported as 'a kvtier bug' before
+        (["bench", "codec", "--page-tokens", "100000000"],
+         "GiB is available: lower --pages or --page-tokens"),
+        (["bench", "codec", "--page-tokens", "0"], "--page-tokens must be an integer >= 1"),
         (["inspect", "stats", "--url", "http://127.0.0.1:1/x", "--timeout", "-1"],
          "--timeout must be a number of seconds"),
         (["inspect", "stats", "--url", "http://[::1"], "is not a valid URL"),

@@ -34,6 +34,7 @@ from kvtier.bench.baselines import (
     profile_for,
     registered_profile,
 )
+from kvtier.bench.memory import require_memory
 from kvtier.bench.pagecache import drop_page_cache
 from kvtier.errors import ConfigError, KVTierUsageError, TierIOError
 from kvtier.keys import PageKey
@@ -84,19 +85,8 @@ class IOBenchParams:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             # numpy's generators take only seeds >= 0 (a ValueError deep in the run)
             raise KVTierUsageError(f"--seed must be an integer >= 0, got {self.seed!r}")
-        from kvtier.backends.dram import available_memory
-
         # The pages, the read buffers and an arena tier's own buffer are all in memory.
-        need = 3 * self.pages * self.page_bytes
-        have = available_memory()
-        if have is not None and need > have:
-            from kvtier.config import format_size
-
-            raise KVTierUsageError(
-                f"bench io: {self.pages} pages of {format_size(self.page_bytes)} need about "
-                f"{format_size(need)} of memory (pages, read buffers, an arena); "
-                f"{format_size(have)} is available: lower --pages or --page-size"
-            )
+        require_memory("bench io", self.pages, self.page_bytes, 3, "--pages or --page-size")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.memory import require_memory
 from kvtier.errors import KVTierUsageError
 from kvtier.spec import KVSpec
 
@@ -124,15 +125,32 @@ def kv_pages(
         raise KVTierUsageError(f"unknown KV source {source!r}; known: {', '.join(SOURCES)}")
     if dtype not in ("bfloat16", "float16", "float32"):
         raise KVTierUsageError(f"KV dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
+        raise KVTierUsageError(f"--page-tokens must be an integer >= 1, got {page_tokens!r}")
     if source == "normal":
         spec = KVSpec(30, 3, 64, dtype, page_tokens, name="normal")
+        _fits(pages, spec)
         return spec, synthetic_pages(spec, pages, seed), "Gaussian values, a scale per head"
     if source == "smollm2":
         model, tok = load_smollm2(dtype)
         ids = tok(benchmark_text()).input_ids
         spec = model_spec(model, page_tokens, dtype)
+        if len(ids) < page_tokens:
+            raise KVTierUsageError(
+                f"--page-tokens {page_tokens}: the smollm2 text holds {len(ids)} tokens, "
+                "not one page"
+            )
+        _fits(len(ids) // page_tokens, spec)
         return spec, model_pages(model, ids, spec), f"SmolLM2-135M, {len(ids)} tokens of text"
     model = random_llama(dtype, seed)
-    ids = np.random.default_rng(seed).integers(0, 4096, pages * page_tokens).tolist()
     spec = model_spec(model, page_tokens, dtype)
+    _fits(pages, spec)
+    ids = np.random.default_rng(seed).integers(0, 4096, pages * page_tokens).tolist()
     return spec, model_pages(model, ids, spec), "random-weight Llama, random tokens"
+
+
+def _fits(pages: int, spec: KVSpec) -> None:
+    """The pages, the float64 and float32 values they are made from (12 bytes per
+    2-byte value) and the bench's copies (decoded, encoded, read back) must fit in memory:
+    a usage error naming the flags otherwise."""
+    require_memory("bench codec", pages, spec.page_bytes, 12, "--pages or --page-tokens")
