@@ -30,6 +30,7 @@ class DictStore(StoreBackend):
     """A correct variable-length store whose committed pages live in :data:`DISKS`."""
 
     variable_length: ClassVar[bool] = True
+    awaits_before_taking_room: ClassVar[bool] = False
 
     def __init__(self, *, page_bytes: int, capacity_pages: int, path: str, **kw: Any) -> None:
         super().__init__(page_bytes=page_bytes, capacity_pages=capacity_pages, **kw)
@@ -46,6 +47,8 @@ class DictStore(StoreBackend):
             if k in self.disk:
                 out.append(Reservation(k, -1, present=True))
             elif self.used_pages() < self.capacity_pages:
+                if self.awaits_before_taking_room:  # the bug of RacyReserve
+                    await asyncio.sleep(0)
                 self.next += 1
                 self.pending[self.next] = (k, None)
                 out.append(Reservation(k, self.next))
@@ -247,22 +250,7 @@ class RacyReserve(DictStore):
     """Awaits (a metadata round trip) between its room check and taking the room: puts
     at once into the last free room all succeed, past the capacity."""
 
-    async def reserve(
-        self, keys: Sequence[PageKey], namespace: str = ""
-    ) -> list[Reservation | None]:
-        self._check_open()
-        out: list[Reservation | None] = []
-        for k in keys:
-            if k in self.disk:
-                out.append(Reservation(k, -1, present=True))
-            elif self.used_pages() < self.capacity_pages:
-                await asyncio.sleep(0)
-                self.next += 1
-                self.pending[self.next] = (k, None)
-                out.append(Reservation(k, self.next))
-            else:
-                out.append(None)
-        return out
+    awaits_before_taking_room: ClassVar[bool] = True
 
 
 class SlotPool(DictStore):
