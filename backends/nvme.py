@@ -27,13 +27,15 @@ Guarantees:
   quarantined + freed but still under running I/O + deleted while the index could not
   record it); ``reserve`` answers ``None`` beyond that. Deleted slots are reused, never
   while a read or write on them still runs.
-* **Faults.** A full disk or an I/O error fails the affected pages only (``None`` from
-  ``reserve``, ``False`` from ``write``/``commit``/``get``), is logged once per cause, and
-  leaves the store consistent; a read that meets an I/O error (rather than bad bytes)
-  keeps the page, since a later read may succeed (a missing slab file is not such an
-  error: its pages are quarantined like bad bytes). A ``delete`` whose index rows cannot
-  be removed answers ``False`` and keeps the pages (readable, counted): they are still on
-  disk and would come back on reopen.
+* **Faults.** A full disk or an I/O error fails the pages of the calls it meets, is
+  logged once per cause, and leaves the store consistent: ``False`` from ``write`` and
+  ``get``; a slab file that cannot be allocated, or an index transaction that fails,
+  makes ``reserve`` / ``commit`` raise :class:`~kvtier.errors.TierIOError` (the tier is
+  marked failing, not full) and ``put`` answer ``False``. A read that meets an I/O error
+  (rather than bad bytes) keeps the page, since a later read may succeed (a missing slab
+  file is not such an error: its pages are quarantined like bad bytes). A ``delete``
+  whose index rows cannot be removed answers ``False`` and keeps the pages (readable,
+  counted): they are still on disk and would come back on reopen.
 * **Closing.** ``close`` waits for the calls in flight and their page I/O (which outlives
   a cancelled caller: worker threads cannot be stopped) and refuses new calls, then waits
   for pending commits; uncommitted reservations are dropped.
@@ -88,6 +90,8 @@ from .nvme_base import (
     Pending,
     cause,
     check_key,
+    commit_failure,
+    slab_failure,
     split,
 )
 from .nvme_reads import NvmeReads
@@ -115,9 +119,14 @@ class NvmeStore(NvmeReads):
     async def reserve(
         self, keys: Sequence[PageKey], namespace: str = ""
     ) -> list[Reservation | None]:
+        """A slot per key, ``None`` at capacity; a slab not allocated raises TierIOError."""
         self._enter()
         try:
-            return await self._reserve(keys, namespace)
+            out, failed = await self._reserve(keys, namespace)
+            if failed:
+                self._abort_now(out)
+                raise slab_failure(self.path, failed, len(keys))
+            return out
         finally:
             self._exit()
 
@@ -130,7 +139,7 @@ class NvmeStore(NvmeReads):
         reservations: list[Reservation | None] = []
         try:
             bufs = check_buffers(data, len(keys), self.page_bytes)
-            reservations = await self._reserve(keys, namespace)
+            reservations, _ = await self._reserve(keys, namespace)  # failed slabs: False
             ok = [False] * len(keys)
             taken = [(i, r) for i, r in enumerate(reservations) if r is not None]
             if not taken:
@@ -139,7 +148,7 @@ class NvmeStore(NvmeReads):
             self._abort_now([r for (_, r), w in zip(taken, written, strict=True) if not w])
             to_commit = [(i, r) for (i, r), w in zip(taken, written, strict=True) if w]
             if to_commit:
-                committed = await self._commit([r for _, r in to_commit])
+                committed, _ = await self._commit([r for _, r in to_commit])
                 for (i, _), c in zip(to_commit, committed, strict=True):
                     ok[i] = c
             return ok
@@ -149,7 +158,11 @@ class NvmeStore(NvmeReads):
         finally:
             self._exit()
 
-    async def _reserve(self, keys: Sequence[PageKey], namespace: str) -> list[Reservation | None]:
+    async def _reserve(
+        self, keys: Sequence[PageKey], namespace: str
+    ) -> tuple[list[Reservation | None], dict[int, BaseException]]:
+        """Slots for ``keys`` (``None``: at capacity, or in a slab that could not be
+        allocated) and the slabs that could not be allocated, with the error."""
         assert self.layout is not None
         out: list[Reservation | None] = []
         needed: dict[int, list[int]] = {}  # slab -> batch positions past its file's end
@@ -179,6 +192,7 @@ class NvmeStore(NvmeReads):
                 needed.setdefault(slab, []).append(i)
                 reach[slab] = max(reach.get(slab, 0), within)
             out.append(Reservation(PageKey(k), slot))
+        failed: dict[int, BaseException] = {}
         if needed:
             try:
                 async with self._slab_lock:
@@ -200,7 +214,7 @@ class NvmeStore(NvmeReads):
                     assert r is not None
                     self._release(r.handle)
                     out[i] = None
-        return out
+        return out, failed
 
     async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
         self._enter()
@@ -267,13 +281,21 @@ class NvmeStore(NvmeReads):
         return list(zip(sums, self._engine.write_batch(items), strict=True))
 
     async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Publish written pages (group commit); an index transaction that fails raises
+        :class:`~kvtier.errors.TierIOError` (those pages not committed, slots free)."""
         self._enter()
         try:
-            return await self._commit(reservations)
+            ok, error = await self._commit(reservations)
+            if error is not None:
+                raise commit_failure(self.path, error, ok.count(False)) from error
+            return ok
         finally:
             self._exit()
 
-    async def _commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+    async def _commit(
+        self, reservations: Sequence[Reservation]
+    ) -> tuple[list[bool], BaseException | None]:
+        """``True`` per committed page, and why the index transaction failed if it did."""
         ok = [False] * len(reservations)
         batch: list[tuple[int, Pending]] = []
         where: list[tuple[int, int]] = []
@@ -294,15 +316,18 @@ class NvmeStore(NvmeReads):
             queued_slots.add(r.handle)
             batch.append((r.handle, pending))
         if not batch:
-            return ok
+            return ok, None
         fut: asyncio.Future[dict[int, bool]] = asyncio.get_running_loop().create_future()
         self._commit_queue.append((batch, fut))
         if self._commit_task is None:
             self._commit_task = asyncio.create_task(self._commit_runner())
-        done = await fut
+        try:
+            done = await fut
+        finally:
+            errors = [self._commit_errors.pop(slot, None) for slot, _ in batch]
         for i, slot in where:
             ok[i] = done.get(slot, False)
-        return ok
+        return ok, next((e for e in errors if e is not None), None)
 
     async def _commit_runner(self) -> None:
         """Group commit: drain every queued commit into one fsync pass + one transaction."""
@@ -359,8 +384,10 @@ class NvmeStore(NvmeReads):
                     del self._committing[row.slot]
                     if error is None:
                         self._entries[row.key] = row
+                        self._commit_errors.pop(row.slot, None)  # a cancelled waiter's
                     else:
                         self._free_slot(row.slot)
+                        self._commit_errors[row.slot] = error
                     results[row.slot] = error is None
                 if rows and error is None:
                     self._counters["group_commits"] += 1

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from kvtier.backends.nvme_engines import (
@@ -25,12 +26,12 @@ from kvtier.backends.nvme_index import PageRow, StoreIndex, StoreLock
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_open import OpenedStore, open_store
 from kvtier.backends.nvme_preflight import preflight_store
-from kvtier.backends.nvme_slabs import SlabFiles
-from kvtier.backends.store_files import Modes, check_path_text
+from kvtier.backends.nvme_slabs import SlabFiles, slab_path
+from kvtier.backends.store_files import Modes, check_path_text, describe_os_error, free_space
 
 from kvtier.aio import finish_even_if_cancelled
 from kvtier.backend import BackendClosedError, Medium, Preflight, StoreBackend
-from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError
+from kvtier.errors import BackendUnavailableError, ConfigError, KVTierUsageError, TierIOError
 from kvtier.health import LogOnce
 from kvtier.keys import KEY_BYTES
 from kvtier.log import get_logger
@@ -89,6 +90,34 @@ def cause(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None:
         return errno.errorcode.get(exc.errno, str(exc.errno))
     return type(exc).__name__
+
+
+def slab_failure(
+    root: os.PathLike[str], failed: dict[int, BaseException], pages: int
+) -> TierIOError:
+    """The error :meth:`NvmeStore.reserve` raises when slab files could not be allocated
+    (``failed``: slab -> the ``OSError``): the medium failed (full file system, read-only
+    directory, I/O error), not the store's capacity, so the tier is marked failing rather
+    than answering "full". Names the slab file, the OS error and the free space."""
+    slab, exc = min(failed.items())
+    reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+    more = f" (and {len(failed) - 1} more slabs)" if len(failed) > 1 else ""
+    return TierIOError(
+        f"NVMe store {root}: cannot allocate slab file {slab_path(Path(root), slab)}{more}: "
+        f"{reason}; the file system has {free_space(root)}; none of the {pages} pages of "
+        "this reserve got a slot (the store is below its capacity: the file system refused "
+        "the space, the store is not full)"
+    )
+
+
+def commit_failure(root: os.PathLike[str], exc: BaseException, pages: int) -> TierIOError:
+    """The error :meth:`NvmeStore.commit` raises when the index transaction failed (its
+    pages are not committed, their slots free again): names the error and the free
+    space, so that a full file system marks the tier failing instead of looking full."""
+    return TierIOError(
+        f"NVMe store {root}: committing to the index failed: {exc}; the file system has "
+        f"{free_space(root)}; {pages} pages of this commit were not stored"
+    )
 
 
 class NvmeStoreBase(StoreBackend):
@@ -181,6 +210,8 @@ class NvmeStoreBase(StoreBackend):
             tuple[list[tuple[int, Pending]], asyncio.Future[dict[int, bool]]]
         ] = []
         self._commit_task: asyncio.Task[None] | None = None
+        #: slot -> why its group commit failed, until its committer takes it
+        self._commit_errors: dict[int, BaseException] = {}
         self._logged = LogOnce()
         self._counters: Counter[str] = Counter()
         self._active = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import sqlite3
 from pathlib import Path
 
 from kvtier.backends.store_files import (
@@ -17,6 +18,7 @@ from kvtier.backends.store_files import (
     check_no_symlink,
     check_path_text,
     describe_os_error,
+    free_space,
     make_store_root,
     open_private,
     set_mode,
@@ -46,6 +48,13 @@ class StoreLockedError(KVTierError):
 
 class StoreReadOnlyError(KVTierError):
     """The store directory cannot be written."""
+
+
+class StoreUnavailableError(KVTierError):
+    """The store's files cannot be opened or written now for a reason outside the store:
+    the file system is full, the device reports an I/O error, SQLite cannot open or lock
+    its files. The store itself was not judged (it may be intact): free space or fix the
+    medium and reopen. Not a usage error (the CLI exits 1)."""
 
 
 class DamagedStoreError(KVTierError):
@@ -224,4 +233,51 @@ def page_size_conflict(root: Path, held: int, page_bytes: int) -> str:
     return (
         f"NVMe store {root} holds pages of {held} bytes, not {page_bytes}: use another "
         "directory for this page size"
+    )
+
+
+#: SQLite primary result codes that describe the environment (the file system, the
+#: device, permissions, memory, locks), not the index file's content: PERM, BUSY, LOCKED,
+#: NOMEM, READONLY, IOERR, FULL, CANTOPEN, PROTOCOL.
+_ENVIRONMENT_CODES = frozenset({3, 5, 6, 7, 8, 10, 13, 14, 15})
+_READONLY = 8  # SQLITE_READONLY
+#: The same, by message, for an error that carries no result code.
+_ENVIRONMENT_WORDS = (
+    "disk i/o error",
+    "database or disk is full",
+    "unable to open database file",
+    "readonly database",
+    "database is locked",
+    "out of memory",
+)
+
+
+def sqlite_environment_error(path: Path, exc: sqlite3.Error, doing: str) -> KVTierError | None:
+    """The store error for ``exc``, raised by SQLite while ``doing`` something with the
+    index at ``path``, when its cause is the environment rather than the index's content:
+    :class:`StoreReadOnlyError` for a read-only database, :class:`StoreUnavailableError`
+    for the rest (disk full, I/O error, cannot open). The message names the path, SQLite's
+    error and the file system's free space, and says that the store was not judged.
+    ``None`` when ``exc`` says something about the file itself (not a database,
+    malformed, a table missing): the caller reports that as damage."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    text = str(exc) or type(exc).__name__
+    if isinstance(code, int):
+        environmental = (code & 0xFF) in _ENVIRONMENT_CODES
+    else:
+        environmental = isinstance(exc, sqlite3.OperationalError) and any(
+            w in text.lower() for w in _ENVIRONMENT_WORDS
+        )
+    if not environmental:
+        return None
+    room = free_space(path.parent)
+    if (code & 0xFF == _READONLY) if isinstance(code, int) else "readonly" in text.lower():
+        return StoreReadOnlyError(
+            f"cannot {doing} the index {path}: {text} (the store directory or its file "
+            f"system is read-only, {room}: the store needs write access; the store itself "
+            "was not judged)"
+        )
+    return StoreUnavailableError(
+        f"cannot {doing} the index {path}: {text} (the file system has {room}: free "
+        "space or check the device, then reopen; the store itself was not judged)"
     )

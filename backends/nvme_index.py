@@ -37,9 +37,11 @@ from kvtier.backends.nvme_dir import (
     StoreLock,
     StoreLockedError,
     StoreReadOnlyError,
+    StoreUnavailableError,
     StoreVersionError,
     check_store_dir,
     check_store_entries,
+    sqlite_environment_error,
 )
 from kvtier.backends.store_files import (
     Modes,
@@ -61,6 +63,7 @@ __all__ = [
     "StoreLock",
     "StoreLockedError",
     "StoreReadOnlyError",
+    "StoreUnavailableError",
     "StoreVersionError",
     "check_store_dir",
     "check_store_entries",
@@ -186,7 +189,28 @@ class StoreIndex:
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:
-            raise NotAStoreError(f"{path} is not a kvtier store index: {exc}") from exc
+            if hasattr(self, "_db"):
+                self._db.close()
+            raise self._not_an_index(exc, "open") from exc
+
+    def _not_an_index(self, exc: sqlite3.Error, doing: str) -> Exception:
+        """What ``exc`` from SQLite means: the environment failed (disk full, I/O error:
+        :func:`~kvtier.backends.nvme_dir.sqlite_environment_error`, the store not
+        judged), or the file is not a kvtier index (:class:`NotAStoreError`)."""
+        env = sqlite_environment_error(self.path, exc, doing)
+        if env is not None:
+            return env
+        return NotAStoreError(f"{self.path} is not a kvtier store index: {exc}")
+
+    def lacking(self) -> str | None:
+        """What this index lacked when opened that a store's index has: ``"empty: no
+        tables (a 0-byte or emptied file)"``, ``"no meta table"``, or ``None``. Opening
+        the store treats such an index beside slab files as lost and rebuilds it."""
+        if not self.tables_at_open:
+            return "empty: no tables (a 0-byte or emptied file)"
+        if "meta" not in self.tables_at_open:
+            return "no meta table"
+        return None
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -209,7 +233,7 @@ class StoreIndex:
             try:
                 rows = self._db.execute("SELECT k, v FROM meta").fetchall()
             except sqlite3.DatabaseError as exc:
-                raise NotAStoreError(f"{self.path} is not a kvtier store index: {exc}") from exc
+                raise self._not_an_index(exc, "read the meta record of") from exc
         return {str(k): str(v) for k, v in rows}
 
     def set_meta(self, values: dict[str, object]) -> None:
@@ -259,6 +283,9 @@ class StoreIndex:
                 while batch := cursor.fetchmany(4096):
                     yield from batch
             except sqlite3.DatabaseError as exc:
+                env = sqlite_environment_error(self.path, exc, "read")
+                if env is not None:
+                    raise env from exc
                 raise DamagedStoreError(
                     f"{self.path}: the index cannot be read ({exc}); rebuild it from the "
                     f"slabs with 'kvtier inspect store {self.path.parent} --rebuild-index'"

@@ -77,8 +77,9 @@ def inspect_store(
     called with the number of pages verified since its last call.
 
     Raises :class:`NotAStoreError` / :class:`KVTierUsageError` for a path that is not a
-    store, :class:`DamagedStoreError` for an index that cannot be read (or is missing while
-    slabs are present), :class:`StoreVersionError` for a newer format,
+    store, :class:`DamagedStoreError` for an index that cannot be read (or is missing,
+    empty or without meta table while slabs are present), :class:`StoreVersionError` for a
+    newer format,
     :class:`~kvtier.backends.store_files.UnsafeStoreError` for a symlink inside the store,
     and :class:`~kvtier.backends.nvme_index.StoreLockedError` when verifying a store that
     is open for writing elsewhere.
@@ -94,6 +95,12 @@ def inspect_store(
     try:
         index = StoreIndex(root / INDEX_FILE, readonly=True)
         try:
+            if (missing := index.lacking()) is not None:
+                raise DamagedStoreError(
+                    f"NVMe store {root}: its index {root / INDEX_FILE} is damaged "
+                    f"({missing}); opening the store rebuilds it from the slabs, or run "
+                    f"'kvtier inspect store {root} --rebuild-index'"
+                )
             meta = index.meta()
             parsed = parse_meta(meta, root)
             if parsed is None:

@@ -18,23 +18,28 @@ and returns what the store needs to run. It repairs what it can, loudly:
 What it cannot repair it refuses with an error that names it: an index file that is not a
 database (:class:`~kvtier.backends.nvme_index.NotAStoreError`), a meta record that does
 not parse (:class:`~kvtier.backends.nvme_index.DamagedStoreError`), a symlink
-(:class:`~kvtier.backends.store_files.UnsafeStoreError`). Everything taken is released
-when it raises.
+(:class:`~kvtier.backends.store_files.UnsafeStoreError`). An index SQLite cannot open or
+update because of the environment (a full file system, an I/O error) is not called
+damaged: :class:`~kvtier.backends.nvme_index.StoreUnavailableError` (or
+``StoreReadOnlyError``) names the path, SQLite's error and the free space, and the store
+is left as it was. Everything taken is released when it raises.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.backends.nvme_dir import page_size_conflict
+from kvtier.backends.nvme_dir import page_size_conflict, sqlite_environment_error
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
     STORE_FORMAT_VERSION,
+    DamagedStoreError,
     PageRow,
     StoreIndex,
     StoreLock,
@@ -130,12 +135,14 @@ def open_store(
             _report_bad_rows(root, index, checked)
         used = [r.slot for r in checked.rows] + list(checked.quarantined)
         free, hwm = free_slots(used, layout, extents)
-    except BaseException:
+    except BaseException as exc:
         if slabs is not None:
             slabs.close()
         if index is not None:
             index.close()
         lock.release()
+        if isinstance(exc, sqlite3.DatabaseError):
+            raise _index_error(root, exc) from exc
         raise
     return OpenedStore(
         lock,
@@ -151,6 +158,18 @@ def open_store(
         extents,
         rebuilt,
         checked.bad_rows,
+    )
+
+
+def _index_error(root: Path, exc: sqlite3.DatabaseError) -> Exception:
+    """What an SQLite error met while opening means: the environment failed (disk full,
+    I/O error: the store not judged, nothing changed) or the index is damaged."""
+    env = sqlite_environment_error(root / INDEX_FILE, exc, "update")
+    if env is not None:
+        return env
+    return DamagedStoreError(
+        f"NVMe store {root}: its index cannot be updated ({exc}); rebuild it from the "
+        f"slabs with 'kvtier inspect store {root} --rebuild-index'"
     )
 
 

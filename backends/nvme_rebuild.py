@@ -248,7 +248,8 @@ def rebuild_index(
     can be read, else from the first intact page header. Takes the store's exclusive lock
     (:class:`~kvtier.backends.nvme_index.StoreLockedError` when it is open elsewhere).
     Returns :meth:`RebuildResult.to_dict` plus ``path`` and ``old_index`` (what became of
-    the old one: ``missing``, ``readable`` or the reason it could not be read).
+    the old one: ``missing``, ``readable`` (its meta record parsed), or what was wrong
+    with it: empty, no meta table, no format record, or why it could not be read).
     """
     root = Path(path)
     modes = Modes.for_option(group_access, "nvme")
@@ -264,11 +265,12 @@ def rebuild_index(
 
                 previous = StoreIndex(root / INDEX_FILE, readonly=True)
                 try:
-                    meta = previous.meta()
+                    lacks = previous.lacking()
+                    meta = previous.meta() if lacks is None else {}
                 finally:
                     previous.close()
                 parsed = parse_meta(meta, root)
-                old = "readable"
+                old = lacks or ("readable" if parsed is not None else "has no format record")
                 if parsed is not None:
                     page_bytes = page_bytes or parsed.layout.page_bytes
                     capacity = parsed.capacity_pages

@@ -78,6 +78,21 @@ def describe_os_error(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+def free_space(path: str | os.PathLike[str]) -> str:
+    """How much room the file system holding ``path`` has left for this process, in words
+    (``"0 bytes free"``, ``"12.5 MiB free"``), or why it cannot be told."""
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        return f"unknown free space ({describe_os_error(exc)})"
+    free = st.f_bavail * st.f_frsize
+    if free < 1 << 20:
+        return f"{free} bytes free"
+    if free < 1 << 30:
+        return f"{free / (1 << 20):.1f} MiB free"
+    return f"{free / (1 << 30):.1f} GiB free"
+
+
 def check_path_text(path: str | os.PathLike[str], what: str) -> Path:
     """``path`` as a :class:`Path`; :class:`StorePathError` for an empty path or a NUL
     byte (which the OS cannot take)."""

@@ -82,6 +82,7 @@ async def commit_batch(
             if not backend_failure(exc):
                 raise
             dst.record_failure("reserve", len(todo), exc)
+            mover.metrics.failed.inc(dst.name, by=len(todo))  # none is reserved: none stored
             res = [None] * len(todo)
         got: list[tuple[int, Reservation]] = []
         for i, r in zip(todo, res, strict=True):

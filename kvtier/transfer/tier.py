@@ -5,12 +5,16 @@ no bytes and decides nothing (the planner decides from its limits and policy). P
 counts come from the directory (the single source of truth); ``claimed`` counts room
 promised to batches that have not reserved yet, so two batches never count the same free
 slot. Health tracking turns a failing backend into one warning per outage (and one info
-line on recovery), not one line per page.
+line on recovery), not one line per page: an outage ends only once the tier's calls have
+worked for :data:`RECOVERY_QUIET_S` seconds without a failure, so a tier that fails again
+soon after working (a full disk that takes some writes and refuses the next) continues
+the same outage instead of logging a warning and a recovery per flap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
@@ -24,6 +28,12 @@ from kvtier.plan.limits import TierLimits
 from kvtier.policy.base import EvictionPolicy
 
 _log = get_logger("kvtier.tier")
+
+#: Seconds a failing tier's calls must keep working, with no failure, before its outage
+#: counts as over ("tier recovered" is logged at the first call after that). A failure
+#: sooner continues the outage: it is counted (``relapses`` in the recovery line), not
+#: logged again.
+RECOVERY_QUIET_S = 10.0
 
 
 def backend_failure(exc: BaseException) -> bool:
@@ -56,6 +66,10 @@ class Tier:
             (reservations taken outside the pipeline are not counted: they are held).
         leaving: evicting pages the evictor has decided to drop from here (see
             :meth:`stays`).
+        outage: whether the last call that reached the backend worked (``healthy``).
+        outages: outages logged so far (one warning each; flaps inside one outage are
+            not counted again).
+        recovery_quiet_s: see :data:`RECOVERY_QUIET_S`.
     """
 
     def __init__(
@@ -77,6 +91,12 @@ class Tier:
         self.reserving = 0
         self.leaving: set[PageKey] = set()
         self.outage = Outage()
+        self.outages = 0
+        self.recovery_quiet_s = RECOVERY_QUIET_S
+        self._down_since: float | None = None  # start of the logged outage
+        self._down_failures = 0  # pages failed in it
+        self._relapses = 0  # failures after the tier had worked again, in it
+        self._working_since: float | None = None  # first success since the last failure
         self._waiters: list[asyncio.Future[None]] = []
 
     def stays(self, key: PageKey, directory: Directory) -> bool:
@@ -136,12 +156,30 @@ class Tier:
 
     @property
     def healthy(self) -> bool:
-        """Whether no outage is open (the last call that reached the backend worked)."""
+        """Whether the last call that reached the backend worked (no failure since).
+        A tier can be healthy while its logged outage is still open: see
+        :attr:`in_outage`."""
         return self.outage.healthy
 
+    @property
+    def in_outage(self) -> bool:
+        """Whether an outage was logged and its end not yet (the tier failed, and has not
+        worked for :attr:`recovery_quiet_s` seconds since)."""
+        return self._down_since is not None
+
     def record_failure(self, op: str, pages: int, cause: Any = None) -> None:
-        """A call failed for ``pages`` pages; logs a warning only when an outage starts."""
-        if self.outage.failed(pages):
+        """A call failed for ``pages`` pages: the tier is failing (not :attr:`healthy`)
+        until a call works again. Logs a warning only when an outage starts; a failure
+        within :attr:`recovery_quiet_s` seconds of the tier working again continues the
+        outage it was recovering from (counted, not logged)."""
+        now = time.monotonic()
+        self.outage.failed(pages)
+        self._end_quiet_outage(now)
+        if self._down_since is None:
+            self._down_since = now
+            self._down_failures = 0
+            self._relapses = 0
+            self.outages += 1
             _log.warning(
                 "tier failing: its pages are treated as misses",
                 tier=self.name,
@@ -149,15 +187,36 @@ class Tier:
                 pages=pages,
                 cause=repr(cause) if cause is not None else "backend reported failure",
             )
+        elif self._working_since is not None:
+            self._relapses += 1
+        self._down_failures += pages
+        self._working_since = None
 
     def record_success(self) -> None:
-        """A call moved pages again; logs once when an outage ends."""
-        ended = self.outage.succeeded()
-        if ended is not None:
-            took, failed = ended
-            _log.info(
-                "tier recovered", tier=self.name, outage_s=round(took, 3), failed_pages=failed
-            )
+        """A call moved pages again: the tier is :attr:`healthy`. Logs "tier recovered"
+        once per outage, at the first success after the tier worked for
+        :attr:`recovery_quiet_s` seconds without a failure."""
+        now = time.monotonic()
+        self.outage.succeeded()
+        if self._down_since is not None and self._working_since is None:
+            self._working_since = now
+        self._end_quiet_outage(now)
+
+    def _end_quiet_outage(self, now: float) -> None:
+        """Close the logged outage when the tier has worked long enough since its last
+        failure (logs it: how long the tier failed, pages failed, relapses)."""
+        if self._down_since is None or self._working_since is None:
+            return
+        if now - self._working_since < self.recovery_quiet_s:
+            return
+        _log.info(
+            "tier recovered",
+            tier=self.name,
+            outage_s=round(self._working_since - self._down_since, 3),
+            failed_pages=self._down_failures,
+            relapses=self._relapses,
+        )
+        self._down_since = self._working_since = None
 
     def describe(self) -> dict[str, Any]:
         """Plain-data summary (for inspection)."""
@@ -171,4 +230,6 @@ class Tier:
             "low_pages": self.low_pages,
             "eviction": self.config.eviction,
             "healthy": self.healthy,
+            "outages": self.outages,
+            "outage_open": self.in_outage,
         }
