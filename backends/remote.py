@@ -45,9 +45,11 @@ notices they are gone.
 out or cannot reach the server fails as a whole and its pages count as misses
 (``False``/``None``), and batches (of any call) still waiting for a pipeline slot then are
 skipped, so that during an outage calls miss within about one deadline instead of queueing
-for one deadline each. A cancelled call returns only once no thread writes into its
-buffers any more. The client reconnects by itself on the next call. An outage is logged
-once when it starts and once when it ends
+for one deadline each. A ``contains`` asked less than ``op_timeout_s`` after a failed
+batch, while the server has not answered since, raises at once instead of waiting a second
+deadline (the cache asks it right after a read that missed). A cancelled call returns only
+once no thread writes into its buffers any more. The client reconnects by itself on the
+next call. An outage is logged once when it starts and once when it ends
 (:class:`~kvtier.health.Health`); a server refusing writes (out of memory)
 is logged once per episode. A server that is down when the store opens is not an error:
 the store opens and misses until the server is up.
@@ -336,8 +338,22 @@ class RedisStore(RedisStoreBase):
         Raises :class:`~kvtier.errors.TierIOError` when the server did not answer for
         some key (down, frozen, refusing): ``False`` would tell the cache the page is
         gone, and it would forget pages the server still holds.
+
+        While the server is down and a batch failed less than ``op_timeout_s`` ago, nothing
+        is sent: it raises at once (the batches count as skipped). The cache asks this right
+        after a read or delete that missed; asking a frozen server would make that one call
+        wait a second deadline for an answer it cannot use.
         """
         self._check_keys(keys)
+        self._check_open()
+        ago = self._failed_recently() if keys else None
+        if ago is not None:
+            self.health.skipped_batches += -(-len(keys) // self._step)
+            raise TierIOError(
+                f"remote store {self.health.name}: no answer for {len(keys)} of {len(keys)} "
+                f"keys (not asked: the server is down ({self.health.reason}) and a batch "
+                f"failed {ago:.2f} s ago, within op_timeout_s={self.options.op_timeout_s:g})"
+            )
         replies = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )
@@ -393,7 +409,7 @@ class RedisStore(RedisStoreBase):
             except BackendClosedError:
                 raise
             except Exception as exc:
-                self.health.failed(describe(exc))
+                self._failed(describe(exc))
                 return []
         self.health.succeeded()
         self._committed.update(found)

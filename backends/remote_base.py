@@ -97,6 +97,7 @@ class RedisStoreBase(StoreBackend):
         self.checksum_failures = 0
         self.redirects = 0  # pages re-sent through redis-py after MOVED/ASK
         self._busy = 0  # calls using the client now (close waits for them)
+        self._failed_at: float | None = None  # monotonic time of the last failed batch
         self._idle = asyncio.Event()
 
     # -- discovery and lifecycle -----------------------------------------------------------
@@ -320,14 +321,14 @@ class RedisStoreBase(StoreBackend):
                         replies = await send(client, chunk, time.monotonic() + timeout)
                     sent = True
                 except Exception as exc:  # any failure of the batch makes it a miss
-                    self.health.failed(describe(exc))
+                    self._failed(describe(exc))
                     return
                 finally:
                     if not sent:  # failed (already reported) or cancelled before an outcome
                         self.health.probe_abandoned()
             broken = next((r for r in replies if is_connection_error(r)), None)
             if broken is not None:
-                self.health.failed(describe(broken))
+                self._failed(describe(broken))
             else:
                 self.health.succeeded()
             for i, reply in zip(chunk, replies, strict=True):
@@ -339,6 +340,24 @@ class RedisStoreBase(StoreBackend):
             else:
                 await asyncio.gather(*(one(client, s) for s in range(0, n, step)))
         return results
+
+    def _failed(self, reason: str) -> None:
+        """Record a failed batch (or scan) with :attr:`health` and when it failed."""
+        self._failed_at = time.monotonic()
+        self.health.failed(reason)
+
+    def _failed_recently(self) -> float | None:
+        """Seconds since the last failed batch, when the server has not answered since
+        and that failure is less than ``op_timeout_s`` old; else ``None``.
+
+        A question sent now would most likely wait out a whole deadline for nothing: this
+        is how :meth:`~kvtier.backends.remote.RedisStore.contains` asked right after a
+        failed read (the cache asks whether the missed pages are gone) answers at once.
+        """
+        if not self.health.down or self._failed_at is None:
+            return None
+        ago = time.monotonic() - self._failed_at
+        return ago if ago < self.options.op_timeout_s else None
 
     def _pipelined(
         self, items: Sequence[I], build: Callable[[Any, I], object]
