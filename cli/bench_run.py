@@ -10,13 +10,12 @@ import typer
 from kvtier.cli.app import bench_app
 from kvtier.cli.bench_speculative import run_speculative_cli
 from kvtier.cli.output import (
-    EXIT_FAILURE,
     console,
     emit,
-    fail,
     given_options,
     progress,
     render_config,
+    report_failures,
     run_guarded,
     table,
 )
@@ -69,11 +68,12 @@ def _render(data: dict[str, Any]) -> None:
         f"mismatches {data['mismatches']}",
         highlight=False,
     )
-    if data["disk_dir"] is None:
-        return  # no file/nvme tier: the run made no disk directory of its own
-    where = "kept" if data["disk_kept"] else "removed"
-    line = f"disk tier directory {data['disk_dir']} ({where})"
-    console.print(line, highlight=False, markup=False)
+    if data["disk_dir"] is not None:  # else no file/nvme tier: no disk directory of its own
+        where = "kept" if data["disk_kept"] else "removed"
+        line = f"disk tier directory {data['disk_dir']} ({where})"
+        console.print(line, highlight=False, markup=False)
+    for failed in data["failed_tiers"]:
+        console.print(f"failed: {failed['error']}", highlight=False, markup=False)
 
 
 def _ms(value: float | None) -> str:
@@ -272,7 +272,9 @@ def bench_run_command(
             "predictor": predictor,
         }
         emit(data, as_json, _render)
+        problems = [f["error"] for f in data["failed_tiers"]]
         if data["mismatches"]:
-            raise fail(f"{data['mismatches']} pages read back with wrong bytes", EXIT_FAILURE)
+            problems.append(f"{data['mismatches']} pages read back with wrong bytes")
+        report_failures(problems)  # the report is out: exit 1 naming what failed
 
     run_guarded(body, as_json)

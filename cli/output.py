@@ -168,6 +168,15 @@ def fail(message: str, code: int = EXIT_FAILURE) -> typer.Exit:
     return typer.Exit(code)
 
 
+def report_failures(problems: Sequence[str]) -> None:
+    """After a command's report is out: each of ``problems`` on stderr, then exit 1 (the
+    report on stdout stays the only JSON object there). Nothing when there is none."""
+    for line in problems[:-1]:
+        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if problems:
+        raise fail(problems[-1], EXIT_FAILURE)
+
+
 def json_error(message: str, kind: str, code: int) -> None:
     """Print the JSON error object of a failed ``--json`` command on stdout."""
     error = {"message": message, "type": kind, "exit_code": code}

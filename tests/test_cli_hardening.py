@@ -228,8 +228,16 @@ def test_bench_run_fails_when_a_tier_is_unreachable_for_the_whole_run(tmp_path: 
         f'options = {{url = "redis://127.0.0.1:{port}/0", op_timeout_s = 0.2, '
         "connect_timeout_s = 0.2, retry_interval_s = 0.5}\n"
     )
-    error = invoke("bench", "run", "-c", str(cfg), "--sessions", "2", "--turns", "2", code=1)
-    assert "tier 'remote' was unreachable for the whole run" in error["message"]
+    # the report comes out (the only JSON object on stdout), then exit 1 naming the tier
+    chat = ["--sessions", "2", "--turns", "2"]
+    speculative = ["--workload", "speculative", "--steps", "4", "--sessions", "2"]
+    for workload in (chat, speculative):
+        args = ["bench", "run", "-c", str(cfg), *workload, "--json"]
+        result = CliRunner().invoke(get_app(), args)
+        assert result.exit_code == 1, result.output
+        (failed,) = json.loads(result.stdout)["failed_tiers"]
+        assert "tier 'remote' was unreachable for the whole run" in failed["error"]
+        assert failed["error"] in " ".join(result.stderr.split())
 
 
 # -- bench io ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +186,29 @@ def check_top_capacity(config: KVTierConfig, params: ChatParams) -> None:
         )
 
 
-def tier_health(cache: Any) -> dict[str, dict[str, Any]]:
-    """Per tier of an opened (or closed) cache: whether it ended healthy, and the
-    backend's own outage record when it keeps one (``down``, ``down_reason``,
-    ``failed_batches``)."""
+def unwritten_pages(cache: Any, planner: Any) -> dict[str, int]:
+    """Per tier below a memory tier of a closed cache: pages the memory tier still holds
+    that its close-time flush should have written down there and could not (the count of
+    the log line "flush could not write every dirty page down"). ``planner`` is the
+    cache's, taken while it was open (``cache.pipeline.planner``). Tiers with none are
+    left out."""
+    out: dict[str, int] = {}
+    tiers = cache.tiers
+    for tier in tiers[:-1]:
+        if tier.is_arena:
+            n = len(planner.dirty(tier.index, cache.directory.keys_in(tier.name)))
+            if n:
+                below = tiers[tier.index + 1].name
+                out[below] = out.get(below, 0) + n
+    return out
+
+
+def tier_health(cache: Any, planner: Any = None) -> dict[str, dict[str, Any]]:
+    """Per tier of an opened (or closed) cache: whether it ended healthy, the backend's
+    own outage record when it keeps one (``down``, ``down_reason``, ``failed_batches``)
+    and, given the cache's ``planner`` after the cache closed, ``unwritten_pages``
+    (:func:`unwritten_pages`)."""
+    unwritten = unwritten_pages(cache, planner) if planner is not None else {}
     out: dict[str, dict[str, Any]] = {}
     for tier in cache.tiers:
         try:
@@ -200,28 +219,58 @@ def tier_health(cache: Any) -> dict[str, dict[str, Any]]:
             "healthy": tier.healthy,
             "down": bool(stats.get("down")),
             "down_reason": stats.get("down_reason"),
-            "failed_batches": stats.get("failed_batches", 0),
+            "failed_batches": int(stats.get("failed_batches", 0) or 0),
+            "unwritten_pages": unwritten.get(tier.name, 0),
         }
     return out
 
 
-def check_tiers_reached(
+def failed_tiers(
     metrics: dict[str, Any], tiers: list[str], health: dict[str, dict[str, Any]] | None = None
-) -> None:
-    """Fail a run in which a tier below the top was unreachable throughout: it failed
-    (pages, batches, or it ended unhealthy) and never stored a page. Raises
-    :class:`KVTierError` naming it and, when known, why."""
+) -> list[dict[str, Any]]:
+    """The tiers below the top that were unreachable for the whole run: each failed
+    (pages, batches, or it ended unhealthy) and never stored a page.
+
+    One entry per such tier: ``tier``; ``error``, a message naming it, what failed and,
+    when known, why; ``reason`` (the backend's, or ``None``); and the counts the message
+    gives: ``unwritten_pages`` (pages the tier above could not write down to it when the
+    cache closed), ``failed_pages`` (page operations the cache saw fail there) and
+    ``failed_batches`` (the backend's own count, for stores that keep one).
+    """
+    out: list[dict[str, Any]] = []
     for name in tiers[1:]:
         t = metrics.get("tiers", {}).get(name, {})
         h = (health or {}).get(name, {})
         failed = int(t.get("failed_pages", 0) or 0)
-        broken = failed or not h.get("healthy", True) or h.get("down") or h.get("failed_batches")
-        if broken and not t.get("stored_pages"):
-            why = f": {h['down_reason']}" if h.get("down_reason") else " (see the log)"
-            raise KVTierError(
-                f"tier {name!r} was unreachable for the whole run: no page was stored there "
-                f"({failed} pages failed){why}"
+        batches = int(h.get("failed_batches", 0) or 0)
+        unwritten = int(h.get("unwritten_pages", 0) or 0)
+        broken = failed or batches or not h.get("healthy", True) or h.get("down")
+        if not broken or t.get("stored_pages"):
+            continue
+        counts = [
+            f"{n} {what}"
+            for n, what in (
+                (unwritten, "pages could not be written down to it"),
+                (failed, "page operations failed"),
+                (batches, "batches failed"),
             )
+            if n
+        ]
+        detail = f" ({', '.join(counts)})" if counts else ""
+        reason = h.get("down_reason") or None
+        why = f": {reason}" if reason else " (see the log)"
+        out.append(
+            {
+                "tier": name,
+                "error": f"tier {name!r} was unreachable for the whole run: no page was "
+                f"stored there{detail}{why}",
+                "reason": reason,
+                "unwritten_pages": unwritten,
+                "failed_pages": failed,
+                "failed_batches": batches,
+            }
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -233,6 +282,8 @@ class RunResult:
     config: dict[str, Any]
     disk_dir: str | None
     disk_kept: bool
+    #: :func:`failed_tiers` of the run (``bench run`` exits 1 after its report when any)
+    failed_tiers: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         links = {
@@ -247,6 +298,7 @@ class RunResult:
             "config": self.config,
             "disk_dir": self.disk_dir,
             "disk_kept": self.disk_kept,
+            "failed_tiers": self.failed_tiers,
         }
 
 
@@ -262,12 +314,14 @@ async def run_live(
     workload, close.
 
     Returns (workload report, metrics snapshot taken after the cache closed, so pending
-    write-downs are counted). With a predictor the report has its ``predictor`` stats.
+    write-downs are counted, with ``tier_health``: :func:`tier_health` after the close).
+    With a predictor the report has its ``predictor`` stats.
     """
     from kvtier.cache import KVCache
 
     cache = KVCache(config, predictor=predictor or "none")
     async with cache:
+        planner = cache.pipeline.planner
         top = cache.tiers[0].backend
         # Loaded pages are checked in place when the top tier has host views; an arena in
         # device memory (hbm) is checked through cache.read, a copy to the host.
@@ -280,7 +334,7 @@ async def run_live(
         if predictor is not None:
             out["predictor"] = cache.stats()["predictor"]
     metrics = cache.metrics.snapshot()
-    metrics["tier_health"] = tier_health(cache)
+    metrics["tier_health"] = tier_health(cache, planner)
     return out, metrics
 
 
@@ -301,7 +355,8 @@ async def bench_run(
     a live prefetch predictor (:mod:`kvtier.prefetcher`). When neither
     ``top_capacity`` nor the configuration sets the top tier's capacity (it is the
     embedded default's), the run sizes it with :func:`default_top_pages`, so that the
-    workload spills whatever the model.
+    workload spills whatever the model. A tier unreachable for the whole run does not
+    raise: the result lists it in ``failed_tiers`` (:func:`failed_tiers`).
     """
     if top_capacity is None and base.sources.get("tiers[0].capacity", "default") == "default":
         cfg = run_config(base, model=model, disk_dir=None)
@@ -321,9 +376,11 @@ async def bench_run(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    check_tiers_reached(metrics, [t.name for t in config.tiers], metrics.pop("tier_health"))
+    failures = failed_tiers(metrics, [t.name for t in config.tiers], metrics.pop("tier_health"))
     opened = config.to_dict()
     # a configuration without a file/nvme tier below the top (a plugin's store, say) puts
     # nothing in the directory: report none rather than a directory no tier used
     used = any(str(t.get("options", {}).get("path")) == str(directory) for t in opened["tiers"])
-    return RunResult(workload, metrics, opened, str(directory) if used else None, kept and used)
+    return RunResult(
+        workload, metrics, opened, str(directory) if used else None, kept and used, failures
+    )

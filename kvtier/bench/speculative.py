@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvtier.attention import torch_dtype
-from kvtier.bench.live import RunResult, check_tiers_reached, run_config, tier_health
+from kvtier.bench.live import RunResult, failed_tiers, run_config, tier_health
 from kvtier.config import ResolvedConfig
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey, page_keys
@@ -352,11 +352,12 @@ async def bench_speculative(
             base, model=model, top_capacity=top_capacity, disk_dir=directory, disk_required=kept
         )
         async with KVCache(config) as cache:
+            planner = cache.pipeline.planner
             report = await run_speculative(cache, params, on_step)
         metrics = cache.metrics.snapshot()
-        health = tier_health(cache)
+        health = tier_health(cache, planner)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    check_tiers_reached(metrics, [t.name for t in config.tiers], health)
-    return RunResult(report, metrics, config.to_dict(), str(directory), kept)
+    failures = failed_tiers(metrics, [t.name for t in config.tiers], health)
+    return RunResult(report, metrics, config.to_dict(), str(directory), kept, failures)
