@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -34,17 +35,22 @@ def install_standin(monkeypatch: pytest.MonkeyPatch, read_delay_s: float = 0.0) 
     return mod
 
 
+def _serve(q: queue.Queue[Any]) -> None:
+    """A stand-in stream's thread: run its queued operations in order until ``None``."""
+    while (op := q.get()) is not None:
+        op()
+        q.task_done()
+
+
 class _StandInStream:
+    """Operations run in order on a thread of the stream's own, which ends once the stream
+    is garbage (a CUDA stream is no Python thread: a closed arena leaves none running)."""
+
     def __init__(self, non_blocking: bool = False, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self._q: queue.Queue[Any] = queue.Queue()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            op = self._q.get()
-            op()
-            self._q.task_done()
+        threading.Thread(target=_serve, args=(self._q,), daemon=True).start()
+        weakref.finalize(self, self._q.put, None)
 
     def enqueue(self, op: Any, slow: bool = False) -> None:
         if slow and self.delay_s:
