@@ -20,6 +20,7 @@ from kvtier.errors import CapacityError
 from kvtier.index.directory import PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
+from kvtier.transfer.batch import purge_vanished
 from kvtier.transfer.gate import Priority
 from kvtier.transfer.mover import Job, Mover
 from kvtier.transfer.moves import Moves
@@ -102,9 +103,20 @@ class Writer:
         if d.used(top.name) > top.high_pages:
             await self.moves.evictor.trim(top, Priority.FETCH)
         stored = [keys[i] for i in todo if out[i]]
-        if stored and planner.write_policy.copies_on_store and len(mover.tiers) > 1:
-            mover.spawn(self.write_through(top, stored))
+        if planner.write_policy.copies_on_store and len(mover.tiers) > 1:
+            # pages this process holds already go down again too when a shared pool lies
+            # below: the pool may have lost them meanwhile (write_through checks)
+            done = set(stored)
+            again = [k for k, i in first.items() if out[i] and k not in done]
+            down = stored + again if self._shared_below(top) else stored
+            if down:
+                mover.spawn(self.write_through(top, down))
         return out
+
+    def _shared_below(self, tier: Tier) -> bool:
+        """Whether a tier below ``tier`` is shared by other servers (a remote pool)."""
+        tiers = self.mover.tiers
+        return any(t.backend.shared for t in tiers[tiers.index(tier) + 1 :])
 
     async def _finish_abandoned(
         self,
@@ -171,23 +183,40 @@ class Writer:
         return [keys[i] for i in todo if out[i] and keys[i] in lost]
 
     async def write_through(self, src: Tier, keys: list[PageKey]) -> None:
-        """Copy freshly committed pages down the hierarchy (background)."""
+        """Copy freshly stored pages down the hierarchy (background).
+
+        A shared tier (a pool other servers use: ``Backend.shared``) may have lost pages
+        this process counts as there (a server restart or flush, its own LRU, another
+        server's delete). Its pages among ``keys`` are checked first (one ``contains``),
+        and those gone are forgotten and copied again: a store publishes its pages to the
+        pool again, as a prefill server handing pages to decode servers relies on. Pages
+        the next tier holds already continue down when a shared tier lies further below.
+        """
         mover = self.mover
         dst = mover.next(src)
         if dst is None or not keys:
             return
         d = mover.directory
-        keys = mover.planner.write_through(src.index, keys)
-        await mover.settle(keys, [dst])
-        keys = [k for k in keys if d.state(k, dst.name) is None and d.is_committed(k, src.name)]
-        if not keys:
-            return
-        try:
-            ok = await self.moves.copy(src, dst, keys, Priority.EVICT)
-        except CapacityError as exc:
-            _log.warning("write-through blocked: pages stay dirty", tier=dst.name, reason=str(exc))
-            return
-        landed = [k for k, o in zip(keys, ok, strict=True) if o]
+        if dst.backend.shared:
+            held = [k for k in keys if d.state(k, dst.name) is PageState.COMMITTED]
+            if held:
+                await purge_vanished(mover, dst, held)
+        todo = mover.planner.write_through(src.index, keys)
+        await mover.settle(todo, [dst])
+        todo = [k for k in todo if d.state(k, dst.name) is None and d.is_committed(k, src.name)]
+        landed: list[PageKey] = []
+        if todo:
+            try:
+                ok = await self.moves.copy(src, dst, todo, Priority.EVICT)
+            except CapacityError as exc:
+                _log.warning(
+                    "write-through blocked: pages stay dirty", tier=dst.name, reason=str(exc)
+                )
+                return
+            landed = [k for k, o in zip(todo, ok, strict=True) if o]
+        if self._shared_below(dst):
+            copied = set(landed)
+            landed += [k for k in keys if k not in copied and d.is_committed(k, dst.name)]
         if landed:
             await self.write_through(dst, landed)
 

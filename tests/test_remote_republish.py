@@ -1,0 +1,73 @@
+"""A prefill server hands pages to decode servers through a shared remote pool. When the
+pool loses them (a server restart or FLUSHALL, its own LRU, another server's delete),
+the same prefill process storing the same prompt again must put them back. Before, its
+directory still counted them as in the pool, so every later store was a no-op there:
+``stored`` answered True while the server held nothing, and decode servers recomputed
+forever (a docs-only probe of the hand-off)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis
+
+from kvtier.cache import KVCache
+from kvtier.testing.servers import RedisServer, unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    unavailable_reason("valkey") is not None, reason=str(unavailable_reason("valkey"))
+)
+
+PAGES = 6
+
+
+def _config(url: str) -> dict[str, object]:
+    return {
+        "model": {"preset": "tiny"},
+        "pipeline": {"write_policy": "write-through"},
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": 16 * 512},
+            {
+                "name": "remote",
+                "backend": "redis",
+                "capacity": 1024 * 512,
+                "options": {"url": url, "op_timeout_s": 2.0},
+            },
+        ],
+    }
+
+
+async def _pool_pages(url: str, tokens: np.ndarray, pages: np.ndarray) -> int:
+    """Pages of ``tokens`` another process (a fresh cache) finds in the pool, byte-exact."""
+    async with KVCache(_config(url), env={}, configure_log=False) as other:
+        keys = other.page_keys(tokens)
+        found = await other.lookup(tokens)
+        out = np.zeros_like(pages)
+        hits = await other.read(keys, out)
+        assert all(np.array_equal(out[i], pages[i]) for i, h in enumerate(hits) if h)
+        return min(len(found.keys), sum(hits))
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart", "other-delete"])
+async def test_a_store_puts_pages_the_pool_lost_back(loss: str) -> None:
+    rng = np.random.default_rng(3)
+    with RedisServer("valkey") as server:
+        async with KVCache(_config(server.url), env={}, configure_log=False) as prefill:
+            tokens = rng.integers(0, 50_000, PAGES * prefill.spec.page_tokens)
+            pages = rng.integers(0, 256, (PAGES, prefill.spec.page_bytes), dtype=np.uint8)
+            assert all((await prefill.store(tokens, pages)).stored)
+            await prefill.flush()
+            assert await _pool_pages(server.url, tokens, pages) == PAGES
+            if loss == "flushall":
+                redis.Redis.from_url(server.url).flushall()
+            elif loss == "restart":
+                server.restart()  # no persistence: the pool comes back empty
+            else:  # another server evicts these pages from the pool
+                async with KVCache(_config(server.url), env={}, configure_log=False) as other:
+                    await other.lookup(tokens)
+                    await other.delete(other.page_keys(tokens))
+            assert await _pool_pages(server.url, tokens, pages) == 0
+            for _ in range(2):  # the first store may meet the restarted server reconnecting
+                assert all((await prefill.store(tokens, pages)).stored)
+                await prefill.flush()
+            assert await _pool_pages(server.url, tokens, pages) == PAGES
