@@ -315,8 +315,13 @@ class RedisStore(RedisStoreBase):
         ok: list[int | None] = [None] * len(keys)
         bad: list[tuple[int, str]] = []
         for i, reply in enumerate(replies):
+            if isinstance(reply, ReplyError) and reply.prefix == "WRONGTYPE":
+                # a list, hash, ... under our page's name: no page, and it would stay a
+                # "cached" page for lookups and block every store of the key
+                bad.append((i, f"the key holds another type of value ({reply})"))
+                continue
             if failed(reply):
-                continue  # batch failed, or a foreign value type under our key
+                continue  # batch failed
             outcome, problem, length = reply
             if outcome is Fetched.HIT:
                 ok[i] = length

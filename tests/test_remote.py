@@ -196,6 +196,13 @@ async def test_truncated_or_foreign_values_are_misses(store: RedisStore, raw: re
     raw.set(store.page_name(keys[2]), data[2].tobytes())  # payload without its header
     out = [np.zeros(PAGE, np.uint8) for _ in keys]
     assert await store.get(keys, out) == [False, False, False]
+    # each is counted and deleted, the hash under our key too (before, it stayed: counted
+    # as a cached page by contains/lookups, and every store of the key was a no-op)
+    assert store.stats()["checksum_failures"] == 3
+    assert await store.contains(keys) == [False, False, False]
+    assert await store.put(keys, data, NS.label) == [True] * 3
+    assert await store.get(keys, out) == [True] * 3
+    np.testing.assert_array_equal(out[1], data[1])
 
 
 async def test_ttl_expires_pages(valkey: RedisServer, raw: redis.Redis) -> None:
