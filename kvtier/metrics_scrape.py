@@ -9,13 +9,15 @@ server. :func:`scrape` fetches such an endpoint; :func:`parse_prometheus` reads 
 Raises :class:`ScrapeError` (a :class:`~kvtier.errors.KVTierError`) naming the URL and the
 reason when the endpoint cannot be read, holds no kvtier metrics, or holds a ``kvtier_``
 sample kvtier itself never exports (a value that is not a number, a series given twice,
-or, among the series ``inspect stats`` reads, a value that is negative, NaN, infinite or
-not below 2**63), and :class:`~kvtier.errors.KVTierUsageError` for a URL that is not
-``http(s)://``.
+or, among the series ``inspect stats`` reads, two series for one tier, link or queue, or a
+value that is negative, NaN, infinite or not below 2**63), and
+:class:`~kvtier.errors.KVTierUsageError` for a URL that is not ``http(s)://`` or that holds
+a space, a control or a non-ASCII character.
 """
 
 from __future__ import annotations
 
+import http.client
 import math
 import re
 import urllib.error
@@ -49,11 +51,18 @@ def _unescape(value: str) -> str:
     return _ESCAPED.sub(lambda m: _UNESCAPED.get(m.group(1), m.group(0)), value)
 
 
+#: A sample value of the text format (a Go float: digits, a point, an exponent; NaN,
+#: +Inf, -Inf). Python's float() also takes "1_000", " 5" and "infinity": not these.
+_FLOAT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|NaN")
+
+
 def _number(text: str) -> float:
     if text in ("+Inf", "Inf"):
         return math.inf
     if text == "-Inf":
         return -math.inf
+    if not _FLOAT.fullmatch(text):
+        raise ValueError(f"not a number of the text format: {text!r}")
     return float(text)
 
 
@@ -114,6 +123,12 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
         parsed.port  # noqa: B018 - raises for a bad port
     except ValueError as exc:
         raise KVTierUsageError(f"--url {url!r} is not a valid URL: {exc}") from None
+    odd = next((i for i, c in enumerate(url) if not 32 < ord(c) < 127), None)
+    if odd is not None:
+        raise KVTierUsageError(
+            f"--url {url!r} holds {url[odd]!r} at position {odd} (a space, a control or a "
+            "non-ASCII character): percent-encode it"
+        )
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise KVTierUsageError(
             f"--url must be an http(s) URL of a metrics endpoint, e.g. "
@@ -124,20 +139,35 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
             body: bytes = response.read(64 << 20)
     except urllib.error.HTTPError as exc:
         raise ScrapeError(f"cannot read metrics from {url}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise ScrapeError(f"cannot read metrics from {url}: {reason}") from None
     return body.decode("utf-8", errors="replace")
 
 
-def _by(series: Series, name: str, label: str) -> dict[str, float]:
-    return {labels.get(label, ""): value for labels, value in series.get(PREFIX + name, [])}
+def _by(series: Series, name: str, label: str, source: str = "") -> dict[str, float]:
+    """``{value of label: sample}`` of metric ``name``. Two series with one value of
+    ``label`` (one with labels kvtier never adds) raise :class:`ScrapeError`: keeping
+    either would show a figure the cache never had."""
+    out: dict[str, float] = {}
+    first: dict[str, dict[str, str]] = {}
+    for labels, value in series.get(PREFIX + name, []):
+        row = labels.get(label, "")
+        if row in out:
+            raise ScrapeError(
+                f"{PREFIX}{name} has two series for {label}={row!r} ({first[row]} and "
+                f"{labels}){_at(source)}: kvtier exports one per {label}"
+            )
+        out[row], first[row] = value, labels
+    return out
 
 
-def _rows(series: Series, fields: dict[str, str], label: str) -> dict[str, dict[str, float | None]]:
+def _rows(
+    series: Series, fields: dict[str, str], label: str, source: str = ""
+) -> dict[str, dict[str, float | None]]:
     """One row per value of ``label`` (sorted), holding each of ``fields`` (row key ->
     metric name); a metric a row lacks reads 0."""
-    per_field = {k: _by(series, v, label) for k, v in fields.items()}
+    per_field = {k: _by(series, v, label, source) for k, v in fields.items()}
     names = sorted({n for values in per_field.values() for n in values})
     return {n: {k: per_field[k].get(n, 0.0) for k in fields} for n in names}
 
@@ -221,7 +251,7 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
         "dropped_pages": "dropped_pages_total",
         "failed_pages": "failed_pages_total",
     }
-    tiers = _rows(series, fields, "tier")
+    tiers = _rows(series, fields, "tier", source)
     for row in tiers.values():
         cap, used = row["capacity_pages"] or 0.0, row["used_pages"] or 0.0
         looked = (row["hits"] or 0.0) + (row["misses"] or 0.0)
@@ -235,7 +265,7 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
         "seconds": "link_seconds_total",
         "failed_pages": "link_failed_pages_total",
     }
-    links = _rows(series, link_fields, "link")
+    links = _rows(series, link_fields, "link", source)
     for lrow in links.values():
         secs, nbytes = lrow["seconds"] or 0.0, lrow["bytes"] or 0.0
         lrow["gb_per_s"] = nbytes / secs / 1e9 if secs > 0 else None
@@ -243,7 +273,7 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
             lrow[key] = _whole(lrow[key])
     count = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_count", []))
     total = sum(v for _, v in series.get(PREFIX + "fetch_latency_seconds_sum", []))
-    queues = {q: _whole(v) for q, v in _by(series, "queue_depth", "queue").items()}
+    queues = {q: _whole(v) for q, v in _by(series, "queue_depth", "queue", source).items()}
     return {
         "source": source,
         "tiers": tiers,

@@ -352,6 +352,9 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
         (["inspect", "stats", "--url", "http://127.0.0.1:1/x", "--timeout", "-1"],
          "--timeout must be a number of seconds"),
         (["inspect", "stats", "--url", "http://[::1"], "is not a valid URL"),
+        # before: 'unexpected InvalidURL ... a kvtier bug' (exit 1), 'ordinal not in range'
+        (["inspect", "stats", "--url", "http://127.0.0.1:1/x y"], "holds ' ' at position 20"),
+        (["inspect", "stats", "--url", "http://127.0.0.1:1/m\u00e9trics"], "percent-encode"),
         (["bench", "run", "-c", str(DATA / "README.md")], "is not valid TOML"),
         # before: an infinite queue delay was taken, and the run waited forever
         (["bench", "run", "--model", "tiny", "--queue-delay-ms", "inf"],

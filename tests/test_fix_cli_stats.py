@@ -89,6 +89,13 @@ def serve() -> Iterator[Callable[[str], str]]:
         ),
         # before: a 300-digit number
         ("kvtier_used_pages 1e300\n", "kvtier_used_pages has value 1e+300"),
+        # before: read as 1000 (Python's float() takes it; the text format does not)
+        ('kvtier_used_pages{tier="a"} 1_000\n', "has value '1_000'"),
+        # before: the series with a label kvtier never adds overwrote the real one
+        (
+            'kvtier_used_pages{tier="a"} 1\nkvtier_used_pages{tier="a",x="y"} 3\n',
+            "kvtier_used_pages has two series for tier='a'",
+        ),
     ],
 )
 @pytest.mark.parametrize("as_json", [True, False])

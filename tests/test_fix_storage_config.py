@@ -99,6 +99,8 @@ def _two_tiers(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
         ({"name": "1"}, {"name": "0"}, r"tiers\[0\]\.name: '1' is only digits"),
         ({"name": "x"}, {"name": "a__b"}, r"tiers\[1\]\.name: 'a__b' holds '__'"),
         ({"name": "x"}, {"name": "b_"}, r"tiers\[1\]\.name: 'b_'"),
+        # before: accepted, and link series of 'a'/'b->c' merged with those of 'a->b'/'c'
+        ({"name": "x"}, {"name": "y->x"}, r"tiers\[1\]\.name: 'y->x' holds '->'"),
         ({}, {}, r"tiers\[1\]\.name: duplicate tier name 'dram': no name is given.*give each"),
         ({}, {"name": "m", "eviction": "lru", "eviction_params": {"bogus": 1}},
          r"tiers\[1\]\.eviction_params: unknown parameter 'bogus' for eviction policy 'lru'; "

@@ -48,6 +48,8 @@ BAD_LINES = [
     ('{"timestamp": 1, "input_length": 5, "hash_ids": [0]}', r":2: missing field 'output_length'"),
     ('{"timestamp": 1, "input_length": 5}', r":2: missing fields 'output_length', 'hash_ids'"),
     ('{"input_length": 5, "output_length": 1}', r":2: missing field 'timestamp'"),
+    # a hint line without the pages it names (accepted before, as a hint on nothing)
+    ('{"timestamp": 1, "hint": "close"}', r":2: missing field 'hash_ids' \(the pages the hint"),
 ]
 
 

@@ -93,9 +93,9 @@ def check_tier_name(
     """Refuse a tier name (``name`` of tier ``p``, e.g. ``tiers[1]``; ``given``: written
     in the config, else the backend's name) that an environment variable could not reach
     or would confuse with another tier's: only digits (an index), ``__`` inside or ``_``
-    at an end (the level separator), the name of a tier in ``seen`` (lower-cased name ->
-    (tier, name)) ignoring case. Records it in ``seen``. :class:`ConfigError` names the key and
-    its source."""
+    at an end (the level separator), ``->`` (the link separator of metrics), the name of
+    a tier in ``seen`` (lower-cased name -> (tier, name)) ignoring case. Records it in
+    ``seen``. :class:`ConfigError` names the key and its source."""
     key = f"{p}.name"
     where = source_note(sources, key)
     if name.isdigit():
@@ -106,6 +106,11 @@ def check_tier_name(
         raise ConfigError(
             f"{key}: {name!r} holds '__' or starts or ends with '_', which would be read "
             f"as the separator of levels ({_NAME_RULE}){where}"
+        )
+    if "->" in name:
+        raise ConfigError(
+            f"{key}: {name!r} holds '->', which names the link between two tiers in metrics "
+            f"(tiers 'a' and 'b->c' would share the link series 'a->b->c'){where}"
         )
     other = seen.get(name.lower())
     if other is not None and not given:

@@ -159,7 +159,9 @@ def parse_hint(row: Mapping[str, Any], key_of: Callable[[int], PageKey], where: 
     kind = row.get("hint")
     if not isinstance(kind, str):
         raise KVTierUsageError(f"{where}: field 'hint' must be a string")
-    ids = row.get("hash_ids", [])
+    if "hash_ids" not in row:  # a hint names its pages, as a request line does
+        raise KVTierUsageError(f"{where}: missing field 'hash_ids' (the pages the hint names)")
+    ids = row["hash_ids"]
     if not isinstance(ids, list) or not all(
         isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids
     ):
