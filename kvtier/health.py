@@ -45,6 +45,29 @@ class LogOnce:
         return cause in self._seen
 
 
+class LogEvery:
+    """At most one log line per cause per ``interval_s`` seconds, for a condition that
+    repeats while it lasts (a write-down blocked on every store): :meth:`due` answers how
+    many lines were held back since the last one (log now, with that count) or ``None``
+    (hold this one back)."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def due(self, cause: str) -> int | None:
+        """``None`` within ``interval_s`` of the last line for ``cause``; else the lines
+        held back since it (0 the first time)."""
+        now = time.monotonic()
+        last = self._last.get(cause)
+        if last is not None and now - last < self.interval_s:
+            self._held[cause] = self._held.get(cause, 0) + 1
+            return None
+        self._last[cause] = now
+        return self._held.pop(cause, 0)
+
+
 class Outage:
     """One outage at a time: opened by the first failure, closed by the first success.
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvtier.aio import finish_before_raising
 from kvtier.errors import CapacityError
+from kvtier.health import LogEvery
 from kvtier.index.directory import PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
@@ -27,6 +28,9 @@ from kvtier.transfer.moves import Moves
 from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.pipeline")
+
+#: Seconds between two "write-through blocked" lines of one tier (the rest are counted).
+BLOCKED_LOG_INTERVAL_S = 60.0
 
 
 #: Removes pages from a tier without writing them down; returns those removed.
@@ -41,6 +45,8 @@ class Writer:
         self.mover = mover
         self.moves = moves
         self.drop = drop
+        #: "write-through blocked" at most once a minute per tier
+        self._blocked = LogEvery(BLOCKED_LOG_INTERVAL_S)
 
     async def store(
         self,
@@ -209,9 +215,14 @@ class Writer:
             try:
                 ok = await self.moves.copy(src, dst, todo, Priority.EVICT)
             except CapacityError as exc:
-                _log.warning(
-                    "write-through blocked: pages stay dirty", tier=dst.name, reason=str(exc)
-                )
+                held = self._blocked.due(dst.name)  # it repeats on every store meanwhile
+                if held is not None:
+                    _log.warning(
+                        "write-through blocked: pages stay dirty",
+                        tier=dst.name,
+                        reason=str(exc),
+                        held_back=held,  # lines like this one not logged since the last
+                    )
                 return
             landed = [k for k, o in zip(todo, ok, strict=True) if o]
         if self._shared_below(dst):
