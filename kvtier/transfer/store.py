@@ -215,13 +215,13 @@ class Writer:
             try:
                 ok = await self.moves.copy(src, dst, todo, Priority.EVICT)
             except CapacityError as exc:
-                held = self._blocked.due(dst.name)  # it repeats on every store meanwhile
-                if held is not None:
+                held_back = self._blocked.due(dst.name)  # it repeats on every store
+                if held_back is not None:
                     _log.warning(
                         "write-through blocked: pages stay dirty",
                         tier=dst.name,
                         reason=str(exc),
-                        held_back=held,  # lines like this one not logged since the last
+                        held_back=held_back,  # lines like this one not logged since the last
                     )
                 return
             landed = [k for k, o in zip(todo, ok, strict=True) if o]
