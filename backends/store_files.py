@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import KVTierError, KVTierUsageError
+from kvtier.units import format_size
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -80,17 +81,13 @@ def describe_os_error(exc: OSError) -> str:
 
 def free_space(path: str | os.PathLike[str]) -> str:
     """How much room the file system holding ``path`` has left for this process, in words
-    (``"0 bytes free"``, ``"12.5 MiB free"``), or why it cannot be told."""
+    (``"0 B free"``, ``"12.5 MiB free"``: :func:`~kvtier.units.format_size`), or why it
+    cannot be told."""
     try:
         st = os.statvfs(path)
     except OSError as exc:
         return f"unknown free space ({describe_os_error(exc)})"
-    free = st.f_bavail * st.f_frsize
-    if free < 1 << 20:
-        return f"{free} bytes free"
-    if free < 1 << 30:
-        return f"{free / (1 << 20):.1f} MiB free"
-    return f"{free / (1 << 30):.1f} GiB free"
+    return f"{format_size(st.f_bavail * st.f_frsize)} free"
 
 
 def check_path_text(path: str | os.PathLike[str], what: str) -> Path:
