@@ -74,6 +74,36 @@ def sequence(rng: np.random.Generator, pages: int) -> tuple[np.ndarray, np.ndarr
     return tokens, data
 
 
+def dram_over_redis(url: str, dram_pages: int = 8, **options: Any) -> dict[str, Any]:
+    """The tiny model, write-through, ``dram_pages`` of DRAM over a ``redis`` tier of 1,024
+    pages at ``url`` with ``options`` (the remote tests' hierarchy)."""
+    return {
+        "model": {"preset": "tiny"},
+        "pipeline": {"write_policy": "write-through"},
+        "tiers": [
+            tier("dram", "dram", dram_pages),
+            {
+                "name": "remote",
+                "backend": "redis",
+                "capacity": 1024 * PAGE,
+                "options": {"url": url, **options},
+            },
+        ],
+    }
+
+
+async def sequence_below_dram(
+    cache: KVCache, rng: np.random.Generator, pages: int
+) -> tuple[list[PageKey], np.ndarray]:
+    """:func:`stored_below_dram`, checking that every page left ``dram``: the keys and
+    the page bytes (to compare what is read back)."""
+    tokens, data = sequence(rng, pages)
+    keys = (await cache.store(tokens, data)).keys
+    await cache.flush()
+    assert await cache.demote("dram", keys) == [], "pages stayed in dram"
+    return keys, data
+
+
 async def stored_below_dram(cache: KVCache, rng: np.random.Generator, pages: int) -> list[PageKey]:
     """Store a random sequence of ``pages`` pages, write it through, and push it out of
     the ``dram`` tier: its keys, now held by the tier below only."""

@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cache_kit import dram_over_redis
 
 from kvtier.cache import KVCache
 from kvtier.testing.servers import RedisServer, unavailable_reason
 
 
 def _config(url: str) -> dict[str, object]:
-    return {
-        "model": {"preset": "tiny"},
-        "pipeline": {"write_policy": "write-through"},
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": 64 * 512},
-            {
-                "name": "remote",
-                "backend": "redis",
-                "capacity": 1024 * 512,
-                "options": {"url": url, "key_prefix": "kvtier-shared-test"},
-            },
-        ],
-    }
+    return dram_over_redis(url, dram_pages=64, key_prefix="kvtier-shared-test")
 
 
 async def test_running_cache_finds_pages_another_cache_stored_after_it_opened() -> None:

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from cache_kit import dram_over_redis, sequence_below_dram
 from kvtier.backends.remote import RedisStore
 
 from kvtier.cache import KVCache
@@ -37,25 +38,8 @@ BOUND = 1.6 * TIMEOUT
 PAGES = 12
 
 
-def _config(url: str, **options: object) -> dict[str, object]:
-    return {
-        "model": {"preset": "tiny"},
-        "pipeline": {"write_policy": "write-through"},
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": 8 * 512},
-            {
-                "name": "remote",
-                "backend": "redis",
-                "capacity": 1024 * 512,
-                "options": {
-                    "url": url,
-                    "op_timeout_s": TIMEOUT,
-                    "connect_timeout_s": TIMEOUT,
-                    **options,
-                },
-            },
-        ],
-    }
+def _config(url: str) -> dict[str, object]:
+    return dram_over_redis(url, op_timeout_s=TIMEOUT, connect_timeout_s=TIMEOUT)
 
 
 async def _timed(coro):  # type: ignore[no-untyped-def]
@@ -69,11 +53,7 @@ async def test_each_call_on_a_frozen_server_waits_one_deadline_not_two(call: str
     rng = np.random.default_rng(3)
     with RedisServer("valkey") as server:
         async with KVCache(_config(server.url), env={}, configure_log=False) as cache:
-            tokens = rng.integers(0, 50_000, PAGES * cache.spec.page_tokens)
-            pages = rng.integers(0, 256, (PAGES, cache.spec.page_bytes), dtype=np.uint8)
-            keys = (await cache.store(tokens, pages)).keys
-            await cache.flush()
-            assert await cache.demote("dram", keys) == []
+            keys, pages = await sequence_below_dram(cache, rng, PAGES)
             out = np.zeros_like(pages)
             took: list[float] = []
             server.pause()  # SIGSTOP: connections stay open, nothing answers

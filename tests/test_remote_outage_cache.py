@@ -13,6 +13,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from cache_kit import dram_over_redis, sequence_below_dram
 
 from kvtier.cache import KVCache
 from kvtier.testing.servers import RedisServer, unavailable_reason
@@ -25,19 +26,7 @@ PAGES = 20
 
 
 def _config(url: str) -> dict[str, object]:
-    return {
-        "model": {"preset": "tiny"},
-        "pipeline": {"write_policy": "write-through"},
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": 8 * 512},
-            {
-                "name": "remote",
-                "backend": "redis",
-                "capacity": 1024 * 512,
-                "options": {"url": url, "op_timeout_s": 0.5, "connect_timeout_s": 0.5},
-            },
-        ],
-    }
+    return dram_over_redis(url, op_timeout_s=0.5, connect_timeout_s=0.5)
 
 
 @pytest.mark.parametrize("call", ["read", "load"])
@@ -45,11 +34,7 @@ async def test_pages_a_frozen_server_still_holds_are_served_again_after(call: st
     rng = np.random.default_rng(11)
     with RedisServer("valkey") as server:
         async with KVCache(_config(server.url), env={}, configure_log=False) as cache:
-            tokens = rng.integers(0, 50_000, PAGES * cache.spec.page_tokens)
-            pages = rng.integers(0, 256, (PAGES, cache.spec.page_bytes), dtype=np.uint8)
-            keys = (await cache.store(tokens, pages)).keys
-            await cache.flush()
-            assert await cache.demote("dram", keys) == []
+            keys, pages = await sequence_below_dram(cache, rng, PAGES)
             assert all(cache.directory.is_committed(k, "remote") for k in keys)
             out = np.zeros_like(pages)
             server.pause()  # SIGSTOP: connections stay open, nothing answers
@@ -85,11 +70,7 @@ async def test_a_read_cancelled_on_a_frozen_server_raises_at_once_and_writes_not
     with RedisServer("valkey") as server:
         remote["options"] = {"url": server.url, "op_timeout_s": 30.0}
         async with KVCache(config, env={}, configure_log=False) as cache:
-            tokens = rng.integers(0, 50_000, 8 * cache.spec.page_tokens)
-            pages = rng.integers(0, 256, (8, cache.spec.page_bytes), dtype=np.uint8)
-            keys = (await cache.store(tokens, pages)).keys
-            await cache.flush()
-            assert await cache.demote("dram", keys) == []
+            keys, pages = await sequence_below_dram(cache, rng, 8)
             out = np.zeros_like(pages)
             server.pause()
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis
+from cache_kit import dram_over_redis
 
 from kvtier.cache import KVCache
 from kvtier.testing.servers import RedisServer, unavailable_reason
@@ -22,19 +23,7 @@ PAGES = 6
 
 
 def _config(url: str) -> dict[str, object]:
-    return {
-        "model": {"preset": "tiny"},
-        "pipeline": {"write_policy": "write-through"},
-        "tiers": [
-            {"name": "dram", "backend": "dram", "capacity": 16 * 512},
-            {
-                "name": "remote",
-                "backend": "redis",
-                "capacity": 1024 * 512,
-                "options": {"url": url, "op_timeout_s": 2.0},
-            },
-        ],
-    }
+    return dram_over_redis(url, dram_pages=16, op_timeout_s=2.0)
 
 
 async def _pool_pages(url: str, tokens: np.ndarray, pages: np.ndarray) -> int:
