@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 #: Seconds without a refused write after which the next refusal is logged again.
 REFUSAL_QUIET_S = 60.0
@@ -68,27 +69,53 @@ class LogEvery:
         return self._held.pop(cause, 0)
 
 
+class Ended(NamedTuple):
+    """An outage :class:`Outage` closed: ``seconds`` from its first failure until the
+    calls worked again, ``failures`` counted in it, ``relapses`` (failures after calls had
+    worked again, within the quiet period)."""
+
+    seconds: float
+    failures: int
+    relapses: int
+
+
 class Outage:
-    """One outage at a time: opened by the first failure, closed by the first success.
+    """One outage at a time: opened by the first failure, closed once calls have worked
+    for ``quiet_s`` seconds without a failure (0: by the first success). A failure sooner
+    continues it, as a relapse, so a condition that flaps (a full disk that takes some
+    writes and refuses the next) is one outage, not one per flap.
 
     Attributes:
-        since: monotonic start of the current outage, ``None`` while healthy.
-        failures: failures counted in the current outage (pages or batches, as the
-            caller counts).
+        quiet_s: how long calls must work before the outage counts as over.
+        since: monotonic start of the open outage, ``None`` when there is none.
+        failures: failures counted in the open outage (pages or batches, as the caller
+            counts).
+        relapses: failures in it after calls had worked again.
         outages: outages opened so far.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_s: float = 0.0) -> None:
+        self.quiet_s = quiet_s
         self.since: float | None = None
         self.failures = 0
+        self.relapses = 0
         self.outages = 0
+        self._last_ok = True
+        self._working_since: float | None = None  # first success since the last failure
 
     @property
     def healthy(self) -> bool:
-        return self.since is None
+        """Whether the last call worked (an outage may still be open: :attr:`since`)."""
+        return self._last_ok
 
     def failed(self, count: int = 1) -> bool:
-        """Count a failure; ``True`` when it opens an outage (log a warning then)."""
+        """Count a failure; ``True`` when it opens an outage (log a warning then). Call
+        :meth:`close_if_quiet` first, so that an outage already over is closed (and
+        logged) before this one opens."""
+        self._last_ok = False
+        if self.since is not None and self._working_since is not None:
+            self.relapses += 1
+        self._working_since = None
         self.failures += count
         if self.since is not None:
             return False
@@ -96,16 +123,25 @@ class Outage:
         self.outages += 1
         return True
 
-    def succeeded(self) -> tuple[float, int] | None:
-        """A call worked: ``(seconds, failures)`` of the outage this closes (log it), or
-        ``None`` when there was none."""
-        if self.since is None:
+    def succeeded(self) -> Ended | None:
+        """A call worked: the outage this closes (log it), or ``None`` (none open, or the
+        calls have not worked for ``quiet_s`` yet)."""
+        self._last_ok = True
+        if self.since is not None and self._working_since is None:
+            self._working_since = time.monotonic()
+        return self.close_if_quiet()
+
+    def close_if_quiet(self) -> Ended | None:
+        """Close the open outage when calls have worked for ``quiet_s`` since its last
+        failure; what it was, or ``None``."""
+        if self.since is None or self._working_since is None:
             return None
-        took = time.monotonic() - self.since
-        failures = self.failures
-        self.since = None
-        self.failures = 0
-        return took, failures
+        if time.monotonic() - self._working_since < self.quiet_s:
+            return None
+        ended = Ended(self._working_since - self.since, self.failures, self.relapses)
+        self.since = self._working_since = None
+        self.failures = self.relapses = 0
+        return ended
 
 
 @dataclass

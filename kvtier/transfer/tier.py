@@ -14,13 +14,12 @@ the same outage instead of logging a warning and a recovery per flap.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
 from kvtier.config import TierConfig
 from kvtier.errors import KVTierUsageError
-from kvtier.health import Outage
+from kvtier.health import Ended, Outage
 from kvtier.index.directory import Directory, PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
@@ -66,10 +65,8 @@ class Tier:
             (reservations taken outside the pipeline are not counted: they are held).
         leaving: evicting pages the evictor has decided to drop from here (see
             :meth:`stays`).
-        outage: whether the last call that reached the backend worked (``healthy``).
-        outages: outages logged so far (one warning each; flaps inside one outage are
-            not counted again).
-        recovery_quiet_s: see :data:`RECOVERY_QUIET_S`.
+        outage: the tier's :class:`~kvtier.health.Outage` (quiet period
+            :data:`RECOVERY_QUIET_S`): whether the last call worked, the logged outage.
     """
 
     def __init__(
@@ -90,13 +87,7 @@ class Tier:
         self.claimed = 0
         self.reserving = 0
         self.leaving: set[PageKey] = set()
-        self.outage = Outage()
-        self.outages = 0
-        self.recovery_quiet_s = RECOVERY_QUIET_S
-        self._down_since: float | None = None  # start of the logged outage
-        self._down_failures = 0  # pages failed in it
-        self._relapses = 0  # failures after the tier had worked again, in it
-        self._working_since: float | None = None  # first success since the last failure
+        self.outage = Outage(RECOVERY_QUIET_S)
         self._waiters: list[asyncio.Future[None]] = []
 
     def stays(self, key: PageKey, directory: Directory) -> bool:
@@ -165,21 +156,29 @@ class Tier:
     def in_outage(self) -> bool:
         """Whether an outage was logged and its end not yet (the tier failed, and has not
         worked for :attr:`recovery_quiet_s` seconds since)."""
-        return self._down_since is not None
+        return self.outage.since is not None
+
+    @property
+    def outages(self) -> int:
+        """Outages logged so far (one warning each; flaps inside one are not counted)."""
+        return self.outage.outages
+
+    @property
+    def recovery_quiet_s(self) -> float:
+        """See :data:`RECOVERY_QUIET_S`."""
+        return self.outage.quiet_s
+
+    @recovery_quiet_s.setter
+    def recovery_quiet_s(self, seconds: float) -> None:
+        self.outage.quiet_s = seconds
 
     def record_failure(self, op: str, pages: int, cause: Any = None) -> None:
         """A call failed for ``pages`` pages: the tier is failing (not :attr:`healthy`)
         until a call works again. Logs a warning only when an outage starts; a failure
         within :attr:`recovery_quiet_s` seconds of the tier working again continues the
         outage it was recovering from (counted, not logged)."""
-        now = time.monotonic()
-        self.outage.failed(pages)
-        self._end_quiet_outage(now)
-        if self._down_since is None:
-            self._down_since = now
-            self._down_failures = 0
-            self._relapses = 0
-            self.outages += 1
+        self._log_recovery(self.outage.close_if_quiet())
+        if self.outage.failed(pages):
             _log.warning(
                 "tier failing: its pages are treated as misses",
                 tier=self.name,
@@ -187,36 +186,23 @@ class Tier:
                 pages=pages,
                 cause=repr(cause) if cause is not None else "backend reported failure",
             )
-        elif self._working_since is not None:
-            self._relapses += 1
-        self._down_failures += pages
-        self._working_since = None
 
     def record_success(self) -> None:
         """A call moved pages again: the tier is :attr:`healthy`. Logs "tier recovered"
         once per outage, at the first success after the tier worked for
         :attr:`recovery_quiet_s` seconds without a failure."""
-        now = time.monotonic()
-        self.outage.succeeded()
-        if self._down_since is not None and self._working_since is None:
-            self._working_since = now
-        self._end_quiet_outage(now)
+        self._log_recovery(self.outage.succeeded())
 
-    def _end_quiet_outage(self, now: float) -> None:
-        """Close the logged outage when the tier has worked long enough since its last
-        failure (logs it: how long the tier failed, pages failed, relapses)."""
-        if self._down_since is None or self._working_since is None:
-            return
-        if now - self._working_since < self.recovery_quiet_s:
-            return
-        _log.info(
-            "tier recovered",
-            tier=self.name,
-            outage_s=round(self._working_since - self._down_since, 3),
-            failed_pages=self._down_failures,
-            relapses=self._relapses,
-        )
-        self._down_since = self._working_since = None
+    def _log_recovery(self, ended: Ended | None) -> None:
+        """Log the end of an outage: how long the tier failed, pages failed, relapses."""
+        if ended is not None:
+            _log.info(
+                "tier recovered",
+                tier=self.name,
+                outage_s=round(ended.seconds, 3),
+                failed_pages=ended.failures,
+                relapses=ended.relapses,
+            )
 
     def describe(self) -> dict[str, Any]:
         """Plain-data summary (for inspection)."""
