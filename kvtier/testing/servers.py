@@ -20,6 +20,7 @@ Nothing here is imported by the library itself.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -85,6 +86,25 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def free_port_for_later(lowest: int = 10000) -> int:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range, for a port
+    another process binds much later (a vLLM engine's metrics port, bound minutes into
+    its start). A port from :func:`free_port` lies in the ephemeral range, where any
+    outgoing connection meanwhile may take it (a CI run met "address already in use");
+    below it only explicit binds compete."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        ephemeral = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(lowest, max(lowest + 1, ephemeral))
+        if _port_free(port):
+            return port
+    raise OSError(f"no free port on 127.0.0.1 in [{lowest}, {ephemeral})")
 
 
 def free_port(with_bus: bool = False) -> int:

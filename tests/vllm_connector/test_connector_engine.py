@@ -28,7 +28,7 @@ from vllm_engines import (
 )
 from vllm_prompts import extra_prompts, shared_prefix_prompts
 
-from kvtier.testing.servers import free_port
+from kvtier.testing.servers import free_port_for_later
 
 BLOCK = 32
 PAGE_BYTES = 2 * 2 * BLOCK * 64 * 2  # layers x heads x block x (K|V) x bf16 = 16 KiB
@@ -57,7 +57,7 @@ def stored(tiny_model, tiny_prompts, runtime_dir, tmp_path_factory):  # type: ig
     root = tmp_path_factory.mktemp("engine-b")
     store = root / "nvme"
     kv = {**dram_over_nvme(store), "observe": {"whatif": True, "predictor": "prefix"}}
-    port = free_port()
+    port = free_port_for_later()
     llm = llm_kwargs(
         num_gpu_blocks_override=72,
         kv_transfer_config=connector(kv, kvtier_metrics_port=port),
@@ -253,7 +253,7 @@ def test_damaged_pages_and_a_full_disk_recompute_the_same_tokens(  # type: ignor
             ["cp", "-a", "--sparse=always", str(stored["store"]), str(store)], check=True
         )
         assert flip_every_slot(store) > 0
-        port = free_port()
+        port = free_port_for_later()
         port_cfg = {"kvtier_metrics_port": port}
         llm = llm_kwargs(
             enable_prefix_caching=False,

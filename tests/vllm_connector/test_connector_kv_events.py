@@ -35,7 +35,7 @@ except ImportError:
 
 from kvtier.cache import KVCache
 from kvtier.keys import KEY_BYTES, Namespace, page_keys
-from kvtier.testing.servers import free_port
+from kvtier.testing.servers import free_port_for_later
 
 BLOCK = 32
 GENERATED = 8
@@ -79,7 +79,7 @@ class Subscriber:
         self.sub.setsockopt(zmq.RCVHWM, 0)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
         self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
-        self.replay_port = free_port()
+        self.replay_port = free_port_for_later()
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.batches: dict[int, KVEventBatch] = {}
 

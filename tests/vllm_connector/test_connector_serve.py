@@ -20,7 +20,7 @@ import pytest
 from vllm_engines import START_TIMEOUT_S, base_env, connector
 from vllm_prompts import extra_prompts
 
-from kvtier.testing.servers import free_port
+from kvtier.testing.servers import free_port_for_later
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -35,7 +35,7 @@ def test_vllm_serve_with_kvtier_over_http(
     tiny_model, tiny_prompts, tiny_reference, runtime_dir, tmp_path: Path
 ):  # type: ignore[no-untyped-def]
     openai = pytest.importorskip("openai")
-    port = free_port()
+    port = free_port_for_later()
     config_file = tmp_path / "kvtier.toml"
     config_file.write_text(
         '[log]\nlevel = "warning"\n\n'
