@@ -16,6 +16,7 @@ from kvtier.config.defaults import DEFAULT_EVICTION
 from kvtier.errors import CapacityError
 from kvtier.index.directory import PageState
 from kvtier.policy.eviction import EVICTION_POLICIES
+from kvtier.sequences import SequenceManager
 
 
 def _gated(tmp_path, dram_pages: int, background: bool, **extra) -> dict:
@@ -289,3 +290,34 @@ async def test_a_top_tier_with_high_watermark_1_takes_a_sequence_twice_its_size(
     cfg["tiers"][0].update(high_watermark=1.0, low_watermark=1.0)
     async with open_cache(cfg) as cache:
         await _stored_whole(cache, rng, 10)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+@pytest.mark.parametrize("hold", ["pins", "working-pool"])
+async def test_a_store_beside_held_pages_is_cut_to_the_room_they_leave(
+    tmp_path, hold, background
+):
+    """24 DRAM pages, 10 of them held (pinned by a load, or an engine's working pool),
+    and a store of 40 pages with ``batch_pages`` 32: batches were cut to the high
+    watermark alone (19 pages), which could not fit beside the 10 held, so the whole
+    store raised CapacityError and kept nothing, though 14 pages were free and the
+    file tier below had room. Batches are now cut to the room the held pages leave."""
+    rng = np.random.default_rng(47)
+    cfg = config(tmp_path, 24, 256, background_eviction=background)
+    async with open_cache(cfg) as cache:
+        if hold == "pins":
+            held_tokens, held_data = sequence(rng, 10)
+            held = (await cache.store(held_tokens, held_data)).keys
+            await cache.load(held)
+            manager = None
+        else:
+            manager = await SequenceManager.open(cache, 10)
+        assert cache.pipeline.room.held(cache.tiers[0]) == 10
+        await _stored_whole(cache, rng, 40)
+        if manager is None:
+            out = np.zeros_like(held_data)
+            assert all(await cache.read(held, out))  # the pinned pages stayed
+            assert np.array_equal(out, held_data)
+            cache.release(held)
+        else:
+            await manager.close()

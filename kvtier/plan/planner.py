@@ -114,6 +114,9 @@ class Planner:
         write_policy: when pages are written down.
         admission: the admission policy ``selective`` asks; it also counts references.
         batch_pages: the most pages one transfer batch carries.
+        held: pages of a tier (by index) that no planned work will free: pinned pages
+            and slots reserved outside the pipeline (an engine's working pool). Batches
+            are cut to fit beside them. ``None`` (the replay): nothing is held.
 
     Raises:
         KVTierUsageError: no tiers, duplicate tier names, or ``batch_pages`` < 1.
@@ -126,6 +129,7 @@ class Planner:
         write_policy: WritePolicy | str,
         admission: AdmissionPolicy,
         batch_pages: int = 32,
+        held: Callable[[int], int] | None = None,
     ) -> None:
         if not tiers:
             raise KVTierUsageError("a planner needs at least one tier")
@@ -139,6 +143,7 @@ class Planner:
         self.write_policy = WritePolicy.parse(write_policy, "write policy")
         self.admission = admission
         self.batch_pages = batch_pages
+        self._held = held
         #: Parents of the pages stores in progress are adding (with multiplicity).
         self.expected: Counter[PageKey] = Counter()
 
@@ -146,14 +151,20 @@ class Planner:
 
     def batch_size(self, tier: int) -> int:
         """Pages per batch into ``tier``: ``batch_pages``, but never more than the tier
-        holds under its high watermark (so a batch can always be made room for), and,
-        when its policy keeps parents (leaf-first), fewer than its capacity: room for a
-        batch spares the page the batch extends, so a batch of the whole tier could
+        holds under its high watermark beside its held pages (pinned, or reserved outside
+        the pipeline), or, when those leave no room under the watermark, under its
+        capacity: so a batch can be made room for whenever one page can. And, when its
+        policy keeps parents (leaf-first), fewer than the room under its capacity: room
+        for a batch spares the page the batch extends, so a batch of all of it could
         never be made room for (with ``high_watermark = 1``)."""
         t = self.tiers[tier]
-        n = min(self.batch_pages, t.limits.high)
-        if t.policy.keeps_parents and n >= t.limits.capacity > 1:
-            n = t.limits.capacity - 1
+        held = self._held(tier) if self._held is not None else 0
+        free = t.limits.capacity - held
+        n = min(self.batch_pages, t.limits.high - held)
+        if n < 1:
+            n = min(self.batch_pages, free)
+        if t.policy.keeps_parents and n >= free > 1:
+            n = free - 1
         return max(1, n)
 
     def batches(self, tier: int, keys: Sequence[PageKey]) -> list[list[PageKey]]:

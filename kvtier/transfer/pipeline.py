@@ -114,6 +114,7 @@ class Pipeline:
             write_policy,
             admission,
             batch_pages,
+            held=lambda i: self.room.held(self.tiers[i]),
         )
         self.batch_pages = batch_pages
         self.max_inflight = max_inflight_per_link
