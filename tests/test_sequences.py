@@ -240,6 +240,27 @@ async def test_versioned_group_keeps_draft_in_step(tmp_path: Path) -> None:
         await c.close()
 
 
+async def test_versioned_group_refuses_two_managers_over_one_cache(tmp_path: Path) -> None:
+    """A target and a draft manager over one cache key their pages in one namespace: the
+    group was accepted, and the draft read the target's KV for the same tokens. Two
+    caches with one namespace are refused too."""
+    cache = TwoTierCache(SPEC, 24, 100, tmp_path / "a")
+    twin = TwoTierCache(SPEC, 24, 100, tmp_path / "b")
+    await cache.open()
+    await twin.open()
+    target = await SequenceManager.open(cache, 4)
+    draft = await SequenceManager.open(cache, 4)
+    other = await SequenceManager.open(twin, 4)
+    with pytest.raises(KVTierUsageError, match="'target' and 'draft' share one cache"):
+        VersionedGroup({"target": target, "draft": draft})
+    with pytest.raises(KVTierUsageError, match="'target' and 'draft' share one namespace"):
+        VersionedGroup({"target": target, "draft": other})
+    for m in (target, draft, other):
+        await m.close()
+    await cache.close()
+    await twin.close()
+
+
 async def test_on_kvcache_pages_go_to_disk_and_back_bit_exact(tmp_path: Path) -> None:
     from kvtier.cache import KVCache
     from kvtier.config import KVTierConfig, TierConfig

@@ -16,11 +16,27 @@ class VersionedGroup:
 
     Sequence ids are the group's own; each maps to one sequence per manager. Every
     operation applies to all managers; a version covers all of them.
+
+    Raises:
+        KVTierUsageError: no managers, or two managers over one cache or one namespace:
+            pages are keyed by content and namespace, so the second's pages would be
+            the first's (a draft model would read the target's KV).
     """
 
     def __init__(self, managers: Mapping[str, SequenceManager]) -> None:
         if not managers:
             raise KVTierUsageError("VersionedGroup needs at least one manager")
+        seen: dict[object, str] = {}
+        for name, manager in managers.items():
+            for what, thing in (("cache", id(manager.cache)), ("namespace", manager.namespace)):
+                other = seen.setdefault((what, thing), name)
+                if other != name:
+                    raise KVTierUsageError(
+                        f"VersionedGroup managers {other!r} and {name!r} share one {what}"
+                        f"{f' ({manager.namespace.label})' if what == 'namespace' else ''}: "
+                        "each model needs its own cache and namespace, or one model's "
+                        "pages would be read as the other's"
+                    )
         self.managers = dict(managers)
         self._seqs: dict[int, dict[str, int]] = {}
         self._versions: dict[tuple[int, int], dict[str, int]] = {}
