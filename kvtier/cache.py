@@ -181,6 +181,11 @@ class KVCache:
         check_owner(self._owner)
         return self._pipeline
 
+    def check_usable(self) -> None:
+        """Raise :class:`KVTierUsageError` unless the cache is open and this call comes
+        from the thread and event loop that opened it (what every call checks first)."""
+        self.pipeline  # noqa: B018 -- the property raises
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def _make_backend(self, i: int) -> Backend:

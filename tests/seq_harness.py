@@ -16,7 +16,7 @@ import numpy as np
 from kvtier.backends.dram import DramArena
 from kvtier.backends.filestore import FileStore
 
-from kvtier.errors import CapacityError
+from kvtier.errors import CapacityError, KVTierUsageError
 from kvtier.index.directory import Directory, PageState
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import Namespace, PageKey, page_keys
@@ -52,14 +52,21 @@ class TwoTierCache:
         self.tree.attach(self.directory)
         self.order: dict[PageKey, None] = {}  # LRU of committed dram pages
         self.moved_down = 0
+        self.is_open = False
 
     async def open(self) -> None:
         await self.dram.open()
         await self.disk.open()
+        self.is_open = True
 
     async def close(self) -> None:
+        self.is_open = False
         await self.dram.close()
         await self.disk.close()
+
+    def check_usable(self) -> None:
+        if not self.is_open:
+            raise KVTierUsageError("TwoTierCache is closed")
 
     async def _put(self, tier: str, keys: list[PageKey], bufs: list[Any], parents: list[Any]):
         backend = self.dram if tier == "dram" else self.disk

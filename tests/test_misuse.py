@@ -98,6 +98,73 @@ async def test_an_append_whose_kv_cannot_be_read_changes_nothing(tmp_path: Path,
             await mgr.close()
 
 
+def _kv(cache: KVCache, n: int, value: float = 1.0) -> torch.Tensor:
+    s = cache.spec
+    shape = (s.num_layers, s.kv_factor, n, s.num_kv_heads, s.head_dim)
+    return torch.full(shape, value, dtype=torch.float16)
+
+
+async def test_a_sequence_manager_used_from_another_loop_is_refused_before_it_changes(
+    tmp_path: Path,
+) -> None:
+    """``commit`` from another loop raised only when it came to store the pages: the
+    version was already used up (a retry on the right loop said "not a live version")
+    and the verified pages were not stored. ``fork``, ``free``, ``append`` and others were
+    accepted from another thread. Each is now refused before it changes anything."""
+    async with KVCache(_config(tmp_path), env={}, configure_log=False) as cache:
+        mgr = await SequenceManager.open(cache, 8)
+        seq = mgr.create()
+        version = mgr.snapshot(seq)
+        await mgr.append(seq, list(range(8)), _kv(cache, 8))
+        calls = {
+            "commit": lambda: asyncio.run(mgr.commit(seq, version)),
+            "append": lambda: asyncio.run(mgr.append(seq, [9], _kv(cache, 1))),
+            "free": lambda: asyncio.run(mgr.free(seq)),
+            "fork": lambda: mgr.fork(seq),
+            "create": mgr.create,
+        }
+        for name, call in calls.items():
+            with pytest.raises(KVTierUsageError, match="another thread or event loop"):
+                await asyncio.to_thread(call)
+            assert mgr.tables.seq_ids() == [seq], name
+            assert mgr.tables.table(seq).tokens == list(range(8)), name
+        await mgr.commit(seq, version)  # the version is still live
+        assert len((await cache.lookup(np.arange(8))).keys) == 2
+        await mgr.close()
+
+
+async def test_a_sequence_manager_after_its_cache_closed(tmp_path: Path) -> None:
+    """After the cache closed, ``append`` raised BackendClosedError (naming an internal
+    arena) after the block table had taken the tokens; ``fork`` and ``free`` were
+    accepted; and the manager's own ``close``, documented as idempotent, raised."""
+    cache = await KVCache.open(_config(tmp_path), env={}, configure_log=False)
+    mgr = await SequenceManager.open(cache, 8)
+    seq = mgr.create()
+    await mgr.append(seq, [1, 2, 3], _kv(cache, 3))
+    await cache.close()
+    with pytest.raises(KVTierUsageError, match="KVCache is closed"):
+        await mgr.append(seq, [4], _kv(cache, 1))
+    with pytest.raises(KVTierUsageError, match="KVCache is closed"):
+        mgr.fork(seq)
+    with pytest.raises(KVTierUsageError, match="KVCache is closed"):
+        await mgr.free(seq)
+    await mgr.close()
+    await mgr.close()
+    with pytest.raises(KVTierUsageError, match="SequenceManager is closed"):
+        mgr.create()
+
+
+async def test_token_ids_in_a_meta_tensor_are_named(tmp_path: Path) -> None:
+    async with KVCache(_config(tmp_path), env={}, configure_log=False) as cache:
+        mgr = await SequenceManager.open(cache, 8)
+        seq = mgr.create()
+        meta = torch.empty(2, dtype=torch.int64, device="meta")
+        with pytest.raises(KVTierUsageError, match="token ids are a meta tensor"):
+            await mgr.append(seq, meta, _kv(cache, 2))
+        assert mgr.tables.table(seq).tokens == []
+        await mgr.close()
+
+
 async def test_a_close_cut_short_before_its_flush_says_what_it_lost(tmp_path: Path) -> None:
     """``asyncio.wait_for(cache.close(), T)`` running out: pages only DRAM held (write-back)
     are lost, as before, but no longer silently."""

@@ -294,9 +294,7 @@ async def test_a_top_tier_with_high_watermark_1_takes_a_sequence_twice_its_size(
 
 @pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
 @pytest.mark.parametrize("hold", ["pins", "working-pool"])
-async def test_a_store_beside_held_pages_is_cut_to_the_room_they_leave(
-    tmp_path, hold, background
-):
+async def test_a_store_beside_held_pages_is_cut_to_the_room_they_leave(tmp_path, hold, background):
     """24 DRAM pages, 10 of them held (pinned by a load, or an engine's working pool),
     and a store of 40 pages with ``batch_pages`` 32: batches were cut to the high
     watermark alone (19 pages), which could not fit beside the 10 held, so the whole

@@ -177,6 +177,8 @@ def check_token_ids(tokens: Any) -> list[int]:
     integer dtype. Floats, bools and values outside ``[0, 2**32)`` are rejected.
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        if getattr(tokens, "is_meta", False):
+            raise KVTierUsageError("token ids are a meta tensor: it holds no data")
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:

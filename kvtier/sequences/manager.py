@@ -104,15 +104,23 @@ class SequenceManager:
         )
 
     async def close(self) -> None:
-        """Free every sequence and give the working pool back. Idempotent."""
+        """Free every sequence and give the working pool back. Idempotent, and a no-op
+        but for its own state once the cache has closed (which took the pool back).
+
+        Raises:
+            KVTierUsageError: called from another thread or event loop than the cache's.
+        """
         async with self._lock:
             if self._tables is None:
                 return
+            if self.cache.is_open:
+                self.cache.check_usable()
             for seq in self._tables.seq_ids():
                 self._tables.free(seq)
             self._tables = None
-            await self.cache.release_private(self._reservations)
-            self._reservations = []
+            reservations, self._reservations = self._reservations, []
+            if self.cache.is_open:
+                await self.cache.release_private(reservations)
 
     async def __aenter__(self) -> SequenceManager:
         return self
@@ -122,9 +130,16 @@ class SequenceManager:
 
     @property
     def tables(self) -> BlockTables:
-        """The block tables (read-only use)."""
+        """The block tables (read-only use). Every operation reads them before it changes
+        anything, so this is where a call is checked.
+
+        Raises:
+            KVTierUsageError: the manager or its cache is closed, or the call comes from
+                another thread or event loop than the cache's.
+        """
         if self._tables is None:
             raise KVTierUsageError("SequenceManager is closed (or was never opened)")
+        self.cache.check_usable()
         return self._tables
 
     # -- bytes ---------------------------------------------------------------------------

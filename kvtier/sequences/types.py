@@ -32,6 +32,14 @@ class PageCache(Protocol):
     def tiers(self) -> Sequence[Any]:
         """Tiers, top first; each has ``name`` and ``backend``."""
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the cache is open (not yet closing)."""
+
+    def check_usable(self) -> None:
+        """Raise :class:`~kvtier.errors.KVTierUsageError` unless the cache is open and
+        this call comes from the thread and event loop that opened it."""
+
     def release(self, keys: Sequence[PageKey]) -> Any:
         """Unpin keys pinned by :meth:`load` (the result may be awaited)."""
 
