@@ -156,6 +156,8 @@ class FailingFileStore(FileStore):
     reserve."""
 
     failing: ClassVar[bool] = False
+    #: writes refused since ``failing`` was last set (pages)
+    refused: ClassVar[int] = 0
 
     async def get(self, keys: Any, out: Any) -> list[bool]:
         if type(self).failing:
@@ -164,6 +166,7 @@ class FailingFileStore(FileStore):
 
     async def write(self, reservations: Any, data: Any) -> list[bool]:
         if type(self).failing:
+            type(self).refused += len(reservations)
             raise TierIOError("injected: device gone")
         return await super().write(reservations, data)
 

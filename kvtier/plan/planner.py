@@ -64,14 +64,19 @@ class PageView(Protocol):
 
 class Spare:
     """Pages a room-making call must not evict: its ``protect`` set, plus the victims
-    that got stuck (their write-down failed) while it made room."""
+    that got stuck (their write-down failed) while it made room, plus, once ``skip`` is
+    set, every page it names (not counted by ``len`` nor listed by iteration: a
+    predicate, e.g. "needs a write-down" once write-downs fail)."""
 
     def __init__(self, protect: Collection[PageKey], stuck: set[PageKey]) -> None:
         self.protect = protect
         self.stuck = stuck
+        self.skip: Callable[[PageKey], bool] | None = None
 
     def __contains__(self, key: object) -> bool:
-        return key in self.stuck or key in self.protect
+        if key in self.stuck or key in self.protect:
+            return True
+        return self.skip is not None and self.skip(key)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         return len(self.stuck) + len(self.protect)
@@ -299,6 +304,15 @@ class Planner:
     def sends_down(self, key: PageKey) -> bool:
         """Whether the write policy lets ``key`` go to a lower tier."""
         return self.write_policy.sends_down(key, self.admission)
+
+    def goes_down(self, tier: int, key: PageKey) -> bool:
+        """Whether evicting ``key`` from ``tier`` copies it to the tier below first (it
+        lands in :attr:`EvictPlan.down`)."""
+        return (
+            self.next_tier(tier) is not None
+            and not self.view.below(key, self.tiers[tier].name)
+            and self.sends_down(key)
+        )
 
     def evict_plan(self, tier: int, victims: Iterable[PageKey]) -> EvictPlan:
         """Where each victim of ``tier`` goes (see :class:`EvictPlan`)."""

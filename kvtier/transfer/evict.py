@@ -20,6 +20,7 @@ watermark back to its low watermark, awaiting it or (with the background evictor
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from kvtier.errors import CapacityError
 from kvtier.index.directory import Directory, PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
+from kvtier.plan.planner import Spare
 from kvtier.transfer.batch import forget
 from kvtier.transfer.gate import Priority
 from kvtier.transfer.mover import Mover
@@ -198,8 +200,11 @@ class Evictor:
         mover = self.mover
         d = mover.directory
         planner = mover.planner
+        spare = Spare(protect, set())
         while True:
-            victims = planner.trim_victims(tier.index, protect)
+            if tier.skips_write_downs(mover.next(tier)):
+                spare.skip = lambda key: planner.goes_down(tier.index, key)
+            victims = planner.trim_victims(tier.index, spare)
             if not victims:
                 if not wait or d.used(tier.name) <= tier.high_pages:
                     return
@@ -285,6 +290,8 @@ class Evictor:
                     ok = await self.write_down(tier, nxt, plan.down, priority)
                     stuck = {k for k, o in zip(plan.down, ok, strict=True) if not o}
                     failed |= stuck
+                    if stuck:
+                        tier.down_failed_at = time.monotonic()
                 except CapacityError as exc:
                     # No room below: what fills it is pinned, or (leaf-first) every page
                     # there has a descendant up here. Victims no cached page depends on

@@ -150,10 +150,18 @@ class Room:
         kept: set[PageKey] = set()
         spare = Spare(protect, stuck)
 
+        def skip_dirty() -> None:
+            spare.skip = lambda key: planner.goes_down(i, key)
+
+        if tier.skips_write_downs(mover.next(tier)):
+            skip_dirty()
+
         async def evict(victims: list[PageKey]) -> None:
             out = await self.evictor.evict_reporting(tier, victims, priority)
             failed.update(out.failed)
             stuck.update(out.failed)
+            if out.failed:  # the tier below refused: no other dirty page this call
+                skip_dirty()
             again = out.stay - out.failed
             stuck.update(again & kept)
             kept.update(again)
@@ -192,7 +200,7 @@ class Room:
             if victims:
                 await evict(victims)
                 continue
-            if stuck:
+            if stuck or spare.skip is not None:  # a failing tier below holds the rest
                 return None
             held = self.held(tier)
             why = (

@@ -14,6 +14,7 @@ the same outage instead of logging a warning and a recovery per flap.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
@@ -33,6 +34,12 @@ _log = get_logger("kvtier.tier")
 #: sooner continues the outage: it is counted (``relapses`` in the recovery line), not
 #: logged again.
 RECOVERY_QUIET_S = 10.0
+
+#: After a write-down from a tier failed, for this many seconds, while the tier below is
+#: in an outage, room-making and trimming in the tier take only victims that need no
+#: write-down (pages the tier below holds already, or that may be dropped) instead of
+#: trying its dirty pages again; then one eviction tries.
+WRITE_DOWN_RETRY_S = 1.0
 
 
 def backend_failure(exc: BaseException) -> bool:
@@ -67,6 +74,7 @@ class Tier:
             :meth:`stays`).
         outage: the tier's :class:`~kvtier.health.Outage` (quiet period
             :data:`RECOVERY_QUIET_S`): whether the last call worked, the logged outage.
+        down_failed_at: when a write-down from here last failed (``time.monotonic``).
     """
 
     def __init__(
@@ -88,7 +96,20 @@ class Tier:
         self.reserving = 0
         self.leaving: set[PageKey] = set()
         self.outage = Outage(RECOVERY_QUIET_S)
+        self.down_failed_at = -float("inf")
         self._waiters: list[asyncio.Future[None]] = []
+
+    def skips_write_downs(self, below: Tier | None) -> bool:
+        """Whether evictions from here should take only victims that need no write-down
+        for now: a write-down to ``below`` failed within :data:`WRITE_DOWN_RETRY_S` and
+        ``below`` is still in its outage. Trying every dirty page again, batch by batch,
+        on every store made stores under a dead lower tier cost the whole tier (a
+        16-session bench run over a dead Valkey: 55 s, against 7 s on DRAM alone)."""
+        return (
+            below is not None
+            and below.in_outage
+            and time.monotonic() - self.down_failed_at < WRITE_DOWN_RETRY_S
+        )
 
     def stays(self, key: PageKey, directory: Directory) -> bool:
         """Whether ``key``, being evicted from this tier, will still be here for a load
