@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any, Literal, TextIO, cast
 
 import structlog
@@ -80,6 +81,52 @@ def configure_logging(
         logger_factory=factory,
         cache_logger_on_first_use=False,
     )
+    _route_stdlib_logging(renderer, lvl, stream)
+
+
+#: The stdlib loggers whose lines :func:`configure_logging` renders as kvtier's own
+#: (built-in backends, the registry and codecs log through :mod:`logging`, under these).
+STDLIB_LOGGERS: tuple[str, ...] = ("kvtier",)
+
+
+class _KvtierHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler :func:`configure_logging` puts on :data:`STDLIB_LOGGERS` (replaced,
+    not added to, when it is called again)."""
+
+
+def _component_from_logger(
+    _: Any, __: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    record = event.get("_record")
+    if record is not None:
+        event.setdefault("component", record.name)
+    return event
+
+
+def _route_stdlib_logging(renderer: Any, level: int, stream: TextIO | None) -> None:
+    """Render kvtier's stdlib log lines (a remote store's outage and recovery lines, a
+    file store's failed write, ...) with the same renderer, level and stream as its
+    structlog events: before, they went to Python's last-resort handler as bare text
+    (breaking JSON-lines output) whatever ``[log]`` said. The records still propagate:
+    an application that handles the root logger sees them too (it may also pass
+    ``configure_log=False`` to ``KVCache`` and configure both itself)."""
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _component_from_logger,
+            structlog.processors.format_exc_info,
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handler = _KvtierHandler(stream if stream is not None else cast(TextIO, _StderrProxy()))
+    handler.setFormatter(formatter)
+    for name in STDLIB_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if isinstance(h, _KvtierHandler)]:
+            logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.setLevel(level)
 
 
 class _StderrProxy:

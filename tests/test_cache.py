@@ -183,6 +183,38 @@ async def test_json_logs_go_to_stderr_once_per_outage(tmp_path, capsys):
     assert len(failing) == 1 and failing[0]["tier"] == "file"
 
 
+@pytest.mark.parametrize("level", ["warning", "error"])
+async def test_stdlib_log_lines_follow_the_log_config(level, capsys):
+    """A remote store's outage line (logged through :mod:`logging`, as the built-in
+    backends do) went to Python's last-resort handler: bare text among JSON lines, and
+    printed at ``level = "error"`` too. It now takes ``[log]``'s format and level."""
+    from kvtier.testing.servers import free_port
+
+    cfg = {
+        "model": {"preset": "tiny"},
+        "log": {"format": "json", "level": level},
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": "16KiB"},
+            {"name": "remote", "backend": "redis", "capacity": "1MiB",
+             "options": {"url": f"redis://127.0.0.1:{free_port()}/0",
+                         "op_timeout_s": 0.5, "connect_timeout_s": 0.5}},
+        ],
+    }  # fmt: skip
+    rng = np.random.default_rng(29)
+    async with KVCache(cfg, env={}) as cache:
+        await cache.store(*sequence(rng, 8))
+        await cache.flush()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    events = [json.loads(line) for line in lines]  # every line is a JSON object
+    outage = [e for e in events if "unavailable" in e["event"]]
+    if level == "error":
+        assert outage == []
+    else:
+        assert len(outage) == 1
+        assert outage[0]["component"] == "kvtier.backends.remote"
+        assert outage[0]["level"] == "warning" and "timestamp" in outage[0]
+
+
 async def test_open_classmethod_and_close_idempotent(tmp_path):
     cache = await KVCache.open(config(tmp_path), env={})
     assert cache.is_open
