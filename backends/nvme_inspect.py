@@ -31,7 +31,13 @@ from kvtier.backends.nvme_index import (
 )
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_slabs import slab_path
-from kvtier.backends.nvme_validate import CheckedIndex, check_index, parse_meta, slab_files
+from kvtier.backends.nvme_validate import (
+    MAX_LISTED,
+    CheckedIndex,
+    check_index,
+    parse_meta,
+    slab_files,
+)
 from kvtier.backends.store_files import Modes, open_private
 
 from kvtier.errors import IntegrityError
@@ -121,7 +127,15 @@ def inspect_store(
                 i: min(layout.slots_per_slab, size // layout.slot_bytes)
                 for i, size in sizes.items()
             }
-            checked = check_index(index.raw_rows(), index.raw_quarantine(), layout, extents)
+            # --verify lists every bad row (the count of bad pages must be whole);
+            # the plain report, the first MAX_LISTED
+            checked = check_index(
+                index.raw_rows(),
+                index.raw_quarantine(),
+                layout,
+                extents,
+                listed=None if verify else MAX_LISTED,
+            )
         finally:
             index.close()
         capacity = parsed.capacity_pages or 0
@@ -141,7 +155,7 @@ def inspect_store(
             "namespaces": _namespaces(checked.rows),
             "quarantined": len(checked.quarantined),  # as opening the store would hold them
             "invalid_index_rows": checked.bad_rows,
-            "index_problems": checked.problems,
+            "index_problems": checked.problems[:MAX_LISTED],
         }
         if verify:
             report["verified"] = len(checked.rows) + checked.bad_rows

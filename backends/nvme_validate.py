@@ -139,7 +139,8 @@ class CheckedIndex:
         quarantined: valid quarantined slots and their reasons.
         bad_page_rowids / bad_quarantine_rowids: rows to delete.
         new_quarantine: slots of bad page rows that lie inside a slab: quarantined.
-        problems: a description of the first :data:`MAX_LISTED` bad rows.
+        problems: a description of the first ``listed`` bad rows (:data:`MAX_LISTED`
+            unless :func:`check_index` was told otherwise; ``None``: all).
         bad_rows: how many rows (of both tables) were bad.
     """
 
@@ -150,10 +151,11 @@ class CheckedIndex:
     new_quarantine: list[tuple[int, bytes | None, str]] = field(default_factory=list)
     problems: list[dict[str, object]] = field(default_factory=list)
     bad_rows: int = 0
+    listed: int | None = MAX_LISTED
 
     def _bad(self, table: str, rowid: object, key: object, slot: object, why: str) -> None:
         self.bad_rows += 1
-        if len(self.problems) < MAX_LISTED:
+        if self.listed is None or len(self.problems) < self.listed:
             self.problems.append(
                 {
                     "table": table,
@@ -220,9 +222,11 @@ def check_index(
     raw_quarantine: Iterable[RawRow],
     layout: SlotLayout,
     extents: Mapping[int, int],
+    listed: int | None = MAX_LISTED,
 ) -> CheckedIndex:
-    """Sort an index's rows into valid and invalid ones (see the module docstring)."""
-    out = CheckedIndex()
+    """Sort an index's rows into valid and invalid ones (see the module docstring);
+    ``problems`` describes the first ``listed`` bad rows (``None``: every one)."""
+    out = CheckedIndex(listed=listed)
     for raw in raw_quarantine:
         rowid, slot, reason = (*raw, None, None, None)[:3]
         s = _int(slot)

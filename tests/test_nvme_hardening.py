@@ -149,6 +149,19 @@ async def test_totals_count_only_the_valid_rows(tmp_path: Path, change: str) -> 
     assert result.exit_code == 0 and json.loads(result.stdout)["bytes"] == (N - 1) * PAGE
 
 
+async def test_verify_lists_every_invalid_row_not_the_first_20(tmp_path: Path) -> None:
+    """``--verify`` listed only the first 20 invalid rows (the cap of the plain report's
+    ``index_problems``): 40 pages lost to a truncated slab were reported as 20 bad."""
+    root = tmp_path / "s"
+    await filled(root, 40)
+    sql(root, "UPDATE pages SET length = 1 WHERE rowid <= 30")
+    report = inspect_store(root, verify=True)
+    assert report["invalid_index_rows"] == 30
+    assert len(report["bad"]) == 30
+    assert len(report["index_problems"]) == 20  # the plain listing stays capped
+    assert len(inspect_store(root)["index_problems"]) == 20
+
+
 async def test_quarantined_counts_the_slots_opening_the_store_holds(tmp_path: Path) -> None:
     """Before: ``quarantined`` counted every quarantine row, a row naming a slot outside
     the slab files included (opening the store deletes it), and not the slot of an
