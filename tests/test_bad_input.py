@@ -20,6 +20,7 @@ import pytest
 import torch
 from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, open_cache, sequence
 from kvtier.cli.app import get_app
+from structlog.testing import capture_logs
 from typer.testing import CliRunner
 
 from kvtier.backend import Reservation
@@ -403,6 +404,25 @@ async def test_a_store_under_a_dead_lower_tier_tries_no_write_down_for_a_while(
         assert np.array_equal(out, data[[stored.keys.index(k) for k in kept]])
         FailingFileStore.failing = False  # the device is back
         assert all((await cache.store(*sequence(rng, 4))).stored)
+
+
+async def test_flushes_under_a_dead_lower_tier_warn_once_a_minute(tmp_path):
+    """Every ``flush()`` under a dead lower tier logged "flush could not write every
+    dirty page down" (1,001 lines for 1,000 flushes, about 4,800 a minute); like
+    "write-through blocked", it is now logged at most once a minute per tier, with the
+    count held back."""
+    FailingFileStore.failing = False
+    rng = np.random.default_rng(35)
+    cfg = config(tmp_path, dram_pages=16, file_backend="cache_kit:FailingFileStore")
+    async with open_cache(cfg) as cache:
+        FailingFileStore.failing = True
+        await cache.store(*sequence(rng, 4))
+        with capture_logs() as logs:
+            for _ in range(20):
+                await cache.flush()
+        lines = [e for e in logs if e["event"] == "flush could not write every dirty page down"]
+        assert len(lines) == 1 and lines[0]["failed"] == 4 and lines[0]["held_back"] == 0
+        FailingFileStore.failing = False
 
 
 async def test_vanished_store_directory_gives_misses(tmp_path):

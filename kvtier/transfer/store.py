@@ -45,7 +45,8 @@ class Writer:
         self.mover = mover
         self.moves = moves
         self.drop = drop
-        #: "write-through blocked" at most once a minute per tier
+        #: "write-through blocked" and "flush could not write every dirty page down" at
+        #: most once a minute per tier
         self._blocked = LogEvery(BLOCKED_LOG_INTERVAL_S)
 
     async def store(
@@ -252,12 +253,14 @@ class Writer:
                 _log.warning("flush blocked: pages stay dirty", tier=nxt.name, reason=str(exc))
                 continue
             written += sum(ok)
-            if not all(ok):
+            held_back = None if all(ok) else self._blocked.due(f"flush:{tier.name}")
+            if held_back is not None:  # a flush per call under a dead tier: 4,800 a minute
                 _log.warning(
                     "flush could not write every dirty page down",
                     tier=tier.name,
                     to=nxt.name,
                     failed=len(ok) - sum(ok),
+                    held_back=held_back,  # lines like this one not logged since the last
                 )
         await mover.drain()
         return written
