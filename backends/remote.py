@@ -83,6 +83,7 @@ from .remote_datapath import (
 from .remote_replies import (
     NO_REPLY,
     Pending,
+    access_denied,
     check_value,
     describe,
     failed,
@@ -215,8 +216,19 @@ class RedisStore(RedisStoreBase):
     def _settle(
         self, items: Sequence[tuple[int, PageKey]], replies: Sequence[Any], ok: list[bool]
     ) -> None:
-        """Mark the ``SET`` replies of ``items`` in ``ok``; log refused writes once."""
+        """Mark the ``SET`` replies of ``items`` in ``ok``; log refused writes once.
+
+        Raises:
+            TierIOError: the server refuses this client (``NOAUTH``: it wants a
+                password): a failing tier naming the cause, not a full server.
+        """
         refusals: list[BaseException | ReplyError] = []
+        denied = next((r for r in replies if access_denied(r)), None)
+        if denied is not None:
+            raise TierIOError(
+                f"remote store {self.health.name} refuses this client: {denied} (give the "
+                "server's password in the tier's 'password' option or in the URL)"
+            )
         for (i, key), reply in zip(items, replies, strict=True):
             if reply is NO_REPLY:
                 continue

@@ -48,6 +48,17 @@ def describe(exc: BaseException | ReplyError) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
+#: Error codes of a server that refuses this client, not a page: no password given (a
+#: wrong one fails at connect already; an ACL user denied a key prefix, ``NOPERM``, is a
+#: per-page refusal).
+ACCESS_DENIED: frozenset[str] = frozenset({"NOAUTH"})
+
+
+def access_denied(reply: Any) -> bool:
+    """Whether ``reply`` is a server error refusing this client (:data:`ACCESS_DENIED`)."""
+    return isinstance(reply, ReplyError) and reply.prefix in ACCESS_DENIED
+
+
 def failed(reply: Any) -> bool:
     """A per-item failure: no reply, a server error, or an exception object."""
     return reply is NO_REPLY or isinstance(reply, ReplyError | BaseException)

@@ -384,6 +384,17 @@ async def test_wrong_credentials_miss_without_raising(
     assert "unavailable" in caplog.text and "Authentication" in caplog.text
 
 
+async def test_no_password_for_a_server_that_wants_one_is_named(redis_acl: RedisServer) -> None:
+    """A server with ``requirepass`` and no password given: every SET answered NOAUTH,
+    which was counted as a full server ('refuses writes'; ``inspect config --check``: "a
+    probe page could not be stored (full, unreachable?)"). It is now a failing tier whose
+    error names the cause."""
+    async with make(redis_acl.url) as s:
+        with pytest.raises(TierIOError, match=r"refuses this client: NOAUTH.*'password'"):
+            await s.put(keys_for(1), pages(1))
+        assert s.health.refused_writes == 0
+
+
 async def test_acl_user_outside_its_key_pattern_fails_per_item(redis_acl: RedisServer) -> None:
     async with make(redis_acl.url, key_prefix="other", username="kv", password="kvpw") as s:
         assert await s.put(keys_for(2), pages(2)) == [False, False]
