@@ -350,3 +350,21 @@ def test_observe_switches_are_off_by_default_and_set_by_file_or_environment(tmp_
     assert (overridden.whatif, overridden.predictor) == (False, None)
     assert resolved.config.to_dict()["observe"] == {"whatif": True, "predictor": "lookahead"}
     assert load_config(resolved.config.to_dict(), env={}).config == resolved.config
+
+
+def test_two_tiers_on_one_directory_are_refused(tmp_path, monkeypatch) -> None:
+    """Two NVMe tiers on one path: ``inspect config --check`` (one tier at a time) passed
+    them, and the cache skipped the second at start, locked out by the first. Paths are
+    compared after ``~`` and symlinks."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "link").symlink_to(tmp_path / "store", target_is_directory=True)
+    tiers = [
+        {"name": "dram", "backend": "dram", "capacity": "1MiB"},
+        {"name": "a", "backend": "nvme", "capacity": "4MiB", "options": {"path": "~/store"}},
+        {"name": "b", "backend": "nvme", "capacity": "4MiB",
+         "options": {"path": str(tmp_path / "link")}},
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"tiers\[2\]\.options\.path: tier 'b' uses the "):
+        load_config({"model": {"preset": "tiny"}, "tiers": tiers}, env={})
+    tiers[2]["options"]["path"] = str(tmp_path / "other")
+    assert len(load_config({"model": {"preset": "tiny"}, "tiers": tiers}, env={}).config.tiers) == 3

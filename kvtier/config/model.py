@@ -21,7 +21,7 @@ from kvtier.config.defaults import (
     ON_OPEN_ERROR,
     default_watermarks,
 )
-from kvtier.config.raw import check_tier_name, flatten, source_note
+from kvtier.config.raw import check_store_paths, check_tier_name, flatten, source_note
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import Namespace
 from kvtier.log import parse_level
@@ -327,10 +327,10 @@ def validate_raw(raw: Mapping[str, Any], sources: Mapping[str, str]) -> KVTierCo
     tiers_raw = raw.get("tiers", [])
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: at least one tier is required")
-    tiers: list[TierConfig] = []
     seen: dict[str, tuple[str, str]] = {}
-    for i, t in enumerate(tiers_raw):
-        tiers.append(_build_tier(i, t, spec, sources, seen, len(tiers_raw)))
+    n = len(tiers_raw)
+    tiers = [_build_tier(i, t, spec, sources, seen, n) for i, t in enumerate(tiers_raw)]
+    check_store_paths(tiers, sources)
     namespace = _with_codec_representation(namespace, tiers, spec)
     return KVTierConfig(
         spec=spec,

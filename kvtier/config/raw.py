@@ -7,8 +7,10 @@ validation happen in :mod:`kvtier.config.model`.
 from __future__ import annotations
 
 import copy
+import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtier.config.defaults import ENV_PREFIX
@@ -288,3 +290,26 @@ def _tier_index(tiers: list[dict[str, Any]], ref: str, var: str) -> int:
             return i
     names = ", ".join(str(t.get("name")) for t in tiers) or "none"
     raise ConfigError(f"{var}: no tier named {ref!r}; tiers: {names}")
+
+
+def check_store_paths(tiers: Sequence[Any], sources: Mapping[str, str]) -> None:
+    """Refuse two tiers whose ``options.path`` name one directory (after ``~`` and
+    symlinks): a store directory is locked by the tier that opens it, so the second tier
+    was skipped at start with "already open ... (holder pid <its own pid>)", while
+    ``inspect config --check``, which opens one tier at a time, passed both.
+    :class:`ConfigError` names both tiers and the key's source."""
+    seen: dict[Path, tuple[int, str]] = {}
+    for i, tier in enumerate(tiers):
+        path = tier.options.get("path")
+        if not isinstance(path, str | os.PathLike) or not str(path):
+            continue
+        where = Path(os.path.expanduser(os.fspath(path))).resolve(strict=False)
+        other = seen.get(where)
+        if other is not None:
+            key = f"tiers[{i}].options.path"
+            raise ConfigError(
+                f"{key}: tier {tier.name!r} uses the directory {str(where)!r} of tier "
+                f"{other[1]!r} (tiers[{other[0]}]); give each tier its own directory"
+                f"{source_note(sources, key)}"
+            )
+        seen[where] = (i, tier.name)
