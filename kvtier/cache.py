@@ -44,10 +44,7 @@ from kvtier.cache_input import (
 )
 from kvtier.cache_open import Owner, check_owner, current_owner, open_backends, unwritten_pages
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
-from kvtier.errors import (
-    KVTierError,
-    KVTierUsageError,
-)
+from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.index.directory import Directory
 from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
