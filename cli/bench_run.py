@@ -32,7 +32,7 @@ _SPEC_DEFAULTS = SpeculativeParams()
 
 
 def _render(data: dict[str, Any]) -> None:
-    render_config(data["config"])
+    render_config(data["config"], tier_metrics=data.get("metrics", {}).get("tiers"))
     tiers = [t["name"] for t in data["config"]["tiers"]]
     rate = data["hit_rate_by_tier"]
     hits = data["hits_by_tier"]

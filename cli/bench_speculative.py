@@ -17,7 +17,7 @@ from kvtier.config import format_size, parse_size
 
 
 def _render(data: dict[str, Any]) -> None:
-    render_config(data["config"])
+    render_config(data["config"], tier_metrics=data.get("metrics", {}).get("tiers"))
     rate = data["accept_rate_observed"]
     console.print(
         table(

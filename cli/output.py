@@ -237,20 +237,31 @@ def run_guarded(fn: Callable[[], None], as_json: bool = False) -> None:
         raise fail(message, code) from None
 
 
-def render_config(config: dict[str, Any], disk_dir: str | None = None) -> None:
+def render_config(
+    config: dict[str, Any],
+    disk_dir: str | None = None,
+    tier_metrics: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """The configuration a run used: model, page size, and each tier's backend, capacity
-    (bytes and pages), watermarks and directory."""
+    (bytes and pages), watermarks and directory. With ``tier_metrics`` (a report's
+    ``metrics.tiers``) the pages are the cache's own count (a store's pages take more
+    than their payload: an NVMe tier of 1 GiB in 512-byte pages holds 1 Mi pages, not
+    the 8 Mi the bytes over the page size gave); a tier that did not open shows ``-``."""
     model = config["model"]
     page = KVSpec(**model).page_bytes
     rows = []
     for t in config["tiers"]:
         path = t["options"].get("path") or t["options"].get("url") or "-"
+        if tier_metrics is not None:
+            pages = tier_metrics.get(t["name"], {}).get("capacity_pages")
+        else:
+            pages = t["capacity"] // page if page else None
         rows.append(
             (
                 t["name"],
                 t["backend"],
                 size(t["capacity"]),
-                fmt(t["capacity"] // page if page else None),
+                fmt(pages),
                 f"{t['high_watermark']:.0%} / {t['low_watermark']:.0%}",
                 path,
             )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvtier.backends.nvme import NvmeStore
 from kvtier.cli.app import get_app
 from kvtier.cli.bench_sim import make_figure
 from typer.testing import CliRunner
@@ -214,6 +215,11 @@ def test_bench_run_at_its_minimum_runs_and_prints_its_configuration(tmp_path: Pa
     out = result.stdout
     assert "configuration: tiny" in out and "dram" in out and f"{need}" in out
     assert "mismatches 0" in out
+    # the NVMe row counts the store's pages (4 KiB slots), not its bytes over 512-byte
+    # pages (8,388,608 for the 4 GiB default: 8x too many)
+    nvme_row = next(line for line in out.splitlines() if line.startswith("│ nvme"))
+    assert f"{NvmeStore.capacity_pages_for(4 << 30, 512):,}" in nvme_row
+    assert f"{(4 << 30) // 512:,}" not in nvme_row
 
 
 def test_bench_run_fails_when_a_tier_is_unreachable_for_the_whole_run(tmp_path: Path) -> None:
