@@ -4,7 +4,7 @@ it before any work (a replay can take minutes). ``cli/bench_sim.py`` runs them."
 from __future__ import annotations
 
 import math
-import os
+import tempfile
 from pathlib import Path
 
 from kvtier.cli.bench_suite import check_policies
@@ -146,8 +146,14 @@ def check_plot_path(path: Path) -> None:
     if path.is_dir():
         hint = " (an empty --plot names the current directory)" if str(path) == "." else ""
         raise KVTierUsageError(f"--plot: {path} is a directory{hint}: give a file, e.g. hits.png")
-    if not os.access(parent, os.W_OK):
-        raise KVTierUsageError(f"--plot: directory {parent} is not writable")
+    try:  # a file made and removed: os.access() lets root pass on /proc or /sys,
+        # where the plot then failed after the whole replay, losing the report
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kvtier-plot-check-"):
+            pass
+    except OSError as exc:
+        raise KVTierUsageError(
+            f"--plot: cannot write in directory {parent}: {exc.strerror or exc}"
+        ) from None
     import matplotlib
 
     matplotlib.use("Agg")

@@ -69,6 +69,8 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--tiers", "a,a"], "--tiers must name distinct tiers"),
         (["--plot", "/nonexistent-dir/x.png"], "--plot: directory /nonexistent-dir does not exist"),
         (["--plot", "/tmp/x.nosuchformat"], "cannot write a nosuchformat file"),
+        # before: accepted for root (os.access), then failed after the replay
+        (["--plot", "/proc/x.png"], "--plot: cannot write in directory /proc"),
         # before: OverflowError reported as a kvtier bug (blocks x block tokens > 2**63 - 1)
         (["--block-tokens", "9223372036854775807"], "--block-tokens must be at most 1,048,576"),
         (["--block-tokens", str(1 << 20 | 1)], "(1 << 20 tokens per block), got 1048577"),
