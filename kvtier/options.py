@@ -110,8 +110,16 @@ def _convert(backend: str, name: str, value: Any, hint: Any, metadata: Mapping[s
         low = -math.inf if lo is None else lo
         high = math.inf if hi is None else hi
         if not low <= out <= high:
-            raise ConfigError(f"{what} must be in [{low:g}, {high:g}], got {value!r}")
+            raise ConfigError(f"{what} must be in [{_bound(low)}, {_bound(high)}], got {value!r}")
     return out
+
+
+def _bound(x: float) -> str:
+    """A bound as written, exactly (``1048576``, not ``1.04858e+06``; ``0.5``, ``inf``)."""
+    if isinstance(x, int):
+        return str(x)
+    short = f"{x:g}"
+    return short if float(short) == x else repr(x)
 
 
 def _kind(hint: Any, name: str) -> tuple[type, bool]:

@@ -23,6 +23,7 @@ class Opts:
     mode: str = option("fast", choices=("fast", "safe"))
     timeout_s: float | None = None
     ratio: float = option(0.5, minimum=0.0, maximum=1.0)
+    slots: int = option(1024, minimum=1, maximum=1 << 20)
 
 
 def parse(**raw: object) -> Opts:
@@ -49,6 +50,8 @@ def test_defaults_and_conversions_a_config_means() -> None:
         ({"batch_pages": "8k"}, r"'batch_pages' must be an integer, got '8k'"),
         ({"batch_pages": 0}, r"'batch_pages' must be in \[1, 1024\], got 0"),
         ({"batch_pages": 10**30}, r"'batch_pages' must be in \[1, 1024\]"),
+        # before: "[1, 1.04858e+06]", an inexact bound
+        ({"slots": 0}, r"'slots' must be in \[1, 1048576\], got 0"),
         ({"mode": "turbo"}, r"'mode' must be one of 'fast', 'safe', got 'turbo'"),
         ({"mode": 3}, r"'mode' must be a string, got 3"),
         ({"timeout_s": "soon"}, r"'timeout_s' must be a number, got 'soon'"),
