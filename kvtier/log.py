@@ -41,7 +41,11 @@ def parse_level(level: str | int) -> int:
 
 
 def configure_logging(
-    format: str = "console", level: str | int = "info", stream: TextIO | None = None
+    format: str = "console",
+    level: str | int = "info",
+    stream: TextIO | None = None,
+    *,
+    stdlib: bool = True,
 ) -> None:
     """Configure structlog for the whole process.
 
@@ -51,6 +55,8 @@ def configure_logging(
         level: minimum level, by name or number.
         stream: where to write (default: ``sys.stderr``, looked up at each write so that
             test harnesses that swap stderr see the output).
+        stdlib: also render the lines kvtier logs through :mod:`logging` (see
+            :data:`STDLIB_LOGGERS`) this way.
 
     Raises:
         ConfigError: unknown format or level.
@@ -81,7 +87,8 @@ def configure_logging(
         logger_factory=factory,
         cache_logger_on_first_use=False,
     )
-    _route_stdlib_logging(renderer, lvl, stream)
+    if stdlib:
+        _route_stdlib_logging(renderer, lvl, stream)
 
 
 #: The stdlib loggers whose lines :func:`configure_logging` renders as kvtier's own
@@ -121,12 +128,12 @@ def _route_stdlib_logging(renderer: Any, level: int, stream: TextIO | None) -> N
     )
     handler = _KvtierHandler(stream if stream is not None else cast(TextIO, _StderrProxy()))
     handler.setFormatter(formatter)
+    handler.setLevel(level)  # the handler's, not the loggers': others' handlers keep theirs
     for name in STDLIB_LOGGERS:
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if isinstance(h, _KvtierHandler)]:
             logger.removeHandler(old)
         logger.addHandler(handler)
-        logger.setLevel(level)
 
 
 class _StderrProxy:
@@ -149,6 +156,7 @@ def get_logger(name: str, **context: Any) -> Any:
 
 
 # Until an application configures structlog, kvtier's events go to stderr (structlog's own
-# default is stdout, which would corrupt ``--json`` output).
+# default is stdout, which would corrupt ``--json`` output). The stdlib lines are left to
+# the application until kvtier is asked to configure logging (KVCache, the CLI).
 if not structlog.is_configured():
-    configure_logging()
+    configure_logging(stdlib=False)
