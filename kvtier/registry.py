@@ -27,7 +27,7 @@ ENTRY_POINT_GROUP = "kvtier.backends"
 BUILTIN_DISTRIBUTION = "kvtier"
 
 _log = logging.getLogger(__name__)
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -59,31 +59,39 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
     return str(dist.metadata["Name"]) if dist is not None else ""
 
 
-def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    """One entry point per name, sorted by name: for a name registered twice, the built-in
-    (or else the first distribution by name), with a warning naming the others."""
+def unique_entry_points(group: str, what: str = "backend") -> list[importlib.metadata.EntryPoint]:
+    """One entry point of ``group`` per name, sorted by name: for a name registered
+    twice, the built-in (or else the first distribution by name), with one warning per
+    name naming the others (``what`` names the kind in it: ``backend``, ``codec``). A
+    plugin never silently shadows a built-in: a plugin's ``zstd`` codec took the place of
+    kvtier's, and a tier served its decoding as the page."""
     by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in importlib.metadata.entry_points(group=group):
         by_name.setdefault(ep.name, []).append(ep)
     chosen: list[importlib.metadata.EntryPoint] = []
     for name, eps in sorted(by_name.items()):
         distinct = {(ep.value, _dist_name(ep)) for ep in eps}
         ranked = sorted(eps, key=lambda e: (_dist_name(e) != BUILTIN_DISTRIBUTION, _dist_name(e)))
         chosen.append(ranked[0])
-        if len(distinct) > 1 and name not in _warned:
-            _warned.add(name)
+        if len(distinct) > 1 and (group, name) not in _warned:
+            _warned.add((group, name))
             others = ", ".join(
                 f"{e.value} ({_dist_name(e) or 'unknown distribution'})" for e in ranked[1:]
             )
             _log.warning(
-                "backend name %r is registered more than once: using %s (%s), ignoring %s; "
+                "%s name %r is registered more than once: using %s (%s), ignoring %s; "
                 "a plugin must register a name of its own",
+                what,
                 name,
                 ranked[0].value,
                 _dist_name(ranked[0]) or "unknown distribution",
                 others,
             )
     return chosen
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return unique_entry_points(ENTRY_POINT_GROUP)
 
 
 def _load_target(target: str) -> type[Backend]:

@@ -317,6 +317,8 @@ def shadowing_plugin(tmp_path: Path) -> Iterator[None]:
         "[kvtier.backends]\n"
         "nvme = kvtier.backends.filestore:FileStore\n"
         "dram = kvtier.backends.filestore:FileStore\n"
+        "[kvtier.codecs]\n"
+        "zstd = kvtier.codec.lossless:Lz4Codec\n"
     )
     registry._warned.clear()
     yield from _on_path(tmp_path)
@@ -337,3 +339,19 @@ def test_a_plugin_cannot_silently_shadow_a_builtin(caplog: pytest.LogCaptureFixt
         hits = [w for w in warnings if f"backend name {name!r} is registered more than once" in w]
         assert len(hits) == 1, warnings  # once per name and process
         assert "aaa-shadow" in hits[0] and "kvtier.backends.filestore:FileStore" in hits[0]
+
+
+@pytest.mark.usefixtures("shadowing_plugin")
+def test_a_plugin_cannot_silently_shadow_a_builtin_codec(caplog: pytest.LogCaptureFixture) -> None:
+    """A plugin's ``zstd`` codec took the place of kvtier's (entry points were sorted by
+    name only, the first kept), with no warning: a tier configured with zstd served the
+    plugin's decoding. kvtier's own now wins, as for backends, with one warning."""
+    from kvtier.codec import registry as codecs
+    from kvtier.codec.lossless import ZstdCodec
+
+    with caplog.at_level("WARNING", logger="kvtier.registry"):
+        assert codecs.resolve("zstd") is ZstdCodec
+        infos = {i.name: i for i in codecs.discover()}
+    assert infos["zstd"].target == "kvtier.codec.lossless:ZstdCodec"
+    warnings = [r.getMessage() for r in caplog.records if "codec name 'zstd'" in r.getMessage()]
+    assert len(warnings) == 1 and "aaa-shadow" in warnings[0], warnings

@@ -45,7 +45,11 @@ class CodecInfo:
 
 
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    return sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    """One per name: kvtier's own wins a name registered twice, with a warning
+    (:func:`kvtier.registry.unique_entry_points`)."""
+    from kvtier.registry import unique_entry_points
+
+    return unique_entry_points(ENTRY_POINT_GROUP, "codec")
 
 
 def _load(target: str) -> type[Codec]:
@@ -80,7 +84,7 @@ def discover() -> list[CodecInfo]:
     except Exception:
         return []
     for ep in eps:
-        if ep.name not in infos:  # first registration wins
+        if ep.name not in infos:  # one per name (the built-in wins)
             dist = ep.dist
             origin = "entry point" if dist is None else (
                 f"entry point ({dist.metadata['Name']} {dist.version})"
