@@ -231,6 +231,38 @@ def test_scaled_codecs_refuse_non_finite_pages(name: str, bad: float) -> None:
         codec.encode(_kv(SPEC, x), np.empty(codec.max_encoded_bytes(), dtype=np.uint8))
 
 
+@pytest.mark.parametrize("name", ["fp8-e4m3", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_scaled_codecs_give_the_largest_value_back_finite(name: str, dtype: str) -> None:
+    """A page holding its dtype's largest finite value came back as inf (int8 on
+    float32: QMAX x the scale rounded past float32's max); it is clipped to that value."""
+    import ml_dtypes
+
+    spec = _spec(dtype)
+    codec = make_codec(name, spec)
+    biggest = float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).max)
+    x = np.random.default_rng(0).standard_normal(spec.page_shape)
+    x[0, 0, 0, 0, 0], x[1, 1, 3, 1, 7] = biggest, -biggest
+    _, out = _round_trip(codec, _kv(spec, x))
+    got = _as_float(spec, out)
+    assert np.isfinite(got).all()
+    assert got[0, 0, 0, 0, 0] == biggest and got[1, 1, 3, 1, 7] == -biggest
+
+
+@pytest.mark.parametrize("name", ["fp8-e4m3", "int8"])
+def test_scaled_codecs_refuse_values_too_small_to_scale(name: str) -> None:
+    """A float32 page of 1e-44 was written with a scale that underflowed to 0, then
+    refused at every read ("invalid scales"): a committed page lost. It is now refused
+    at encode, so it is never written."""
+    spec = _spec("float32")
+    codec = make_codec(name, spec)
+    with pytest.raises(CodecError, match="too small to scale"):
+        codec.encode(
+            _kv(spec, np.full(spec.page_shape, 1e-44)),
+            np.empty(codec.max_encoded_bytes(), dtype=np.uint8),
+        )
+
+
 def test_fp8_all_zero_page_round_trips() -> None:
     codec = make_codec("fp8-e4m3", SPEC)
     zeros = np.zeros(SPEC.page_bytes, dtype=np.uint8)

@@ -55,6 +55,15 @@ def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
+def _finite_max(dtype: np.dtype[Any]) -> np.float32:
+    """The largest finite value of the page dtype, as a float32."""
+    if dtype in (np.dtype(np.float16), np.dtype(np.float32)):
+        return np.float32(np.finfo(dtype).max)
+    import ml_dtypes
+
+    return np.float32(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
+
+
 class ScaledByteCodec(Codec):
     """One code byte per element, one float32 scale per group (see the module docstring).
 
@@ -103,6 +112,7 @@ class ScaledByteCodec(Codec):
             ).reshape(-1)
         self._group_base.flags.writeable = False
         self._codes = self._code_values()
+        self._finite_max = _finite_max(self.dtype)
         self._out_bits = np.dtype(f"<u{self.dtype.itemsize}")
 
     @abstractmethod
@@ -143,6 +153,12 @@ class ScaledByteCodec(Codec):
         if not np.isfinite(amax).all():
             raise CodecError(f"{self.name}: page holds non-finite values (inf or nan)")
         scales = np.where(amax > 0, amax / np.float32(self.QMAX), np.float32(1.0)).astype("<f4")
+        if (scales == 0).any():  # a group's peak is so small its scale is no float32
+            raise CodecError(
+                f"{self.name}: page holds values too small to scale (a group's peak "
+                f"{float(amax[scales == 0].max()):g} over {self.QMAX} is below the "
+                "smallest float32)"
+            )
         x /= scales
         np.clip(x, -self.QMAX, self.QMAX, out=x)
         head = 4 * self.groups
@@ -160,11 +176,19 @@ class ScaledByteCodec(Codec):
         if not (np.isfinite(scales).all() and (scales > 0).all()):
             raise CodecError(f"{self.name}: page holds invalid scales")
         codes = data[head : head + self.elements]
-        if self._by_table:
-            table = (scales.reshape(-1, 1) * self._codes.reshape(1, -1)).astype(self.dtype)
-            index = self._group_base + codes
-            np.take(table.view(self._out_bits).reshape(-1), index, out=out.view(self._out_bits))
-            return
-        values = np.take(self._codes, codes).reshape(self.shape)
-        values *= scales.reshape(self._scale_shape)
+        # a peak at the dtype's largest value comes back as QMAX x its scale, which may
+        # round past it: clipped, it is that value again, not inf (float32 max was
+        # served as inf)
+        top = self._finite_max
+        with np.errstate(over="ignore"):
+            if self._by_table:
+                table = scales.reshape(-1, 1) * self._codes.reshape(1, -1)
+                np.clip(table, -top, top, out=table)
+                table = table.astype(self.dtype)
+                index = self._group_base + codes
+                np.take(table.view(self._out_bits).reshape(-1), index, out=out.view(self._out_bits))
+                return
+            values = np.take(self._codes, codes).reshape(self.shape)
+            values *= scales.reshape(self._scale_shape)
+        np.clip(values, -top, top, out=values)
         out.view(self.dtype).reshape(self.shape)[...] = values.astype(self.dtype)
