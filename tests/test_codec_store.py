@@ -15,6 +15,7 @@ from kvtier.backends.filestore import FileStore
 
 from kvtier.codec import CodecStore, make_codec, slot_bytes, wrap
 from kvtier.codec.frame import FRAME_SIZE
+from kvtier.codec.lossless import ZstdCodec
 from kvtier.codec.tiers import create_backend
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
@@ -405,3 +406,48 @@ async def test_a_damaged_short_blob_on_the_remote_store_is_a_miss_never_decoded(
             assert await store.contains(keys) == [False, False, True]
     finally:
         raw.close()
+
+
+class _BuggyZstd(ZstdCodec):
+    """zstd with the bugs a plugin may have: an encode that writes to its input, returns
+    a length that is no length, and a decode that raises a plain exception, each for the
+    page whose first byte says so."""
+
+    name = "buggy-zstd"
+
+    def encode(self, page: np.ndarray, out: np.ndarray) -> int | None:
+        if page[0] == 1:
+            page[1] ^= 0xFF  # the cache's own copy, if it were writable
+        if page[0] == 2:
+            return -5
+        return super().encode(page, out)
+
+    def decode(self, data: np.ndarray, out: np.ndarray) -> None:
+        super().decode(data, out)
+        if out[0] == 3:
+            raise RuntimeError("injected decoder bug")
+
+
+async def test_a_buggy_codec_fails_its_own_pages_only(tmp_path: Path) -> None:
+    """An encode that wrote to its input changed the caller's page (the cache's DRAM
+    copy, then served wrong); an encode returning -5 or a decode raising a plain
+    exception failed the whole batch (every page a miss, on every reopen). Now each is
+    that page's failure: not written, or a miss and deleted."""
+    codec = _BuggyZstd(SPEC)
+    inner = FileStore(page_bytes=slot_bytes(codec), capacity_pages=64, path=tmp_path / "f")
+    store = wrap(inner, codec)
+    pages = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(5)]
+    for i, p in enumerate(pages):
+        p[0] = i  # 0 and 4: fine; 1: writes its input; 2: bad length; 3: bad decode
+    before = [p.copy() for p in pages]
+    keys = _keys(5)
+    async with store:
+        assert await store.put(keys, pages) == [True, False, False, True, True]
+        assert all(np.array_equal(p, b) for p, b in zip(pages, before, strict=True))
+        assert store.stats()["encode_failures"] == 2
+        out = [np.zeros(SPEC.page_bytes, np.uint8) for _ in keys]
+        assert await store.get(keys, out) == [True, False, False, False, True]
+        for i in (0, 4):
+            assert np.array_equal(out[i], before[i])
+        assert store.stats()["frame_failures"] == 1
+        assert await store.contains(keys) == [True, False, False, False, True]  # deleted

@@ -148,10 +148,23 @@ class CodecStore(StoreBackend):
         out: list[int | str] = []
         for page, slot in jobs:
             body = slot[FRAME_SIZE:]
+            source = page.view()  # read-only: an encode that wrote to its input changed
+            source.flags.writeable = False  # the cache's own copy of the page
             try:
-                n = self.codec.encode(page, body)
+                n = self.codec.encode(source, body)
             except CodecError as exc:
                 out.append(str(exc))
+                continue
+            except Exception as exc:  # a codec bug: this page is not written, others are
+                out.append(f"codec {self.codec.name!r} raised {exc!r} (a bug of the codec)")
+                continue
+            if n is not None and (
+                isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(body)
+            ):
+                out.append(
+                    f"codec {self.codec.name!r}: encode returned {n!r}, not a length in "
+                    f"[0, {len(body)}] or None (a bug of the codec)"
+                )
                 continue
             flags = 0
             if n is None or (n >= self.page_bytes and not self.codec.fixed_size):
@@ -177,6 +190,9 @@ class CodecStore(StoreBackend):
                     self.codec.decode(frame.encoded, page)
             except (IntegrityError, CodecError) as exc:
                 out.append(str(exc))
+                continue
+            except Exception as exc:  # a codec bug: a miss for this page, not the batch
+                out.append(f"codec {self.codec.name!r} raised {exc!r} (a bug of the codec)")
                 continue
             out.append(None)
         return out
