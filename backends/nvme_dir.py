@@ -232,7 +232,8 @@ def page_size_conflict(root: Path, held: int, page_bytes: int) -> str:
     ``page_bytes`` bytes (opening raises it; a check without side effects reports it)."""
     return (
         f"NVMe store {root} holds pages of {held} bytes, not {page_bytes}: use another "
-        "directory for this page size"
+        "directory for this page size (a tier with a codec keeps pages of its codec's slot "
+        "size: changing the tier's codec, or the model's page geometry, changes it)"
     )
 
 
