@@ -100,6 +100,11 @@ def tier_pages(
     return out
 
 
+#: Tier names the simulator models as memory arenas (``--tiers``), where the live cache
+#: refuses a codec.
+ARENA_TIERS = ("hbm", "dram")
+
+
 def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any) -> list[float]:
     """Per tier, pages held per page of uncoded capacity: ``page_bytes / slot_bytes`` of its
     codec, 1 without a codec. A codec is written as for ``kvtier bench codec``:
@@ -116,6 +121,12 @@ def codec_page_factors(codecs: dict[str, str], tier_names: list[str], spec: Any)
         raise KVTierUsageError(
             f"--codec names tier(s) {unknown}; tiers are {tier_names} (--tiers, default "
             f"hbm): add them, e.g. --tiers {','.join([*tier_names, *unknown])}"
+        )
+    arenas = [n for n in codecs if n in ARENA_TIERS]
+    if arenas:  # the live cache refuses a codec there: no page count to model
+        raise KVTierUsageError(
+            f"--codec {arenas[0]}={codecs[arenas[0]]}: {arenas[0]!r} is a memory arena, and "
+            "a codec applies to a store tier (nvme, file, remote), as in the live cache"
         )
     return [_page_factor(n, codecs[n], spec) if n in codecs else 1.0 for n in tier_names]
 

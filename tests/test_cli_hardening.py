@@ -71,6 +71,8 @@ SIM = ["bench", "sim", "--workload", "chat", "--requests", "50", "--no-progress"
         (["--plot", "/tmp/x.nosuchformat"], "cannot write a nosuchformat file"),
         # before: accepted for root (os.access), then failed after the replay
         (["--plot", "/proc/x.png"], "--plot: cannot write in directory /proc"),
+        # before: accepted, modelling a coded DRAM tier the live cache refuses
+        (["--tiers", "hbm,dram", "--codec", "dram=int8"], "'dram' is a memory arena"),
         # before: OverflowError reported as a kvtier bug (blocks x block tokens > 2**63 - 1)
         (["--block-tokens", "9223372036854775807"], "--block-tokens must be at most 1,048,576"),
         (["--block-tokens", str(1 << 20 | 1)], "(1 << 20 tokens per block), got 1048577"),

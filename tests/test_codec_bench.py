@@ -105,16 +105,16 @@ def test_codec_option_refuses_a_blank_or_repeated_parameter(text: str, needle: s
 
 
 SIM_CODEC = ["bench", "sim", "--workload", "chat", "--requests", "20", "--capacity", "5",
-             "--policy", "lru", "--tiers", "hbm,dram", "--no-progress", "--json"]  # fmt: skip
+             "--policy", "lru", "--tiers", "hbm,nvme", "--no-progress", "--json"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("codecs", "needle"),
-    [(["dram=zstd:level=²"], "--codec dram=zstd:level=²: codec 'zstd': parameter 'level'"),
-     (["dram=nosuch"], "--codec dram=nosuch: unknown codec 'nosuch'"),
-     (["dram=zstd:shuffel=true"], "--codec dram=zstd:shuffel=true: codec 'zstd': unknown"),
-     (["dram=zstd", "dram=lz4"], "--codec: tier 'dram' is given twice (dram=zstd and dram=lz4)"),
-     (["dram=zstd:=3"], "--codec dram=zstd:=3: codec parameter '=3'")],
+    [(["nvme=zstd:level=²"], "--codec nvme=zstd:level=²: codec 'zstd': parameter 'level'"),
+     (["nvme=nosuch"], "--codec nvme=nosuch: unknown codec 'nosuch'"),
+     (["nvme=zstd:shuffel=true"], "--codec nvme=zstd:shuffel=true: codec 'zstd': unknown"),
+     (["nvme=zstd", "nvme=lz4"], "--codec: tier 'nvme' is given twice (nvme=zstd and nvme=lz4)"),
+     (["nvme=zstd:=3"], "--codec nvme=zstd:=3: codec parameter '=3'")],
 )  # fmt: skip
 def test_bench_sim_codec_errors_name_the_option(codecs: list[str], needle: str) -> None:
     """Before: ``level=²`` was "unexpected ValueError ... a kvtier bug" (exit 1), a second
@@ -127,8 +127,8 @@ def test_bench_sim_codec_errors_name_the_option(codecs: list[str], needle: str) 
 
 
 def test_bench_sim_codec_takes_a_negative_zstd_level() -> None:
-    data = _run(*SIM_CODEC[1:-1], "--codec", "dram=zstd:level=-5")
-    assert data["codecs"] == {"dram": "zstd:level=-5"}
+    data = _run(*SIM_CODEC[1:-1], "--codec", "nvme=zstd:level=-5")
+    assert data["codecs"] == {"nvme": "zstd:level=-5"}
 
 
 def test_the_docs_give_the_codec_page_factors_the_code_computes() -> None:
