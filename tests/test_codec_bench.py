@@ -83,6 +83,10 @@ def test_codec_option_parsing() -> None:
     assert parse_codec("fp8-e4m3:scale=token") == ("fp8-e4m3", {"scale": "token"})
     with pytest.raises(KVTierUsageError, match="key=value"):
         parse_codec("zstd:level")
+    # a plugin's module:Class path, as a tier's codec takes it (before: "codec parameter
+    # 'Rle' in 'mypkg.codecs:Rle' is not key=value")
+    assert parse_codec("mypkg.codecs:Rle") == ("mypkg.codecs:Rle", {})
+    assert parse_codec("mypkg:Rle:level=3") == ("mypkg:Rle", {"level": 3})
 
 
 def test_codec_option_values_take_a_sign_and_only_ascii_digits() -> None:

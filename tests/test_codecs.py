@@ -3,6 +3,7 @@ with PyTorch's float8_e4m3fn, the frame's verification, and the registry."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -390,3 +391,32 @@ def test_a_codec_class_path_resolves_like_a_plugin() -> None:
     page = np.arange(512, dtype=np.uint16).astype(np.uint8)
     n, out = _round_trip(codec, page)
     assert n == 512 and np.array_equal(out, page)
+
+
+class _CheckRaises(ReverseCodec):
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        raise RuntimeError("boom in the check")
+
+
+class _CtorRaises(ReverseCodec):
+    def __init__(self, spec: KVSpec, **params: Any) -> None:
+        raise RuntimeError("boom in the constructor")
+
+
+class _FloatMax(ReverseCodec):
+    def max_encoded_bytes(self) -> int:
+        return 600.5  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("cls", "needle"),
+    [("_CheckRaises", "its availability check raised RuntimeError('boom in the check')"),
+     ("_CtorRaises", "its constructor raised RuntimeError('boom in the constructor')"),
+     ("_FloatMax", "max_encoded_bytes() gave 600.5, not a number of bytes")],
+)  # fmt: skip
+def test_a_plugin_codecs_own_failures_are_named(cls: str, needle: str) -> None:
+    """Before: a raw RuntimeError from KVCache ("a kvtier bug" in the CLI), and for a
+    float max_encoded_bytes "NvmeStore.page_footprint(632.5) gave 4096.0: a backend bug"."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        make_codec(f"{__name__}:{cls}", SPEC)

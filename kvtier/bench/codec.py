@@ -29,6 +29,7 @@ import numpy as np
 from kvtier.backend import Backend
 from kvtier.codec import CodecStore, make_codec, slot_bytes
 from kvtier.codec.frame import FRAME_SIZE
+from kvtier.codec.registry import registered_names
 from kvtier.codec.tiers import create_backend
 from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
@@ -57,13 +58,18 @@ def label(name: str, params: dict[str, Any]) -> str:
 
 
 def parse_codec(text: str) -> tuple[str, dict[str, Any]]:
-    """``zstd``, ``zstd:level=3`` or ``zstd:level=3,shuffle=false`` -> (name, params).
+    """``zstd``, ``zstd:level=3`` or ``zstd:level=3,shuffle=false`` -> (name, params);
+    a plugin's ``module:Class`` path works as a name, as in a tier's ``codec``
+    (``mypkg.codecs:Rle``, ``mypkg.codecs:Rle:level=3``).
 
     A value is a bool (``true``/``false``), an integer (ASCII digits with an optional
     sign: ``-5``, ``+3``) or else the string as written (the codec checks it). Raises
     :class:`KVTierUsageError` for an item that is not ``key=value``, a blank key or a key
     given twice."""
     name, _, rest = text.partition(":")
+    cls, colon, after = rest.partition(":")
+    if cls and "=" not in cls and "," not in cls and name not in registered_names():
+        name, rest = f"{name}:{cls}", after if colon else ""  # module:Class[:params]
     params: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")

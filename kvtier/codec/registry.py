@@ -76,6 +76,14 @@ def _describe(name: str, target: str, origin: str) -> CodecInfo:
     return CodecInfo(name, target, origin, cls.lossy, reason is None, reason)
 
 
+def registered_names() -> set[str]:
+    """The names codecs are registered under (nothing is imported)."""
+    try:
+        return {ep.name for ep in _entry_points()}
+    except Exception:
+        return set()
+
+
 def discover() -> list[CodecInfo]:
     """Every codec registered in the entry-point group, sorted by name. Never raises."""
     infos: dict[str, CodecInfo] = {}
@@ -115,7 +123,12 @@ def resolve(name: str) -> type[Codec]:
         raise
     except Exception as exc:
         raise ConfigError(f"codec {name!r} ({target}) cannot load: {exc}") from exc
-    reason = cls.unavailable_reason()
+    try:
+        reason = cls.unavailable_reason()
+    except Exception as exc:  # a plugin's check that fails is its bug, named as such
+        raise ConfigError(
+            f"codec {name!r} ({target}): its availability check raised {exc!r}"
+        ) from exc
     if reason is not None:
         raise ConfigError(f"codec {name!r} is unavailable here: {reason}")
     return cls
@@ -126,8 +139,20 @@ def make_codec(name: str, spec: KVSpec, **params: Any) -> Codec:
     names an unknown codec or a bad parameter."""
     cls = resolve(name)
     try:
-        return cls(spec, **params)
+        codec = cls(spec, **params)
     except ConfigError:
         raise
     except TypeError as exc:
         raise ConfigError(f"codec {name!r}: bad parameters: {exc}") from None
+    except Exception as exc:  # a plugin's constructor bug: named, not "a kvtier bug"
+        raise ConfigError(f"codec {name!r}: its constructor raised {exc!r}") from exc
+    try:
+        most = codec.max_encoded_bytes()
+    except Exception as exc:
+        raise ConfigError(f"codec {name!r}: max_encoded_bytes() raised {exc!r}") from exc
+    if isinstance(most, bool) or not isinstance(most, int) or most < 0:
+        raise ConfigError(
+            f"codec {name!r}: max_encoded_bytes() gave {most!r}, not a number of bytes "
+            "(an int >= 0): a bug of the codec"
+        )
+    return codec
