@@ -89,6 +89,14 @@ class Namespace:
                 )
         if not isinstance(self.revision, str):
             raise KVTierUsageError(f"Namespace.revision must be a string, got {self.revision!r}")
+        for name in ("model_id", "revision", "kv_dtype"):
+            try:  # a lone surrogate (undecodable bytes from the environment) cannot be
+                getattr(self, name).encode("utf-8")  # hashed: it failed at the first store
+            except UnicodeEncodeError as exc:
+                raise KVTierUsageError(
+                    f"Namespace.{name} {getattr(self, name)!r} is not valid Unicode text "
+                    f"({exc.reason} at {exc.start}): undecodable bytes?"
+                ) from None
         for name, low in (("page_tokens", 1), ("rank", 0), ("layout_version", 1)):
             value = getattr(self, name)
             bad_type = isinstance(value, bool) or not isinstance(value, int)

@@ -154,6 +154,10 @@ def test_bad_parent_is_rejected() -> None:
         ({"model_id": ""}, "model_id"),
         ({"model_id": "m", "page_tokens": 0}, "page_tokens"),
         ({"model_id": "m", "rank": -1}, "rank"),
+        # a lone surrogate (bytes the environment could not decode) failed at the first
+        # store, as a bare UnicodeEncodeError
+        ({"model_id": "bad\udcffid"}, r"model_id 'bad\\udcffid' is not valid Unicode"),
+        ({"model_id": "m", "revision": "\ud800"}, "revision"),
     ],
 )
 def test_bad_namespace_fields_are_named(kwargs: dict[str, object], match: str) -> None:
