@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import typer
 from kvtier.cli.app import inspect_app
@@ -57,8 +58,8 @@ def config_report(path: Path | None, check: bool = False) -> dict[str, Any]:
             source = f"preset from {preset_source}"
         values.append({"key": key, "value": value, "source": source})
     report: dict[str, Any] = {
-        "config": config.to_dict(),
-        "values": values,
+        "config": _masked("", config.to_dict()),
+        "values": [{**v, "value": _masked(v["key"], v["value"])} for v in values],
         "sources": dict(resolved.sources),
     }
     if check:
@@ -68,6 +69,30 @@ def config_report(path: Path | None, check: bool = False) -> dict[str, Any]:
         checks = asyncio.run(check_tiers(config, model_known))
         report["checks"] = [c.to_dict() for c in checks]
     return report
+
+
+#: Option names whose values are secrets: shown as ``***`` (as ``stats()`` and logs do).
+SECRET_OPTIONS = frozenset({"password", "secret", "token", "api_key"})
+
+
+def _masked(key: str, value: Any) -> Any:
+    """``value`` with secrets masked: an option named in :data:`SECRET_OPTIONS`, and the
+    password of a URL (``redis://user:***@host``). Its output is pasted into bug
+    reports; it printed a tier's password in clear, twice."""
+    if isinstance(value, dict):
+        return {k: _masked(f"{key}.{k}" if key else k, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    if value is not None and key.rsplit(".", 1)[-1] in SECRET_OPTIONS:
+        return "***"
+    if isinstance(value, str) and "://" in value:
+        try:
+            password = urlsplit(value).password
+        except ValueError:
+            return value
+        if password:
+            return value.replace(f":{password}@", ":***@", 1)
+    return value
 
 
 def _cell(key: str, value: Any) -> Any:

@@ -220,3 +220,30 @@ def test_a_store_whose_index_open_rebuilds_is_reported_so(tmp_path: Path, damage
             return bool(store.stats()["index_rebuilt_at_open"])
 
     assert asyncio.run(reopen())
+
+
+def test_inspect_config_masks_passwords(tmp_path: Path) -> None:
+    """``inspect config`` printed a remote tier's password in clear, as an option and
+    in the URL, in the table and in the JSON (output that is pasted into bug reports);
+    ``stats()`` and the logs already masked it."""
+    config = tmp_path / "kvtier.toml"
+    config.write_text(
+        '[model]\npreset = "tiny"\n'
+        '[[tiers]]\nname = "dram"\nbackend = "dram"\ncapacity = "1MiB"\n'
+        '[[tiers]]\nname = "remote"\nbackend = "redis"\ncapacity = "1MiB"\n'
+        '[tiers.options]\nurl = "redis://alice:S3CRETpw@127.0.0.1:1/0"\n'
+        'password = "PWoption9"\n'
+    )
+    for args in (["--json"], []):
+        result = CliRunner().invoke(
+            get_app(), ["inspect", "config", "--config", str(config), *args]
+        )
+        assert result.exit_code == 0, result.output
+        assert "S3CRETpw" not in result.output and "PWoption9" not in result.output
+        assert "redis://alice:***@127.0.0.1:1/0" in result.output
+    options = json.loads(
+        CliRunner()
+        .invoke(get_app(), ["inspect", "config", "--config", str(config), "--json"])
+        .stdout
+    )["config"]["tiers"][1]["options"]
+    assert options["password"] == "***"
