@@ -20,6 +20,8 @@ from __future__ import annotations
 import http.client
 import math
 import re
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -134,15 +136,51 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
             f"--url must be an http(s) URL of a metrics endpoint, e.g. "
             f"http://127.0.0.1:8080/metrics; got {url!r}"
         )
+    got: dict[str, Any] = {}
+    worker = threading.Thread(target=_fetch, args=(url, timeout_s, got), daemon=True)
+    worker.start()
+    worker.join(timeout_s + 1.0)  # urlopen's timeout is per socket call, not the request's
+    if worker.is_alive() or isinstance(got.get("error"), TimeoutError):
+        raise ScrapeError(
+            f"cannot read metrics from {url}: no whole answer within --timeout {timeout_s:g} s "
+            "(the server is too slow, or trickles its answer)"
+        )
+    exc = got.get("error")
+    if isinstance(exc, urllib.error.HTTPError):
+        raise ScrapeError(f"cannot read metrics from {url}: HTTP {exc.code} {exc.reason}")
+    if isinstance(exc, urllib.error.URLError | OSError | ValueError | http.client.HTTPException):
+        reason = getattr(exc, "reason", exc)
+        raise ScrapeError(f"cannot read metrics from {url}: {reason}")
+    if exc is not None:
+        raise exc
+    body: bytes = got["body"]
+    return body.decode("utf-8", errors="replace")
+
+
+MAX_BODY = 64 << 20
+
+
+def _fetch(url: str, timeout_s: float, got: dict[str, Any]) -> None:
+    """Read ``url``'s body (at most :data:`MAX_BODY`) into ``got["body"]``, or the error
+    into ``got["error"]``: a :class:`TimeoutError` once ``timeout_s`` has passed since the
+    start, checked after every socket read (a server sending a byte every half second
+    held a 2 s scrape for as long as it liked)."""
+    deadline = time.monotonic() + timeout_s
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            body: bytes = response.read(64 << 20)
-    except urllib.error.HTTPError as exc:
-        raise ScrapeError(f"cannot read metrics from {url}: HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ScrapeError(f"cannot read metrics from {url}: {reason}") from None
-    return body.decode("utf-8", errors="replace")
+            chunks: list[bytes] = []
+            size = 0
+            while size < MAX_BODY:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no whole answer within {timeout_s:g} s")
+                chunk = response.read1(min(1 << 16, MAX_BODY - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            got["body"] = b"".join(chunks)
+    except BaseException as exc:  # handed to the caller's thread
+        got["error"] = exc
 
 
 def _by(series: Series, name: str, label: str, source: str = "") -> dict[str, float]:

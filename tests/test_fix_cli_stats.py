@@ -126,3 +126,41 @@ def test_kvtiers_rules_hold_for_kvtiers_series_only() -> None:
     text = GOOD + "other_ratio NaN\nother_thing abc\nother_x 1\nother_x 2\nkvtier_skew -4\n"
     stats = cache_stats(parse_prometheus(text), "src")
     assert stats["tiers"]["dram"]["hits"] == 5
+
+
+def test_a_server_that_trickles_its_answer_is_given_up_on_at_the_timeout() -> None:
+    """``--timeout`` bounded each socket read, not the request: a server sending one byte
+    every 0.2 s held ``inspect stats --timeout 2`` for as long as it liked."""
+    import socket
+    import time
+
+    from kvtier.metrics_scrape import scrape
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            while not stop.is_set():
+                try:
+                    conn.sendall(b"#")
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ScrapeError, match=r"no whole answer within --timeout 1 s"):
+            scrape(f"http://127.0.0.1:{listener.getsockname()[1]}/metrics", timeout_s=1)
+        assert time.monotonic() - started < 5
+    finally:
+        stop.set()
+        server.join(5)
+        listener.close()
