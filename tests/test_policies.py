@@ -279,6 +279,19 @@ def test_lookahead_predictor_weights_by_distance() -> None:
     assert PrefixPredictor().predict([k(5), k(6)]) == [k(5), k(6)]
 
 
+def test_lookahead_predictor_stays_bounded_under_a_shared_prefix() -> None:
+    """A page every session starts with (a system prompt) kept one successor per
+    session ever seen and every lookup walked them all (20x slower after 6,000
+    sessions). Its successors are now capped, and a dominant one still wins."""
+    p = LookaheadPredictor(max_successors=8)
+    for session in range(10_000):
+        p.observe([k(0), k(1), k(10 + session % 2), k(100_000 + session)])
+    assert all(len(succ) <= 8 for succ in p._next.values())
+    assert p.predict([k(0)])[0] == k(1)  # 1 always follows 0
+    p.observe([k(0), k(1), k(7)])
+    assert len(p._next[k(1)]) <= 8 and p._next[k(1)][k(7)] == 1
+
+
 def test_admission_policies_selectable_in_config() -> None:
     from kvtier.config import make_admission
 
