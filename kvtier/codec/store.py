@@ -56,7 +56,8 @@ _log = logging.getLogger(__name__)
 
 def slot_bytes(codec: Codec) -> int:
     """Bytes the inner store keeps per page at most: the frame plus the largest
-    encoding (a raw page for lossless codecs)."""
+    encoding, or a raw page for a codec that is not fixed-size (it may answer ``None``:
+    the page is then stored raw)."""
     return FRAME_SIZE + max(codec.max_encoded_bytes(), 0 if codec.fixed_size else codec.page_bytes)
 
 
