@@ -156,18 +156,16 @@ class Planner:
 
     def batch_size(self, tier: int) -> int:
         """Pages per batch into ``tier``: ``batch_pages``, but never more than the tier
-        holds under its high watermark beside its held pages (pinned, or reserved outside
-        the pipeline), or, when those leave no room under the watermark, under its
-        capacity: so a batch can be made room for whenever one page can. And, when its
-        policy keeps parents (leaf-first), fewer than the room under its capacity: room
-        for a batch spares the page the batch extends, so a batch of all of it could
-        never be made room for (with ``high_watermark = 1``)."""
+        holds under its high watermark, nor than it has beside its held pages (pinned,
+        or reserved outside the pipeline), so a batch can always be made room for; and,
+        when its policy keeps parents (leaf-first), fewer than that room: room for a
+        batch spares the page the batch extends, so a batch of all of it could never be
+        made room for (with ``high_watermark = 1``). A batch of the watermark's size
+        beside 10 held pages of 24 raised CapacityError, and the store kept nothing."""
         t = self.tiers[tier]
-        held = self._held(tier) if self._held is not None else 0
-        free = t.limits.capacity - held
-        n = min(self.batch_pages, t.limits.high - held)
-        if n < 1:
-            n = min(self.batch_pages, free)
+        n = min(self.batch_pages, t.limits.high)
+        free = t.limits.capacity - (self._held(tier) if self._held is not None else 0)
+        n = min(n, free)
         if t.policy.keeps_parents and n >= free > 1:
             n = free - 1
         return max(1, n)
