@@ -118,8 +118,8 @@ class EventPoller:
             # wait was cancelled.
             fired: list[tuple[_Pending, Exception | None]] = []
             for item in batch:
-                if item.future.cancelled():
-                    fired.append((item, None))
+                if item.future.cancelled() or item.loop.is_closed():
+                    fired.append((item, None))  # nobody can be told any more
                     continue
                 self.polls += 1
                 try:
@@ -136,10 +136,13 @@ class EventPoller:
                     self._pending.remove(item)
                 more = bool(self._pending)
             for item, error in fired:
-                if error is not None:
-                    item.loop.call_soon_threadsafe(_set_exception, item.future, error)
-                elif not item.future.cancelled():
-                    item.loop.call_soon_threadsafe(_set_result, item.future)
+                try:
+                    if error is not None:
+                        item.loop.call_soon_threadsafe(_set_exception, item.future, error)
+                    elif not item.future.cancelled():
+                        item.loop.call_soon_threadsafe(_set_result, item.future)
+                except RuntimeError:  # its loop closed meanwhile: the wait has no one
+                    pass  # to tell, and the poller must live on for the other loops
             if fired:
                 sleep = self.min_sleep_s
             elif more:

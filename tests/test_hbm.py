@@ -194,6 +194,33 @@ class ManualEvent:
         self.done = False
 
 
+def test_a_wait_whose_loop_closed_does_not_kill_the_poller() -> None:
+    """A wait left pending when its loop closed: telling that loop raised 'Event loop is
+    closed' on the poller thread, which died, and every later wait of every loop (each
+    HBM read and write) hung."""
+    poller = EventPoller()
+    try:
+        first = ManualEvent()
+        loop = asyncio.new_event_loop()
+
+        async def start() -> asyncio.Future[None]:
+            return poller.wait(first)
+
+        loop.run_until_complete(start())
+        loop.close()
+        first.done = True  # the copy completes after its loop closed
+
+        async def later() -> None:
+            second = TimerEvent(0.05)
+            await asyncio.wait_for(poller.wait(second), 5)
+
+        asyncio.run(later())
+        assert poller._thread is not None and poller._thread.is_alive()
+        assert poller.pending() == 0
+    finally:
+        poller.close()
+
+
 def test_slot_ordering_reads_wait_for_writes_and_writes_for_reads() -> None:
     order = SlotOrdering()
     assert order.before_read(3) == [] and order.before_write(3) == []
