@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from kvtier.aio import finish_even_if_cancelled
 from kvtier.arena import SlotArena
 from kvtier.backend import Medium, Reservation, check_buffer
 from kvtier.cuda_streams import (
@@ -284,16 +285,22 @@ class HbmArena(SlotArena):
         return event
 
     async def _run_copies(self, direction: str, jobs: list[tuple[int, Any]]) -> None:
+        """Queue the copies and wait until they are done, also when cancelled: a
+        cancelled ``get`` returned while its device-to-host copy still ran, and the copy
+        then wrote the caller's buffer (a DRAM slot given to another page by then)."""
         if not jobs:
             return
-        event = await self.run_blocking(self._submit, direction, jobs)
-        assert self._poller is not None
-        await self._poller.wait(event)
+        await finish_even_if_cancelled(self._copies_done(direction, jobs))
         moved = len(jobs) * self.page_bytes
         if direction == "h2d":
             self._bytes_h2d += moved
         else:
             self._bytes_d2h += moved
+
+    async def _copies_done(self, direction: str, jobs: list[tuple[int, Any]]) -> None:
+        event = await self.run_blocking(self._submit, direction, jobs)
+        assert self._poller is not None
+        await self._poller.wait(event)
 
     # -- the keyed, two-phase interface ------------------------------------------------
 

@@ -470,3 +470,23 @@ async def test_consecutive_pages_move_in_one_copy_and_keep_their_bytes(
         assert await arena.get(keys[::-1], views[::-1]) == [True] * n
         assert calls == [page] * n
         np.testing.assert_array_equal(back, src)
+
+
+async def test_a_cancelled_read_has_stopped_writing_the_callers_buffer(standin_cupy) -> None:
+    """A ``get`` cancelled while its device-to-host copy ran returned at once, and the
+    copy landed in the caller's buffer afterwards (a DRAM slot given to another page by
+    then). It now returns, cancelled, only once the copy is done."""
+    standin_cupy(read_delay_s=0.2)
+    page = 4096
+    async with HbmArena(page_bytes=page, capacity_pages=4) as arena:
+        (key,) = _keys(1)
+        assert await arena.put([key], [np.full(page, 7, np.uint8)]) == [True]
+        out = np.zeros(page, np.uint8)
+        reading = asyncio.create_task(arena.get([key], [out]))
+        await asyncio.sleep(0.05)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        out[:] = 42  # the caller reuses its buffer
+        await asyncio.sleep(0.4)
+        assert set(out.tolist()) == {42}
