@@ -18,6 +18,7 @@ or the exception that failed it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -280,12 +281,14 @@ class KvikioEngine(IoEngine):
             try:
                 f = self._file(item.slab)
                 header = np.frombuffer(item.header, dtype=np.uint8)
-                pending.append(
-                    (
-                        f.pwrite(item.payload, item.payload.nbytes, item.offset),
-                        f.pwrite(header, HEADER_SIZE, item.offset + self.layout.page_bytes),
-                    )
+                first = f.pwrite(item.payload, item.payload.nbytes, item.offset)
+                second = _after(
+                    first,
+                    lambda f=f, header=header, item=item: f.pwrite(
+                        header, HEADER_SIZE, item.offset + self.layout.page_bytes
+                    ),
                 )
+                pending.append((first, second))
             except Exception as exc:
                 pending.append(exc)
         out: list[WriteResult] = []
@@ -294,7 +297,7 @@ class KvikioEngine(IoEngine):
                 out.append(p)
                 continue
             try:
-                n = p[0].get() + p[1].get()
+                n = _get_both(p[0], p[1])
                 want = self.layout.page_bytes + HEADER_SIZE
                 out.append(None if n == want else OSError(errno.EIO, f"wrote {n} of {want}"))
             except Exception as exc:
@@ -307,13 +310,14 @@ class KvikioEngine(IoEngine):
             try:
                 f = self._file(item.slab)
                 header = np.empty(HEADER_SIZE, dtype=np.uint8)
-                pending.append(
-                    (
-                        f.pread(item.out, item.out.nbytes, item.offset),
-                        f.pread(header, HEADER_SIZE, item.offset + self.layout.page_bytes),
-                        header,
-                    )
+                first = f.pread(item.out, item.out.nbytes, item.offset)
+                second = _after(
+                    first,
+                    lambda f=f, header=header, item=item: f.pread(
+                        header, HEADER_SIZE, item.offset + self.layout.page_bytes
+                    ),
                 )
+                pending.append((first, second, header))
             except Exception as exc:
                 pending.append(exc)
         out: list[ReadResult] = []
@@ -322,7 +326,7 @@ class KvikioEngine(IoEngine):
                 out.append(p)
                 continue
             try:
-                n = p[0].get() + p[1].get()
+                n = _get_both(p[0], p[1])
                 want = self.layout.page_bytes + HEADER_SIZE
                 if n != want:
                     raise IntegrityError(f"slab ends inside the page: read {n} of {want} bytes")
@@ -339,3 +343,26 @@ class KvikioEngine(IoEngine):
 
 
 ENGINES: dict[str, type[IoEngine]] = {"posix": PosixEngine, "kvikio": KvikioEngine}
+
+
+def _after(first: Any, start_second: Any) -> Any:
+    """``start_second()``; when it raises, wait for ``first`` (a KvikIO future whose
+    worker may still use a buffer of this call) before raising."""
+    try:
+        return start_second()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            first.get()
+        raise
+
+
+def _get_both(first: Any, second: Any) -> int:
+    """Bytes moved by two KvikIO futures, waiting for both even when the first fails:
+    a read's header buffer was freed while a worker still wrote into it."""
+    try:
+        n = int(first.get())
+    except BaseException:
+        with contextlib.suppress(Exception):
+            second.get()
+        raise
+    return n + int(second.get())

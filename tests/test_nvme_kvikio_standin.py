@@ -127,3 +127,34 @@ async def test_conformance_through_the_standin(
     result = await case.run(lambda: make(tmp_path / "s", "kvikio"), persistent=True)
     if result.skipped:
         pytest.skip(result.detail)
+
+
+async def test_a_failed_payload_read_still_waits_for_its_header_read(
+    standin_kvikio: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a page's payload read failed, its header read (into a buffer local to the
+    batch) was never waited for: the buffer could be freed while a KvikIO worker still
+    wrote into it. Both are now waited for, and the page is a miss."""
+    root = tmp_path / "s"
+    async with make(root, "kvikio") as s:
+        assert all(await s.put([key(1)], [page(1)]))
+        waited: list[str] = []
+        real_pread = _StandInCuFile.pread
+
+        def pread(self: _StandInCuFile, buf: np.ndarray, size: int, offset: int) -> Any:
+            if size == PAGE:  # the payload: fails
+                failed: concurrent.futures.Future[int] = concurrent.futures.Future()
+                failed.set_exception(OSError(5, "injected EIO"))
+                return _StandInFuture(failed)
+            inner = real_pread(self, buf, size, offset)
+
+            class Watched:
+                def get(self) -> int:
+                    waited.append("header")
+                    return inner.get()
+
+            return Watched()
+
+        monkeypatch.setattr(_StandInCuFile, "pread", pread)
+        assert await s.get([key(1)], [np.empty(PAGE, np.uint8)]) == [False]
+        assert waited == ["header"]
