@@ -145,14 +145,15 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
             f"cannot read metrics from {url}: no whole answer within --timeout {timeout_s:g} s "
             "(the server is too slow, or trickles its answer)"
         )
-    exc = got.get("error")
-    if isinstance(exc, urllib.error.HTTPError):
-        raise ScrapeError(f"cannot read metrics from {url}: HTTP {exc.code} {exc.reason}")
-    if isinstance(exc, urllib.error.URLError | OSError | ValueError | http.client.HTTPException):
-        reason = getattr(exc, "reason", exc)
+    failure = got.get("error")
+    if isinstance(failure, urllib.error.HTTPError):
+        raise ScrapeError(f"cannot read metrics from {url}: HTTP {failure.code} {failure.reason}")
+    errors = (urllib.error.URLError, OSError, ValueError, http.client.HTTPException)
+    if isinstance(failure, errors):
+        reason = getattr(failure, "reason", failure)
         raise ScrapeError(f"cannot read metrics from {url}: {reason}")
-    if exc is not None:
-        raise exc
+    if failure is not None:
+        raise failure
     body: bytes = got["body"]
     return body.decode("utf-8", errors="replace")
 
