@@ -35,4 +35,7 @@ specs+=(kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 "rapids-logger==0.3.*")
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${platforms[@]}" -d "$dir" "${specs[@]}"
 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$dir" .
+# what the wheel was built from: gpu_run.sh warns when the tree it runs in differs
+git ls-files -z kvtier backends cli plugins pyproject.toml | xargs -0 cat | sha256sum \
+    | cut -d' ' -f1 >"$dir/tree.sha"
 echo "wheels in $dir:" && ls -1 "$dir" && du -sh "$dir"

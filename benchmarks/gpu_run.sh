@@ -42,16 +42,29 @@ kvtier=("$py" -P -m kvtier)
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     site=/tmp/kvtier-gpu-site
-    step install 120 "$py" -m pip install -q --no-index --no-deps --no-compile \
+    step install 45 "$py" -m pip install -q --no-index --no-deps --no-compile \
         --no-cache-dir --upgrade --target "$site" .whl/*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    # the carried kvtier wheel is a snapshot of the tree gpu_prepare.sh ran on
+    if [ -f .whl/tree.sha ]; then
+        now=$(git ls-files -z kvtier backends cli plugins pyproject.toml 2>/dev/null \
+            | xargs -0 cat 2>/dev/null | sha256sum | cut -d' ' -f1)
+        if [ "$now" != "$(cat .whl/tree.sha)" ]; then
+            echo "WARNING: .whl/ was built from another tree: rerun gpu_prepare.sh" \
+                | tee -a "$log"
+        fi
+    fi
 fi
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_ORDER=PCI_BUS_ID
 
-{
+# The limits add up to 450 s (a device command may run 600 s, and the session's device
+# time, start-up included, is 15 minutes): correctness first, then the hierarchy's
+# figures never measured yet, then the GPU check, which writes its JSON after each
+# section, so a step cut by its limit keeps what it measured.
+timeout 30 bash -c '
     date -u
     nvidia-smi 2>&1 | head -20
-    "$py" -P - <<'PY'
+    "$0" -P - <<'"'"'PY'"'"'
 import importlib, sys
 print("python", sys.version.split()[0])
 for name in ("kvtier", "torch", "cupy", "kvikio", "numpy", "pytest", "pytest_asyncio",
@@ -62,30 +75,30 @@ for name in ("kvtier", "torch", "cupy", "kvikio", "numpy", "pytest", "pytest_asy
     except Exception as exc:
         print(name, "not importable:", repr(exc))
 PY
-    "${kvtier[@]}" inspect backends 2>&1
-    "${kvtier[@]}" inspect topology --path "$scratch" 2>&1
-    df -hT "$scratch" /tmp 2>&1
-} >"$out/env.txt" 2>&1
+    "$0" -P -m kvtier inspect backends 2>&1
+    "$0" -P -m kvtier inspect topology --path "$1" 2>&1
+    df -hT "$1" /tmp 2>&1
+' "$py" "$scratch" >"$out/env.txt" 2>&1
 
-step pytest 200 "$py" -m pytest -q -p no:cacheprovider -rs \
+step pytest 110 "$py" -m pytest -q -p no:cacheprovider -rs \
     tests/test_hbm.py tests/test_hbm_hierarchy.py tests/test_dram.py tests/test_registry.py \
     tests/test_layout.py tests/test_cli_bench_io.py tests/test_nvme_conformance.py \
     tests/test_nvme_store.py tests/test_nvme_kvikio_standin.py \
     tests/test_conformance_builtin.py tests/test_numa.py tests/test_topology.py \
     tests/test_vllm_groups.py tests/test_cli_polish.py::test_python_dash_m_runs_every_command \
     >"$out/pytest.log" 2>&1
-step gpu_check 200 "$py" benchmarks/gpu_check.py --budget-s 150 --nvme-dir "$scratch" \
-    --out "$out/gpu_check.json" 2>>"$log" >/dev/null
-step bench_run 150 "${kvtier[@]}" bench run -c benchmarks/gpu_tiers.toml --json \
+step bench_run 60 "${kvtier[@]}" bench run -c benchmarks/gpu_tiers.toml --json \
     --nvme-dir "$scratch/bench-run" \
     >"$out/bench_run.json" 2>>"$log"
-step bench_speculative 120 "${kvtier[@]}" bench run -c benchmarks/gpu_tiers.toml --json \
+step bench_speculative 45 "${kvtier[@]}" bench run -c benchmarks/gpu_tiers.toml --json \
     --workload speculative --nvme-dir "$scratch/bench-spec" \
     >"$out/bench_speculative.json" 2>>"$log"
 for size in 4MiB 64KiB; do
-    step "bench_io_$size" 90 "${kvtier[@]}" bench io --tier hbm --tier dram --tier nvme \
+    step "bench_io_$size" 30 "${kvtier[@]}" bench io --tier hbm --tier dram --tier nvme \
         --page-size "$size" --pages 64 --repeats 5 --dir "$scratch" --json \
         >"$out/bench_io_$size.json" 2>>"$log"
 done
+step gpu_check 130 "$py" benchmarks/gpu_check.py --budget-s 90 --nvme-dir "$scratch" \
+    --out "$out/gpu_check.json" 2>>"$log" >/dev/null
 echo "failed steps: $failed" | tee -a "$log"
 exit "$failed"
