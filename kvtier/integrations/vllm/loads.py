@@ -171,11 +171,8 @@ class Loads:
             self._count("load_seconds", seconds)
             self._count("load_errors", len(bad))
             blocks = [job.blocks[i] for i in good]
-            staged = paged.stage(buffer, len(job.keys))
-            if len(good) < len(job.keys):
-                staged = staged.index_select(
-                    0, torch.tensor(good, dtype=torch.long, device=staged.device)
-                )
+            partial = len(good) < len(job.keys)
+            staged = paged.stage(buffer, len(job.keys), rows=good if partial else None)
             for layer in range(job.layers):
                 with job.lock:
                     if job.cancelled:

@@ -104,10 +104,15 @@ class PagedKV:
         """A ``[pages, page_bytes]`` uint8 host buffer (pinned when the KV is on a GPU)."""
         return torch.empty((pages, self.page_bytes), dtype=torch.uint8, pin_memory=self.cuda)
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
             if not 0 <= b < self.num_blocks:
                 raise KVTierUsageError(f"block id {b} outside [0, {self.num_blocks})")
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The block ids as a tensor on the KV's device, on the current stream: call it
+        on the stream that reads it."""
+        self._check_ids(block_ids)
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     def _group_index(self, blocks: Sequence[Block], group: int) -> torch.Tensor:
@@ -123,16 +128,23 @@ class PagedKV:
         n = len(block_ids)
         if n == 0:
             return None
-        idx = {g: self._group_index(block_ids, g) for g in sorted(set(self.layer_groups))}
+        groups = sorted(set(self.layer_groups))
         lb = self.layer_bytes
         if not self.cuda:
+            idx = {g: self._group_index(block_ids, g) for g in groups}
             for i, kv in enumerate(self.layers):
                 blk = kv.index_select(0, idx[self.layer_groups[i]])
                 out[:n, i * lb : (i + 1) * lb].copy_(blk.view(torch.uint8).reshape(n, lb))
             return None
         stream = self._stream
+        for g in groups:  # bad ids are named before anything is queued
+            self._check_ids([layer_block(b, g) for b in block_ids])
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            # made on the side stream that reads them: made on the current one, the
+            # allocator could hand their memory to the next step's kernels before the
+            # side stream (behind the whole queued forward pass) read the block ids
+            idx = {g: self._group_index(block_ids, g) for g in groups}
             for i, kv in enumerate(self.layers):
                 blk = kv.index_select(0, idx[self.layer_groups[i]])
                 out[:n, i * lb : (i + 1) * lb].copy_(
@@ -142,13 +154,18 @@ class PagedKV:
             event.record(stream)
         return event
 
-    def stage(self, src: torch.Tensor, pages: int) -> torch.Tensor:
+    def stage(
+        self, src: torch.Tensor, pages: int, rows: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Page rows ready for :meth:`scatter_layer`: ``src`` itself on the CPU, a device
-        copy (one host-to-device transfer on the side stream) on a GPU."""
+        copy (one host-to-device transfer on the side stream) on a GPU; with ``rows``,
+        only those of the first ``pages`` rows, in that order, selected on the side
+        stream (selected on another stream, they could be read before the copy landed)."""
         if not self.cuda:
-            return src
+            return src if rows is None else self._rows(src, list(rows), pages)
         with torch.cuda.stream(self._stream):
-            return src[:pages].to(self.device, non_blocking=True)
+            staged = src[:pages].to(self.device, non_blocking=True)
+            return staged if rows is None else self._rows(staged, list(rows), pages)
 
     def scatter_layer(self, layer: int, block_ids: Sequence[Block], staged: torch.Tensor) -> Any:
         """Write layer ``layer`` of the staged page rows ``staged[:len(block_ids)]`` into
@@ -160,15 +177,17 @@ class PagedKV:
         rows = [i for i, b in enumerate(ids) if b != NOT_HELD]
         if not rows:
             return None
-        idx = self._index([ids[i] for i in rows])
         n = len(rows)
         lb = self.layer_bytes
         kv = self.layers[layer]
         if not self.cuda:
+            idx = self._index([ids[i] for i in rows])
             part = self._rows(staged, rows, len(ids))[:, layer * lb : (layer + 1) * lb]
             kv.index_copy_(0, idx, part.contiguous().view(self.dtype).view(n, *self.block_shape))
             return None
+        self._check_ids([ids[i] for i in rows])
         with torch.cuda.stream(self._stream):
+            idx = self._index([ids[i] for i in rows])  # on the stream that reads it
             part = self._rows(staged, rows, len(ids))[:, layer * lb : (layer + 1) * lb]
             kv.index_copy_(0, idx, part.contiguous().view(self.dtype).view(n, *self.block_shape))
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
