@@ -160,6 +160,14 @@ def scan_slabs(
     header = bytearray(HEADER_SIZE)
     payload = np.empty(layout.page_bytes, dtype=np.uint8)
     now = time.time()
+
+    def scanned(n: int) -> None:  # count n slots; progress in steps of 1024
+        before = result.slots_scanned
+        result.slots_scanned += n
+        crossed = result.slots_scanned // 1024 - before // 1024
+        if progress is not None and crossed:
+            progress(1024 * crossed)
+
     for slab, size in sorted(slab_files(root).items()):
         slots = min(layout.slots_per_slab, size // layout.slot_bytes)
         if not slots:
@@ -176,19 +184,12 @@ def scan_slabs(
                     data_at, data_until = _next_data(fd, offset, size)
                     if data_at >= offset + layout.slot_bytes:
                         skip = min((data_at - offset) // layout.slot_bytes, slots - index)
-                        before = result.slots_scanned
-                        result.slots_scanned += skip
+                        scanned(skip)
                         index += skip
-                        if progress is not None:
-                            crossed = result.slots_scanned // 1024 - before // 1024
-                            if crossed:
-                                progress(1024 * crossed)
                         continue
                 slot = slab * layout.slots_per_slab + index
                 index += 1
-                result.slots_scanned += 1
-                if progress is not None and result.slots_scanned % 1024 == 0:
-                    progress(1024)
+                scanned(1)
                 if os.preadv(fd, [header], offset + layout.page_bytes) < HEADER_SIZE:
                     continue
                 if header[:4] != MAGIC:

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvtier.errors import ConfigError
+from kvtier.options import mask_url_password
 
 #: Characters a key prefix may not hold: hash-tag braces (they decide the cluster slot),
 #: glob metacharacters (``keys()`` scans with a pattern) and whitespace.
@@ -113,9 +114,7 @@ class RemoteOptions:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         if out["password"] is not None:
             out["password"] = "***"
-        parts = urlsplit(self.url)
-        if parts.password:
-            out["url"] = self.url.replace(f":{parts.password}@", ":***@", 1)
+        out["url"] = mask_url_password(self.url)
         return out
 
 

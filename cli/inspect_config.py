@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 import typer
 from kvtier.cli.app import inspect_app
@@ -23,6 +22,7 @@ from kvtier.cli.output import (
 
 from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError
+from kvtier.options import mask_url_password
 from kvtier.tier_check import check_tiers, create_backend
 
 
@@ -86,12 +86,7 @@ def _masked(key: str, value: Any) -> Any:
     if value is not None and key.rsplit(".", 1)[-1] in SECRET_OPTIONS:
         return "***"
     if isinstance(value, str) and "://" in value:
-        try:
-            password = urlsplit(value).password
-        except ValueError:
-            return value
-        if password:
-            return value.replace(f":{password}@", ":***@", 1)
+        return mask_url_password(value)
     return value
 
 

@@ -76,11 +76,8 @@ def configure_logging(
         structlog.processors.format_exc_info,
         renderer,
     ]
-    factory = (
-        structlog.PrintLoggerFactory(stream)
-        if stream is not None
-        else structlog.PrintLoggerFactory(cast(TextIO, _StderrProxy()))
-    )
+    out = stream if stream is not None else cast(TextIO, _StderrProxy())
+    factory = structlog.PrintLoggerFactory(out)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
@@ -88,7 +85,7 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     if stdlib:
-        _route_stdlib_logging(renderer, lvl, stream)
+        _route_stdlib_logging(renderer, lvl, out)
 
 
 #: The stdlib loggers whose lines :func:`configure_logging` renders as kvtier's own
@@ -110,7 +107,7 @@ def _component_from_logger(
     return event
 
 
-def _route_stdlib_logging(renderer: Any, level: int, stream: TextIO | None) -> None:
+def _route_stdlib_logging(renderer: Any, level: int, stream: TextIO) -> None:
     """Render kvtier's stdlib log lines (a remote store's outage and recovery lines, a
     file store's failed write, ...) with the same renderer, level and stream as its
     structlog events: before, they went to Python's last-resort handler as bare text
@@ -126,7 +123,7 @@ def _route_stdlib_logging(renderer: Any, level: int, stream: TextIO | None) -> N
         ],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
-    handler = _KvtierHandler(stream if stream is not None else cast(TextIO, _StderrProxy()))
+    handler = _KvtierHandler(stream)
     handler.setFormatter(formatter)
     handler.setLevel(level)  # the handler's, not the loggers': others' handlers keep theirs
     for name in STDLIB_LOGGERS:

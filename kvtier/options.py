@@ -39,6 +39,7 @@ import typing
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError
 
@@ -171,3 +172,13 @@ def _scalar(what: str, kind: type, value: Any) -> Any:
     if not math.isfinite(num):
         raise ConfigError(f"{what} must be a finite number, got {value!r}")
     return num
+
+
+def mask_url_password(url: str) -> str:
+    """``url`` with its password, if any, shown as ``***`` (``redis://user:***@host``);
+    a text that does not parse as a URL is returned as it is."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return url
+    return url.replace(f":{password}@", ":***@", 1) if password else url

@@ -312,6 +312,11 @@ class Planner:
             and self.sends_down(key)
         )
 
+    def skip_write_downs(self, tier: int, spare: Spare) -> None:
+        """From now on ``spare`` also holds every page of ``tier`` whose eviction would
+        need a write-down (:meth:`goes_down`): the tier below is refusing them."""
+        spare.skip = lambda key: self.goes_down(tier, key)
+
     def evict_plan(self, tier: int, victims: Iterable[PageKey]) -> EvictPlan:
         """Where each victim of ``tier`` goes (see :class:`EvictPlan`)."""
         plan = EvictPlan()

@@ -203,7 +203,7 @@ class Evictor:
         spare = Spare(protect, set())
         while True:
             if tier.skips_write_downs(mover.next(tier)):
-                spare.skip = lambda key: planner.goes_down(tier.index, key)
+                planner.skip_write_downs(tier.index, spare)
             victims = planner.trim_victims(tier.index, spare)
             if not victims:
                 if not wait or d.used(tier.name) <= tier.high_pages:

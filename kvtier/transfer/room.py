@@ -150,18 +150,15 @@ class Room:
         kept: set[PageKey] = set()
         spare = Spare(protect, stuck)
 
-        def skip_dirty() -> None:
-            spare.skip = lambda key: planner.goes_down(i, key)
-
         if tier.skips_write_downs(mover.next(tier)):
-            skip_dirty()
+            planner.skip_write_downs(i, spare)
 
         async def evict(victims: list[PageKey]) -> None:
             out = await self.evictor.evict_reporting(tier, victims, priority)
             failed.update(out.failed)
             stuck.update(out.failed)
             if out.failed:  # the tier below refused: no other dirty page this call
-                skip_dirty()
+                planner.skip_write_downs(i, spare)
             again = out.stay - out.failed
             stuck.update(again & kept)
             kept.update(again)
