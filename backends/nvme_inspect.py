@@ -73,9 +73,10 @@ def inspect_store(
     """A report of the store at ``path`` (plain data, JSON-ready).
 
     Keys: ``path``, ``format_version``, ``page_bytes``, ``slot_bytes``, ``slots_per_slab``,
-    ``capacity_pages``, ``pages``, ``bytes``, ``slabs``, ``slab_bytes_on_disk``, ``fill``
-    (pages / capacity), ``namespaces`` (label -> pages, bytes), ``quarantined`` (slots
-    opening the store holds unusable),
+    ``capacity_pages`` (``None`` when the index records none: rebuilt from slabs without the
+    old index, until a cache opens the store), ``pages``, ``bytes``, ``slabs``,
+    ``slab_bytes_on_disk``, ``fill`` (pages / capacity), ``namespaces`` (label -> pages,
+    bytes), ``quarantined`` (slots opening the store holds unusable),
     ``invalid_index_rows`` (rows opening the store would drop; ``pages``, ``bytes``,
     ``fill`` and ``namespaces`` count the valid rows only) and ``index_problems``
     (the first of them); with ``verify`` also ``verified`` (rows checked) and ``bad``
@@ -138,7 +139,7 @@ def inspect_store(
             )
         finally:
             index.close()
-        capacity = parsed.capacity_pages or 0
+        capacity = parsed.capacity_pages  # None: not recorded (an index rebuilt without one)
         pages = len(checked.rows)  # the valid rows only: what opening the store keeps
         report: dict[str, Any] = {
             "path": str(root),

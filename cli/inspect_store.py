@@ -46,7 +46,12 @@ def _render(data: dict[str, Any]) -> None:
         ("page size", size(data["page_bytes"])),
         ("slot size", size(data["slot_bytes"])),
         ("slabs", f"{data['slabs']} ({size(data['slab_bytes_on_disk'])} on disk)"),
-        ("capacity pages", fmt(data["capacity_pages"])),
+        (
+            "capacity pages",
+            fmt(data["capacity_pages"])
+            if data["capacity_pages"] is not None
+            else "not recorded (the index was rebuilt without one; set when a cache next opens it)",
+        ),
         ("fill", f"{fill:.1%}" if fill is not None else None),
         ("quarantined slots", data["quarantined"]),
         ("invalid index rows", data["invalid_index_rows"]),

@@ -348,6 +348,10 @@ async def test_rebuild_index_command(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["rebuild"]["pages"] == N - 1 and data["rebuild"]["damaged_slots"] == 1
     assert data["rebuild"]["page_bytes"] == PAGE  # inferred from the page headers
+    # The old index was unreadable, so no capacity survives: said so, not "0 pages".
+    assert data["capacity_pages"] is None and data["fill"] is None
+    text = " ".join(cli("inspect", "store", str(root)).output.split())
+    assert "not recorded (the index was rebuilt without one" in text
     async with store(root) as s:
         assert await read_all(s) == [i != 2 for i in range(N)]
 
