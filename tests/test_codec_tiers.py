@@ -78,6 +78,15 @@ def test_codec_from_the_environment(tmp_path: Path) -> None:
     assert resolved.sources["tiers[1].codec"] == "env:KVTIER_TIERS__T0__CODEC"
 
 
+def test_a_bad_codec_parameter_names_where_it_came_from(tmp_path: Path) -> None:
+    """The codec set in one place, a bad parameter in another: the error names both."""
+    env = {"KVTIER_TIERS__T0__CODEC_PARAMS__LEVEL": "99"}
+    with pytest.raises(ConfigError) as err:
+        load_config(_config(tmp_path, {"codec": "zstd"}), env=env)
+    assert "level" in str(err.value)
+    assert "env:KVTIER_TIERS__T0__CODEC_PARAMS__LEVEL" in str(err.value)
+
+
 async def test_capacity_counts_logical_pages_at_the_encoded_size(tmp_path: Path) -> None:
     cfg = _config(tmp_path, {"codec": "fp8-e4m3"}, {"codec": "zstd"}, {})
     async with KVCache(cfg, env={}, configure_log=False) as cache:

@@ -21,7 +21,9 @@ from kvtier.config.defaults import (
     ON_OPEN_ERROR,
     default_watermarks,
 )
-from kvtier.config.raw import check_store_paths, check_tier_name, flatten, source_note
+from kvtier.config.raw import check_store_paths, check_tier_name, flatten
+from kvtier.config.raw import codec_source_note as _codec_src  # a codec's and its parameters'
+from kvtier.config.raw import source_note as _src  # " (from ORIGIN)" of a key or a table
 from kvtier.errors import ConfigError, KVTierUsageError
 from kvtier.keys import Namespace
 from kvtier.log import parse_level
@@ -171,9 +173,6 @@ class ResolvedConfig:
             fallback = preset_src if key.startswith("model.") and preset_src else "default"
             rows.append((key, value, self.sources.get(key, fallback)))
         return rows
-
-
-_src = source_note  # " (from ORIGIN)" of a key, or of a table's leaves
 
 
 def _int(
@@ -437,7 +436,7 @@ def _check_codec(
     try:
         made = make_codec(codec, spec, **params)
     except ConfigError as exc:
-        raise ConfigError(f"{p}.codec: {exc}{_src(sources, p + '.codec')}") from None
+        raise ConfigError(f"{p}.codec: {exc}{_codec_src(sources, p)}") from None
     if tier_capacity_pages(capacity, made) < 1:
         raise ConfigError(
             f"{p}.capacity: {capacity} bytes hold no page encoded with {codec!r}"

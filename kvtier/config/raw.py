@@ -77,6 +77,15 @@ def source_note(sources: Mapping[str, str], key: str) -> str:
     return f" (from {origin})" if origin and origin != "default" else ""
 
 
+def codec_source_note(sources: Mapping[str, str], p: str) -> str:
+    """`` (from A, B)`` for tier ``p``'s codec and its parameters, each origin other than the
+    default once, the codec's first: a codec error may come from either."""
+    origins = [sources.get(f"{p}.codec", "default")]
+    origins += [v for k, v in sources.items() if k.startswith(f"{p}.codec_params.")]
+    named = list(dict.fromkeys(o for o in origins if o != "default"))
+    return f" (from {', '.join(named)})" if named else ""
+
+
 #: What a tier name may not be, and why: ``KVTIER_TIERS__<name>__<key>`` variables find a
 #: tier by its name, ignoring case, or by its index (see :func:`check_tier_name`).
 _NAME_RULE = (
