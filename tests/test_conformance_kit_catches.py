@@ -224,6 +224,74 @@ class ClaimsToFinishBeforeRaising(DictStore):
         return await asyncio.get_running_loop().run_in_executor(None, copy)
 
 
+class WritesAfterReturn(DictStore):
+    """Copies a ``get``'s pages, returns, and lets a straggler thread copy them again
+    20 ms later: a caller that reuses its buffers at once (the cache gives a DRAM slot to
+    the next page) has them overwritten with the old page's bytes."""
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        sizes = await super().get_sized(keys, out)
+        bufs = check_buffers(out, len(keys), self.page_bytes, writable=True)
+        blobs = [self.read(k) for k in keys]
+
+        def again() -> None:
+            for buf, blob in zip(bufs, blobs, strict=True):
+                if blob is not None:
+                    buf[: len(blob)] = np.frombuffer(blob, np.uint8)
+
+        threading.Timer(0.02, again).start()
+        return sizes
+
+
+class SharedStaging(DictStore):
+    """Writes a page through one staging buffer per key, in two halves; an odd
+    reservation's write awaits its I/O twice between the halves. Written one after the
+    other, two reservations of one key are fine; in flight at once, the first keeps the
+    second's first half and its own second half: a mix."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.staging: dict[PageKey, bytearray] = {}
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        bufs = check_buffers(data, len(reservations), self.page_bytes)
+        half = self.page_bytes // 2
+        kept = []
+        for r, b in zip(reservations, bufs, strict=True):
+            tgt = self.staging.setdefault(r.key, bytearray(self.page_bytes))
+            tgt[:half] = b[:half].tobytes()
+            for _ in range(2 if r.handle % 2 else 0):
+                await asyncio.sleep(0)
+            tgt[half:] = b[half:].tobytes()
+            kept.append(bytes(tgt))
+        return self.keep(reservations, kept)
+
+
+class PersistsFirstEight(DictStore):
+    """Makes only the first 8 commits after each open durable; later pages are served
+    until close, then gone."""
+
+    async def open(self) -> None:
+        await super().open()
+        self.durable = self.disk
+        self.disk = dict(self.durable)
+        self.commits = 0
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        ok = await super().commit(reservations)
+        for r, good in zip(reservations, ok, strict=True):
+            if good and not r.present and self.commits < 8:
+                self.durable.setdefault(r.key, self.disk[r.key])
+                self.commits += 1
+        return ok
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_open()
+        for k in keys:
+            self.durable.pop(k, None)
+        return await super().delete(keys)
+
+
 #: "durable" delete records of :class:`TombstoneOutlivesPut`: path -> deleted keys
 TOMBS: dict[str, set[PageKey]] = {}
 
@@ -340,11 +408,13 @@ async def test_the_reference_store_passes(tmp_path: Any) -> None:
         (WritesIntoAborted, "write into an aborted reservation answered True"),
         (HalfOfShortBlobs, "reads back wrong"),
         (ClaimsToFinishBeforeRaising, "of the caller's buffers after it had returned"),
-        (TombstoneOutlivesPut, "a delete's record outlive a later put of the key"),
+        (TombstoneOutlivesPut, "delete's record must not outlive a later put of the key"),
         (RacyReserve, "8 puts at once with room for 2 pages: 8 answered True"),
         (SlotPool, "whose buffers hold other bytes (key 0: another key's page put meanwhile"),
         (LeaksAThread, "threads started during 3 open/close cycles still run"),
         (ListsKeysTwice, "keys() lists 10 keys for 5 committed pages"),
+        (WritesAfterReturn, "get() wrote into 8 of the caller's buffers after it had returned"),
+        (SharedStaging, "a mix of the two (each reservation must write to its own room)"),
     ],
 )
 async def test_a_broken_store_fails_with_a_message_naming_the_fault(
@@ -352,6 +422,32 @@ async def test_a_broken_store_fails_with_a_message_naming_the_fault(
 ) -> None:
     with pytest.raises(ConformanceError, match=re.escape(needle)):
         await check_backend(_factory(variant, str(tmp_path)), persistent=True)
+
+
+async def test_a_store_that_keeps_only_some_commits_fails_survives_reopen(tmp_path: Any) -> None:
+    """Five pages came back before, whatever the store lost beyond them."""
+    big = lambda: PersistsFirstEight(page_bytes=PAGE, capacity_pages=64, path=str(tmp_path))  # noqa: E731
+    with pytest.raises(ConformanceError, match=r"survives_reopen: .* pages committed in batc"):
+        await check_backend(big, persistent=True)
+
+
+class HangsOnGet(DictStore):
+    """A ``get`` that never returns (a network store without a deadline)."""
+
+    async def get_sized(self, keys: Sequence[PageKey], out: Sequence[Any]) -> list[int | None]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_hanging_store_is_named_a_hang_not_a_wrong_read(tmp_path: Any) -> None:
+    """Before, the report's last line read "pages do not read back as put" for a hang."""
+    cases = [c for c in conformance_cases() if c.name in {"round_trip", "per_item_results"}]
+    with pytest.raises(ConformanceError) as err:
+        await check_backend(_factory(HangsOnGet, str(tmp_path)), cases=cases, timeout_s=0.3)
+    text = str(err.value)
+    assert "round_trip: did not finish within 0.3 s (a hang?)" in text
+    assert "round_trip hung: a backend call never returns" in text
+    assert "do not read back as put" not in text
 
 
 async def test_a_store_that_never_yields_on_small_batches_passes(tmp_path: Any) -> None:

@@ -26,6 +26,7 @@ from kvtier.testing.case import (
 from kvtier.testing.cases_ownership import (
     cancelled_get_stops_writing,
     delete_spares_reservations,
+    get_stops_writing_when_it_returns,
     racing_commits_keep_one_page,
     write_keeps_no_reference,
 )
@@ -409,6 +410,11 @@ CASES: tuple[Case, ...] = (
         "racing_commits_keep_one_page",
         "a key committed twice holds one page, one write's bytes",
         racing_commits_keep_one_page,
+    ),
+    Case(
+        "get_stops_writing_when_it_returns",
+        "once get returns, nothing writes into the caller's buffers",
+        get_stops_writing_when_it_returns,
     ),
     Case(
         "cancelled_get_stops_writing",

@@ -1,7 +1,8 @@
 """Conformance cases about who owns a page's bytes: the caller's buffer is the caller's
-once ``write`` returns (and once a ``get`` of a backend that promises
-``get_finishes_before_raising`` is cancelled), a key committed twice holds one whole page,
-and a delete does not touch a page still in flight."""
+once ``write`` or ``get`` returns (and once a ``get`` of a backend that promises
+``get_finishes_before_raising`` is cancelled), a key committed twice, even by two writes
+in flight at once, holds one whole page, and a delete does not touch a page still in
+flight."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 
 import numpy as np
 
+from kvtier.backend import Backend
 from kvtier.testing.case import CaseContext, cancel_after, empty_pages, expect, read_back
 from kvtier.testing.kit import CaseSkipped
 
@@ -19,6 +21,9 @@ LATE_WRITE_WATCH_S = 0.05
 CANCEL_ROUNDS = 5
 #: The byte the case fills the buffers with once a cancelled ``get`` is over.
 MARK = 0x5A
+#: Rounds of two writes of one key in flight at once, the second started after 0 to 3
+#: loop turns (a mix is a race with the copies, so one round may miss it).
+RACE_ROUNDS = 3
 
 
 async def write_keeps_no_reference(ctx: CaseContext) -> None:
@@ -55,10 +60,20 @@ async def racing_commits_keep_one_page(ctx: CaseContext) -> None:
     """Two reservations of one absent key (two puts racing), written with different
     bytes (equal keys mean equal tokens, but KV computed in different batches may differ
     in its last bits): both commits succeed and the key holds one page, whose bytes are
-    the whole of one of the two writes, never a mix."""
+    the whole of one of the two writes, never a mix. The writes run one after the other,
+    then (:data:`RACE_ROUNDS` times, on new keys) in flight at once, the second started
+    0 to 3 loop turns after the first, as two caches sharing a store do."""
     b = await ctx.backend()
+    for turns in [None, *[t for _round in range(RACE_ROUNDS) for t in range(4)]]:
+        await _race_one_key(b, ctx, turns)
+
+
+async def _race_one_key(b: Backend, ctx: CaseContext, turns: int | None) -> None:
+    """One key reserved twice and written with two pages: in turn (``turns`` None), or
+    the second write started ``turns`` loop turns after the first, both in flight."""
     key = ctx.keys(1)
     first, second = ctx.pages(2, b.page_bytes)
+    used = b.used_pages()
     r1 = await b.reserve(key)
     r2 = await b.reserve(key)
     expect(r1[0] is not None and r2[0] is not None, "reserve of an absent key failed")
@@ -67,17 +82,52 @@ async def racing_commits_keep_one_page(ctx: CaseContext) -> None:
     if c.present:  # the backend saw the first reservation: nothing races
         await b.abort([a])
         return
-    expect(await b.write([a], [first]) == [True], "write of the first reservation failed")
-    expect(await b.write([c], [second]) == [True], "write of the second reservation failed")
+    how = "one after the other" if turns is None else f"in flight at once ({turns} turns apart)"
+    if turns is None:
+        written = [await b.write([a], [first]), await b.write([c], [second])]
+    else:
+        one = asyncio.ensure_future(b.write([a], [first]))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        written = list(await asyncio.gather(one, b.write([c], [second])))
+    expect(written == [[True], [True]], f"writes of two reservations of one key, {how}, failed")
     expect(await b.commit([a]) == [True], "commit of the first reservation failed")
     expect(await b.commit([c]) == [True], "commit of a key committed meanwhile must succeed")
     ok, (page,) = await read_back(b, key)
     expect(ok == [True], "get of a key committed twice missed")
     expect(
         np.array_equal(page, first) or np.array_equal(page, second),
-        "a key committed twice serves bytes that are neither write's: a mix of the two",
+        f"a key committed twice, its two writes {how}, serves bytes that are neither "
+        "write's: a mix of the two (each reservation must write to its own room)",
     )
-    expect(b.used_pages() == 1, f"one key committed twice holds {b.used_pages()} pages, not 1")
+    held = b.used_pages() - used
+    expect(held == 1, f"one key committed twice holds {held} pages, not 1")
+    expect(await b.delete(key) == [True], "delete of a key committed twice failed")
+
+
+async def get_stops_writing_when_it_returns(ctx: CaseContext) -> None:
+    """Once ``get`` returns, the caller's buffers are the caller's: nothing the backend
+    started (a thread, a straggling copy) writes into them any more. The cache gives such
+    a buffer (a DRAM slot) to the next page at once, so a late write serves another
+    page's bytes as it. Watched for :data:`LATE_WRITE_WATCH_S` after each of
+    :data:`CANCEL_ROUNDS` gets."""
+    b = await ctx.backend()
+    n = min(b.capacity_pages, 16)
+    keys = ctx.keys(n)
+    expect(await b.put(keys, ctx.pages(n, b.page_bytes)) == [True] * n, "put failed")
+    for _round in range(CANCEL_ROUNDS):
+        out = empty_pages(b, n)
+        expect(await b.get(keys, out) == [True] * n, "get of committed pages missed")
+        for o in out:  # the caller reuses its buffers at once
+            o[:] = MARK
+        await asyncio.sleep(LATE_WRITE_WATCH_S)
+        late = sum(not (o == MARK).all() for o in out)
+        expect(
+            late == 0,
+            f"get() wrote into {late} of the caller's buffers after it had returned: wait "
+            "for every copy it started before returning (a cache reuses those buffers for "
+            "other pages at once)",
+        )
 
 
 async def delete_spares_reservations(ctx: CaseContext) -> None:

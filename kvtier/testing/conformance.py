@@ -74,7 +74,9 @@ async def check_backend(
     """Run the whole suite (or ``cases``) against backends from ``factory``.
 
     ``persistent=True`` adds the check that committed pages survive close and reopen;
-    ``pages`` replaces the random pages the cases store (see :data:`PageSource`).
+    ``pages`` replaces the random pages the cases store (see :data:`PageSource`); a case
+    still running after ``timeout_s`` fails as a hang (a backend whose calls never return
+    costs that much per case: lower it to see such a backend fail sooner).
     Returns the report when every case passed or skipped; otherwise raises
     :class:`ConformanceError` listing each failed case with its reason.
     """
@@ -97,9 +99,13 @@ async def check_backend(
         else:
             passed.append(case.name)
     if failures:
-        if any(f.startswith("round_trip:") for f in failures) and len(failures) > 1:
+        first = next((f for f in failures if f.startswith("round_trip:")), None)
+        if first is not None and len(failures) > 1:
             failures.append(
-                "(round_trip failed: pages do not read back as put, so the other cases' "
+                "(round_trip hung: a backend call never returns, so the other cases may "
+                f"only be waiting on it too; timeout_s={timeout_s:g} s per case)"
+                if "did not finish within" in first
+                else "(round_trip failed: pages do not read back as put, so the other cases' "
                 "diagnoses may only be consequences of that; fix round_trip first)"
             )
         raise ConformanceError(
