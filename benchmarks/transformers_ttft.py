@@ -207,7 +207,8 @@ def main() -> None:
                 # forget Q's own pages so that after the restart only the prefix is cached
                 bridge.call(bridge.cache.delete(own))
             with KVTierBridge.start(cfg, env={}) as bridge:  # restart: DRAM empty
-                hit = bridge.call(bridge.cache.lookup(q[0].tolist()))
+                ns = bridge.namespace_for(model.config)
+                hit = bridge.call(bridge.cache.lookup(q[0].tolist(), namespace=ns))
                 report["nvme_prefix_tiers"] = sorted(set(hit.tiers))
                 with bridge.new_cache(model.config) as c:
                     nvme = timed_generate(model, q, c, 1, before=lambda c=c: c.load_prefix(q))

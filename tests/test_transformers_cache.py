@@ -159,10 +159,10 @@ def test_prefix_served_from_nvme_after_restart(model: LlamaForCausalLM, tmp_path
         stored = c.stats.pages_published
     ref = greedy(model, ids, DynamicCache(config=model.config), 10)
     with KVTierBridge.start(config(model, store, dram_pages=64), env={}) as bridge:
-        hit = bridge.call(bridge.cache.lookup(ids[0].tolist()))
-        assert hit.cached_tokens == 48 and set(hit.tiers) == {"nvme"}
-        assert stored >= len(hit.keys)
-        with bridge.new_cache(model.config) as c:
+        with bridge.new_cache(model.config) as c:  # sets bridge.namespace: the config's
+            hit = bridge.call(bridge.cache.lookup(ids[0].tolist(), namespace=bridge.namespace))
+            assert hit.cached_tokens == 48 and set(hit.tiers) == {"nvme"}
+            assert stored >= len(hit.keys)
             assert c.load_prefix(ids) == 48
             out = greedy(model, ids, c, 10)
             assert c.stats.computed_tokens == 2 + 9
@@ -267,6 +267,7 @@ async def test_bridge_needs_an_arena_top_tier(model: LlamaForCausalLM, tmp_path:
         ("/models/llama-a", "org/llama-a", False),  # named by the user
         ("/models/llama-a", "llama-a", False),  # named as the checkpoint's folder
         ("", None, False),  # no checkpoint (a model built in code): nothing to name
+        ("/models/llama-b", "org/llama-a", True),  # the namespace names another one
     ],
 )
 def test_a_checkpoint_the_namespace_does_not_name_is_warned_about_once(
@@ -284,4 +285,5 @@ def test_a_checkpoint_the_namespace_does_not_name_is_warned_about_once(
     events = [e for e in logs if e["event"] == "hf.namespace_not_the_checkpoint"]
     assert len(events) == (1 if warned else 0)
     if warned:
-        assert events[0]["checkpoint"] == checkpoint and events[0]["model_id"] == "llama"
+        assert events[0]["checkpoint"] == checkpoint
+        assert events[0]["model_id"] == (model_id or "llama")

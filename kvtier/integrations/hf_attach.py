@@ -52,6 +52,16 @@ def attach(model: torch.nn.Module) -> None:
                 "mask. A prompt that holds the pad token gets such a mask from generate: "
                 "pass attention_mask=torch.ones_like(input_ids) to attend to every token"
             )
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1:
+            raise KVTierUsageError(
+                f"KVTierCache holds one sequence; this forward has a batch of {ids.shape[0]} "
+                "(a batch, beam search, num_return_sequences > 1 and assisted decoding are "
+                "not supported: use DynamicCache for those)"
+            )
+        config = getattr(module, "config", None)
+        if config is not None and cache.model_checked is not config:
+            cache.bridge.check_model_config(config)  # a cache made for another model
+            cache.model_checked = config
         check_positions(kwargs.get("position_ids"), len(cache.tokens), ids)
         cache.observe_tokens(ids)
 

@@ -97,6 +97,9 @@ class KVTierCache(Cache):  # type: ignore[misc]
                 )
         super().__init__(layers=[_LayerView(self, i) for i in range(spec.num_layers)])
         self.bridge = bridge
+        #: the namespace its pages are keyed in (the bridge's: with the config's digest)
+        self.namespace = bridge.namespace
+        self.model_checked: Any = None  # the last model config the attach hook passed
         self.spec = spec
         self.stats = KVTierCacheStats()
         self._dtype = torch_dtype(spec)
@@ -190,7 +193,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
         cache = self.bridge.cache
 
         async def find() -> list[PageKey]:
-            hit = await cache.lookup(ids[:usable])
+            hit = await cache.lookup(ids[:usable], namespace=self.namespace)
             if hit.keys:
                 # move them up in the background; the first forward's load waits for them
                 task = asyncio.get_running_loop().create_task(
@@ -211,10 +214,6 @@ class KVTierCache(Cache):  # type: ignore[misc]
     def observe_tokens(self, input_ids: Any) -> None:
         """The token ids of the next forward pass (called by the :func:`attach` hook)."""
         self._check_open()
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise KVTierUsageError(
-                f"KVTierCache holds one sequence; got a batch of {input_ids.shape[0]}"
-            )
         self._pending = token_list(input_ids)
 
     # -- the forward pass ---------------------------------------------------------------
@@ -231,6 +230,9 @@ class KVTierCache(Cache):  # type: ignore[misc]
         (``[1, kv_heads, tokens, head_dim]``)."""
         self._check_open()
         self._check_states(key_states, value_states, layer_idx)
+        # cached KV carries no autograd history: written into the shared arena with it,
+        # the arena itself would need grad and every later gather (out=) would fail
+        key_states, value_states = key_states.detach(), value_states.detach()
         n = key_states.shape[2]
         if layer_idx == 0:
             self._begin_forward(n)
@@ -415,7 +417,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
         if count:
             parent = self._keys[-1] if self._keys else ROOT_KEY
             keys = self.bridge.cache.page_keys(
-                self._tokens[first * pt : (first + count) * pt], parent
+                self._tokens[first * pt : (first + count) * pt], parent, self.namespace
             )
         self._index = None
         stored = self.bridge.call(self._publish(keys, new_pages))
@@ -445,7 +447,9 @@ class KVTierCache(Cache):  # type: ignore[misc]
             self._keys[-1] if self._keys else ROOT_KEY,
             *keys[:-1],
         ]
-        ok = await cache.store_pages(keys, pages.contiguous(), parents=parents)
+        ok = await cache.store_pages(
+            keys, pages.contiguous(), parents=parents, namespace=self.namespace
+        )
         stored = 0
         for good in ok:
             if not good:

@@ -19,7 +19,7 @@ from kvtier.attention import torch_dtype
 from kvtier.backend import ArenaBackend, Reservation
 from kvtier.cache import KVCache
 from kvtier.errors import KVTierUsageError, TierIOError
-from kvtier.keys import PageKey, PrivateKeys
+from kvtier.keys import Namespace, PageKey, PrivateKeys
 from kvtier.spec import KVSpec, canonical_dtype
 
 T = TypeVar("T")
@@ -64,6 +64,14 @@ class BridgeLike(Protocol):
     @property
     def pages(self) -> torch.Tensor:
         """The whole top-tier arena as ``[capacity, *page_shape]``."""
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace the caches key their pages in."""
+
+    def check_model_config(self, model_config: Any) -> None:
+        """Raise :class:`KVTierUsageError` when ``model_config`` is not the model the
+        bridge's pages were computed by (another checkpoint or KV-changing config)."""
 
 
 def spec_for_model(

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import threading
 from collections.abc import Coroutine, Iterator, Mapping
@@ -72,6 +73,7 @@ from kvtier.integrations.hf_parts import (
     arena_pages,
     spec_for_model,
 )
+from kvtier.keys import Namespace
 from kvtier.log import get_logger
 from kvtier.spec import KVSpec
 
@@ -93,20 +95,36 @@ _log = get_logger("kvtier.transformers")
 
 def warn_unnamed_checkpoint(cache: KVCache, source: str) -> bool:
     """Warn (and return True) when the model comes from checkpoint ``source`` (its
-    config's ``_name_or_path``) while the cache's namespace model id is only its shape's
-    name (``namespace.model_id`` unset): pages are keyed by the namespace, so another
-    checkpoint of the same shape and dtype would read this one's KV."""
+    config's ``_name_or_path``) and the cache's namespace model id does not name it: the
+    model id is only the shape's name (``namespace.model_id`` unset), so another checkpoint
+    of the same shape and dtype would read this one's KV, or it names another checkpoint
+    (neither the same string nor the same last path part: ``org/Llama-3.1-8B`` names
+    ``/models/Llama-3.1-8B``), whose pages this model would then read and write."""
     model_id = cache.namespace.model_id
-    if not source or model_id != cache.spec.name or model_id in (source, Path(source).name):
+    if not source or Path(model_id).name in (source, Path(source).name) or model_id == source:
         return False
+    unset = model_id == cache.spec.name
     _log.warning(
         "hf.namespace_not_the_checkpoint",
         model_id=model_id,
         checkpoint=source,
         advice="set namespace.model_id (and namespace.revision) to this checkpoint: "
-        "another checkpoint of the same shape would share its pages",
+        + (
+            "another checkpoint of the same shape would share its pages"
+            if unset
+            else "pages are keyed by the namespace, so if this is not the model it names, "
+            "the two read each other's KV"
+        ),
     )
     return True
+
+
+def namespace_for_config(namespace: Namespace, digest: str) -> Namespace:
+    """``namespace`` with a model config's digest (:func:`config_digest`) in its revision:
+    KV computed under one config (another ``rope_theta``, a rope scaling override) is never
+    served to a model of another, across restarts too (a bridge's own check sees one
+    process only)."""
+    return dataclasses.replace(namespace, revision=f"{namespace.revision}+hf-config.{digest}")
 
 
 #: Config fields that do not change a token's KV (run options, bookkeeping).
@@ -160,6 +178,22 @@ class KVTierBridge:
         self._thread: threading.Thread | None = None
         self._checkpoint: str | None = None  # the first checkpoint seen: pages are its KV
         self._config: str | None = None  # and the digest of its config (config_digest)
+        self._namespace: Namespace = cache.namespace  # with that digest once known
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace this bridge's caches key their pages in: the cache's, with the
+        digest of the first model config given to :meth:`new_cache` in its revision
+        (:func:`namespace_for_config`; before that, the cache's own)."""
+        return self._namespace
+
+    def namespace_for(self, model_config: Any) -> Namespace:
+        """The namespace caches of ``model_config`` key their pages in, e.g. to look a
+        prompt up before any cache exists (``bridge.cache.lookup(tokens,
+        namespace=bridge.namespace_for(model.config))``)."""
+        digest = config_digest(model_config)
+        ns = self.cache.namespace
+        return ns if digest is None else namespace_for_config(ns, digest)
 
     # -- running coroutines on the cache's loop -----------------------------------------
 
@@ -200,6 +234,8 @@ class KVTierBridge:
                 "use KVTierCache in an executor thread (loop.run_in_executor) so the loop "
                 "stays free"
             )
+        if not self.cache.is_open or self.loop.is_closed():
+            raise KVTierUsageError("new_cache() on a closed bridge: its KVCache is closed")
         source = str(getattr(model_config, "_name_or_path", "") or "")
         if source and self._checkpoint is None:
             self._checkpoint = source
@@ -216,6 +252,7 @@ class KVTierBridge:
         digest = config_digest(model_config)
         if digest is not None and self._config is None:
             self._config = digest
+            self._namespace = namespace_for_config(self.cache.namespace, digest)
         elif digest is not None and digest != self._config:
             cache.close()
             # the same checkpoint with another config (a rope scaling override, another
@@ -226,7 +263,31 @@ class KVTierBridge:
                 "(an override such as rope scaling changes the KV of the same tokens): "
                 "open another bridge with its own namespace.model_id or revision"
             )
+        cache.namespace = self._namespace
         return cache
+
+    def check_model_config(self, model_config: Any) -> None:
+        """Raise :class:`KVTierUsageError` when a forward's model (``model_config``) is
+        not the one this bridge's pages are for: another checkpoint (``_name_or_path``)
+        or a config that computes other KV (:func:`config_digest`). A cache made for one
+        model and passed to another would publish that model's KV as the first one's."""
+        # a multimodal model runs its text model's caches (made from get_text_config())
+        text = getattr(model_config, "get_text_config", None)
+        configs = [model_config, *([text()] if callable(text) else [])]
+        sources = {str(getattr(c, "_name_or_path", "") or "") for c in configs} - {""}
+        if sources and self._checkpoint is not None and self._checkpoint not in sources:
+            raise KVTierUsageError(
+                f"this KVTierCache's bridge serves checkpoint {self._checkpoint!r}; the model "
+                f"running it is {min(sources)!r}: give each model its own caches (new_cache) "
+                "from its own bridge and namespace"
+            )
+        digests = {config_digest(c) for c in configs} - {None}
+        if digests and self._config is not None and self._config not in digests:
+            raise KVTierUsageError(
+                "this KVTierCache's bridge serves another model config than the model running "
+                "it (another checkpoint, or an override such as rope scaling): give each "
+                "model its own caches from its own bridge and namespace"
+            )
 
     @property
     def pages(self) -> torch.Tensor:
