@@ -142,8 +142,9 @@ class SizedCache(Protocol):
 
 class WhatIfObserver:
     """What-if sizing of a live cache (see :mod:`kvtier.sim.whatif`). A tier is modelled
-    at its high watermark (what it holds once it has made room), with its configured
-    eviction policy (without the leaf-first wrapper) and the cache's write policy.
+    at its capacity with its watermarks (past the high one it evicts down to the low
+    one, as the live tier does), its configured eviction policy (without the leaf-first
+    wrapper) and the cache's write policy.
 
     Args:
         cache: the cache to model (its tiers, policies and write policy, as configured).
@@ -179,9 +180,11 @@ class WhatIfObserver:
             models.append(
                 TierModel(
                     tc.name,
-                    max(tier.high_pages, 1),  # what the tier keeps after making room
+                    tier.capacity_pages,
                     functools.partial(make_policy, tc.eviction, **tc.eviction_params),
                     adm,
+                    high_watermark=tc.high_watermark,
+                    low_watermark=tc.low_watermark,
                 )
             )
         self.tier_names = [tc.name for tc in cfg.tiers]

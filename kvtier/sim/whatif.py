@@ -99,13 +99,18 @@ def check_factors(factors: object) -> list[float]:
 class TierModel:
     """What the estimator needs of one tier: its name, capacity in pages, and factories
     of fresh eviction (and, below the top with the selective write policy, admission)
-    policy objects of the configured kinds. As in the live pipeline, one admission
-    policy decides every write-down of a hierarchy: the first lower tier's factory."""
+    policy objects of the configured kinds, and its watermarks (fractions of the
+    capacity: a live tier that passes the high one evicts down to the low one, so it holds
+    less than its capacity on average, which the miniatures model). As in the live
+    pipeline, one admission policy decides every write-down of a hierarchy: the first
+    lower tier's factory."""
 
     name: str
     capacity: int
     policy: Callable[[], EvictionPolicy]
     admission: Callable[[], AdmissionPolicy] | None = None
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
 
 
 class _Group:
@@ -133,7 +138,15 @@ class _Group:
             sims = []
             for j, t in enumerate(tiers):
                 cap = t.capacity * (f if j == len(tiers) - 1 else 1.0) * rate
-                sims.append(SimTier(t.name, max(round(cap), 1), t.policy()))
+                sims.append(
+                    SimTier(
+                        t.name,
+                        max(round(cap), 1),
+                        t.policy(),
+                        high_watermark=t.high_watermark,
+                        low_watermark=t.low_watermark,
+                    )
+                )
             adm = admission() if admission is not None else None
             self.replayers.append(Replayer(sims, write_policy, admission=adm))
         self.hits = [0] * len(self.factors)
