@@ -48,6 +48,8 @@ def test_settings_defaults_and_values() -> None:
     ("extra", "named"),
     [
         ({"kvtier_confg": "x"}, "kvtier_confg"),
+        ({"kvtier-config": "x"}, "kvtier-config"),  # before: ignored, the default ran
+        ({"KVTIER_CONFIG": "x"}, "KVTIER_CONFIG"),
         ({"kvtier_config": 5}, "kvtier_config"),
         ({"kvtier_lookup_timeout_s": "fast"}, "kvtier_lookup_timeout_s"),
         ({"kvtier_lookup_timeout_s": float("inf")}, "kvtier_lookup_timeout_s"),

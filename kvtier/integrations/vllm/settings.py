@@ -1,9 +1,10 @@
 """The connector's own settings, read from ``kv_connector_extra_config``.
 
-Every key the connector reads starts with ``kvtier_``; an unknown ``kvtier_*`` key or a
-value of the wrong type raises :class:`~kvtier.errors.ConfigError` naming it, at engine
-start-up (never at the first request). Keys that do not start with ``kvtier_`` belong to
-vLLM or to other connectors and are ignored.
+Every key the connector reads starts with ``kvtier_``; an unknown key that starts with
+``kvtier`` in any case, with ``_`` or ``-`` (``kvtier-config`` too: a typo would otherwise
+run the embedded default silently) or a value of the wrong type raises
+:class:`~kvtier.errors.ConfigError` naming it, at engine start-up (never at the first
+request). Other keys belong to vLLM or to other connectors and are ignored.
 
 * ``kvtier_config`` (default none): a kvtier TOML file path or the same as an inline
   table (dict); none: ``$KVTIER_CONFIG``, else the embedded default.
@@ -96,7 +97,13 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
         "kvtier_metrics_port",
         "kvtier_metrics_host",
     }
-    unknown = sorted(k for k in extra if k.startswith(PREFIX) and k not in known)
+    # a misspelt kvtier key ("kvtier-config", "KVTIER_CONFIG") is ours too: ignored, it
+    # would run the embedded default silently
+    unknown = sorted(
+        str(k)
+        for k in extra
+        if str(k).lower().replace("-", "_").startswith(PREFIX.rstrip("_")) and k not in known
+    )
     if unknown:
         raise ConfigError(
             f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
