@@ -57,6 +57,21 @@ def test_nothing_is_judged_without_a_reference_the_tier_saw() -> None:
     assert (audit.judged, audit.accuracy) == (1, 1.0)
 
 
+def test_a_close_is_judged_false_even_after_its_page_left_the_tier() -> None:
+    """A session said closed comes back after its pages were evicted (at 1 % capacity
+    the usual case): still a wrong close. Before, the page leaving dropped the judgement,
+    so wrong closes were judged only on pages other sessions kept using."""
+    audit = HintAudit()
+    audit.hint(Hint("close", (k(1), k(2))), 0.0, 100, Held(ALL))
+    audit.forget(k(1))  # evicted
+    audit.referenced(k(1), 90.0)  # the session's next turn
+    assert (audit.judged, audit.accuracy) == (1, 0.0)
+    audit.hint(Hint("next_turn", (k(3),), 10.0), 0.0, 100, Held(ALL))
+    audit.forget(k(3))  # a next_turn's page that left: a lower tier may never see it
+    audit.referenced(k(3), 60.0)
+    assert audit.judged == 1
+
+
 def test_a_close_is_false_when_used_again_and_never_counted_true() -> None:
     audit = HintAudit(history=1.0)
     audit.hint(Hint("close", (k(1), k(2))), 0.0, 1, Held(ALL))

@@ -388,6 +388,8 @@ class AdaptivePolicy(EvictionPolicy):
         the sampled pages, to its miniature."""
         expert = self._hinted if self._hinted is not None else self._add_hinted()
         self.on_time(now_s)
+        if hint.kind == "close":  # a session's close says nothing of prefixes others continue
+            hint = sub_hint(hint, self.forest.own_pages(hint.keys))
         if self.audit is None:
             self.audit = HintAudit(self.history)
         self.audit.hint(hint, self._now, self.c, self.book.resident)

@@ -14,7 +14,9 @@ hints that are often wrong.
 
 Nothing is judged without a reference the tier saw: a hint superseded by a newer one for
 the page, forgotten (``history`` x the tier's pages of newer hinted pages, at least 64),
-or whose page left the tier (:meth:`forget`) is dropped unjudged. A tier below another
+or a ``next_turn`` whose page left the tier (:meth:`forget`) is dropped unjudged (a
+``close`` stays pending after its page left: the page referenced again, held or not,
+proves it wrong). A tier below another
 sees only the references the upper one does not serve, so silence proves nothing; and a
 close, which only time could prove true, is never counted true. ``pin``, ``unpin``,
 ``ttl`` and ``priority`` are not checked (they state a wish, not a forecast).
@@ -87,8 +89,12 @@ class HintAudit:
             self._pending.popitem(last=False)
 
     def forget(self, key: PageKey) -> None:
-        """The page left the tier: its pending hint is dropped unjudged."""
-        self._pending.pop(key, None)
+        """The page left the tier: its pending ``next_turn`` is dropped unjudged (a tier
+        may never see the reference that proves it); a pending ``close`` stays, since any
+        later reference of the page proves it wrong (the session it ended came back)."""
+        pending = self._pending.get(key)
+        if pending is not None and pending[0] != "close":
+            del self._pending[key]
 
     def referenced(self, key: PageKey, now: float) -> None:
         """A reference of ``key`` at ``now``: judges its pending hint, if any."""

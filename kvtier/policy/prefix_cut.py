@@ -45,6 +45,10 @@ class PageForest:
         # Orphans by the parent they lost, to link them again when it comes back.
         self._lost: dict[PageKey, PageKey] = {}
         self._waiting: dict[PageKey, dict[PageKey, None]] = {}
+        # The first child each page had while held, and the pages that had another since
+        # (branch points: prefixes more than one sequence continued).
+        self._first_kid: dict[PageKey, PageKey] = {}
+        self.branched: set[PageKey] = set()
 
     def __contains__(self, key: object) -> bool:
         return key in self.parent
@@ -67,6 +71,8 @@ class PageForest:
         self.kids[key] = kids
         if parent is not None:
             self.kids[parent][key] = None
+            if self._first_kid.setdefault(parent, key) != key:
+                self.branched.add(parent)
         waiting = self._waiting.pop(key, None)
         if waiting:  # it came back: its orphans are its again
             lost, orphans = self._lost, self.orphans
@@ -90,6 +96,8 @@ class PageForest:
 
     def remove(self, key: PageKey) -> None:
         """``key`` left the tier; its children become orphans."""
+        self._first_kid.pop(key, None)
+        self.branched.discard(key)
         parent = self.parent.pop(key, None)
         all_kids = self.kids
         if parent is not None:
@@ -114,6 +122,25 @@ class PageForest:
                 del waiting[key]
                 if not waiting:
                     del self._waiting[gone]
+
+    def own_pages(self, keys: tuple[PageKey, ...]) -> tuple[PageKey, ...]:
+        """``keys`` less the pages another sequence continues: every page with a child in
+        the tier outside ``keys`` or that had two children while held (a branch point),
+        and its ancestors among ``keys`` (a system prompt other sessions share, named
+        with one session's context)."""
+        inside = set(keys)
+        shared: set[PageKey] = set()
+        kids, parent, branched = self.kids, self.parent, self.branched
+        for key in keys:
+            if key in shared or not (
+                key in branched or any(kid not in inside for kid in kids.get(key, ()))
+            ):
+                continue
+            node: PageKey | None = key
+            while node is not None and node in inside and node not in shared:
+                shared.add(node)
+                node = parent.get(node)
+        return tuple(k for k in keys if k not in shared) if shared else keys
 
     def touch(self, key: PageKey) -> None:
         """``key`` was referenced: a page in use is not dead weight."""
