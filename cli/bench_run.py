@@ -191,7 +191,8 @@ def bench_run_command(
             given = given_options(ctx, ["steps", "draft_tokens", "accept_rate", "fork_every"])
             if given:
                 raise KVTierUsageError(
-                    f"{', '.join(given)} only apply to --workload speculative "
+                    f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to "
+                    "--workload speculative "
                     "(the chat workload has no speculative steps)"
                 )
         if workload == "speculative":
@@ -202,7 +203,8 @@ def bench_run_command(
             )  # fmt: skip
             if chat_only:
                 raise KVTierUsageError(
-                    f"{', '.join(chat_only)} only apply to --workload chat "
+                    f"{', '.join(chat_only)} {'applies' if len(chat_only) == 1 else 'apply'} "
+                    "only to --workload chat "
                     "(the speculative workload has no turns; --sessions sets its sequences)"
                 )
             spec_params = SpeculativeParams(

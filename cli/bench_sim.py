@@ -26,7 +26,15 @@ from kvtier.cli.bench_suite import (
     render_suite,
     run_suite_cli,
 )
-from kvtier.cli.output import console, emit, given_options, progress, run_guarded, table
+from kvtier.cli.output import (
+    console,
+    emit,
+    err_console,
+    given_options,
+    progress,
+    run_guarded,
+    table,
+)
 from kvtier.cli.sim_checks import (
     check_admission,
     check_args,
@@ -383,6 +391,13 @@ def sim(
             codecs,
             hints,
         )
+        if hints and not report["hints"]:
+            err_console.print(
+                "[yellow]warning:[/] --hints: the trace has no hint lines; it was replayed "
+                "without hints",
+                highlight=False,
+                soft_wrap=True,
+            )
         if plot_file is not None:
             plot(report, plot_file)
             report["plot"] = str(plot_file)

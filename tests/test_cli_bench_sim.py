@@ -100,3 +100,14 @@ def test_the_suite_report_lists_the_classic_policies_that_ran(tmp_path: Path) ->
     assert report["classic"] == ["lru", "arc"] and report["policies"] == ["adaptive", "lru", "arc"]
     assert {r["best_classic"] for r in report["rows"]} <= {"lru", "arc"}
     assert plot.stat().st_size > 1000
+
+
+def test_hints_asked_of_a_trace_without_hint_lines_are_warned_about() -> None:
+    """Before: the replay ran without hints and said nothing (only ``"hints": false``)."""
+    args = ["bench", "sim", "--trace", str(TRACE), "--policy", "lru", "--capacity", "1%"]
+    result = CliRunner().invoke(get_app(), [*args, "--hints", "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["hints"] is False
+    assert "--hints: the trace has no hint lines" in " ".join(result.stderr.split())
+    quiet = CliRunner().invoke(get_app(), [*args, "--json", "--no-progress"])
+    assert "hint lines" not in quiet.stderr

@@ -179,7 +179,7 @@ def test_the_plot_is_readable(tmp_path: Path) -> None:
                                   ["--draft-tokens", "3"], ["--fork-every", "0"]])  # fmt: skip
 def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[str]) -> None:
     error = invoke("bench", "run", "--model", "tiny", *flag, code=2)
-    assert f"{flag[0]} only apply to --workload speculative" in error["message"]
+    assert f"{flag[0]} applies only to --workload speculative" in error["message"]
 
 
 @pytest.mark.parametrize("flag", [["--turns", "9"], ["--system-prompts", "3"],
@@ -191,7 +191,7 @@ def test_bench_run_refuses_speculative_flags_with_the_chat_workload(flag: list[s
 def test_bench_run_refuses_chat_flags_with_the_speculative_workload(flag: list[str]) -> None:
     """Before: the speculative workload ran and ignored them."""
     error = invoke("bench", "run", "--model", "tiny", "--workload", "speculative", *flag, code=2)
-    assert f"{flag[0]} only apply to --workload chat" in error["message"]
+    assert f"{flag[0]} applies only to --workload chat" in error["message"]
 
 
 def test_the_documented_bench_run_example_is_sized_up_front() -> None:
