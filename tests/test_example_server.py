@@ -155,6 +155,17 @@ def test_two_conversations_hit_the_cache_and_match_uncached(server: Server) -> N
     assert status == 400 and "max_new_tokens" in str(body["error"])
     status, body = server.post("/generate", {"tokens": [1], "temperature": 1})
     assert status == 400 and "temperature" in str(body["error"])
+    # the prefix prefetch looks pages up in the namespace the bridge's caches store in
+    assert metric(text, "kvtier_prefetch_pages_total") > 0
+    # a reused prefix of more pages than the 16-page DRAM tier holds pinned (the first
+    # time, the prompt is computed and stored; the second, its pages must be loaded): a
+    # 400 naming the field, not a 500
+    long_prompt = {"tokens": [(i * 7) % 256 for i in range(300)], "max_new_tokens": 1}
+    assert server.post("/generate", long_prompt)[0] == 200
+    status, body = server.post("/generate", long_prompt)
+    assert status == 400 and "'tokens': too long for this server" in str(body["error"])
+    status, body = server.post("/generate", {"tokens": [1, 2, 3], "max_new_tokens": 1})
+    assert status == 200  # and it still serves
 
     assert server.stop() == 0
     out = "".join(server.lines)
@@ -180,3 +191,41 @@ def test_plan_rejects_bad_trace(tmp_path: Path) -> None:
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="expected columns"):
         load_client.read_trace(bad, 1)
+
+
+def test_a_damaged_cached_prefix_is_recomputed_not_a_500(tmp_path: Path) -> None:
+    """Every page of the NVMe store damaged between two runs: the reused prefix fails its
+    checksums on the way up (PrefixLostError), and the server answers by recomputing it
+    (``"recomputed": true``), with the uncached answer. Before: a bare 500, though the
+    same request succeeded when sent again."""
+    store = tmp_path / "store"
+    prompt = {"tokens": [(i * 11) % 256 for i in range(70)], "max_new_tokens": 4}
+    first = Server(store, dram=str(64 * 12288))
+    try:
+        status, body = first.post("/generate", prompt)
+        assert status == 200
+        assert first.stop() == 0  # closing writes the DRAM pages down to NVMe
+    finally:
+        if first.proc.poll() is None:
+            first.proc.kill()
+    slabs = sorted((store / "slabs").glob("slab-*.dat"))
+    assert slabs
+    for slab in slabs:
+        with open(slab, "r+b") as f:
+            data = bytearray(f.read(1 << 20))
+            for off in range(200, len(data), 4096):
+                data[off] ^= 0xFF
+            f.seek(0)
+            f.write(data)
+    again = Server(store, dram=str(64 * 12288))
+    try:
+        status, hit = again.post("/generate", prompt)
+        assert status == 200, hit
+        assert hit["recomputed"] is True and hit["cached_tokens"] == 0
+        assert hit["tokens"] == body["tokens"]
+        status, plain = again.post("/generate", {**prompt, "use_cache": False})
+        assert status == 200 and plain["tokens"] == body["tokens"]
+        assert again.stop() == 0
+    finally:
+        if again.proc.poll() is None:
+            again.proc.kill()

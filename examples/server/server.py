@@ -45,8 +45,8 @@ from model import build_model, kvtier_config
 
 from kvtier.cache import KVCache
 from kvtier.config import parse_size
-from kvtier.errors import KVTierUsageError
-from kvtier.integrations.transformers import KVTierBridge
+from kvtier.errors import CapacityError, KVTierUsageError
+from kvtier.integrations.transformers import KVTierBridge, PrefixLostError
 from kvtier.metrics import Metrics
 
 MAX_NEW_TOKENS = 512
@@ -95,14 +95,18 @@ class Generator:
 
     @torch.inference_mode()
     def generate(self, tokens: list[int], new: int, use_cache: bool) -> dict[str, Any]:
+        """Greedy tokens after ``tokens``. A cached prefix lost on the way (a failing
+        tier, a page that fails its checksum: ``PrefixLostError``) is recomputed once
+        without reuse; a prompt whose pages the top tier cannot hold pinned raises
+        ``CapacityError`` (the handler answers 400)."""
         ids = torch.tensor([tokens], dtype=torch.long)
+        recomputed = False
         if use_cache:
-            with self.bridge.new_cache(self.model.config) as cache:
-                cached = cache.load_prefix(ids)
-                # every token counts (a raw token list may hold the pad id): all ones
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                                          max_new_tokens=new, do_sample=False)  # fmt: skip
-                computed = cache.stats.computed_tokens
+            try:
+                out, cached, computed = self._with_kvtier(ids, new, reuse=True)
+            except PrefixLostError:
+                recomputed = True  # the lost pages are dropped: compute them again
+                out, cached, computed = self._with_kvtier(ids, new, reuse=False)
         else:
             cached = 0
             dyn = DynamicCache(config=self.model.config)
@@ -114,7 +118,16 @@ class Generator:
             "prompt_tokens": len(tokens),
             "cached_tokens": cached,
             "computed_tokens": computed,
+            "recomputed": recomputed,
         }
+
+    def _with_kvtier(self, ids: torch.Tensor, new: int, reuse: bool) -> tuple[Any, int, int]:
+        with self.bridge.new_cache(self.model.config) as cache:
+            cached = cache.load_prefix(ids) if reuse else 0
+            # every token counts (a raw token list may hold the pad id): all ones
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                                      max_new_tokens=new, do_sample=False)  # fmt: skip
+            return out, cached, cache.stats.computed_tokens
 
 
 class ServerMetrics(Metrics):
@@ -160,16 +173,21 @@ async def handle_generate(request: web.Request) -> web.Response:
     arrived = time.perf_counter()
     if use_cache:
         # start moving the cached prefix up now, while the request waits for the model
-        hit = await cache.lookup(tokens[:-1])
+        hit = await cache.lookup(tokens[:-1], namespace=state["namespace"])
         if hit.keys:
             state["tasks"].add(asyncio.create_task(cache.prefetch(hit.keys, PREFETCH_DEADLINE_S)))
             state["tasks"] = {t for t in state["tasks"] if not t.done()}
     loop = asyncio.get_running_loop()
     async with state["lock"]:
         started = time.perf_counter()
-        result = await loop.run_in_executor(
-            state["executor"], state["generator"].generate, tokens, new, use_cache
-        )
+        try:
+            result = await loop.run_in_executor(
+                state["executor"], state["generator"].generate, tokens, new, use_cache
+            )
+        except CapacityError as exc:  # the prompt's pages do not fit the DRAM tier pinned
+            metrics.bad_requests.inc()
+            return web.json_response({"error": f"'tokens': too long for this server: {exc}"},
+                                     status=400)  # fmt: skip
     done = time.perf_counter()
     label = "kvtier" if use_cache else "none"
     metrics.requests.inc(label)
@@ -222,6 +240,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
             bridge = KVTierBridge(cache, asyncio.get_running_loop())
             app[STATE] = {
                 "cache": cache,
+                "namespace": bridge.namespace_for(model.config),  # the bridge's caches' keys
                 "generator": Generator(model, bridge),
                 "executor": executor,
                 "lock": asyncio.Lock(),
