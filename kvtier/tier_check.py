@@ -145,17 +145,26 @@ def _why(backend: Backend, default: str) -> str:
     return f"{default}: {reason}" if reason else default
 
 
-async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> TierCheck:
+#: How long ``--check`` waits for one tier's check (a backend whose calls never return,
+#: a network store without a deadline, would otherwise hold it for good).
+TIER_CHECK_TIMEOUT_S = 30.0
+
+
+async def check_tier(
+    config: KVTierConfig, i: int, model_known: bool = True, into: TierCheck | None = None
+) -> TierCheck:
     """Create tier ``i`` and check it: :meth:`~kvtier.backend.Backend.preflight` when the
     backend has it (nothing is created or changed), else open, probe (store, read back,
-    delete one page) and close it. ``model_known``: see the module docstring."""
+    delete one page) and close it. ``model_known``: see the module docstring. ``into``:
+    the result to fill, whose ``step`` says the step in progress while it runs."""
     tc = config.tiers[i]
-    result = TierCheck(tc.name, tc.backend)
+    result = TierCheck(tc.name, tc.backend) if into is None else into
     try:
         backend = create_backend(config, i)
     except Exception as exc:
         result.step, result.error = "create", str(exc)
         return result
+    result.step = "open"
     try:
         found = await asyncio.to_thread(backend.preflight)
     except Exception as exc:
@@ -168,7 +177,7 @@ async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> 
     except Exception as exc:
         result.step, result.error = "open", f"{type(exc).__name__}: {exc}"
         return result
-    step = "write"  # the step a raised exception is reported at
+    step = result.step = "write"  # the step a raised exception is reported at
     try:
         key = PageKey(os.urandom(16))
         page = probe_page(config.spec)
@@ -178,7 +187,7 @@ async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> 
             result.step = "write"
             result.error = _why(backend, "a probe page could not be stored (full, unreachable?)")
             return result
-        step = "read"
+        step = result.step = "read"
         out = np.empty(config.spec.page_bytes, np.uint8)
         if await backend.get([key], [out]) != [True] or not np.array_equal(out, want):
             result.step = "read"
@@ -186,14 +195,14 @@ async def check_tier(config: KVTierConfig, i: int, model_known: bool = True) -> 
             with contextlib.suppress(Exception):  # leave no probe page behind
                 await backend.delete([key])
             return result
-        step = "delete"
+        step = result.step = "delete"
         if await backend.delete([key]) != [True] or await backend.contains([key]) != [False]:
             result.step, result.error = "delete", _why(backend, "the probe page was not deleted")
             return result
-        result.ok = True
+        result.ok, result.step = True, None
         return result
     except Exception as exc:
-        result.step = result.step or step
+        result.step = step
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     finally:
@@ -233,6 +242,23 @@ def _judge(
     return result
 
 
-async def check_tiers(config: KVTierConfig, model_known: bool = True) -> list[TierCheck]:
-    """:func:`check_tier` for every tier, top first (one at a time)."""
-    return [await check_tier(config, i, model_known) for i in range(len(config.tiers))]
+async def check_tiers(
+    config: KVTierConfig, model_known: bool = True, timeout_s: float = TIER_CHECK_TIMEOUT_S
+) -> list[TierCheck]:
+    """:func:`check_tier` for every tier, top first (one at a time); a tier whose check
+    has not ended after ``timeout_s`` fails at the step it was in (cancelled)."""
+    out = []
+    for i, tc in enumerate(config.tiers):
+        result = TierCheck(tc.name, tc.backend)
+        try:
+            await asyncio.wait_for(check_tier(config, i, model_known, result), timeout_s)
+        except TimeoutError:
+            result.ok = False
+            result.error = (
+                f"no answer within {timeout_s:g} s (a hang? a network store should bound "
+                "each call with a deadline)"
+            )
+        if result.ok:
+            result.step = None
+        out.append(result)
+    return out

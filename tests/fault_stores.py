@@ -137,6 +137,13 @@ class ReserveFailArena(DramArena):
         return await super().reserve(keys, namespace)
 
 
+class HangingPutArena(DramArena):
+    """A DRAM arena whose ``put`` never returns (a network store without a deadline)."""
+
+    async def put(self, keys: Any, pages: Any, namespace: str = "") -> Any:
+        await asyncio.Event().wait()
+
+
 class CancelledGetStore(FileStore):
     """A file store whose ``get`` raises asyncio.CancelledError while ``cancel_gets`` is
     set: a future inside the backend was cancelled (its executor or connection pool shut

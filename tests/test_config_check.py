@@ -247,3 +247,18 @@ def test_inspect_config_masks_passwords(tmp_path: Path) -> None:
         .stdout
     )["config"]["tiers"][1]["options"]
     assert options["password"] == "***"
+
+
+async def test_check_gives_up_on_a_tier_that_never_answers() -> None:
+    """Before: ``inspect config --check`` waited for good on a backend whose calls hang."""
+    from kvtier.config import load_config
+    from kvtier.tier_check import check_tiers
+
+    cfg = {"model": {"preset": "tiny"},
+           "tiers": [{"name": "dram", "backend": "dram", "capacity": "64KiB"},
+                     {"name": "stuck", "backend": "fault_stores:HangingPutArena",
+                      "capacity": "64KiB"}]}  # fmt: skip
+    checks = await check_tiers(load_config(cfg, env={}).config, timeout_s=5.0)
+    assert checks[0].ok and checks[0].step is None
+    assert not checks[1].ok and checks[1].step == "write"
+    assert "no answer within 5 s (a hang?" in str(checks[1].error)
