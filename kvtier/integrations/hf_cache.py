@@ -230,8 +230,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
         (``[1, kv_heads, tokens, head_dim]``)."""
         self._check_open()
         self._check_states(key_states, value_states, layer_idx)
-        # cached KV carries no autograd history: written into the shared arena with it,
-        # the arena itself would need grad and every later gather (out=) would fail
+        # no autograd history: with it, the shared arena would need grad (gathers then fail)
         key_states, value_states = key_states.detach(), value_states.detach()
         n = key_states.shape[2]
         if layer_idx == 0:
@@ -240,11 +239,15 @@ class KVTierCache(Cache):  # type: ignore[misc]
             raise KVTierUsageError(
                 f"layer {layer_idx} got {n} new tokens, layer 0 of this forward got {self._n_new}"
             )
-        keys, values = self._layer_kv(layer_idx, key_states, value_states)
-        if self._layer_prefetch and layer_idx + 1 < self.spec.num_layers:
-            self._ahead[layer_idx + 1] = self._pool.submit(self._gather, layer_idx + 1)
-        if layer_idx == self.spec.num_layers - 1:
-            self._end_forward()
+        try:
+            keys, values = self._layer_kv(layer_idx, key_states, value_states)
+            if self._layer_prefetch and layer_idx + 1 < self.spec.num_layers:
+                self._ahead[layer_idx + 1] = self._pool.submit(self._gather, layer_idx + 1)
+            if layer_idx == self.spec.num_layers - 1:
+                self._end_forward()
+        except (AssertionError, RuntimeError) as exc:  # its slot and helper thread gone
+            self._check_open()  # closed from another thread while this forward ran
+            raise
         return keys, values
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
