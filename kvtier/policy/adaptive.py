@@ -56,7 +56,8 @@ the other half, on fresh seeds, on traffic whose popularity moves and on five mo
 policy in 33 of 44 held-out, 27 of 40 fresh, 9 of 16 shifts and 30 of 40 mixes cells,
 level in 6, 3, 1 and 1, and behind by at most 0.0049 in the rest, except ARC's lead on
 tenants active in turn at 25 % (0.0075 and 0.0106), while each classic policy is 0.04 to
-0.12 behind somewhere.
+0.12 behind somewhere. Outside the suite, on short sessions behind one shared prompt, it
+trails LRU by up to 0.03 at 20-40 % (sampled miniatures show LRU's lead late).
 
 ``capacity`` is the tier's size in pages when known; without it the policy uses the most
 pages held at once (a tier fills before it evicts), and miniatures grow with it; the
