@@ -152,7 +152,8 @@ class Case:
             raise ConformanceError(
                 f"{self.name}: unexpected {exc!r}, raised in {where.name}() at "
                 f"{where.filename}:{where.lineno} (a miss or a failed item is a False/None "
-                "for that item, never an exception)"
+                "for that item, never an exception; only contains() raises, TierIOError, when "
+                "it cannot tell; rule 1 of the backend guide)"
             ) from exc
         finally:
             await ctx.cleanup()
