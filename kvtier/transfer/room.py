@@ -209,7 +209,8 @@ class Room:
             raise CapacityError(
                 f"tier {tier.name!r} cannot make room for {n} page(s): {held} of its "
                 f"{tier.capacity_pages} pages are pinned or reserved{why} "
-                f"(release loaded pages with cache.release(keys))"
+                "(release loaded pages with cache.release(keys); a transformers "
+                "KVTierCache holds a working slot until closed: close the ones done with)"
             )
 
     def _drains_to_watermark(self, tier: Tier, n: int) -> bool:
