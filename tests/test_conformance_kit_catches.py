@@ -390,6 +390,16 @@ class NeverYields(DictStore):
         return self.fill(keys, check_buffers(out, len(keys), self.page_bytes, writable=True))
 
 
+class DeletesOnTheLoop(DictStore):
+    """Deletes with a 30 ms synchronous call (a blocking client) on the event loop; put and
+    get are fine."""
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        time.sleep(0.03)
+        await asyncio.sleep(0)
+        return await super().delete(keys)
+
+
 def _factory(cls: type[DictStore], path: str) -> Any:
     return lambda: cls(page_bytes=PAGE, capacity_pages=8, path=path)
 
@@ -415,6 +425,7 @@ async def test_the_reference_store_passes(tmp_path: Any) -> None:
         (ListsKeysTwice, "keys() lists 10 keys for 5 committed pages"),
         (WritesAfterReturn, "get() wrote into 8 of the caller's buffers after it had returned"),
         (SharedStaging, "a mix of the two (each reservation must write to its own room)"),
+        (DeletesOnTheLoop, "blocking work seems to run on the event loop: delete held the loop"),
     ],
 )
 async def test_a_broken_store_fails_with_a_message_naming_the_fault(

@@ -160,8 +160,9 @@ class _Heartbeat:
 
 
 async def loop_not_blocked(ctx: CaseContext) -> None:
-    """While a full-capacity put, then get, runs, the loop keeps serving other tasks: the
-    longest stretch it is held is at most half the call's duration or
+    """While a full-capacity put, then get, contains and delete run, the loop keeps
+    serving other tasks: the longest stretch it is held is at most half the call's
+    duration or
     :data:`LOOP_HOLD_FLOOR_S` plus the GIL switch interval, whichever is more (with tiny
     pages the loop's own bookkeeping is most of a call; a worker thread holding the GIL
     can delay the loop by a switch interval). A call too short to let a heartbeat run is
@@ -175,15 +176,19 @@ async def loop_not_blocked(ctx: CaseContext) -> None:
     worst = ""
     for _attempt in range(5):
         held: list[str] = []
-        for op in ("put", "get"):
+        for op in ("put", "get", "contains", "delete"):
             beat = _Heartbeat()
             hb = asyncio.create_task(beat.run())
             await asyncio.sleep(0)
             t0 = time.perf_counter()
             if op == "put":
                 ok = await b.put(keys, data)
-            else:
+            elif op == "get":
                 ok = await b.get(keys, out)
+            elif op == "contains":
+                ok = await b.contains(keys)
+            else:
+                ok = await b.delete(keys)
             t1 = time.perf_counter()
             beat.stop = True
             await hb
@@ -198,7 +203,6 @@ async def loop_not_blocked(ctx: CaseContext) -> None:
                 )
         same = all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
         expect(same, "wrong bytes read")
-        await b.delete(keys)
         if not held:
             return
         worst = "; ".join(held)
