@@ -105,6 +105,15 @@ async def _race_one_key(b: Backend, ctx: CaseContext, turns: int | None) -> None
     expect(await b.delete(key) == [True], "delete of a key committed twice failed")
 
 
+async def _late_writes(out: list[np.ndarray]) -> int:
+    """Fill the caller's buffers with :data:`MARK`, wait :data:`LATE_WRITE_WATCH_S`, and
+    count the buffers something wrote into meanwhile."""
+    for o in out:
+        o[:] = MARK
+    await asyncio.sleep(LATE_WRITE_WATCH_S)
+    return sum(not (o == MARK).all() for o in out)
+
+
 async def get_stops_writing_when_it_returns(ctx: CaseContext) -> None:
     """Once ``get`` returns, the caller's buffers are the caller's: nothing the backend
     started (a thread, a straggling copy) writes into them any more. The cache gives such
@@ -118,10 +127,7 @@ async def get_stops_writing_when_it_returns(ctx: CaseContext) -> None:
     for _round in range(CANCEL_ROUNDS):
         out = empty_pages(b, n)
         expect(await b.get(keys, out) == [True] * n, "get of committed pages missed")
-        for o in out:  # the caller reuses its buffers at once
-            o[:] = MARK
-        await asyncio.sleep(LATE_WRITE_WATCH_S)
-        late = sum(not (o == MARK).all() for o in out)
+        late = await _late_writes(out)  # the caller reuses its buffers at once
         expect(
             late == 0,
             f"get() wrote into {late} of the caller's buffers after it had returned: wait "
@@ -171,10 +177,7 @@ async def cancelled_get_stops_writing(ctx: CaseContext) -> None:
     for turns in [t for _round in range(CANCEL_ROUNDS) for t in range(4)]:
         out = empty_pages(b, n)
         await cancel_after(b.get(keys, out), turns)
-        for o in out:  # the caller's own bytes, once get() is over
-            o[:] = MARK
-        await asyncio.sleep(LATE_WRITE_WATCH_S)
-        late = sum(not (o == MARK).all() for o in out)
+        late = await _late_writes(out)  # the caller's own bytes, once get() is over
         expect(
             late == 0,
             f"a get() cancelled after {turns} loop turns wrote into {late} of the caller's "
