@@ -238,7 +238,7 @@ def _judge(
         if not backend.codec.lossy and not np.array_equal(back, page):
             result.step, result.error = "read", "the codec did not give the probe page back"
             return result
-    result.ok = True
+    result.ok, result.step = True, None
     return result
 
 
