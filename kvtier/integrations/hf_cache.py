@@ -245,7 +245,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
                 self._ahead[layer_idx + 1] = self._pool.submit(self._gather, layer_idx + 1)
             if layer_idx == self.spec.num_layers - 1:
                 self._end_forward()
-        except (AssertionError, RuntimeError) as exc:  # its slot and helper thread gone
+        except (AssertionError, RuntimeError):  # its slot and helper thread gone
             self._check_open()  # closed from another thread while this forward ran
             raise
         return keys, values
