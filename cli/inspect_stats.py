@@ -9,7 +9,7 @@ import typer
 from kvtier.cli.app import inspect_app
 from kvtier.cli.output import console, emit, fmt, run_guarded, size, table
 
-from kvtier.metrics_scrape import cache_stats, parse_prometheus, scrape
+from kvtier.metrics_scrape import cache_stats, capacity_order, parse_prometheus, scrape
 
 
 def stats_report(url: str, timeout_s: float) -> dict[str, Any]:
@@ -50,6 +50,15 @@ def _render(data: dict[str, Any]) -> None:
     lat = data["fetch_latency_s"]
     mean = "-" if lat["mean"] is None else f"{lat['mean'] * 1e3:.2f} ms"
     console.print(f"fetches {fmt(lat['count'])}, mean latency {mean}", highlight=False)
+    whatif = data["whatif"]
+    if whatif:
+        labels = sorted({c for w in whatif.values() for c in w["estimates"]}, key=capacity_order)
+        rows = [
+            (name, _pct(w["measured"]), *(_pct(w["estimates"].get(c)) for c in labels))
+            for name, w in whatif.items()
+        ]
+        title = "what-if: hit rate at or above the tier with its capacity changed by"
+        console.print(table(title, ["tier", "measured", *labels], rows))
 
 
 @inspect_app.command("stats")

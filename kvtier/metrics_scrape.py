@@ -259,11 +259,45 @@ def _whole(value: float | None) -> float | int | None:
     return value
 
 
+def capacity_order(label: str) -> float:
+    """``"-25%"`` -> -25.0, for sorting what-if labels (others last)."""
+    try:
+        return float(label.rstrip("%"))
+    except ValueError:
+        return math.inf
+
+
+def whatif_stats(series: Series, source: str = "") -> dict[str, dict[str, Any]]:
+    """Per tier with what-if sizing on (``kvtier_whatif_*`` gauges): ``measured`` (the hit
+    rate lookups found, ``None`` when not exported) and ``estimates`` (capacity label such
+    as ``"-50%"`` -> estimated hit rate, by capacity); ``{}`` when what-if is off. Raises
+    :class:`ScrapeError` for a value outside [0, 1]."""
+    out: dict[str, dict[str, Any]] = {}
+    for short, label in (("whatif_hit_rate", "capacity"), ("whatif_measured_hit_rate", None)):
+        for labels, value in series.get(PREFIX + short, []):
+            if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+                raise ScrapeError(
+                    f"{_labelled(PREFIX + short, labels)} has value {_shown(value)}"
+                    f"{_at(source)}: kvtier exports a hit rate in [0, 1]"
+                )
+            row = out.setdefault(labels.get("tier", ""), {"measured": None, "estimates": {}})
+            if label is None:
+                row["measured"] = value
+            else:
+                row["estimates"][labels.get(label, "")] = value
+    for row in out.values():
+        row["estimates"] = dict(
+            sorted(row["estimates"].items(), key=lambda kv: capacity_order(kv[0]))
+        )
+    return dict(sorted(out.items()))
+
+
 def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
     """Per tier ``used_pages``, ``capacity_pages``, ``occupancy``, ``hits``, ``misses``,
     ``hit_rate``, ``stored_pages``, ``evicted_pages``, ``dropped_pages``,
     ``failed_pages``; per link ``pages``, ``bytes``, ``seconds``, ``gb_per_s``,
-    ``failed_pages``; fetch latency count and mean; queue depths. Counts (pages, bytes,
+    ``failed_pages``; fetch latency count and mean; queue depths; what-if sizing
+    (:func:`whatif_stats`, ``{}`` when off). Counts (pages, bytes,
     fetches, queued batches) are ints; seconds, rates and shares are floats.
 
     Raises :class:`ScrapeError` when ``series`` holds no kvtier metrics, or a value
@@ -319,4 +353,5 @@ def cache_stats(series: Series, source: str = "") -> dict[str, Any]:
         "links": links,
         "queues": queues,
         "fetch_latency_s": {"count": _whole(count), "mean": total / count if count else None},
+        "whatif": whatif_stats(series, source),
     }
