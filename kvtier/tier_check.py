@@ -168,41 +168,38 @@ async def check_tier(
     try:
         found = await asyncio.to_thread(backend.preflight)
     except Exception as exc:
-        result.step, result.error = "open", f"{type(exc).__name__}: {exc}"
+        result.error = f"{type(exc).__name__}: {exc}"
         return result
     if found is not None:
         return _judge(config, backend, found, result, model_known)
     try:
         await backend.open()
     except Exception as exc:
-        result.step, result.error = "open", f"{type(exc).__name__}: {exc}"
+        result.error = f"{type(exc).__name__}: {exc}"
         return result
-    step = result.step = "write"  # the step a raised exception is reported at
+    result.step = "write"  # the step in progress: an exception is reported at it
     try:
         key = PageKey(os.urandom(16))
         page = probe_page(config.spec)
         # a lossy codec gives back its own rounding of the page, not the page
         want = backend.round_trip(page) if isinstance(backend, CodecStore) else page
         if await backend.put([key], [page]) != [True]:
-            result.step = "write"
             result.error = _why(backend, "a probe page could not be stored (full, unreachable?)")
             return result
-        step = result.step = "read"
+        result.step = "read"
         out = np.empty(config.spec.page_bytes, np.uint8)
         if await backend.get([key], [out]) != [True] or not np.array_equal(out, want):
-            result.step = "read"
             result.error = _why(backend, "the probe page did not read back intact")
             with contextlib.suppress(Exception):  # leave no probe page behind
                 await backend.delete([key])
             return result
-        step = result.step = "delete"
+        result.step = "delete"
         if await backend.delete([key]) != [True] or await backend.contains([key]) != [False]:
-            result.step, result.error = "delete", _why(backend, "the probe page was not deleted")
+            result.error = _why(backend, "the probe page was not deleted")
             return result
         result.ok, result.step = True, None
         return result
     except Exception as exc:
-        result.step = step
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     finally:
@@ -252,13 +249,10 @@ async def check_tiers(
         result = TierCheck(tc.name, tc.backend)
         try:
             await asyncio.wait_for(check_tier(config, i, model_known, result), timeout_s)
-        except TimeoutError:
-            result.ok = False
+        except TimeoutError:  # result.step is the step it hung at
             result.error = (
                 f"no answer within {timeout_s:g} s (a hang? a network store should bound "
                 "each call with a deadline)"
             )
-        if result.ok:
-            result.step = None
         out.append(result)
     return out
