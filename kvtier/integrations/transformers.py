@@ -236,57 +236,54 @@ class KVTierBridge:
             )
         if not self.cache.is_open or self.loop.is_closed():
             raise KVTierUsageError("new_cache() on a closed bridge: its KVCache is closed")
+        cache = KVTierCache(self, model_config, layer_prefetch=layer_prefetch)  # geometry
         source = str(getattr(model_config, "_name_or_path", "") or "")
+        digest = config_digest(model_config)
         if source and self._checkpoint is None:
             self._checkpoint = source
             warn_unnamed_checkpoint(self.cache, source)
-        elif source and source != self._checkpoint:
-            # one bridge has one namespace: a second checkpoint of the same shape would
-            # read (and write) the first one's pages
-            raise KVTierUsageError(
-                f"this bridge serves checkpoint {self._checkpoint!r} (namespace model id "
-                f"{self.cache.namespace.model_id!r}); {source!r} needs its own bridge "
-                "with its own namespace.model_id"
-            )
-        cache = KVTierCache(self, model_config, layer_prefetch=layer_prefetch)  # geometry
-        digest = config_digest(model_config)
         if digest is not None and self._config is None:
             self._config = digest
             self._namespace = namespace_for_config(self.cache.namespace, digest)
-        elif digest is not None and digest != self._config:
+        try:
+            self._refuse_another({source} - {""}, {digest} if digest is not None else set())
+        except KVTierUsageError:
             cache.close()
-            # the same checkpoint with another config (a rope scaling override, another
-            # rope theta) computes other KV for the same token ids
-            raise KVTierUsageError(
-                f"this bridge serves one model config (namespace model id "
-                f"{self.cache.namespace.model_id!r}); this model's config differs from it "
-                "(an override such as rope scaling changes the KV of the same tokens): "
-                "open another bridge with its own namespace.model_id or revision"
-            )
+            raise
         cache.namespace = self._namespace
         return cache
 
     def check_model_config(self, model_config: Any) -> None:
         """Raise :class:`KVTierUsageError` when a forward's model (``model_config``) is
-        not the one this bridge's pages are for: another checkpoint (``_name_or_path``)
-        or a config that computes other KV (:func:`config_digest`). A cache made for one
-        model and passed to another would publish that model's KV as the first one's."""
-        # a multimodal model runs its text model's caches (made from get_text_config())
+        not the one this bridge's pages are for (see :meth:`_refuse_another`). A cache
+        made for one model and passed to another would publish that model's KV as the
+        first one's. A multimodal model runs the caches made from its text config
+        (``get_text_config()``): either config's name and digest count."""
         text = getattr(model_config, "get_text_config", None)
         configs = [model_config, *([text()] if callable(text) else [])]
         sources = {str(getattr(c, "_name_or_path", "") or "") for c in configs} - {""}
+        digests = {d for c in configs if (d := config_digest(c)) is not None}
+        self._refuse_another(sources, digests)
+
+    def _refuse_another(self, sources: set[str], digests: set[str]) -> None:
+        """Raise :class:`KVTierUsageError` unless the checkpoint names ``sources`` and
+        config digests ``digests`` (either may be empty: unknown) include the bridge's
+        first ones. One bridge has one namespace: a second checkpoint of the same shape,
+        or the same one with a config that computes other KV for the same token ids (a
+        rope scaling override, another rope theta), would read and write its pages."""
+        model_id = self.cache.namespace.model_id
         if sources and self._checkpoint is not None and self._checkpoint not in sources:
             raise KVTierUsageError(
-                f"this KVTierCache's bridge serves checkpoint {self._checkpoint!r}; the model "
-                f"running it is {min(sources)!r}: give each model its own caches (new_cache) "
-                "from its own bridge and namespace"
+                f"this bridge serves checkpoint {self._checkpoint!r} (namespace model id "
+                f"{model_id!r}); {min(sources)!r} needs its own bridge with its own "
+                "namespace.model_id (a KVTierCache serves the model it was made for)"
             )
-        digests = {config_digest(c) for c in configs} - {None}
         if digests and self._config is not None and self._config not in digests:
             raise KVTierUsageError(
-                "this KVTierCache's bridge serves another model config than the model running "
-                "it (another checkpoint, or an override such as rope scaling): give each "
-                "model its own caches from its own bridge and namespace"
+                f"this bridge serves another model config (namespace model id {model_id!r}): "
+                "this model's config differs from it (an override such as rope scaling "
+                "changes the KV of the same tokens; a KVTierCache serves the model it was "
+                "made for): open another bridge with its own namespace.model_id or revision"
             )
 
     @property
