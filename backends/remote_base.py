@@ -335,10 +335,12 @@ class RedisStoreBase(StoreBackend):
                 results[i] = reply
 
         with self._using_client() as client:
-            if n <= step:
-                await one(client, 0)
-            else:
-                await asyncio.gather(*(one(client, s) for s in range(0, n, step)))
+            # each batch in a task of its own, even alone: redis-py's writes use
+            # ``asyncio.wait_for``, which in Python 3.11 returns normally when the write
+            # ends as the caller is cancelled. In the caller's task that swallowed the
+            # cancellation (a cancelled load went on and returned pages pinned); gather
+            # raises it once its tasks are done.
+            await asyncio.gather(*(one(client, s) for s in range(0, n, step)))
         return results
 
     def _failed(self, reason: str) -> None:

@@ -56,6 +56,11 @@ def backend_failure(exc: BaseException) -> bool:
     return isinstance(exc, Exception)
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Tier:
     """One level of the hierarchy.
 
@@ -149,18 +154,21 @@ class Tier:
         """Wake every coroutine waiting for this tier's occupancy to change."""
         waiters, self._waiters = self._waiters, []
         for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+            _wake(fut)
 
     async def wait_change(self, timeout: float) -> None:
-        """Wait until :meth:`notify` or ``timeout`` seconds pass (a safety net)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Wait until :meth:`notify` or ``timeout`` seconds pass (a safety net). A
+        cancellation raises even when it comes with the notification (Python 3.11's
+        ``asyncio.wait_for`` returned normally then: a cancelled load went on and
+        returned its pages pinned to a caller that would never release them)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
+        timer = loop.call_later(timeout, _wake, fut)
         try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            pass
+            await fut
         finally:
+            timer.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
 

@@ -268,7 +268,8 @@ class MooncakeStore(StoreBackend):
         self._setup = fut
         threading.Thread(target=run, name="kvtier-mooncake-setup", daemon=True).start()
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.options["op_timeout_s"])
+            async with asyncio.timeout(self.options["op_timeout_s"]):  # not wait_for: _bounded
+                await asyncio.shield(fut)
         except Exception as exc:
             self.health.failed(f"cannot connect: {exc or type(exc).__name__}")
             return None
@@ -337,8 +338,11 @@ class MooncakeStore(StoreBackend):
 
     async def _bounded(self, hop: asyncio.Task[T]) -> T:
         """Wait at most ``op_timeout_s`` for ``hop`` (TimeoutError past it); the hop itself
-        is never cancelled."""
-        return await asyncio.wait_for(asyncio.shield(hop), self.options["op_timeout_s"])
+        is never cancelled. A cancellation of the caller always raises (Python 3.11's
+        ``asyncio.wait_for`` returned the hop's result instead when the hop ended as the
+        cancellation came)."""
+        async with asyncio.timeout(self.options["op_timeout_s"]):
+            return await asyncio.shield(hop)
 
     async def _client_now(self) -> Any:
         """The client, or ``None`` (an outage recorded) while the master is unreachable."""
