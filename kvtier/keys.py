@@ -27,10 +27,13 @@ PageKey = NewType("PageKey", bytes)
 KEY_BYTES = 16
 ROOT_KEY = PageKey(bytes(KEY_BYTES))
 
-#: Version of the page layout and key scheme; part of every namespace. Version 2: the
-#: namespace label escapes its separators (version 1 labels were ambiguous), so keys of
-#: version 1 stores are never asked for again.
-LAYOUT_VERSION = 2
+#: Version of the page layout and key scheme; part of every namespace, so keys of stores
+#: written under another version are never asked for (a miss, never another model's KV).
+#: Version 2: the namespace label escapes its separators (version 1 labels were
+#: ambiguous). Version 3: a model shape given without a name is named after its geometry
+#: (``tiny-L2H4D4``); version 2 kvtier before 2026-12-03 named it after its preset, so
+#: its pages of a custom 512-byte shape sat under the ``tiny`` preset's keys.
+LAYOUT_VERSION = 3
 
 #: Bounds of the integer namespace fields (a 32-bit signed range: anything larger is a
 #: mistake, not a rank or a page size).

@@ -110,7 +110,7 @@ def test_keys_are_stable_across_processes(hashseed: str) -> None:
         ("kv_dtype", "float8_e4m3fn"),
         ("page_tokens", 32),
         ("rank", 1),
-        ("layout_version", 3),
+        ("layout_version", 4),
     ],
 )
 def test_every_namespace_field_separates_keys(field: str, other: object) -> None:

@@ -5,6 +5,7 @@ of one shape served the other's pages)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from cache_kit import PAGE, PT, open_cache, tier
 
 from kvtier.config import load_config
+from kvtier.keys import page_keys
 from kvtier.spec import preset
 
 
@@ -67,3 +69,15 @@ async def test_a_shape_with_the_same_page_size_does_not_read_anothers_pages(
         assert (await cache.lookup(tokens)).keys == []
     async with open_cache(_config(tmp_path / "f", {"preset": "tiny"})) as cache:
         assert len((await cache.lookup(tokens)).keys) == 6  # still there for its own shape
+
+
+def test_pages_keyed_before_shapes_had_names_are_never_asked_for() -> None:
+    """kvtier before 2026-12-03 (layout version 2) keyed a custom shape's pages under its
+    preset's name: a store or pool it wrote for ``tiny`` with 4 heads of 4 holds pages
+    under the keys the ``tiny`` preset asks for now, and served them (an upgrade probe
+    read 16 such pages back). Layout version 3 keys are another set."""
+    tokens = list(range(6 * PT))
+    now = load_config({"model": {"preset": "tiny"}}, env={}).config.namespace
+    before = dataclasses.replace(now, layout_version=2)  # how that version keyed "tiny"
+    assert now.layout_version == 3 and now.label.endswith("/v3")
+    assert not set(page_keys(tokens, now)) & set(page_keys(tokens, before))
