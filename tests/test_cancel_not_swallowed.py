@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
+import redis.asyncio.client
 from cache_kit import config, open_cache
 from kvtier.backends.remote import RedisStore
 
+from kvtier.keys import Namespace, page_keys
 from kvtier.testing.servers import RedisServer, unavailable_reason
 
 
@@ -47,17 +49,20 @@ async def test_wait_change_raises_a_cancellation_that_comes_with_the_notificatio
 @pytest.mark.skipif(
     unavailable_reason("valkey") is not None, reason=str(unavailable_reason("valkey"))
 )
-async def test_a_remote_call_of_one_batch_raises_its_callers_cancellation() -> None:
-    """``send`` behaves as redis-py's write under Python 3.11's ``wait_for`` does when
-    the write ends as the caller is cancelled: it returns normally."""
+async def test_a_remote_call_of_one_batch_raises_its_callers_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pipeline's ``execute`` behaves as redis-py's write under Python 3.11's
+    ``wait_for`` does when the write ends as the caller is cancelled: it returns."""
     sent = asyncio.Event()
 
-    async def swallowing_send(_client: Any, chunk: range, _deadline: float) -> Sequence[Any]:
+    async def swallowing_execute(pipe: Any, raise_on_error: bool = True) -> list[int]:
         sent.set()
         with contextlib.suppress(asyncio.CancelledError):  # the write ended as it came
             await asyncio.sleep(30)
-        return [b"reply"] * len(chunk)
+        return [1] * len(pipe.command_stack)
 
+    keys = page_keys(np.arange(4 * 16), Namespace("cancel-test", page_tokens=16))
     with RedisServer("valkey") as server:
         store = RedisStore(
             page_bytes=4096,
@@ -68,16 +73,13 @@ async def test_a_remote_call_of_one_batch_raises_its_callers_cancellation() -> N
         )
         await store.open()
         try:
-            call = asyncio.create_task(store._batched(1, swallowing_send))
-            await asyncio.wait_for(sent.wait(), 5)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await asyncio.wait_for(call, 10)
-            got = await store._batched(2, lambda _c, chunk, _d: _replies(chunk))
-            assert got == [b"ok", b"ok"]  # the store works on
+            with monkeypatch.context() as m:
+                m.setattr(redis.asyncio.client.Pipeline, "execute", swallowing_execute)
+                call = asyncio.create_task(store.contains(keys[:1]))
+                await asyncio.wait_for(sent.wait(), 5)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(call, 10)
+            assert await store.contains(keys) == [False] * 4  # the store works on
         finally:
             await store.close()
-
-
-async def _replies(chunk: range) -> list[bytes]:
-    return [b"ok"] * len(chunk)
