@@ -151,6 +151,12 @@ class Planner:
         self._held = held
         #: Parents of the pages stores in progress are adding (with multiplicity).
         self.expected: Counter[PageKey] = Counter()
+        #: Stored pages whose copy in a shared tier below is to be checked (:meth:`hold`),
+        #: and how many of them wait for a check already running (not for their store);
+        #: tiers above index ``hold_above`` (the first shared one) keep them.
+        self.checking: Counter[PageKey] = Counter()
+        self.checks_running = 0
+        self.hold_above = 0
 
     # -- room ----------------------------------------------------------------------------
 
@@ -243,9 +249,16 @@ class Planner:
     def _evictable(self, name: str, spare: Collection[PageKey]) -> Callable[[PageKey], bool]:
         evictable = self.view.evictable
         expected = self.expected if name == self.tiers[-1].name else ()
+        above = any(t.name == name for t in self.tiers[: self.hold_above])
+        checking = self.checking if above else ()
 
         def ok(key: PageKey) -> bool:
-            return key not in spare and key not in expected and evictable(key, name)
+            return (
+                key not in spare
+                and key not in expected
+                and key not in checking
+                and evictable(key, name)
+            )
 
         return ok
 
@@ -271,6 +284,30 @@ class Planner:
             else:
                 expected.pop(p, None)
 
+    def hold(self, keys: Iterable[PageKey], pool: int) -> list[PageKey]:
+        """Keep ``keys`` in the tiers above tier ``pool`` (a shared tier that counts
+        them) until :meth:`unhold`, while the write-through checks that the pool still
+        has them: counted there, a page leaving a tier above would be dropped as clean,
+        and lost for good if the pool had lost it. Returns what to hand to
+        :meth:`unhold`."""
+        held = list(keys)
+        self.checking.update(held)
+        self.hold_above = pool
+        return held
+
+    def unhold(self, keys: Sequence[PageKey], running: bool = False) -> None:
+        """The check that :meth:`hold` waited for has ended (``running``: it had begun,
+        :attr:`checks_running` counted its pages)."""
+        if running:
+            self.checks_running -= len(keys)
+        checking = self.checking
+        for k in keys:
+            left = checking[k] - 1
+            if left > 0:
+                checking[k] = left
+            else:
+                checking.pop(k, None)
+
     # -- where pages go ------------------------------------------------------------------
 
     def keeps(self, tier: int, key: PageKey) -> bool:
@@ -278,6 +315,8 @@ class Planner:
         leaves; see :meth:`~kvtier.policy.base.EvictionPolicy.should_keep`); in the last
         tier, also a page a store in progress extends (:meth:`expect`)."""
         if tier == len(self.tiers) - 1 and key in self.expected:
+            return True
+        if tier < self.hold_above and key in self.checking:
             return True
         return self.tiers[tier].policy.should_keep(key)
 

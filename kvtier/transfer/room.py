@@ -180,6 +180,8 @@ class Room:
                 await evict(victims)
                 continue
             transient = d.evicting(tier.name) + tier.reserving + d.busy(tier.name) + tier.claimed
+            if i == 0:  # stores wait for the pages write-throughs are checking (which
+                transient += planner.checks_running  # never wait for the top tier)
             if transient:
                 if used + n <= tier.capacity_pages and (
                     self.background or not self._drains_to_watermark(tier, n)

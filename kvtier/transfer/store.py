@@ -57,7 +57,39 @@ class Writer:
         namespace: str,
     ) -> list[bool]:
         """Commit pages to the top tier (buffers already validated); write-through/
-        selective policies then copy them down in the background."""
+        selective policies then copy them down in the background.
+
+        The pages a shared tier below counts (a pool that may have lost them) stay in
+        every tier until the write-through has checked them (:meth:`Planner.hold
+        <kvtier.plan.planner.Planner.hold>`): counted there, a page leaving the top tier
+        before would be dropped as clean."""
+        mover = self.mover
+        planner = mover.planner
+        top = mover.top
+        pools = [t for t in mover.tiers[1:] if t.backend.shared]
+        held: list[PageKey] = []
+        if planner.write_policy.copies_on_store and pools:
+            held = planner.hold(self._counted_in_a_pool(pools, keys), pools[0].index)
+        try:
+            out, down = await self._store(keys, bufs, parents, namespace)
+        except BaseException:
+            planner.unhold(held)
+            raise
+        if down:
+            planner.checks_running += len(held)
+            mover.spawn(self._write_through_held(top, down, held))
+        else:
+            planner.unhold(held)
+        return out
+
+    async def _store(
+        self,
+        keys: Sequence[PageKey],
+        bufs: Sequence[np.ndarray],
+        parents: Sequence[PageKey | None],
+        namespace: str,
+    ) -> tuple[list[bool], list[PageKey]]:
+        """:meth:`store`'s work; returns what it stored and the pages to copy down."""
         mover = self.mover
         planner = mover.planner
         top = mover.top
@@ -110,15 +142,37 @@ class Writer:
         if d.used(top.name) > top.high_pages:
             await self.moves.evictor.trim(top, Priority.FETCH)
         stored = [keys[i] for i in todo if out[i]]
+        down: list[PageKey] = []
         if planner.write_policy.copies_on_store and len(mover.tiers) > 1:
             # pages this process holds already go down again too when a shared pool lies
             # below: the pool may have lost them meanwhile (write_through checks)
             done = set(stored)
             again = [k for k, i in first.items() if out[i] and k not in done]
             down = stored + again if self._shared_below(top) else stored
-            if down:
-                mover.spawn(self.write_through(top, down))
-        return out
+        return out, down
+
+    def _counted_in_a_pool(self, pools: list[Tier], keys: Sequence[PageKey]) -> list[PageKey]:
+        """``keys`` (once each) that one of ``pools`` counts as committed."""
+        d = self.mover.directory
+        return [
+            k
+            for k in dict.fromkeys(keys)
+            if any(d.state(k, p.name) is PageState.COMMITTED for p in pools)
+        ]
+
+    async def _write_through_held(
+        self, top: Tier, keys: list[PageKey], held: list[PageKey]
+    ) -> None:
+        """:meth:`write_through`, then let the tiers evict ``held`` again (and trim the
+        top tier, which may have passed its high watermark meanwhile)."""
+        try:
+            await self.write_through(top, keys)
+        finally:
+            self.mover.planner.unhold(held, running=True)
+            if held:
+                self.mover.changed(*self.mover.tiers)  # room waits may go on
+        if held and self.mover.directory.used(top.name) > top.high_pages:
+            await self.moves.evictor.trim(top, Priority.EVICT)
 
     def _shared_below(self, tier: Tier) -> bool:
         """Whether a tier below ``tier`` is shared by other servers (a remote pool)."""
