@@ -56,18 +56,18 @@ the other half, on fresh seeds, on traffic whose popularity moves and on five mo
 policy in 33 of 44 held-out, 27 of 40 fresh, 9 of 16 shifts and 30 of 40 mixes cells,
 level in 6, 3, 1 and 1, and behind by at most 0.0049 in the rest, except ARC's lead on
 tenants active in turn at 25 % (0.0075 and 0.0106), while each classic policy is 0.04 to
-0.12 behind somewhere. Outside the suite, on short sessions behind one shared prompt, it
-trails LRU by up to 0.03 at 20-40 % (sampled miniatures show LRU's lead late).
+0.12 behind somewhere. On short sessions behind one shared prompt (outside the suite)
+it is within 0.0008 of LRU, which equals MIN there from 30 % capacity.
 
-``capacity`` is the tier's size in pages when known; without it the policy uses the most
-pages held at once (a tier fills before it evicts), and miniatures grow with it; the
-sampling rate halves whenever a miniature would pass ``2 x mini_pages`` (8,192 pages by
-default: below that the miniatures are full-size replays of each point, exact; sampled
-ones estimate block hits, which narrows the real gaps between points in prefix hit rate,
-so they pick less surely). Everything is deterministic (hash sampling, no Python
-``hash``), so the live pipeline and the replay make the same decisions given the same
-clock: ``interval`` (and ``hinted``) forecast by time, and the replay gives them the
-trace's timestamps, a live cache ``time.monotonic()``.
+``capacity`` is the tier's size in pages when known, else the most pages held at once.
+Miniatures hold every sampled page until the tier first evicts, then ``rate x capacity``
+pages. The rate halves whenever a miniature would pass ``2 x mini_pages`` (8,192 pages by
+default; below, miniatures are exact replays), and a page that leaves the sample strands
+none of its children there. Sampled miniatures estimate block hits, which narrows the gaps
+between points in prefix hit rate, so they pick less surely. Everything is deterministic
+(hash sampling, no Python ``hash``): the live pipeline and the replay make the same
+decisions given the same clock (``interval`` and ``hinted`` forecast by time: the
+replay's timestamps, a live cache's ``time.monotonic()``).
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ DEFAULT_EXPERTS: tuple[str, ...] = ("s3-fifo", "interval")
 #: them wrong: 0.2-0.5 on the session generators).
 TRUST_ACCURACY = 0.8
 TRUST_JUDGED = 32
+
+_UNBOUNDED = float(1 << 62)  # a miniature's capacity before the tier first evicts
 
 
 def _expert(name: str) -> EvictionPolicy:
@@ -176,6 +178,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.sampler = KeySampler()
         #: The recent references the miniatures may not evict, kept once for all of them.
         self.pins = RecentPins()
+        self._tier_full = False  # whether the tier has evicted (asked for its order) yet
         self.minis = [
             MiniCache(PrefixCutPolicy(point_policy(b, o, self.history)), pins=self.pins)
             for b, o in self.grid
@@ -241,13 +244,17 @@ class AdaptivePolicy(EvictionPolicy):
 
     # -- the miniatures ----------------------------------------------------------------
 
+    def _mini_capacity(self) -> float:
+        """``rate x c`` once the tier has evicted; before, unbounded (as the tier is)."""
+        return self.sampler.rate * self.c if self._tier_full else _UNBOUNDED
+
     def _resize(self) -> None:
         c = self.c
         while self.sampler.rate * c > 2 * self.mini_pages:
             self.sampler.halve()
             for m in self.minis:
                 m.drop(self.sampler.keeps)
-        cap = self.sampler.rate * c
+        cap = self._mini_capacity()
         for m in self.minis:
             if cap < m.capacity:
                 m.shrink_to(int(cap))
@@ -330,8 +337,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.takeovers += 1
 
     def _oldest_first(self) -> Generator[PageKey, None, None]:
-        """The tier's pages by last reference, oldest first; sorted only once read (an
-        expert without ``copy_holding`` never reads them)."""
+        """The tier's pages by last reference, oldest first (sorted only once read)."""
         refs = self.book.refs
         yield from sorted(self.book.resident, key=lambda k: refs[k][2])
 
@@ -350,9 +356,7 @@ class AdaptivePolicy(EvictionPolicy):
         miniature; the expert learns the pages held now in the order they came."""
         for key, parent in self.forest.parent.items():
             expert.on_insert(key, parent)
-        self.minis.append(
-            MiniCache(PrefixCutPolicy(mini), self.sampler.rate * self.c, pins=self.pins)
-        )
+        self.minis.append(MiniCache(PrefixCutPolicy(mini), self._mini_capacity(), pins=self.pins))
         for policy in (expert, mini):
             target = hint_target(policy)
             if target is not None:
@@ -455,6 +459,9 @@ class AdaptivePolicy(EvictionPolicy):
         :mod:`kvtier.policy.base`). The engine's pins hold whoever leads while its hints
         are trusted: the pages the ``hinted`` expert holds pinned (its ``pin_share`` bound
         included) come last."""
+        if not self._tier_full:  # the tier's first eviction: the miniatures get bounded
+            self._tier_full = True
+            self._resize()
         expert = self.experts.get(self.leader)
         if expert is not None:
             order = self.forest.order(policy_offers(expert, evictable), evictable)

@@ -94,8 +94,11 @@ class PageForest:
             node = self.parent.get(node)
         return False
 
-    def remove(self, key: PageKey) -> None:
-        """``key`` left the tier; its children become orphans."""
+    def remove(self, key: PageKey, strand: bool = True) -> None:
+        """``key`` left the tier; its children become orphans. With ``strand`` false
+        they become roots instead: ``key`` left a sampled view of the tier (a miniature
+        whose sample shrank), where it will never come back, so its children lost
+        nothing."""
         self._first_kid.pop(key, None)
         self.branched.discard(key)
         parent = self.parent.pop(key, None)
@@ -106,7 +109,10 @@ class PageForest:
                 siblings.pop(key, None)
         kids = all_kids.pop(key, None)
         orphans = self.orphans
-        if kids:
+        if kids and not strand:
+            for kid in kids:
+                self.parent[kid] = None
+        elif kids:
             par, lost = self.parent, self._lost
             for kid in kids:
                 par[kid] = None
@@ -255,6 +261,14 @@ class PrefixCutPolicy(EvictionPolicy):
     def on_remove(self, key: PageKey) -> None:
         if key in self.forest.parent:
             self.forest.remove(key)
+            self.inner.on_remove(key)
+
+    def forget(self, key: PageKey) -> None:
+        """``key`` left the sample of a miniature (:meth:`MiniCache.drop
+        <kvtier.policy.shadow.MiniCache.drop>`): as :meth:`on_remove`, but its children
+        become roots, not orphans."""
+        if key in self.forest.parent:
+            self.forest.remove(key, strand=False)
             self.inner.on_remove(key)
 
     def victims(self, n: int, evictable: Callable[[PageKey], bool]) -> list[PageKey]:

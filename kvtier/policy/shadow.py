@@ -161,7 +161,11 @@ class MiniCache:
                 self.policy.on_remove(v)
 
     def drop(self, keep: Callable[[PageKey], bool]) -> None:
-        """Forget resident pages ``keep`` rejects (after the sample shrank)."""
+        """Forget resident pages ``keep`` rejects (after the sample shrank), by the
+        policy's ``forget(key)`` where it has one (a page that left the sample strands
+        nothing: :meth:`PrefixCutPolicy.forget
+        <kvtier.policy.prefix_cut.PrefixCutPolicy.forget>`), else its ``on_remove``."""
+        forget = getattr(self.policy, "forget", self.policy.on_remove)
         for k in sorted(k for k in self.resident if not keep(k)):  # sorted: deterministic
             self.resident.discard(k)
-            self.policy.on_remove(k)
+            forget(k)
