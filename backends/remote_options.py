@@ -7,6 +7,7 @@ or from Python. :func:`parse_options` converts and checks them and raises
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -166,6 +167,15 @@ def _as_opt_str(name: str, value: Any) -> str | None:
     return value
 
 
+def _as_file(name: str, value: Any, what: str) -> str | None:
+    """A TLS file option: a path to a readable file (``what`` it holds, for the error)."""
+    path = _as_opt_str(name, value)
+    if path is not None and not os.path.isfile(path):
+        why = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise ConfigError(f"redis option {name!r} ({what}): {path!r} {why}")
+    return path
+
+
 def parse_options(raw: dict[str, Any]) -> RemoteOptions:
     """Validate ``raw`` (strings allowed for every value) into :class:`RemoteOptions`.
 
@@ -241,8 +251,8 @@ def parse_options(raw: dict[str, Any]) -> RemoteOptions:
         username=_as_opt_str("username", raw.get("username")),
         password=_as_opt_str("password", raw.get("password")),
         tls=_as_bool("tls", raw.get("tls", d.tls)) or urlsplit(url).scheme == "rediss",
-        tls_ca_certs=_as_opt_str("tls_ca_certs", raw.get("tls_ca_certs")),
-        tls_certfile=_as_opt_str("tls_certfile", raw.get("tls_certfile")),
-        tls_keyfile=_as_opt_str("tls_keyfile", raw.get("tls_keyfile")),
+        tls_ca_certs=_as_file("tls_ca_certs", raw.get("tls_ca_certs"), "the CA bundle"),
+        tls_certfile=_as_file("tls_certfile", raw.get("tls_certfile"), "the client certificate"),
+        tls_keyfile=_as_file("tls_keyfile", raw.get("tls_keyfile"), "the client key"),
         tls_verify=_as_bool("tls_verify", raw.get("tls_verify", d.tls_verify)),
     )
