@@ -132,7 +132,13 @@ def test_finished_request_saves_its_last_pages_and_holds_its_blocks(tmp_path: Pa
     assert side.finished(_request("never-seen", 10), ([],)) is False
 
 
-def test_a_failed_load_is_saved_again_once_recomputed(tmp_path: Path) -> None:
+def test_a_failed_load_and_the_pages_after_it_are_not_saved_from_that_request(
+    tmp_path: Path,
+) -> None:
+    """vLLM recomputes from a page whose load failed; a docs-only probe had it recompute
+    wrong KV under preemption, and saving it served wrong tokens on every later run. Not
+    saved now (before: pages 2-4 were saved again); the next request of the prompt
+    computes them the ordinary way."""
     side = _side(tmp_path, pages=4)
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(200, 210)),))
     req = _request("a", 5 * BS + 1)
@@ -143,7 +149,19 @@ def test_a_failed_load_is_saved_again_once_recomputed(tmp_path: Path) -> None:
     side.loads_reported({202})  # page 2 could not be loaded: vLLM recomputes pages 2..
     req.num_computed_tokens = 2 * BS
     meta = side.build_meta(_output({"a": 3 * BS + 1}))
-    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(2, [202, 203, 204])]
+    assert meta.saves == []
+    req.all_token_ids = list(range(6 * BS + 1))
+    req.num_tokens = 6 * BS + 1
+    req.num_computed_tokens = 6 * BS
+    assert side.finished(req, (list(range(200, 210)),)) is False  # nothing left to save
+    other = _request("b", 5 * BS + 1)  # the same prompt again, in a new request
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(300, 310)),))
+    side.client = FakeLookup(2)  # the damaged page 2 is gone from kvtier
+    side.match(other, 0)
+    side.after_alloc(other, Blocks(list(range(300, 310))), 2 * BS)
+    other.num_computed_tokens = 2 * BS
+    meta = side.build_meta(_output({"b": 3 * BS + 1}))
+    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(2, [302, 303, 304])]
 
 
 @pytest.mark.parametrize(("loads", "saves"), [(False, True), (True, False)])
@@ -292,11 +310,11 @@ def test_an_asynchronous_load_travels_apart_until_the_workers_report_it(tmp_path
     side.loads_reported(set(), set())  # a step passes, the load is still running
     side.loads_reported({101}, {"a"})  # done: page 1 failed
     # vLLM matches the request again (its num_computed_tokens cut to page 1): the failed
-    # page and the ones after it are not offered again, and page 1 will be saved again
+    # page and the ones after it are neither offered again nor saved from this request
     assert side.match(req, BS) == (0, False)
     req.num_computed_tokens = BS
     meta = side.build_meta(_output({"a": 5 * BS + 5}))
-    assert [(r.first_page, r.block_ids) for r in meta.saves] == [(1, [101, 102, 103, 104, 105])]
+    assert meta.saves == []
 
 
 def test_a_request_gone_before_its_asynchronous_load_is_sent_still_gets_it(
@@ -335,21 +353,27 @@ def test_a_hybrid_model_loads_asynchronously_and_saves_pages_every_group_holds(
     assert [(r.first_page, r.block_ids) for r in meta.async_loads] == [
         (0, [(100, NOT_HELD), (101, NOT_HELD), (102, 52), (103, 53)])
     ]
-    # the load failed: vLLM recomputes the request from its first token, and kvtier offers
-    # none of those pages again
+    # the load failed: vLLM recomputes the request from its first token, and kvtier neither
+    # offers nor saves any of its pages again
     side.loads_reported(set(), {"a"}, {"a"})
     assert side.match(req, 0) == (0, False)
     req.num_computed_tokens = 0
-    meta = side.build_meta(_output({"a": 7 * BS + 5}))
+    assert side.build_meta(_output({"a": 7 * BS + 5})).saves == []
+    # a new request of another prompt saves the pages both groups hold
+    other = _request("b", 7 * BS + 5)
+    side.client = FakeLookup(0)
+    assert side.match(other, 0) == (0, False)
+    side.after_alloc(other, Blocks(full, window), 0)
+    meta = side.build_meta(_output({"b": 7 * BS + 5}))
     assert [(r.first_page, r.block_ids) for r in meta.saves] == [
         (2, [(102, 52), (103, 53), (104, 54)]),
         (6, [(106, 56)]),
     ]  # pages 0, 1 and 5: the window group no longer holds them
-    req.all_token_ids = list(range(9 * BS + 1))
-    req.num_tokens = 9 * BS + 1
-    req.num_computed_tokens = 9 * BS
+    other.all_token_ids = list(range(9 * BS + 1))
+    other.num_tokens = 9 * BS + 1
+    other.num_computed_tokens = 9 * BS
     window[7:9] = [57, 58]
-    assert side.finished(req, (full, window)) is True
+    assert side.finished(other, (full, window)) is True
     assert [(r.first_page, r.block_ids) for r in side.build_meta(_output({})).saves] == [
         (7, [(107, 57), (108, 58)])
     ]

@@ -73,7 +73,8 @@ class _Request:
     loads: list[PageRun] = field(default_factory=list)
     load_async: bool = False  # the last match asked vLLM to load across steps
     #: the first page whose load failed: never offered again (vLLM matches a request again
-    #: after its asynchronous load failed, or after a preemption)
+    #: after its asynchronous load failed, or after a preemption), and neither it nor a
+    #: page after it is saved from this request (see ``loads_reported``)
     failed_page: int | None = None
     hints: RequestHints | None = None
     scope: RequestScope = field(default_factory=RequestScope)
@@ -251,6 +252,8 @@ class SchedulerSide:
                 req = st.request
                 verified = int(req.num_computed_tokens) + int(n_sched) - len(spec.get(req_id, ()))
                 full = min(verified, len(req.all_token_ids)) // self.block_size
+                if st.failed_page is not None:
+                    full = min(full, st.failed_page)
                 if full <= st.saved_pages:
                     continue
                 block_ids = self._blocks(req_id, st.saved_pages, full)
@@ -274,8 +277,12 @@ class SchedulerSide:
         finished_recving: set[str] | None = None,
         failed_recving: set[str] | None = None,
     ) -> None:
-        """A step's output came back: a page whose load failed will be recomputed by vLLM,
-        so it (and every page after it) is saved again once recomputed. Asynchronous
+        """A step's output came back: a page whose load failed will be recomputed by vLLM.
+        Neither it nor any page after it is saved from this request: a docs-only probe
+        (a damaged NVMe store under heavy preemption) had vLLM 0.32 recompute such a
+        request's KV wrong, and the saved pages served the wrong tokens on every later
+        run, restarts included. The next request of that prompt misses there, computes
+        the pages the ordinary way and saves them. Asynchronous
         loads are looked at until the workers report them done (``finished_recving``):
         their failed blocks come at the latest with that report. A request in
         ``failed_recving`` (several KV cache groups) recomputes its whole asynchronous
@@ -286,7 +293,6 @@ class SchedulerSide:
             if st is None or not runs:
                 continue
             page = min(run.first_page for run in runs)
-            st.saved_pages = min(st.saved_pages, page)
             st.failed_page = page if st.failed_page is None else min(st.failed_page, page)
         loads, self._inflight_loads = self._inflight_loads, {}
         if invalid_block_ids:
@@ -304,7 +310,6 @@ class SchedulerSide:
                 bad = [i for i, b in enumerate(run.block_ids) if b in invalid_block_ids]
                 if bad:
                     page = run.first_page + bad[0]
-                    st.saved_pages = min(st.saved_pages, page)
                     st.failed_page = page if st.failed_page is None else min(st.failed_page, page)
 
     def _null_id(self) -> int:
@@ -331,6 +336,8 @@ class SchedulerSide:
             return False
         kv_tokens = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
         full = min([kv_tokens // self.block_size, *(len(ids) for ids in block_ids)])
+        if st.failed_page is not None:
+            full = min(full, st.failed_page)
         blocks = page_blocks(block_ids, st.saved_pages, full, self._null_id())
         saves = saveable_runs(st.saved_pages, blocks) if self.saves_enabled else []
         hints = st.hints.runs(rid, full, self.block_size) if st.hints is not None else []
