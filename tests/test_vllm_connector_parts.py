@@ -51,6 +51,8 @@ def test_settings_defaults_and_values() -> None:
         ({"kvtier-config": "x"}, "kvtier-config"),  # before: ignored, the default ran
         ({"KVTIER_CONFIG": "x"}, "KVTIER_CONFIG"),
         ({"kvtier_config": 5}, "kvtier_config"),
+        # before: read as a file path, "cannot be read: No such file or directory"
+        ({"kvtier_config": '{"tiers": []}'}, "kvtier_config is a string holding JSON"),
         ({"kvtier_lookup_timeout_s": "fast"}, "kvtier_lookup_timeout_s"),
         ({"kvtier_lookup_timeout_s": float("inf")}, "kvtier_lookup_timeout_s"),
         ({"kvtier_load_timeout_s": -1}, "kvtier_load_timeout_s"),

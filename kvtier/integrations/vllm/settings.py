@@ -115,6 +115,12 @@ def parse_settings(extra: Mapping[str, Any] | None) -> ConnectorSettings:
             "kv_connector_extra_config.kvtier_config must be a path to a kvtier TOML file or "
             f"an inline table (dict), got {type(cfg).__name__}"
         )
+    if isinstance(cfg, str) and cfg.lstrip().startswith("{"):
+        raise ConfigError(
+            "kv_connector_extra_config.kvtier_config is a string holding JSON; give the "
+            "inline configuration as a JSON object (no quotes around it), or a path to a "
+            f"kvtier TOML file: got {cfg[:60]!r}"
+        )
     prefetch = extra.get("kvtier_prefetch_on_lookup", True)
     if not isinstance(prefetch, bool):
         raise ConfigError(
