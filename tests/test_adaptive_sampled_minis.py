@@ -10,8 +10,9 @@ sessions' dead pages out that the tier itself held, so ``adaptive`` saw LRU's le
 
 from __future__ import annotations
 
-import random
+import importlib.util
 from itertools import pairwise
+from pathlib import Path
 
 import kvtier.policy  # noqa: F401 - registers policies
 from kvtier.keys import PageKey
@@ -78,22 +79,15 @@ def test_miniatures_do_not_evict_before_the_tier_does() -> None:
 
 
 def _sessions(seed: int, n: int) -> Trace:
-    """Short sessions (1-6 turns, 40 s apart) behind one shared 16-block prompt, as
-    ``benchmarks/sysprompt_trace.py`` writes them."""
-    rnd = random.Random(seed)
-    next_id, t = 16, 0.0
-    rows: list[tuple[float, list[int]]] = []
-    while len(rows) < n:
-        t += rnd.expovariate(1 / 0.9)
-        ctx, at = list(range(16)), t
-        for _turn in range(rnd.choice([1, 1, 2, 3, 4, 6])):
-            size = rnd.randint(8, 16)
-            ctx = ctx + list(range(next_id, next_id + size))
-            next_id += size
-            rows.append((at, list(ctx)))
-            at += rnd.expovariate(1 / 40.0)
-    rows = sorted(rows[:n], key=lambda r: r[0])
-    reqs = requests_from_ids([(ts, 512 * len(ids), 100, ids) for ts, ids in rows], 512)
+    """``benchmarks/sysprompt_trace.py``'s trace: short sessions (1-6 turns, 40 s apart)
+    behind one shared 16-block prompt."""
+    path = Path(__file__).parents[1] / "benchmarks" / "sysprompt_trace.py"
+    spec = importlib.util.spec_from_file_location("sysprompt_trace", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.sessions(seed, n)  # (arrival in ms, block ids)
+    reqs = requests_from_ids([(t / 1000, 512 * len(ids), 100, ids) for t, ids in rows], 512)
     return Trace("sysprompt", 512, reqs)
 
 

@@ -276,13 +276,7 @@ class Planner:
 
     def unexpect(self, parents: Iterable[PageKey]) -> None:
         """The store that :meth:`expect` announced ``parents`` for has ended."""
-        expected = self.expected
-        for p in parents:
-            left = expected[p] - 1
-            if left > 0:
-                expected[p] = left
-            else:
-                expected.pop(p, None)
+        _uncount(self.expected, parents)
 
     def hold(self, keys: Iterable[PageKey], pool: int) -> list[PageKey]:
         """Keep ``keys`` in the tiers above tier ``pool`` (a shared tier that counts
@@ -300,13 +294,7 @@ class Planner:
         :attr:`checks_running` counted its pages)."""
         if running:
             self.checks_running -= len(keys)
-        checking = self.checking
-        for k in keys:
-            left = checking[k] - 1
-            if left > 0:
-                checking[k] = left
-            else:
-                checking.pop(k, None)
+        _uncount(self.checking, keys)
 
     # -- where pages go ------------------------------------------------------------------
 
@@ -434,3 +422,13 @@ class Planner:
     def left(self, tier: int, key: PageKey) -> None:
         """``key`` left ``tier`` (evicted, deleted, or found gone)."""
         self.tiers[tier].policy.on_remove(key)
+
+
+def _uncount(counter: Counter[PageKey], keys: Iterable[PageKey]) -> None:
+    """Take one count of each of ``keys`` off ``counter``, dropping those at zero."""
+    for k in keys:
+        left = counter[k] - 1
+        if left > 0:
+            counter[k] = left
+        else:
+            counter.pop(k, None)
