@@ -91,3 +91,22 @@ async def test_prompts_stored_again_back_to_back_all_go_back(loss: str) -> None:
             await prefill.flush()
         for tokens, pages in sequences:
             assert await _pool_pages(server.url, tokens, pages) == 4
+
+
+async def test_a_check_cancelled_before_it_started_lets_its_pages_go() -> None:
+    """The pages a store holds for its write-through's check are let go when that task
+    ends, even cancelled before its first step (closing cancels background tasks)."""
+    rng = np.random.default_rng(6)
+    with RedisServer("valkey") as server:
+        cfg = dram_over_redis(server.url, dram_pages=8, op_timeout_s=2.0)
+        async with KVCache(cfg, env={}, configure_log=False) as prefill:
+            planner = prefill.pipeline.mover.planner
+            tokens = rng.integers(0, 50_000, 4 * prefill.spec.page_tokens)
+            pages = rng.integers(0, 256, (4, prefill.spec.page_bytes), dtype=np.uint8)
+            assert all((await prefill.store(tokens, pages)).stored)
+            await prefill.flush()
+            assert all((await prefill.store(tokens, pages)).stored)  # counted in the pool
+            assert sum(planner.checking.values()) == 4 and planner.checks_running == 4
+            await prefill.pipeline.mover.cancel_all()  # before the check's first step
+            assert not planner.checking and planner.checks_running == 0
+            assert all((await prefill.store(tokens, pages)).stored)

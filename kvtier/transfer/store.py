@@ -60,7 +60,7 @@ class Writer:
         selective policies then copy them down in the background.
 
         The pages a shared tier below counts (a pool that may have lost them) stay in
-        every tier until the write-through has checked them (:meth:`Planner.hold
+        the tiers above it until the write-through has checked them (:meth:`Planner.hold
         <kvtier.plan.planner.Planner.hold>`): counted there, a page leaving the top tier
         before would be dropped as clean."""
         mover = self.mover
@@ -77,7 +77,9 @@ class Writer:
             raise
         if down:
             planner.checks_running += len(held)
-            mover.spawn(self._write_through_held(top, down, held))
+            task = mover.spawn(self.write_through(top, down))
+            if held:  # a callback: runs even for a task cancelled before it started
+                task.add_done_callback(lambda _task: self._checked(held))
         else:
             planner.unhold(held)
         return out
@@ -160,19 +162,11 @@ class Writer:
             if any(d.state(k, p.name) is PageState.COMMITTED for p in pools)
         ]
 
-    async def _write_through_held(
-        self, top: Tier, keys: list[PageKey], held: list[PageKey]
-    ) -> None:
-        """:meth:`write_through`, then let the tiers evict ``held`` again (and trim the
-        top tier, which may have passed its high watermark meanwhile)."""
-        try:
-            await self.write_through(top, keys)
-        finally:
-            self.mover.planner.unhold(held, running=True)
-            if held:
-                self.mover.changed(*self.mover.tiers)  # room waits may go on
-        if held and self.mover.directory.used(top.name) > top.high_pages:
-            await self.moves.evictor.trim(top, Priority.EVICT)
+    def _checked(self, held: list[PageKey]) -> None:
+        """The write-through that checked ``held`` ended: the tiers may evict them again
+        (the next call that needs room trims a tier they held above its watermark)."""
+        self.mover.planner.unhold(held, running=True)
+        self.mover.changed(*self.mover.tiers)  # room waits may go on
 
     def _shared_below(self, tier: Tier) -> bool:
         """Whether a tier below ``tier`` is shared by other servers (a remote pool)."""
