@@ -19,6 +19,7 @@ Thread-safety: every method takes the index lock; call from any thread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sqlite3
 import threading
@@ -148,6 +149,15 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True, check_same_thread=False)
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """``path``'s (device, inode), or ``None`` when it is not there."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _read_only_fs(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
@@ -184,6 +194,8 @@ class StoreIndex:
                     "SELECT name FROM sqlite_master WHERE type = 'table'"
                 ).fetchall()
             )
+            #: The file opened, as (device, inode): see :meth:`_check_still_there`.
+            self._identity = _identity(path)
             if not readonly:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
@@ -316,8 +328,22 @@ class StoreIndex:
                 [(slot, key, reason, now) for slot, key, reason in quarantine],
             )
 
+    def _check_still_there(self) -> None:
+        """Raise :class:`OSError` when the index file was removed, moved or replaced
+        since it was opened (the store's directory deleted while it was open, say):
+        SQLite would go on writing to the file it holds open, and every page committed
+        from then on would be gone once the store closes."""
+        if _identity(self.path) != self._identity:
+            raise OSError(
+                errno.ENOENT,
+                f"the store's index {str(self.path)!r} was removed, moved or replaced while "
+                "the store was open; pages committed now would be lost",
+            )
+
     def insert(self, rows: Iterable[PageRow]) -> None:
-        """Commit rows in one transaction (the group commit)."""
+        """Commit rows in one transaction (the group commit); first checks that the
+        index file is still the one opened (:meth:`_check_still_there`)."""
+        self._check_still_there()
         now = time.time()
         with self._tx() as db:
             db.executemany(
