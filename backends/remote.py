@@ -84,6 +84,7 @@ from .remote_replies import (
     NO_REPLY,
     Pending,
     access_denied,
+    as_reply,
     check_value,
     describe,
     failed,
@@ -124,6 +125,7 @@ class RedisStore(RedisStoreBase):
         found = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )
+        self._refuse_denied(found)
         out: list[Reservation | None] = []
         for key, reply in zip(keys, found, strict=True):
             if failed(reply):
@@ -219,16 +221,12 @@ class RedisStore(RedisStoreBase):
         """Mark the ``SET`` replies of ``items`` in ``ok``; log refused writes once.
 
         Raises:
-            TierIOError: the server refuses this client (``NOAUTH``: it wants a
-                password): a failing tier naming the cause, not a full server.
+            TierIOError: the server refuses this client (``NOAUTH`` or ``NOPERM``:
+                :meth:`_refuse_denied`): a failing tier naming the cause, not a full
+                server.
         """
         refusals: list[BaseException | ReplyError] = []
-        denied = next((r for r in replies if access_denied(r)), None)
-        if denied is not None:
-            raise TierIOError(
-                f"remote store {self.health.name} refuses this client: {denied} (give the "
-                "server's password in the tier's 'password' option or in the URL)"
-            )
+        self._refuse_denied(replies)
         for (i, key), reply in zip(items, replies, strict=True):
             if reply is NO_REPLY:
                 continue
@@ -240,6 +238,21 @@ class RedisStore(RedisStoreBase):
                 self._committed.add(key)
         if refusals:
             self.health.refused(len(refusals), describe(refusals[0]))
+
+    def _refuse_denied(self, replies: Sequence[Any]) -> None:
+        """Raise :class:`TierIOError` naming the fix when a reply says the server refuses
+        this client (:data:`ACCESS_DENIED`): no password, or an ACL denying the prefix."""
+        denied = next((r for r in map(as_reply, replies) if access_denied(r)), None)
+        if denied is None:
+            return
+        prefix = self.options.key_prefix
+        fix = (
+            f"its ACL must let this user read and write keys '{prefix}:*' (ACL SETUSER ... "
+            f"'~{prefix}:*' +@write +@read), or set 'key_prefix' to one it may use"
+            if isinstance(denied, ReplyError) and denied.prefix == "NOPERM"
+            else "give the server's password in the tier's 'password' option or in the URL"
+        )
+        raise TierIOError(f"remote store {self.health.name} refuses this client: {denied} ({fix})")
 
     async def put(
         self, keys: Sequence[PageKey], data: Sequence[Any], namespace: str = ""

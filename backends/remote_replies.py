@@ -49,9 +49,10 @@ def describe(exc: BaseException | ReplyError) -> str:
 
 
 #: Error codes of a server that refuses this client, not a page: no password given (a
-#: wrong one fails at connect already; an ACL user denied a key prefix, ``NOPERM``, is a
-#: per-page refusal).
-ACCESS_DENIED: frozenset[str] = frozenset({"NOAUTH"})
+#: wrong one fails at connect already), or an ACL user denied the key prefix or the
+#: command (``NOPERM``: every page of the tier shares its prefix, so one refused page
+#: means all are; it was counted as a full server's refusal, naming no ACL).
+ACCESS_DENIED: frozenset[str] = frozenset({"NOAUTH", "NOPERM"})
 
 
 def access_denied(reply: Any) -> bool:
@@ -65,9 +66,16 @@ def failed(reply: Any) -> bool:
 
 
 def as_reply(reply: Any) -> Any:
-    """A redis-py pipeline reply in the data path's terms (errors become ReplyError)."""
+    """A redis-py pipeline reply in the data path's terms (errors become ReplyError,
+    with the error code redis-py takes off the message put back where it knows it:
+    ``NOPERM``, which :func:`access_denied` looks for)."""
     if isinstance(reply, BaseException) and not is_connection_error(reply):
-        return ReplyError(str(reply))
+        from redis.exceptions import NoPermissionError
+
+        text = str(reply)
+        if isinstance(reply, NoPermissionError) and not text.startswith("NOPERM"):
+            text = f"NOPERM {text}"
+        return ReplyError(text)
     return reply
 
 

@@ -395,9 +395,12 @@ async def test_no_password_for_a_server_that_wants_one_is_named(redis_acl: Redis
         assert s.health.refused_writes == 0
 
 
-async def test_acl_user_outside_its_key_pattern_fails_per_item(redis_acl: RedisServer) -> None:
+async def test_acl_user_outside_its_key_pattern_is_named(redis_acl: RedisServer) -> None:
+    """Every page shares the prefix: the tier fails naming it (before: each put False,
+    as from a full server; tests/test_remote_acl.py)."""
     async with make(redis_acl.url, key_prefix="other", username="kv", password="kvpw") as s:
-        assert await s.put(keys_for(2), pages(2)) == [False, False]
+        with pytest.raises(TierIOError, match=r"NOPERM.*'~other:\*'"):
+            await s.put(keys_for(2), pages(2))
 
 
 def _self_signed(tmp: Path) -> tuple[str, str, str]:
