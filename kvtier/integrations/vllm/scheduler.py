@@ -278,11 +278,12 @@ class SchedulerSide:
         failed_recving: set[str] | None = None,
     ) -> None:
         """A step's output came back: a page whose load failed will be recomputed by vLLM.
-        Neither it nor any page after it is saved from this request: a docs-only probe
-        (a damaged NVMe store under heavy preemption) had vLLM 0.32 recompute such a
-        request's KV wrong, and the saved pages served the wrong tokens on every later
-        run, restarts included. The next request of that prompt misses there, computes
-        the pages the ordinary way and saves them. Asynchronous
+        Neither it nor any page after it is saved from this request: in a docs-only probe
+        (a damaged NVMe store under heavy preemption) the pages saved after such a
+        recompute served wrong tokens on every later run, restarts included (whether
+        vLLM 0.32 recomputed them wrong or the save read stale blocks was not
+        established). The next request of that prompt misses there, computes the pages
+        the ordinary way and saves them. Asynchronous
         loads are looked at until the workers report them done (``finished_recving``):
         their failed blocks come at the latest with that report. A request in
         ``failed_recving`` (several KV cache groups) recomputes its whole asynchronous
