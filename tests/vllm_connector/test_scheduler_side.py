@@ -135,10 +135,10 @@ def test_finished_request_saves_its_last_pages_and_holds_its_blocks(tmp_path: Pa
 def test_a_failed_load_and_the_pages_after_it_are_not_saved_from_that_request(
     tmp_path: Path,
 ) -> None:
-    """vLLM recomputes from a page whose load failed; a docs-only probe had it recompute
-    wrong KV under preemption, and saving it served wrong tokens on every later run. Not
-    saved now (before: pages 2-4 were saved again); the next request of the prompt
-    computes them the ordinary way."""
+    """vLLM recomputes from a page whose load failed; in a docs-only probe under heavy
+    preemption the pages saved after that recompute served wrong tokens on every later
+    run. Not saved now (before: pages 2-4 were saved again); the next request of the
+    prompt computes them the ordinary way."""
     side = _side(tmp_path, pages=4)
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (list(range(200, 210)),))
     req = _request("a", 5 * BS + 1)
