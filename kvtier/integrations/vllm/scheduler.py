@@ -80,6 +80,12 @@ class _Request:
     scope: RequestScope = field(default_factory=RequestScope)
 
 
+def _before_failure(st: _Request, pages: int) -> int:
+    """``pages`` cut at the request's first failed page: neither offered nor saved from
+    there (see ``SchedulerSide.loads_reported``)."""
+    return pages if st.failed_page is None else min(pages, st.failed_page)
+
+
 class SchedulerSide:
     """Scheduler-side state of one engine (see the module docstring)."""
 
@@ -153,9 +159,8 @@ class SchedulerSide:
             if ans is None:
                 self._stats.add("lookup_errors", 1)
             st.answer, st.answered_at, st.answered_pages = ans, now, limit
-        matched = min(st.answer.pages, limit) if st.answer is not None else 0
-        if st.failed_page is not None:
-            matched = min(matched, st.failed_page)
+        answered = min(st.answer.pages, limit) if st.answer is not None else 0
+        matched = _before_failure(st, answered)
         st.saved_pages = max(st.saved_pages, matched)
         if not self.loads_enabled:
             return 0, False
@@ -251,9 +256,7 @@ class SchedulerSide:
                     continue
                 req = st.request
                 verified = int(req.num_computed_tokens) + int(n_sched) - len(spec.get(req_id, ()))
-                full = min(verified, len(req.all_token_ids)) // self.block_size
-                if st.failed_page is not None:
-                    full = min(full, st.failed_page)
+                full = _before_failure(st, min(verified, len(req.all_token_ids)) // self.block_size)
                 if full <= st.saved_pages:
                     continue
                 block_ids = self._blocks(req_id, st.saved_pages, full)
@@ -336,9 +339,9 @@ class SchedulerSide:
         if st is None or st.scope.skip is not None:
             return False
         kv_tokens = min(int(request.num_computed_tokens), int(request.num_tokens) - 1)
-        full = min([kv_tokens // self.block_size, *(len(ids) for ids in block_ids)])
-        if st.failed_page is not None:
-            full = min(full, st.failed_page)
+        full = _before_failure(
+            st, min([kv_tokens // self.block_size, *(len(ids) for ids in block_ids)])
+        )
         blocks = page_blocks(block_ids, st.saved_pages, full, self._null_id())
         saves = saveable_runs(st.saved_pages, blocks) if self.saves_enabled else []
         hints = st.hints.runs(rid, full, self.block_size) if st.hints is not None else []
