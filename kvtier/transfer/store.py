@@ -66,12 +66,12 @@ class Writer:
         mover = self.mover
         planner = mover.planner
         top = mover.top
-        pools = [t for t in mover.tiers[1:] if t.backend.shared]
+        pools = self._pools_below(top)
         held: list[PageKey] = []
         if planner.write_policy.copies_on_store and pools:
             held = planner.hold(self._counted_in_a_pool(pools, keys), pools[0].index)
         try:
-            out, down = await self._store(keys, bufs, parents, namespace)
+            out, down = await self._store(keys, bufs, parents, namespace, bool(pools))
         except BaseException:
             planner.unhold(held)
             raise
@@ -90,8 +90,10 @@ class Writer:
         bufs: Sequence[np.ndarray],
         parents: Sequence[PageKey | None],
         namespace: str,
+        pool_below: bool,
     ) -> tuple[list[bool], list[PageKey]]:
-        """:meth:`store`'s work; returns what it stored and the pages to copy down."""
+        """:meth:`store`'s work; returns what it stored and the pages to copy down
+        (``pool_below``: a shared tier lies below the top one)."""
         mover = self.mover
         planner = mover.planner
         top = mover.top
@@ -150,7 +152,7 @@ class Writer:
             # below: the pool may have lost them meanwhile (write_through checks)
             done = set(stored)
             again = [k for k, i in first.items() if out[i] and k not in done]
-            down = stored + again if self._shared_below(top) else stored
+            down = stored + again if pool_below else stored
         return out, down
 
     def _counted_in_a_pool(self, pools: list[Tier], keys: Sequence[PageKey]) -> list[PageKey]:
@@ -168,10 +170,10 @@ class Writer:
         self.mover.planner.unhold(held, running=True)
         self.mover.changed(*self.mover.tiers)  # room waits may go on
 
-    def _shared_below(self, tier: Tier) -> bool:
-        """Whether a tier below ``tier`` is shared by other servers (a remote pool)."""
+    def _pools_below(self, tier: Tier) -> list[Tier]:
+        """The tiers below ``tier`` that other servers share (remote pools), top first."""
         tiers = self.mover.tiers
-        return any(t.backend.shared for t in tiers[tiers.index(tier) + 1 :])
+        return [t for t in tiers[tiers.index(tier) + 1 :] if t.backend.shared]
 
     async def _finish_abandoned(
         self,
@@ -274,7 +276,7 @@ class Writer:
                     )
                 return
             landed = [k for k, o in zip(todo, ok, strict=True) if o]
-        if self._shared_below(dst):
+        if self._pools_below(dst):
             copied = set(landed)
             landed += [k for k in keys if k not in copied and d.is_committed(k, dst.name)]
         if landed:
