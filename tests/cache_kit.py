@@ -217,6 +217,26 @@ class DeviceLikeArena(DramArena):
         return self.view(slot)
 
 
+class RefusingArena(DramArena):
+    """A DRAM arena whose writes fail (per page, ``False``, as the backend contract
+    allows) for the keys in ``refused`` when the write begins: pages the top tier will
+    not take. A write of a key in ``gated`` then waits at ``gate`` (an asyncio.Event,
+    ``held`` writes waiting) before it ends."""
+
+    refused: ClassVar[set[PageKey]] = set()
+    gated: ClassVar[set[PageKey]] = set()
+    gate: ClassVar[Any] = None
+    held: ClassVar[int] = 0
+
+    async def write(self, reservations: Any, data: Any) -> list[bool]:
+        cls = type(self)
+        refused = [r.key in cls.refused for r in reservations]
+        if any(r.key in cls.gated for r in reservations):
+            await _pass_gate(cls)
+        done = await super().write(reservations, data)
+        return [ok and not no for ok, no in zip(done, refused, strict=True)]
+
+
 class DeviceReadingStore(FileStore):
     """A file store that says it reads straight into device memory (as a GPUDirect
     Storage store would) and records the buffers each ``get`` filled."""

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -263,13 +263,21 @@ class Pipeline:
             removed += len(await self.drop(tier, uniq))
         return removed
 
-    async def drop(self, tier: Tier, keys: list[PageKey]) -> list[PageKey]:
+    async def drop(
+        self,
+        tier: Tier,
+        keys: list[PageKey],
+        still: Callable[[list[PageKey]], list[PageKey]] | None = None,
+    ) -> list[PageKey]:
         """Remove the unpinned pages of ``keys`` (distinct) that ``tier`` holds from it,
         once work on them there has settled, without writing them down; returns those
-        removed."""
+        removed. ``still`` picks, in the same step as the removal begins, the pages that
+        should still go (the reason to drop them may have gone while work settled)."""
         d = self.directory
         await self._quiesce(keys, tier)
         here = [k for k in keys if d.is_committed(k, tier.name) and not d.is_pinned(k)]
+        if still is not None:
+            here = still(here)
         if not here:
             return []
         fut = self.mover.op_future()

@@ -33,8 +33,11 @@ _log = get_logger("kvtier.pipeline")
 BLOCKED_LOG_INTERVAL_S = 60.0
 
 
-#: Removes pages from a tier without writing them down; returns those removed.
-Drop = Callable[[Tier, list[PageKey]], Awaitable[list[PageKey]]]
+#: Removes pages from a tier without writing them down, those the filter (called as the
+#: removal begins) still picks; returns those removed.
+Drop = Callable[
+    [Tier, list[PageKey], Callable[[list[PageKey]], list[PageKey]]], Awaitable[list[PageKey]]
+]
 
 
 class Writer:
@@ -206,38 +209,52 @@ class Writer:
         results: Sequence[Any],
     ) -> None:
         """Set ``out[i]`` for the pages of each job from its result (a job that raised,
-        or was cancelled, stored none of its pages), then remove the pages committed past
-        a page of this store that is cached nowhere (:meth:`_orphans`) and mark them not
-        stored: the batches ran side by side, one may have landed after one before it
-        failed."""
+        or was cancelled, stored none of its pages), then mark not stored every page past
+        a page of this store that is cached nowhere (:meth:`_past_a_gap`), and remove
+        those this store committed: the batches ran side by side, one may have landed
+        after one before it failed.
+
+        Stores of the same pages run side by side too. A page one of them found
+        committed may be another's orphan, and a page's gap may be filled by another
+        store while it settles. So the removal takes only pages still past a gap when it
+        begins, and last, a page no tier keeps any more (another store removed it) is
+        marked not stored: what a store reports stored is never an orphan someone removes.
+        """
         for (idx, _), res in zip(jobs, results, strict=True):
             if not isinstance(res, BaseException):
                 for i, r in zip(idx, res, strict=True):
                     out[i] = r
-        orphans = self._orphans(keys, parents, first, todo, out)
-        if orphans:
-            for k in await self.drop(self.mover.top, orphans):
-                out[first[k]] = False
+        lost = self._past_a_gap(keys, parents, first)
+        mine = [keys[i] for i in todo if out[i] and keys[i] in lost]
+        if mine:
 
-    def _orphans(
+            def still_past_a_gap(ks: list[PageKey]) -> list[PageKey]:
+                now = self._past_a_gap(keys, parents, first)
+                return [k for k in ks if k in now]
+
+            await self.drop(self.mover.top, mine, still_past_a_gap)
+        kept = self.mover.kept
+        for k, i in first.items():
+            if out[i] and (k in lost or not kept(k)):
+                out[i] = False
+
+    def _past_a_gap(
         self,
         keys: Sequence[PageKey],
         parents: Sequence[PageKey | None],
         first: dict[PageKey, int],
-        todo: list[int],
-        out: list[bool],
-    ) -> list[PageKey]:
-        """Pages this store committed (``todo`` where ``out``) that follow, in the chain
-        the call gave, a page of the same call that is cached nowhere now: no lookup
-        reaches them, so they would only take room. A parent outside the call is not
-        judged (another call may be storing it)."""
-        d = self.mover.directory
+    ) -> set[PageKey]:
+        """The pages of ``keys`` that follow, in the chain the call gave, a page of the
+        same call that no tier keeps now (:meth:`Mover.kept`): no lookup reaches them, so
+        they would only take room. A parent outside the call is not judged (another call
+        may be storing it)."""
+        kept = self.mover.kept
         lost: set[PageKey] = set()
         for i, k in enumerate(keys):
             p = parents[i]
-            if p is not None and p in first and (p in lost or d.locate(p) is None):
+            if p is not None and p in first and (p in lost or not kept(p)):
                 lost.add(k)
-        return [keys[i] for i in todo if out[i] and keys[i] in lost]
+        return lost
 
     async def write_through(self, src: Tier, keys: list[PageKey]) -> None:
         """Copy freshly stored pages down the hierarchy (background).
