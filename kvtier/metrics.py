@@ -294,9 +294,15 @@ class CacheMetrics(Metrics):
 
     def __init__(self, prefix: str = "kvtier") -> None:
         super().__init__(prefix)
-        self.hits = self.counter("hits_total", "Pages found in a tier (first tier hit)", ["tier"])
+        self.hits = self.counter(
+            "hits_total",
+            "Pages a read or load got from a tier (the first that served them)",
+            ["tier"],
+        )
         self.misses = self.counter(
-            "misses_total", "Pages looked for in a tier and not found there", ["tier"]
+            "misses_total",
+            "Pages asked for that a tier did not serve (absent or failed)",
+            ["tier"],
         )
         self.stored = self.counter("stored_pages_total", "Pages committed to a tier", ["tier"])
         self.evicted = self.counter(

@@ -61,15 +61,15 @@ class Fetcher:
         self.mover = mover
         self.moves = moves
 
-    def count_lookup(self, key: PageKey, holder: int | None = None) -> None:
-        """Hits/misses per tier for one requested page: a hit in the first tier holding
-        it (``holder`` when known: a page being evicted), a miss in every tier above (all
-        tiers when none does). The admission policy sees every reference (frequency
-        filters count here)."""
-        hit = self.mover.planner.note_lookup(key, holder)
+    def count_served(self, key: PageKey, tier: int | None) -> None:
+        """Hits/misses per tier for one requested page, by what served it: a hit in
+        ``tier`` (the tier its bytes came from, or the top tier a load found it in) and a
+        miss in every tier above; a miss in every tier when ``tier`` is ``None`` (absent,
+        or every copy failed or failed verification: a page found but not served is no
+        hit)."""
         metrics = self.mover.metrics
         for t in self.mover.tiers:
-            if t.index == hit:
+            if t.index == tier:
                 metrics.hits.inc(t.name)
                 return
             metrics.misses.inc(t.name)
@@ -99,8 +99,9 @@ class Fetcher:
         ok = False
         try:
             await mover.settle(wait, [top])
-            for k in uniq:
-                self.count_lookup(k, top.index if k in here else None)
+            # the policies see every reference now; the metrics count what served it
+            found = {k: planner.note_lookup(k, top.index if k in here else None) for k in uniq}
+            served = {k: top.index for k in uniq if k in here or d.is_committed(k, top.name)}
             failed: dict[PageKey, set[str]] = {k: set() for k in uniq}
             wanted = frozenset(uniq)
             for _round in range(2 * len(mover.tiers) + 2):
@@ -129,6 +130,7 @@ class Fetcher:
                         jobs.append((batch, src_tier, job))
                 results = await mover.await_jobs([j for _, _, j in jobs])
                 for (batch, src_tier, _), res in zip(jobs, results, strict=True):
+                    served.update((k, src_tier.index) for k, r in zip(batch, res, strict=True) if r)
                     bad = [k for k, r in zip(batch, res, strict=True) if not r]
                     for k in bad:
                         failed[k].add(src_tier.name)
@@ -151,6 +153,9 @@ class Fetcher:
             else:
                 slots.append(None)
                 missing.append(k)
+        gone = set(missing)
+        for k in uniq:  # fetched by another call meanwhile: from where it was found
+            self.count_served(k, None if k in gone else served.get(k, found[k]))
         return LoadResult(slots, missing)
 
     async def read(self, keys: Sequence[PageKey], out: Sequence[np.ndarray]) -> list[bool]:
@@ -159,12 +164,29 @@ class Fetcher:
         different tiers are read concurrently, one call per tier; a page that failed in one
         tier is tried in the next tier holding it."""
         mover = self.mover
-        d = mover.directory
-        n = len(keys)
-        ok = [False] * n
+        ok = [False] * len(keys)
         for k in dict.fromkeys(keys):
-            self.count_lookup(k)
-        tried: list[set[str]] = [set() for _ in range(n)]
+            mover.planner.note_lookup(k)
+        served: dict[PageKey, int] = {}
+        try:
+            await self._read(keys, out, ok, served)
+        finally:
+            for k in dict.fromkeys(keys):
+                self.count_served(k, served.get(k))
+        return ok
+
+    async def _read(
+        self,
+        keys: Sequence[PageKey],
+        out: Sequence[np.ndarray],
+        ok: list[bool],
+        served: dict[PageKey, int],
+    ) -> None:
+        """:meth:`read`'s rounds: set ``ok`` and, for each page read, the tier it came
+        from in ``served``."""
+        mover = self.mover
+        d = mover.directory
+        tried: list[set[str]] = [set() for _ in keys]
         for _round in range(2 * len(mover.tiers) + 2):
             groups: dict[int, list[int]] = {}
             moving: list[PageKey] = []
@@ -180,7 +202,7 @@ class Fetcher:
                         moving.append(k)  # being evicted or written: wait, then look again
             if not groups:
                 if not moving:
-                    return ok
+                    return
                 await mover.settle(moving)
                 continue
             # every group's pages are marked as being copied before any group is awaited
@@ -199,7 +221,9 @@ class Fetcher:
             finally:
                 for c in claims:  # a copy cancelled before its task started never ran
                     c.release()
-        return ok
+                    for i in c.items:
+                        if ok[i]:
+                            served.setdefault(keys[i], c.tier.index)
 
     def _claim(
         self, tier: Tier, keys: Sequence[PageKey], group: list[int], tried: list[set[str]]
