@@ -26,6 +26,10 @@ from typing import NamedTuple
 REFUSAL_QUIET_S = 60.0
 #: Largest multiple of ``retry_interval_s`` between two probes of a server that is down.
 MAX_BACKOFF = 32
+#: Seconds after a logged recovery within which a new outage of a remote store is a flap:
+#: counted, and logged only once it has lasted that long (a connection cut every 3 ms
+#: logged an "unavailable" / "back" pair per cut: 495 pairs in 12 s).
+FLAP_QUIET_S = 10.0
 
 
 class LogOnce:
@@ -151,7 +155,10 @@ class Health:
     A store reports every failed batch (:meth:`failed`) and every batch that reached the
     server (:meth:`succeeded`). The first failure after a healthy period logs one warning
     and opens an outage; later failures only count; the first success after it logs one
-    line saying the server is back and how long it was gone.
+    line saying the server is back and how long it was gone. An outage that opens within
+    :data:`FLAP_QUIET_S` of a logged recovery (a flapping connection) is counted in
+    :attr:`flaps` and logged only if it lasts that long; one that ends sooner ends
+    silently, and the next logged line says how many such outages went unlogged.
 
     A server that answers but refuses writes (out of memory with ``maxmemory-policy
     noeviction``) is not an outage: reads still work, and refusals come and go with every
@@ -170,6 +177,8 @@ class Health:
         failed_batches: batches that failed (timeout, connection, server error).
         refused_writes: pages the server refused to store (out of memory).
         down_since: monotonic start of the current outage, ``None`` when healthy.
+        flaps: outages not logged (short ones right after a recovery) since the last
+            "unavailable" line.
     """
 
     name: str
@@ -180,7 +189,10 @@ class Health:
     refused_writes: int = 0
     down_since: float | None = None
     skipped_batches: int = 0
+    flaps: int = 0
     _reason: str = field(default="", repr=False)
+    _logged: bool = field(default=False, repr=False)  # the open outage was logged
+    _back_at: float | None = field(default=None, repr=False)  # last logged recovery
     _last_refusal: float | None = field(default=None, repr=False)
     _backoff: float = field(default=0.0, repr=False)
     _next_probe: float = field(default=0.0, repr=False)
@@ -225,25 +237,45 @@ class Health:
             self._schedule_probe(self.retry_interval_s)
         elif self._probing:
             self._schedule_probe(min(self._backoff * 2, self.retry_interval_s * MAX_BACKOFF))
+        now = time.monotonic()
         if self.down_since is None:
-            self.down_since = time.monotonic()
+            self.down_since = now
             self.outages += 1
             self._reason = reason
-            self.logger.warning(
-                "remote store %s unavailable (%s); its pages count as misses until it is back",
-                self.name,
-                reason,
-            )
+            self._logged = False
+            if self._back_at is not None and now - self._back_at < FLAP_QUIET_S:
+                self.flaps += 1  # a flap: logged only if it lasts
+                return
+            self._log_down(reason)
+        elif not self._logged and now - self.down_since >= FLAP_QUIET_S:
+            self.flaps -= 1  # this one is logged now
+            self._log_down(reason)
+
+    def _log_down(self, reason: str) -> None:
+        unlogged = (
+            f"; {self.flaps} short outage(s) after a recovery were not logged" if self.flaps else ""
+        )
+        self.flaps = 0
+        self._logged = True
+        self.logger.warning(
+            "remote store %s unavailable (%s); its pages count as misses until it is back%s",
+            self.name,
+            reason,
+            unlogged,
+        )
 
     def succeeded(self) -> None:
-        """Record a batch that reached the server; log when this ends an outage."""
+        """Record a batch that reached the server; log when this ends a logged outage."""
         self._probing = False
         if self.down_since is not None:
-            gone = time.monotonic() - self.down_since
+            now = time.monotonic()
+            gone = now - self.down_since
             self.down_since = None
-            self.logger.warning(
-                "remote store %s is back after %.1f s (%s)", self.name, gone, self._reason
-            )
+            if self._logged:
+                self._back_at = now
+                self.logger.warning(
+                    "remote store %s is back after %.1f s (%s)", self.name, gone, self._reason
+                )
 
     def refused(self, pages: int, reason: str) -> None:
         """Record pages the server refused to store; log only the first refusal of an

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -345,3 +346,46 @@ def test_a_picked_port_taken_before_the_start_is_replaced_and_a_given_one_is_not
         with pytest.raises(RuntimeError, match="Address already in use"):
             given.start()
         given.close()
+
+
+def test_a_flapping_connection_logs_one_outage_per_quiet_period(monkeypatch, caplog) -> None:
+    """A connection cut every 3 ms (a fault-injection run) logged an "unavailable" and a
+    "back" line per cut: 495 pairs in 12 s. An outage opening within FLAP_QUIET_S of a
+    logged recovery is counted and logged only if it lasts; the next line says how many
+    went unlogged. Every outage still counts in ``outages``."""
+    from kvtier import health as remote_health
+
+    now = [100.0]
+    monkeypatch.setattr(remote_health.time, "monotonic", lambda: now[0])
+    log = logging.getLogger("test.flaps")
+    h = remote_health.Health("test", log)
+
+    def lines() -> tuple[int, int]:
+        msgs = [r.getMessage() for r in caplog.records if r.name == "test.flaps"]
+        return sum("unavailable (" in m for m in msgs), sum("is back after" in m for m in msgs)
+
+    with caplog.at_level(logging.WARNING, logger="test.flaps"):
+        for _ in range(4000):  # 12 s of a cut every 3 ms
+            h.failed("connection reset")
+            now[0] += 0.001
+            h.succeeded()
+            now[0] += 0.002
+        assert h.outages == 4000
+        assert lines() == (2, 2)  # at 0 s and once the quiet period after the first "back"
+        msgs = [r.getMessage() for r in caplog.records if "unavailable (" in r.getMessage()]
+        assert "not logged" not in msgs[0]
+        unlogged = re.search(r"; (\d+) short outage\(s\) after a recovery were not logged", msgs[1])
+        assert unlogged and 3300 <= int(unlogged[1]) <= 3340  # 10 s of 3 ms cuts
+
+        h.failed("connection refused")  # a flap that lasts: logged once it has
+        now[0] += 5.0
+        h.failed("connection refused")
+        assert lines() == (2, 2)
+        now[0] += 5.0
+        h.failed("connection refused")
+        assert lines() == (3, 2)
+        h.succeeded()
+        assert lines() == (3, 3)
+        now[0] += 60.0
+        h.failed("timeout")  # long after the last recovery: logged at once
+        assert lines() == (4, 3)
