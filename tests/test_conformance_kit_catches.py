@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvtier.backend import Reservation, StoreBackend, check_blobs, check_buffers
+from kvtier.errors import KVTierUsageError
 from kvtier.keys import PageKey
 from kvtier.testing.conformance import check_backend, conformance_cases
 from kvtier.testing.kit import ConformanceError
@@ -400,6 +401,68 @@ class DeletesOnTheLoop(DictStore):
         return await super().delete(keys)
 
 
+class ServesAborted(DictStore):
+    """Keeps an aborted reservation's bytes where ``get`` still finds them."""
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        for r in reservations:
+            if not r.present and (p := self.pending.get(r.handle)) and p[1] is not None:
+                self.ghosts = {**getattr(self, "ghosts", {}), r.key: p[1]}
+        await super().abort(reservations)
+
+    def read(self, key: PageKey) -> bytes | None:
+        return self.disk.get(key, getattr(self, "ghosts", {}).get(key))
+
+
+class AbortPresentDeletes(DictStore):
+    """Aborting a reservation of a committed key deletes the page."""
+
+    async def abort(self, reservations: Sequence[Reservation]) -> None:
+        for r in reservations:
+            if r.present:
+                self.disk.pop(r.key, None)
+        await super().abort(reservations)
+
+
+class PresentCommitAlwaysTrue(DictStore):
+    """Commit of a present reservation answers True even once the key is gone."""
+
+    async def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        ok = await super().commit(reservations)
+        return [o or r.present for o, r in zip(ok, reservations, strict=True)]
+
+
+class PresentForPending(DictStore):
+    """A key only reserved is answered ``present`` by the next reserve."""
+
+    async def reserve(
+        self, keys: Sequence[PageKey], namespace: str = ""
+    ) -> list[Reservation | None]:
+        pending = {k for k, _ in self.pending.values()}
+        out = await super().reserve([k for k in keys if k not in pending], namespace)
+        it = iter(out)
+        return [Reservation(k, -1, present=True) if k in pending else next(it) for k in keys]
+
+
+class WriteRejectsBytes(DictStore):
+    """``write`` takes numpy arrays only."""
+
+    async def write(self, reservations: Sequence[Reservation], data: Sequence[Any]) -> list[bool]:
+        if not all(isinstance(d, np.ndarray) for d in data):
+            raise KVTierUsageError("pages must be numpy arrays")
+        return await super().write(reservations, data)
+
+
+class BlobsUnchecked(DictStore):
+    """``write_blobs`` keeps the first page_bytes of a longer blob, and empty ones."""
+
+    async def write_blobs(
+        self, reservations: Sequence[Reservation], blobs: Sequence[Any]
+    ) -> list[bool]:
+        cut = [np.frombuffer(bytes(b), np.uint8)[: self.page_bytes] for b in blobs]
+        return self.keep(reservations, [c.tobytes() for c in cut])
+
+
 def _factory(cls: type[DictStore], path: str) -> Any:
     return lambda: cls(page_bytes=PAGE, capacity_pages=8, path=path)
 
@@ -426,6 +489,12 @@ async def test_the_reference_store_passes(tmp_path: Any) -> None:
         (WritesAfterReturn, "get() wrote into 8 of the caller's buffers after it had returned"),
         (SharedStaging, "a mix of the two (each reservation must write to its own room)"),
         (DeletesOnTheLoop, "blocking work seems to run on the event loop: delete held the loop"),
+        (ServesAborted, "get() served a page whose reservation was aborted after its write"),
+        (AbortPresentDeletes, "abort of a 'present' reservation removed the committed page"),
+        (PresentCommitAlwaysTrue, "answered True for a key deleted meanwhile"),
+        (PresentForPending, "reserve of a key only reserved (not committed) answered 'present'"),
+        (WriteRejectsBytes, "write() refused bytes-like buffers"),
+        (BlobsUnchecked, "write_blobs accepted a blob longer than a page (513 bytes)"),
     ],
 )
 async def test_a_broken_store_fails_with_a_message_naming_the_fault(

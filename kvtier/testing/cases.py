@@ -37,6 +37,13 @@ from kvtier.testing.cases_races import (
     loop_not_blocked,
     puts_race_for_the_last_room,
 )
+from kvtier.testing.cases_reservations import (
+    aborted_writes_never_served,
+    bad_blobs_rejected,
+    present_reservations_change_nothing,
+    reserved_key_is_not_present,
+    write_takes_bytes_like,
+)
 from kvtier.testing.cases_stores import short_blobs, survives_reopen
 from kvtier.testing.kit import CaseSkipped, ConformanceError, build
 
@@ -402,6 +409,22 @@ CASES: tuple[Case, ...] = (
     Case("abort_frees_space", "abort gives reserved space back", abort_frees_space),
     Case("put_existing_is_noop", "put of a committed key is a no-op", put_existing_is_noop),
     Case(
+        "aborted_writes_never_served",
+        "a page written and then aborted is never served",
+        aborted_writes_never_served,
+    ),
+    Case(
+        "present_reservations_change_nothing",
+        "writing, aborting or committing a 'present' reservation leaves the page as it is",
+        present_reservations_change_nothing,
+    ),
+    Case(
+        "reserved_key_is_not_present",
+        "a key reserved, not committed, is not 'present' to a second reserve",
+        reserved_key_is_not_present,
+    ),
+    Case("write_takes_bytes_like", "write accepts bytes-like buffers", write_takes_bytes_like),
+    Case(
         "write_keeps_no_reference",
         "the caller's buffer may be reused after write",
         write_keeps_no_reference,
@@ -448,4 +471,9 @@ CASES: tuple[Case, ...] = (
     Case("arena_zero_copy", "arena views/tensors are zero-copy, slots stable", arena_zero_copy),
     Case("survives_reopen", "committed pages survive close and reopen", survives_reopen),
     Case("short_blobs", "variable-length stores keep blobs shorter than a page", short_blobs),
+    Case(
+        "bad_blobs_rejected",
+        "write_blobs refuses empty blobs and blobs over a page",
+        bad_blobs_rejected,
+    ),
 )
