@@ -249,7 +249,9 @@ class Pipeline:
         return sorted(await self.evictor.evict(tier, here, Priority.EVICT), key=uniq.index)
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
-        """Remove ``keys`` from every tier; returns how many pages were removed.
+        """Remove ``keys`` from every tier; returns how many pages were removed. Copies of
+        them under way (a prefetch) land first and are removed too: once this returns no
+        tier holds them (unless a load pinned one meanwhile).
 
         Raises :class:`KVTierUsageError` (before changing anything) for a pinned key.
         """
@@ -259,9 +261,21 @@ class Pipeline:
             if d.is_pinned(k):
                 raise KVTierUsageError(f"page {bytes(k).hex()} is pinned: release it first")
         removed = 0
-        for tier in self.tiers:
-            removed += len(await self.drop(tier, uniq))
+        left = uniq
+        for _ in range(2 * len(self.tiers) + 2):
+            for tier in self.tiers:
+                removed += len(await self.drop(tier, left))
+            # a copy between tiers that began before this pass reached its source (a
+            # prefetch, a fetch) lands in a tier the pass had left behind: go again
+            left = [k for k in left if not d.is_pinned(k) and self._anywhere(k)]
+            if not left:
+                break
         return removed
+
+    def _anywhere(self, key: PageKey) -> bool:
+        """Whether some tier holds ``key`` (in any state) or a copy of it is under way."""
+        entry = self.directory.get(key)
+        return (entry is not None and bool(entry.states)) or self.mover.moving(key)
 
     async def drop(
         self,
