@@ -227,8 +227,9 @@ def open_private(
     ``modes.file``, and so does an existing file of ours with ``fix_mode`` (pass
     ``False`` to only read, e.g. for inspection on read-only media). Raises
     :class:`UnsafeStoreError` for a symlink, a directory or another non-regular file at
-    ``path`` (its target is never opened); ``OSError`` otherwise."""
-    full = flags | os.O_NOFOLLOW | os.O_CLOEXEC
+    ``path`` (its target is never opened, and a FIFO planted there does not block the
+    open: ``O_NONBLOCK`` until the file is known to be regular); ``OSError`` otherwise."""
+    full = flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     existed = (flags & os.O_CREAT) == 0 or os.path.lexists(path)
     try:
         fd = os.open(path, full, modes.file)
@@ -237,11 +238,14 @@ def open_private(
             raise _unsafe(path, root, f"it is {_link_text(path)}") from None
         if exc.errno == errno.EISDIR:
             raise _unsafe(path, root, "it should be a file but is a directory") from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened to write
+            raise _unsafe(path, root, "it should be a regular file") from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _unsafe(path, root, "it should be a regular file")
+        os.set_blocking(fd, True)
         mine = not existed or (fix_mode and st.st_uid == os.geteuid())
         if stat.S_IMODE(st.st_mode) != modes.file and mine:
             set_mode(fd, modes.file)

@@ -367,3 +367,20 @@ async def test_key_arguments_of_the_wrong_type_are_named(tmp_path: Path, bad: An
                 await call()
         with pytest.raises(KVTierUsageError, match="keys"):
             cache.release(bad)
+
+
+async def test_a_page_swapped_for_a_fifo_is_a_miss_not_a_hang(tmp_path: Path) -> None:
+    """A FIFO planted in place of a page file blocked the store's open(): read() never
+    returned, and wait_for could not end it (the executor thread sat in the open). Now
+    the open does not wait, and the page is a miss."""
+    import os
+
+    async with filestore(tmp_path / "fs") as s:
+        assert await s.put([key(1), key(2)], [page(1), page(2)]) == [True, True]
+        path = s.page_path(key(1))
+        path.unlink()
+        os.mkfifo(path)
+        out = [np.empty(PAGE, np.uint8), np.empty(PAGE, np.uint8)]
+        got = await asyncio.wait_for(s.get([key(1), key(2)], out), 10)
+        assert got == [False, True]
+        assert np.array_equal(out[1], page(2))
