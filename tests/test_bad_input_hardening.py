@@ -384,3 +384,19 @@ async def test_a_page_swapped_for_a_fifo_is_a_miss_not_a_hang(tmp_path: Path) ->
         got = await asyncio.wait_for(s.get([key(1), key(2)], out), 10)
         assert got == [False, True]
         assert np.array_equal(out[1], page(2))
+
+
+def test_a_nul_byte_in_a_tier_path_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    """The check that two tiers do not share a directory resolved the path first and
+    raised a bare ``ValueError: embedded null byte`` (the CLI: "unexpected ValueError ...
+    a kvtier bug", exit 1) instead of naming the setting."""
+    cfg = {
+        "model": {"preset": "tiny"},
+        "tiers": [
+            {"name": "dram", "backend": "dram", "capacity": "8KiB"},
+            {"name": "disk", "backend": "file", "capacity": "64KiB",
+             "options": {"path": str(tmp_path / "a\x00b")}},
+        ],
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.options\.path: .*NUL byte"):
+        KVCache(cfg, env={}, configure_log=False)

@@ -312,6 +312,12 @@ def check_store_paths(tiers: Sequence[Any], sources: Mapping[str, str]) -> None:
         path = tier.options.get("path")
         if not isinstance(path, str | os.PathLike) or not str(path):
             continue
+        if "\x00" in str(os.fspath(path)):
+            key = f"tiers[{i}].options.path"
+            raise ConfigError(
+                f"{key}: tier {tier.name!r}: the path {str(path)!r} holds a NUL byte, which "
+                f"no file name may{source_note(sources, key)}"
+            )
         where = Path(os.path.expanduser(os.fspath(path))).resolve(strict=False)
         other = seen.get(where)
         if other is not None:
