@@ -63,6 +63,7 @@ from .filestore_base import (
     FileStoreBase,
     Pending,
     fsync_dir,
+    log_file_error,
     unlink_all,
 )
 
@@ -173,7 +174,13 @@ class FileStore(FileStoreBase):
                     os.close(fd)
                 out.append(True)
             except OSError as exc:
-                _log.warning("file store: write of %s to %s failed: %s", p.key.hex(), p.tmp, exc)
+                log_file_error(
+                    f"{self.path}:write",
+                    "file store: write of %s to %s failed: %s",
+                    p.key.hex(),
+                    p.tmp,
+                    exc,
+                )
                 out.append(False)
         return out
 
@@ -226,7 +233,13 @@ class FileStore(FileStoreBase):
                 placed.setdefault(final.parent, []).append(len(out))
                 out.append(True)
             except OSError as exc:
-                _log.warning("file store: commit of %s to %s failed: %s", p.key.hex(), final, exc)
+                log_file_error(
+                    f"{self.path}:commit",
+                    "file store: commit of %s to %s failed: %s",
+                    p.key.hex(),
+                    final,
+                    exc,
+                )
                 unlink_all([p.tmp])
                 out.append(False)
         if self.fsync:
@@ -320,7 +333,9 @@ class FileStore(FileStoreBase):
                     raise UnsafeStoreError(f"{path.parent} inside {self.path} is a symlink")
                 fd = open_private(path, os.O_RDONLY, self.modes, self.path, fix_mode=False)
             except FileNotFoundError:
-                _log.warning("file store: page %s vanished from %s", key.hex(), path)
+                log_file_error(
+                    f"{self.path}:vanished", "file store: page %s vanished from %s", key.hex(), path
+                )
                 out.append(("gone", 0))
                 continue
             except UnsafeStoreError as exc:  # a symlink planted in place of a page
@@ -328,7 +343,13 @@ class FileStore(FileStoreBase):
                 out.append(("bad", 0))
                 continue
             except OSError as exc:
-                _log.warning("file store: cannot open %s for %s: %s", path, key.hex(), exc)
+                log_file_error(
+                    f"{self.path}:open",
+                    "file store: cannot open %s for %s: %s",
+                    path,
+                    key.hex(),
+                    exc,
+                )
                 out.append(("error", 0))
                 continue
             try:
@@ -342,7 +363,13 @@ class FileStore(FileStoreBase):
             except IntegrityError:  # the file ended before fstat said: checked below
                 pass
             except OSError as exc:
-                _log.warning("file store: read of %s from %s failed: %s", key.hex(), path, exc)
+                log_file_error(
+                    f"{self.path}:read",
+                    "file store: read of %s from %s failed: %s",
+                    key.hex(),
+                    path,
+                    exc,
+                )
                 out.append(("error", 0))
                 continue
             finally:

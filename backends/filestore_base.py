@@ -36,6 +36,7 @@ from kvtier.backends.store_files import (
 
 from kvtier.backend import CHUNK_MIN_BYTES, Medium, Preflight, StoreBackend
 from kvtier.errors import ConfigError
+from kvtier.health import ThreadLogEvery
 from kvtier.keys import KEY_BYTES, PageKey
 from kvtier.pageformat import HEADER_SIZE
 
@@ -267,9 +268,23 @@ class FileStoreBase(StoreBackend):
     # -- the keyed, two-phase interface ------------------------------------------------
 
 
+#: "cannot remove" and "write ... failed" lines: at most one a minute per cause (a store
+#: whose directory was removed logged one per page: 31,969 lines in 12 s)
+FILE_ERRORS_LOGGED = ThreadLogEvery(60.0)
+
+
+def log_file_error(cause: str, message: str, *args: object) -> None:
+    """Log (as ``kvtier.backends.filestore``) a file error of kind ``cause`` unless one
+    was logged within the minute; those held back are counted in the next line."""
+    held = FILE_ERRORS_LOGGED.due(cause)
+    if held is not None:
+        more = f" ({held} more such errors since the last line)" if held else ""
+        logging.getLogger("kvtier.backends.filestore").warning(message + more, *args)
+
+
 def unlink_all(paths: Sequence[Path]) -> list[Path]:
     """Remove files, ignoring ones already gone; returns those that could not be removed
-    (logged)."""
+    (logged, at most once a minute)."""
     failed: list[Path] = []
     for p in paths:
         try:
@@ -277,6 +292,6 @@ def unlink_all(paths: Sequence[Path]) -> list[Path]:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            _log.warning("file store: cannot remove %s: %s", p, exc)
+            log_file_error("remove", "file store: cannot remove %s: %s", p, exc)
             failed.append(p)
     return failed

@@ -18,6 +18,7 @@ may import this module.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -71,6 +72,19 @@ class LogEvery:
             return None
         self._last[cause] = now
         return self._held.pop(cause, 0)
+
+
+class ThreadLogEvery(LogEvery):
+    """:class:`LogEvery` for lines logged from worker threads (an executor's file I/O):
+    :meth:`due` holds a lock."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        super().__init__(interval_s)
+        self._lock = threading.Lock()
+
+    def due(self, cause: str) -> int | None:
+        with self._lock:
+            return super().due(cause)
 
 
 class Ended(NamedTuple):

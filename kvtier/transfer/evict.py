@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvtier.errors import CapacityError
+from kvtier.health import LogEvery
 from kvtier.index.directory import Directory, PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
@@ -36,6 +37,9 @@ from kvtier.transfer.mover import Mover
 from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.pipeline")
+
+#: Seconds between two "write-down blocked" lines of one pair of tiers.
+BLOCKED_LOG_INTERVAL_S = 60.0
 
 #: How long a wait for room (or a background trim waiting for busy pages) sleeps at most
 #: before re-checking (a safety net: every change that frees room also wakes waiters).
@@ -97,6 +101,9 @@ class Evictor:
         self._trim_again = [False for _ in mover.tiers]
         self._kept_by_policy = 0
         self._trim_spare: list[set[PageKey]] = [set() for _ in mover.tiers]
+        #: "write-down blocked" at most once a minute per pair of tiers (a hierarchy
+        #: stuck full logged ~40,000 lines in 80 s)
+        self._blocked = LogEvery(BLOCKED_LOG_INTERVAL_S)
 
     def queued(self, tier: Tier) -> int:
         """Victims of ``tier`` waiting for a worker."""
@@ -303,13 +310,16 @@ class Evictor:
                     stuck = {k for k in plan.down if k not in gone}
                     # dropping tails is leaf-first's normal way out: no warning for it
                     log = _log.info if gone else _log.warning
-                    log(
-                        "write-down blocked",
-                        tier=nxt.name,
-                        reason=str(exc),
-                        dropped=len(gone),
-                        staying=len(stuck),
-                    )
+                    held = self._blocked.due(f"{tier.name}->{nxt.name}")
+                    if held is not None:
+                        log(
+                            "write-down blocked",
+                            tier=nxt.name,
+                            reason=str(exc),
+                            dropped=len(gone),
+                            staying=len(stuck),
+                            held_back=held,
+                        )
             kept = {k for k in watched if planner.keeps(tier.index, k)}
             self._kept_by_policy += len(kept)
             stuck |= kept
