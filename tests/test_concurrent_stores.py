@@ -111,3 +111,33 @@ async def test_a_page_found_committed_is_not_reported_once_its_store_removes_it(
             assert hit or not ok, f"page {keys.index(k)} reported stored by B, not readable"
         assert res_b.stored[:2] == [True, True]
         cache.directory.check_invariants()
+
+
+async def test_stores_far_longer_than_the_hierarchy_end_and_let_others_through(
+    tmp_path: Path,
+) -> None:
+    """Two stores of 12,000 and 15,000 pages over a hierarchy of 76 pages, and a 6-page
+    store behind them. Once a batch of a store lands nowhere, its later batches could
+    only land orphans; they used to wait their turn for room one after another (a
+    docs-only probe saw no store return for 70 s, 23,000 and 28,500 pages over 268).
+    Now they are cancelled: the three calls end within 15 s (here 2 s; before, 42 s), the
+    small store is whole, and what reads back of the long ones is their own bytes."""
+    cfg = config(tmp_path, dram_pages=12, file_pages=64, batch_pages=2)
+    async with open_cache(cfg) as cache:
+        sizes = [12_000, 15_000]
+        seqs = [
+            (np.arange(j * 10**7, j * 10**7 + n * 4), np.full((n, PAGE), j + 1, np.uint8))
+            for j, n in enumerate(sizes)
+        ]
+        longs = [cache.store(t, d) for t, d in seqs]
+        small_tokens = np.arange(5 * 10**7, 5 * 10**7 + 24)
+        small_store = cache.store(small_tokens, np.ones((6, PAGE), np.uint8))
+        *results, small = await asyncio.wait_for(asyncio.gather(*longs, small_store), 15)
+        assert small.stored == [True] * 6
+        for (_, data), res in zip(seqs, results, strict=True):
+            kept = [k for k, ok in zip(res.keys, res.stored, strict=True) if ok]
+            assert 0 < len(kept) < 100
+            out = np.zeros((len(kept), PAGE), np.uint8)
+            hits = await cache.read(kept, out)  # later stores may have pushed them out
+            assert all((row == data[0]).all() for row, hit in zip(out, hits, strict=True) if hit)
+        cache.directory.check_invariants()

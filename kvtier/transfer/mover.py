@@ -169,10 +169,11 @@ class Mover:
         task.add_done_callback(done)
         return job
 
-    async def await_jobs(self, jobs: Sequence[Job]) -> list[Any]:
+    async def await_jobs(self, jobs: Sequence[Job], *, cut: bool = False) -> list[Any]:
         """Results of ``jobs``; on cancellation, un-started jobs are cancelled and running
         ones finish in the background. Once every job has ended, the first exception one
-        of them raised (a CapacityError, typically) is re-raised."""
+        of them raised (a CapacityError, typically) is re-raised; with ``cut``, a job the
+        caller cancelled itself is left in the results as its ``CancelledError``."""
         tasks = [j.task for j in jobs if j.task is not None]
         try:
             results = await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
@@ -182,7 +183,7 @@ class Mover:
                     j.task.cancel()
             raise
         for r in results:
-            if isinstance(r, BaseException):
+            if isinstance(r, BaseException) and not (cut and isinstance(r, asyncio.CancelledError)):
                 raise r
         return list(results)
 

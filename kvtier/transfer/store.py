@@ -10,6 +10,7 @@ leaves them to eviction). :meth:`Writer.flush` writes every dirty page of a memo
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -134,7 +135,8 @@ class Writer:
                     namespace=namespace,
                 )
                 jobs.append((idx, job))
-            results = await mover.await_jobs([j for _, j in jobs])
+            self._cut_after_gaps(jobs, keys, parents)
+            results = await mover.await_jobs([j for _, j in jobs], cut=True)
         except BaseException:
             # cancelled (or failed): batches that started still land, in the background
             mover.spawn(self._finish_abandoned(keys, parents, first, todo, jobs, expected))
@@ -157,6 +159,39 @@ class Writer:
             again = [k for k, i in first.items() if out[i] and k not in done]
             down = stored + again if pool_below else stored
         return out, down
+
+    def _cut_after_gaps(
+        self,
+        jobs: list[tuple[list[int], Job]],
+        keys: Sequence[PageKey],
+        parents: Sequence[PageKey | None],
+    ) -> None:
+        """Once a batch of this store ends with a page stored nowhere, the batches not
+        started yet whose pages all follow it in the call's chain are cancelled: they
+        could only land orphans, which :meth:`_settle` removes again. A store far longer
+        than the hierarchy made each such batch wait its turn for room, and the calls
+        queued behind it waited minutes (a docs-only probe: 70 s, two stores of 23,000
+        and 28,500 pages over 268 pages)."""
+
+        def ended(idx: list[int], task: asyncio.Task[Any]) -> None:
+            if task.cancelled():
+                return
+            res = None if task.exception() is not None else task.result()
+            gaps = {keys[i] for n, i in enumerate(idx) if res is None or not res[n]}
+            lost = {k for k in gaps if not self.mover.kept(k)}
+            if not lost:
+                return
+            for i, k in enumerate(keys):
+                if parents[i] in lost:
+                    lost.add(k)
+            for later, job in jobs:
+                t = job.task
+                if t is not None and not job.started and all(keys[i] in lost for i in later):
+                    t.cancel()
+
+        for idx, job in jobs:
+            if job.task is not None:
+                job.task.add_done_callback(functools.partial(ended, idx))
 
     def _counted_in_a_pool(self, pools: list[Tier], keys: Sequence[PageKey]) -> list[PageKey]:
         """``keys`` (once each) that one of ``pools`` counts as committed."""
