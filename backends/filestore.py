@@ -153,13 +153,26 @@ class FileStore(FileStoreBase):
                 self._counters["write_errors"] += not res
         return ok
 
+    def _open_tmp(self, tmp: Path) -> int:
+        """Create ``tmp`` to write a page into. When ``.tmp`` is gone but the store's
+        directory is there (removed, then made again by an operator), ``.tmp`` is made
+        again first: the store takes pages again instead of failing every write until it
+        is reopened. A store directory that is gone stays gone (the write fails)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            return open_private(tmp, flags, self.modes, self.path)
+        except FileNotFoundError:
+            if not os.path.isdir(self.path) or os.path.islink(self.path):
+                raise
+            private_dir(tmp.parent, self.modes, self.path)
+            return open_private(tmp, flags, self.modes, self.path)
+
     def write_files(self, jobs: list[tuple[int, Pending, np.ndarray]]) -> list[bool]:
         out: list[bool] = []
         for _, p, buf in jobs:
             try:
                 header = encode_header(p.key, p.namespace, buf)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                fd = open_private(p.tmp, flags, self.modes, self.path)
+                fd = self._open_tmp(p.tmp)
                 try:
                     want = HEADER_SIZE + buf.nbytes
                     done = os.writev(fd, [header, buf.data])

@@ -426,3 +426,23 @@ async def test_a_removed_store_directory_logs_a_line_per_kind_of_error_not_per_p
         kinds = {m.split(" of ")[0].split(" failed")[0][:40] for m in lines}
         assert 1 <= len(lines) <= 4, lines  # one per kind of error (write, vanished, ...)
         assert len(kinds) == len(lines)
+
+
+async def test_a_store_directory_made_again_takes_pages_again(tmp_path: Path) -> None:
+    """A file store whose directory was removed, then made again by an operator, failed
+    every write until reopened (its ``.tmp`` was gone), so its tier never recovered. Now
+    ``.tmp`` is made again; while the directory is gone, writes still fail."""
+    import shutil
+
+    root = tmp_path / "fs"
+    async with filestore(root) as s:
+        assert await s.put([key(1)], [page(1)]) == [True]
+        shutil.rmtree(root)
+        assert await s.put([key(2)], [page(2)]) == [False]  # gone: not made again
+        assert not root.exists()
+        root.mkdir()
+        assert await s.put([key(3)], [page(3)]) == [True]
+        out = [np.empty(PAGE, np.uint8)]
+        assert await s.get([key(3)], out) == [True]
+        assert np.array_equal(out[0], page(3))
+        assert await s.get([key(1)], out) == [False]  # removed with the directory
