@@ -38,7 +38,8 @@ from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.pipeline")
 
-#: Seconds between two "write-down blocked" lines of one pair of tiers.
+#: Seconds between two "write-down blocked" lines of one pair of tiers, and between two
+#: "write-through blocked" lines of one tier (the rest are counted).
 BLOCKED_LOG_INTERVAL_S = 60.0
 
 #: How long a wait for room (or a background trim waiting for busy pages) sleeps at most

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvtier.errors import KVTierError
-from kvtier.index.directory import Directory, PageState
+from kvtier.index.directory import Directory
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.metrics import CacheMetrics
@@ -32,9 +32,6 @@ from kvtier.transfer.tier import Tier
 _log = get_logger("kvtier.pipeline")
 
 T = TypeVar("T")
-
-#: States in which a tier can serve a page (an evicting page is read until it leaves).
-_READABLE = (PageState.COMMITTED, PageState.EVICTING)
 
 
 class Job:
@@ -106,8 +103,10 @@ class Mover:
         """Whether ``key`` is readable in a tier that is not taking it out (a drop, or the
         evictor once it decided the page leaves: :attr:`Tier.leaving`). An evicted page
         is kept while the tier below holds it."""
-        d = self.directory
-        return any(key not in t.leaving and d.state(key, t.name) in _READABLE for t in self.tiers)
+        entry = self.directory.get(key)
+        return entry is not None and any(
+            key not in t.leaving and entry.visible_in(t.name) for t in self.tiers
+        )
 
     def changed(self, *tiers: Tier) -> None:
         """Occupancy of ``tiers`` may have changed: update the gauge, wake room waiters."""

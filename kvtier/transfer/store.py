@@ -23,15 +23,13 @@ from kvtier.index.directory import PageState
 from kvtier.keys import PageKey
 from kvtier.log import get_logger
 from kvtier.transfer.batch import purge_vanished
+from kvtier.transfer.evict import BLOCKED_LOG_INTERVAL_S
 from kvtier.transfer.gate import Priority
 from kvtier.transfer.mover import Job, Mover
 from kvtier.transfer.moves import Moves
 from kvtier.transfer.tier import Tier
 
 _log = get_logger("kvtier.pipeline")
-
-#: Seconds between two "write-through blocked" lines of one tier (the rest are counted).
-BLOCKED_LOG_INTERVAL_S = 60.0
 
 
 #: Removes pages from a tier without writing them down, those the filter (called as the
@@ -181,9 +179,7 @@ class Writer:
             lost = {k for k in gaps if not self.mover.kept(k)}
             if not lost:
                 return
-            for i, k in enumerate(keys):
-                if parents[i] in lost:
-                    lost.add(k)
+            _followers(keys, parents, lost)
             for later, job in jobs:
                 t = job.task
                 if t is not None and not job.started and all(keys[i] in lost for i in later):
@@ -284,12 +280,9 @@ class Writer:
         they would only take room. A parent outside the call is not judged (another call
         may be storing it)."""
         kept = self.mover.kept
-        lost: set[PageKey] = set()
-        for i, k in enumerate(keys):
-            p = parents[i]
-            if p is not None and p in first and (p in lost or not kept(p)):
-                lost.add(k)
-        return lost
+        gaps = {p for p in parents if p is not None and p in first and not kept(p)}
+        lost = _followers(keys, parents, gaps)
+        return {k for p, k in zip(parents, keys, strict=True) if p in lost}
 
     async def write_through(self, src: Tier, keys: list[PageKey]) -> None:
         """Copy freshly stored pages down the hierarchy (background).
@@ -366,3 +359,14 @@ class Writer:
                 )
         await mover.drain()
         return written
+
+
+def _followers(
+    keys: Sequence[PageKey], parents: Sequence[PageKey | None], lost: set[PageKey]
+) -> set[PageKey]:
+    """Add to ``lost`` the pages of ``keys`` that follow one of its pages in the chain the
+    call gave (``parents[i]`` is the page before ``keys[i]``); returns ``lost``."""
+    for i, k in enumerate(keys):
+        if parents[i] in lost:
+            lost.add(k)
+    return lost
