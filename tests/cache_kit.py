@@ -104,6 +104,15 @@ async def sequence_below_dram(
     return keys, data
 
 
+def damage_on_disk(cache: KVCache, key: PageKey) -> None:
+    """Flip the last payload byte of ``key``'s page file in the file tier (``tiers[1]``):
+    the checksum no longer matches."""
+    path = cache.tiers[1].backend.page_path(key)  # type: ignore[attr-defined]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
 async def stored_below_dram(cache: KVCache, rng: np.random.Generator, pages: int) -> list[PageKey]:
     """Store a random sequence of ``pages`` pages, write it through, and push it out of
     the ``dram`` tier: its keys, now held by the tier below only."""

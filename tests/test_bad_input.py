@@ -18,7 +18,17 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from cache_kit import PAGE, PT, SPEC, FailingFileStore, config, open_cache, sequence
+from cache_kit import (
+    PAGE,
+    PT,
+    SPEC,
+    FailingFileStore,
+    config,
+    damage_on_disk,
+    open_cache,
+    sequence,
+    sequence_below_dram,
+)
 from kvtier.cli.app import get_app
 from structlog.testing import capture_logs
 from typer.testing import CliRunner
@@ -446,14 +456,8 @@ async def test_vanished_store_directory_gives_misses(tmp_path):
 async def test_corrupted_page_on_disk_is_a_miss(tmp_path):
     rng = np.random.default_rng(33)
     async with open_cache(config(tmp_path, dram_pages=4)) as cache:
-        tokens, data = sequence(rng, 2)
-        keys = (await cache.store(tokens, data)).keys
-        await cache.flush()
-        await cache.demote("dram", keys)
-        path = cache.tiers[1].backend.page_path(keys[0])  # type: ignore[attr-defined]
-        raw = bytearray(path.read_bytes())
-        raw[-1] ^= 0xFF  # flip a payload byte
-        path.write_bytes(bytes(raw))
+        keys, data = await sequence_below_dram(cache, rng, 2)
+        damage_on_disk(cache, keys[0])
         out = np.zeros_like(data)
         assert await cache.read(keys, out) == [False, True]
         assert np.array_equal(out[1], data[1])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from cache_kit import config, open_cache, sequence
+from cache_kit import config, damage_on_disk, open_cache, sequence_below_dram
 
 from kvtier.cache import KVCache
 
@@ -28,14 +28,8 @@ def _counts(cache: KVCache) -> dict[str, tuple[int, int, int]]:
 
 
 async def _on_disk_one_damaged(cache: KVCache, rng: np.random.Generator):
-    tokens, data = sequence(rng, 3)
-    keys = (await cache.store(tokens, data)).keys
-    await cache.flush()
-    await cache.demote("dram", keys)
-    path = cache.tiers[1].backend.page_path(keys[0])  # type: ignore[attr-defined]
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF  # a payload byte: the checksum no longer matches
-    path.write_bytes(bytes(raw))
+    keys, data = await sequence_below_dram(cache, rng, 3)
+    damage_on_disk(cache, keys[0])
     return keys, data
 
 
