@@ -39,6 +39,7 @@ from kvtier.cache_input import (
     check_key,
     check_keys,
     check_parents,
+    check_store_keys,
     namespace_label,
     namespace_of,
 )
@@ -343,11 +344,10 @@ class KVCache:
         parents: Sequence[PageKey | None] | None = None,
         namespace: Namespace | str | None = None,
     ) -> list[bool]:
-        """Store pages under explicit keys (``True`` where committed in the top tier)."""
-        ks = check_keys(keys)
-        rows = self._input.rows(pages, len(ks), "pages")
-        pars = check_parents(parents, len(ks))
-        label = namespace_label(namespace, self.namespace)
+        """Store pages under explicit keys (``True`` where committed in the top tier); a key
+        given twice raises :class:`KVTierUsageError`."""
+        ks, label = check_store_keys(keys), namespace_label(namespace, self.namespace)
+        rows, pars = self._input.rows(pages, len(ks), "pages"), check_parents(parents, len(ks))
         return await self._calling().store(ks, rows, pars, label)
 
     async def lookup(
@@ -416,7 +416,7 @@ class KVCache:
         :class:`~kvtier.errors.CapacityError` when what fills the tier is pinned/reserved,
         :class:`~kvtier.errors.TierIOError` when the tier's backend fails the reserve."""
         label = namespace_label(namespace, self.namespace)
-        return await self.pipeline.reserve_private(check_keys(keys), label)
+        return await self.pipeline.reserve_private(check_store_keys(keys), label)
 
     async def release_private(self, reservations: Sequence[Reservation]) -> None:
         """Give back slots taken by :meth:`reserve_private` (their bytes are dropped)."""

@@ -43,6 +43,22 @@ def check_keys(keys: Sequence[Any], what: str = "keys") -> list[PageKey]:
     return [check_key(k, f"{what}[{i}]") for i, k in enumerate(keys)]
 
 
+def check_store_keys(keys: Sequence[Any], what: str = "keys") -> list[PageKey]:
+    """``keys`` of pages to store or reserve, as :func:`check_keys` checks them, each
+    given once; else :class:`KVTierUsageError` naming the first key repeated (one call
+    storing two pages under one key would keep one of them and report both stored)."""
+    ks = check_keys(keys, what)
+    first: dict[PageKey, int] = {}
+    for i, k in enumerate(ks):
+        j = first.setdefault(k, i)
+        if j != i:
+            raise KVTierUsageError(
+                f"{what}[{i}] repeats {what}[{j}]: each page is stored under its own key, "
+                "once per call"
+            )
+    return ks
+
+
 def check_parents(parents: Sequence[Any] | None, n: int) -> list[PageKey | None]:
     """The parent of each of ``n`` pages (``None`` entries allowed; all ``None`` when
     ``parents`` is), or :class:`KVTierUsageError` naming the bad one."""

@@ -138,10 +138,23 @@ async def test_prefetch_rejects_a_deadline_that_is_not_seconds(cache, deadline):
     ],
 )
 async def test_store_pages_rejects_bad_parents_and_namespace(cache, kwargs, match):
-    keys = [bytes([i]) * 16 for i in range(2)]
+    keys = [bytes([i]) * 16 for i in range(1, 3)]
     with pytest.raises(KVTierUsageError, match=match):
         await cache.store_pages(keys, np.zeros((2, PAGE), np.uint8), **kwargs)
     assert len(cache.directory) == 0  # nothing was stored
+
+
+async def test_a_key_given_twice_in_one_store_is_named(cache):
+    """store_pages([k, k], [A, B]) kept A, reported both stored, and a read of k gave A."""
+    a, b = PageKey(b"a" * 16), PageKey(b"b" * 16)
+    pages = np.stack([np.full(PAGE, v, np.uint8) for v in (1, 2, 3)])
+    with pytest.raises(KVTierUsageError, match=r"keys\[2\] repeats keys\[0\]"):
+        await cache.store_pages([a, b, a], pages)
+    assert len(cache.directory) == 0  # nothing was stored
+    with pytest.raises(KVTierUsageError, match=r"keys\[1\] repeats keys\[0\]"):
+        await cache.reserve_private([a, a])
+    assert len(cache.directory) == 0  # nothing was reserved
+    assert await cache.store_pages([a, b], pages[:2]) == [True, True]
 
 
 @pytest.mark.parametrize("parent", ["zz", 16, bytes(15)])
