@@ -467,6 +467,14 @@ def _factory(cls: type[DictStore], path: str) -> Any:
     return lambda: cls(page_bytes=PAGE, capacity_pages=8, path=path)
 
 
+class DeleteOnlyFirst(DictStore):
+    """A batch delete that removes its first key only (answers False for the rest)."""
+
+    async def delete(self, keys: Sequence[PageKey]) -> list[bool]:
+        self._check_open()
+        return [i == 0 and self.disk.pop(k, None) is not None for i, k in enumerate(keys)]
+
+
 async def test_the_reference_store_passes(tmp_path: Any) -> None:
     report = await check_backend(_factory(DictStore, str(tmp_path)), persistent=True)
     assert set(report.skipped) == {"arena_zero_copy", "cancelled_get_stops_writing"}, report
@@ -495,6 +503,7 @@ async def test_the_reference_store_passes(tmp_path: Any) -> None:
         (PresentForPending, "reserve of a key only reserved (not committed) answered 'present'"),
         (WriteRejectsBytes, "write() refused bytes-like buffers"),
         (BlobsUnchecked, "write_blobs accepted a blob longer than a page (513 bytes)"),
+        (DeleteOnlyFirst, "delete() must remove the pages it answers True for"),
     ],
 )
 async def test_a_broken_store_fails_with_a_message_naming_the_fault(
