@@ -110,9 +110,38 @@ def version() -> str:
         return "unknown"
 
 
+def source_revision() -> str | None:
+    """``git <commit>`` (``+modified`` when the work tree has changes) when kvtier runs
+    from a git checkout of kvtier itself (an editable install), else ``None``: the version
+    number alone does not move between revisions of a checkout."""
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=5
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or not (Path(top) / "kvtier" / "__init__.py").is_file():
+        return None  # not a checkout, or some other project's (a venv inside it)
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return None
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return f"git {commit}{'+modified' if changed else ''}"
+
+
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(f"kvtier {version()}")
+        rev = source_revision()
+        typer.echo(f"kvtier {version()}{f' ({rev})' if rev else ''}")
         raise typer.Exit()
 
 

@@ -12,9 +12,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import kvtier.cli.app
 import numpy as np
 import pytest
-from kvtier.cli.app import get_app, version
+from kvtier.cli.app import get_app, source_revision, version
 from kvtier.cli.output import fmt, size
 from typer.testing import CliRunner
 
@@ -30,9 +31,20 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_version() -> None:
+    """The version number, and from a checkout the commit it runs (the number alone said
+    0.1.0 at every revision)."""
     done = run("--version")
-    assert done.returncode == 0 and done.stdout.strip() == f"kvtier {version()}"
+    rev = source_revision()
+    assert done.returncode == 0 and done.stdout.strip() == (
+        f"kvtier {version()}" + (f" ({rev})" if rev else "")
+    )
     assert version()[0].isdigit()
+    git = ["git", "-C", str(Path(__file__).parent), "rev-parse"]
+    top = subprocess.run([*git, "--show-toplevel"], capture_output=True, text=True, check=False)
+    installed = Path(kvtier.cli.app.__file__).resolve()
+    if top.returncode == 0 and installed.is_relative_to(top.stdout.strip()):  # editable
+        head = subprocess.run([*git, "--short=12", "HEAD"], capture_output=True, text=True)
+        assert rev is not None and rev.startswith(f"git {head.stdout.strip()}"), rev
 
 
 @pytest.mark.parametrize("module", ["kvtier", "kvtier.cli.app"])
