@@ -109,3 +109,29 @@ async def test_contains_right_after_a_failed_batch_raises_at_once_then_asks_agai
             assert await s.contains(keys) == [True] * 4
             assert await s.get(keys, out) == [True] * 4
             assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+async def test_delete_on_a_frozen_server_waits_one_deadline_not_one_per_pass() -> None:
+    """``delete`` goes over the tiers again while copies of its pages land (a prefetch
+    under way); a page whose delete the frozen server did not answer was asked again on
+    every pass, 2 x tiers + 2 of them: 6 deadlines with DRAM over Redis. Now a page a
+    tier failed to delete is not asked there again in the same call; it stays indexed
+    (the server may still hold it) and goes once the server answers."""
+    rng = np.random.default_rng(4)
+    with RedisServer("valkey") as server:
+        async with KVCache(_config(server.url), env={}, configure_log=False) as cache:
+            keys, pages = await sequence_below_dram(cache, rng, PAGES)
+            server.pause()
+            try:
+                removed, took = await _timed(asyncio.wait_for(cache.delete(keys[-4:]), 30))
+            finally:
+                server.resume()
+            assert took < BOUND, f"delete on a frozen server took {took:.2f} s (bound {BOUND})"
+            assert removed == 0
+            assert all(cache.directory.is_committed(k, "remote") for k in keys[-4:])
+            await asyncio.sleep(TIMEOUT)  # past the window in which contains is not sent
+            assert await cache.delete(keys[-4:]) == 4
+            out = np.zeros_like(pages)
+            hits = await cache.read(keys, out)
+            assert hits == [True] * (PAGES - 4) + [False] * 4
+            np.testing.assert_array_equal(out[:-4], pages[:-4])

@@ -262,31 +262,41 @@ class Pipeline:
                 raise KVTierUsageError(f"page {bytes(k).hex()} is pinned: release it first")
         removed = 0
         left = uniq
+        # pages a tier's backend failed to delete (an outage): not asked again this call,
+        # so a frozen server costs one deadline, not one per pass
+        stuck: dict[str, set[PageKey]] = {t.name: set() for t in self.tiers}
         for _ in range(2 * len(self.tiers) + 2):
             for tier in self.tiers:
-                removed += len(await self.drop(tier, left))
+                failed = stuck[tier.name]
+                todo = [k for k in left if k not in failed]
+                removed += len(await self.drop(tier, todo, None, failed))
             # a copy between tiers that began before this pass reached its source (a
             # prefetch, a fetch) lands in a tier the pass had left behind: go again
-            left = [k for k in left if not d.is_pinned(k) and self._anywhere(k)]
+            left = [k for k in left if not d.is_pinned(k) and self._elsewhere(k, stuck)]
             if not left:
                 break
         return removed
 
-    def _anywhere(self, key: PageKey) -> bool:
-        """Whether some tier holds ``key`` (in any state) or a copy of it is under way."""
+    def _elsewhere(self, key: PageKey, stuck: dict[str, set[PageKey]]) -> bool:
+        """Whether a tier not in ``stuck`` for ``key`` holds it (in any state) or a copy
+        of it is under way."""
         entry = self.directory.get(key)
-        return (entry is not None and bool(entry.states)) or self.mover.moving(key)
+        if self.mover.moving(key):
+            return True
+        return entry is not None and any(key not in stuck[t] for t in entry.states)
 
     async def drop(
         self,
         tier: Tier,
         keys: list[PageKey],
         still: Callable[[list[PageKey]], list[PageKey]] | None = None,
+        stuck: set[PageKey] | None = None,
     ) -> list[PageKey]:
         """Remove the unpinned pages of ``keys`` (distinct) that ``tier`` holds from it,
         once work on them there has settled, without writing them down; returns those
-        removed. ``still`` picks, in the same step as the removal begins, the pages that
-        should still go (the reason to drop them may have gone while work settled)."""
+        removed, and adds to ``stuck`` those the backend failed to delete. ``still``
+        picks, in the same step as the removal begins, the pages that should still go
+        (the reason to drop them may have gone while work settled)."""
         d = self.directory
         await self._quiesce(keys, tier)
         here = [k for k in keys if d.is_committed(k, tier.name) and not d.is_pinned(k)]
@@ -301,6 +311,8 @@ class Pipeline:
         tier.leaving.update(here)  # whatever pins them from now on
         # its own task: a cancelled caller cannot leave the index and the backend apart
         lingering = await asyncio.shield(self.mover.spawn(self._remove(tier, here)))
+        if stuck is not None:
+            stuck.update(lingering)
         return [k for k in here if k not in lingering]
 
     async def _quiesce(self, keys: list[PageKey], tier: Tier) -> None:
