@@ -88,6 +88,7 @@ from .remote_replies import (
     check_value,
     describe,
     failed,
+    is_connection_error,
     parse_page_name,
     with_deadline,
 )
@@ -228,8 +229,8 @@ class RedisStore(RedisStoreBase):
         refusals: list[BaseException | ReplyError] = []
         self._refuse_denied(replies)
         for (i, key), reply in zip(items, replies, strict=True):
-            if reply is NO_REPLY:
-                continue
+            if reply is NO_REPLY or is_connection_error(reply):
+                continue  # its batch or node failed (the store's health has it)
             if isinstance(reply, ReplyError | BaseException):
                 refusals.append(reply)
                 continue

@@ -41,6 +41,7 @@ from .remote_replies import (
     as_reply,
     describe,
     is_connection_error,
+    node_failure,
 )
 from .remote_wire import ReplyError, WireConnection
 
@@ -420,9 +421,17 @@ class RedisStoreBase(StoreBackend):
             # thread is left writing into the caller's buffers.
             done = await asyncio.gather(*(node(a, idx) for a, idx in groups.items()),
                                         return_exceptions=True)  # fmt: skip
-            failure = next((d for d in done if isinstance(d, BaseException)), None)
-            if failure is not None:
-                raise failure
+            failures = [d for d in done if isinstance(d, BaseException)]
+            if len(failures) == len(done) or any(not isinstance(d, Exception) for d in failures):
+                raise failures[0]  # every node failed, or a cancellation
+            # Some nodes answered: their items keep their replies, the failed nodes'
+            # items get the failure as a connection error (a miss, and the store's health
+            # records it); one dead master no longer makes the whole batch a miss.
+            for (address, idx), d in zip(groups.items(), done, strict=True):
+                if isinstance(d, BaseException):
+                    err = node_failure(address, d)
+                    for i in idx:
+                        out[i] = err
         again = [i for i, r in enumerate(out) if isinstance(r, ReplyError) and r.redirected]
         if again and self.options.cluster:
             self.redirects += len(again)

@@ -115,6 +115,15 @@ def is_connection_error(reply: Any) -> bool:
     return isinstance(reply, _CONNECTION_ERRORS)
 
 
+def node_failure(address: tuple[str, int], exc: BaseException) -> ConnectionError:
+    """``exc``, raised for one node of a cluster batch whose other nodes answered, as the
+    per-item reply of that node's items: a connection error naming the node (a miss,
+    and a failed batch for the store's health)."""
+    err = ConnectionError(f"node {address[0]}:{address[1]}: {describe(exc)}")
+    err.__cause__ = exc
+    return err
+
+
 def parse_page_name(name: bytes, prefix: bytes) -> PageKey | None:
     """The key of ``<prefix>{<32 hex>}``, or ``None`` for anything else."""
     if not name.startswith(prefix) or len(name) != len(prefix) + 2 * KEY_BYTES + 1:

@@ -145,3 +145,29 @@ async def test_a_migrating_slot_is_followed_with_ask(cluster: RedisClusterServer
             for port in (old, new):
                 with redis.Redis(port=port) as r:
                     r.execute_command("CLUSTER", "SETSLOT", slot, "STABLE")
+
+
+async def test_one_dead_master_costs_only_its_own_pages() -> None:
+    """One master of three killed: the pages the two live masters hold are still served,
+    byte-exact, and the dead one's are misses. A node that failed used to fail the whole
+    batch, so every read spanning masters missed every page (0 of 64 served)."""
+    reason = unavailable_reason("redis", cluster=True)
+    if reason:
+        pytest.skip(reason)
+    rng = np.random.default_rng(11)
+    with RedisClusterServers("redis") as cluster:
+        async with RedisStore(page_bytes=PAGE, capacity_pages=256, url=cluster.url,
+                              cluster=True, key_prefix="onedown", op_timeout_s=2.0,
+                              batch_pages=64) as store:  # fmt: skip
+            keys = page_keys(np.arange(48 * NS.page_tokens) + int.from_bytes(os.urandom(3)), NS)
+            data = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in keys]
+            assert await store.put(keys, data) == [True] * 48
+            ports = [owner(cluster, key_slot(store.page_name(k))) for k in keys]
+            dead = cluster.nodes[1]
+            assert 0 < ports.count(dead.port) < 48  # the read spans the dead and live nodes
+            dead.kill()
+            out = [np.zeros(PAGE, np.uint8) for _ in keys]
+            hits = await store.get(keys, out)
+            assert hits == [p != dead.port for p in ports]
+            assert all(np.array_equal(o, d) for o, d, h in zip(out, data, hits, strict=True) if h)
+            assert store.stats()["outages"] == 1  # the dead node is an outage of the store

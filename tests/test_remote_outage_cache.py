@@ -13,6 +13,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import redis
 from cache_kit import dram_over_redis, sequence_below_dram
 
 from kvtier.cache import KVCache
@@ -96,3 +97,37 @@ async def test_a_read_cancelled_on_a_frozen_server_raises_at_once_and_writes_not
 
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
+
+
+@pytest.mark.parametrize("call", ["read", "load"])
+async def test_pages_the_server_lost_are_misses_not_an_outage(call: str) -> None:
+    """docs/remote.md: pages the server evicts on its own (or loses: ``FLUSHALL``, a TTL,
+    another client's ``DEL``) are simply misses. A read or load whose every page was gone
+    marked the tier failing ("tier failing", ``healthy`` False, an outage open) on a
+    server that answered every call. A frozen server still opens an outage (checked
+    after, so this test can tell the two apart)."""
+    rng = np.random.default_rng(12)
+    with RedisServer("valkey") as server:
+        async with KVCache(_config(server.url), env={}, configure_log=False) as cache:
+            keys, _ = await sequence_below_dram(cache, rng, PAGES)
+            with redis.Redis(port=server.port) as admin:
+                admin.flushall()
+            out = np.zeros((PAGES, cache.spec.page_bytes), np.uint8)
+            if call == "read":
+                assert await cache.read(keys, out) == [False] * PAGES
+            else:
+                loaded = await cache.load(keys[:6])
+                cache.release(keys[:6])
+                assert loaded.missing == keys[:6]
+            remote = cache.stats()["tiers"][1]
+            assert (remote["healthy"], remote["outages"]) == (True, 0), remote
+            assert not any(cache.directory.is_committed(k, "remote") for k in keys[:6])
+
+            keys, _ = await sequence_below_dram(cache, rng, PAGES)
+            server.pause()
+            try:
+                assert await asyncio.wait_for(cache.read(keys, out), 30) == [False] * PAGES
+            finally:
+                server.resume()
+            remote = cache.stats()["tiers"][1]
+            assert (remote["healthy"], remote["outages"]) == (False, 1), remote

@@ -267,7 +267,7 @@ class Fetcher:
         if bad:
             mover.metrics.failed.inc(tier.name, by=len(bad))
             if len(bad) == len(items):
-                tier.record_failure("get", len(bad))
+                await tier.record_all_missed("get", bad)
             await purge_vanished(mover, tier, bad)
         elif items:
             tier.record_success()

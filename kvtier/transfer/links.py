@@ -190,7 +190,12 @@ class Link:
         try:
             bufs = await self.reader(self.src.backend, self.dst.backend, keys, reservations)
             if not self.src.is_arena:
-                self._health(self.src, "get", sum(b is None for b in bufs), n)
+                missed = [keys[i] for i in range(n) if bufs[i] is None]
+                if missed and len(missed) == n:
+                    self.metrics.failed.inc(self.src.name, by=n)
+                    await self.src.record_all_missed("get", missed)
+                else:
+                    self._health(self.src, "get", len(missed), n)
         except BaseException as exc:  # a failing tier is a miss, never a crash
             if not backend_failure(exc):
                 raise

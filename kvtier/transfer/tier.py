@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.backend import ArenaBackend, Backend
@@ -215,6 +216,22 @@ class Tier:
                 pages=pages,
                 cause=repr(cause) if cause is not None else "backend reported failure",
             )
+
+    async def record_all_missed(self, op: str, keys: Sequence[PageKey]) -> None:
+        """Every page of a ``get`` of ``keys`` missed: a failure (:meth:`record_failure`)
+        unless the backend says it holds none of them. Pages that vanished (a shared pool's
+        server evicted them or they expired, another client deleted them, a store dropped
+        them after a failed checksum) are misses, not an outage; a ``contains`` that
+        fails, or finds one of them still held, is."""
+        try:
+            held = await self.backend.contains(keys)
+        except BaseException as exc:
+            if not backend_failure(exc):
+                raise
+            self.record_failure(op, len(keys), exc)
+            return
+        if any(held):
+            self.record_failure(op, len(keys))
 
     def record_success(self) -> None:
         """A call moved pages again: the tier is :attr:`healthy`. Logs "tier recovered"
