@@ -120,13 +120,23 @@ class RedisStore(RedisStoreBase):
         self, keys: Sequence[PageKey], namespace: str = ""
     ) -> list[Reservation | None]:
         """``present`` reservations for keys already committed on the server; new ones
-        while the client-side capacity lasts; ``None`` when full or the server fails."""
+        while the client-side capacity lasts; ``None`` when full or the server did not
+        answer for the key. Raises :class:`~kvtier.errors.TierIOError` when it answered
+        for none of them (down, frozen, refusing): the cache then counts the pages as
+        failed and the tier as failing, not as a full tier."""
         self._check_keys(keys)
         self._check_open()
         found = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )
         self._refuse_denied(found)
+        if found and all(failed(r) for r in found):
+            first = found[0]
+            why = describe(first) if isinstance(first, BaseException | ReplyError) else "no reply"
+            raise TierIOError(
+                f"remote store {self.health.name}: no answer for {len(keys)} of {len(keys)} "
+                f"keys to reserve ({why})"
+            )
         out: list[Reservation | None] = []
         for key, reply in zip(keys, found, strict=True):
             if failed(reply):

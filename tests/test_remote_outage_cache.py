@@ -17,7 +17,7 @@ import redis
 from cache_kit import dram_over_redis, sequence_below_dram
 
 from kvtier.cache import KVCache
-from kvtier.testing.servers import RedisServer, unavailable_reason
+from kvtier.testing.servers import RedisServer, free_port, unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason("valkey") is not None, reason=str(unavailable_reason("valkey"))
@@ -131,3 +131,21 @@ async def test_pages_the_server_lost_are_misses_not_an_outage(call: str) -> None
                 server.resume()
             remote = cache.stats()["tiers"][1]
             assert (remote["healthy"], remote["outages"]) == (False, 1), remote
+
+
+async def test_write_downs_to_a_server_that_is_not_there_mark_the_tier_failing() -> None:
+    """Nothing listens at the pool's address: every write-down fails at its reserve
+    (the store cannot tell which pages are on the server). The reserve answered ``None``
+    (read by the pipeline as "no room"), so the tier stayed healthy with no failed page
+    counted while not one page reached the pool; it now raises, and the tier is failing."""
+    cfg = dram_over_redis(
+        f"redis://127.0.0.1:{free_port()}/0", op_timeout_s=0.5, connect_timeout_s=0.5
+    )
+    async with KVCache(cfg, env={}, configure_log=False) as cache:
+        tokens = np.arange(4 * cache.spec.page_tokens)
+        data = np.ones((4, cache.spec.page_bytes), np.uint8)
+        assert (await cache.store(tokens, data)).stored == [True] * 4  # DRAM holds them
+        await cache.flush()
+        remote = cache.stats()["tiers"][1]
+        assert (remote["healthy"], remote["outages"]) == (False, 1), remote
+        assert cache.metrics.snapshot()["tiers"]["remote"]["failed_pages"] > 0
