@@ -391,12 +391,20 @@ def sim(
             codecs,
             hints,
         )
+        late = (
+            f"{tr.late_hints} hint line(s) after the last request replayed were dropped (a "
+            "hint acts on the requests after it)"
+        )
         if hints and not report["hints"]:
+            what = f"no hint line before a request: {late}" if tr.late_hints else "no hint lines"
             err_console.print(
-                "[yellow]warning:[/] --hints: the trace has no hint lines; it was replayed "
-                "without hints",
+                f"[yellow]warning:[/] --hints: the trace has {what}; it was replayed without hints",
                 highlight=False,
                 soft_wrap=True,
+            )
+        elif hints and tr.late_hints:
+            err_console.print(
+                f"[yellow]warning:[/] --hints: {late}", highlight=False, soft_wrap=True
             )
         if plot_file is not None:
             plot(report, plot_file)

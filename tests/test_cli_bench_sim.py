@@ -111,3 +111,21 @@ def test_hints_asked_of_a_trace_without_hint_lines_are_warned_about() -> None:
     assert "--hints: the trace has no hint lines" in " ".join(result.stderr.split())
     quiet = CliRunner().invoke(get_app(), [*args, "--json", "--no-progress"])
     assert "hint lines" not in quiet.stderr
+
+
+def test_hint_lines_after_the_last_request_are_named_when_dropped(tmp_path: Path) -> None:
+    """A hint after the last request acts on nothing and is dropped; the warning said
+    "the trace has no hint lines" of a trace that had one."""
+    trace = tmp_path / "late.jsonl"
+    req = '{"timestamp": %d, "input_length": 1024, "output_length": 5, "hash_ids": [0, 1]}\n'
+    hint = '{"timestamp": %d, "hint": "close", "hash_ids": [0, 1], "value": null}\n'
+    args = ["bench", "sim", "--policy", "hinted", "--capacity", "5", "--hints", "--json"]
+    for lines, kept in (([req % 0, req % 1, hint % 2], False), ([req % 0, hint % 1, req % 2,
+                                                              hint % 3], True)):  # fmt: skip
+        trace.write_text("".join(lines))
+        result = CliRunner().invoke(get_app(), [*args, "--trace", str(trace), "--no-progress"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["hints"] is kept
+        said = " ".join(result.stderr.split())
+        assert "1 hint line(s) after the last request replayed were dropped" in said, said
+        assert ("no hint line before a request" in said) is not kept

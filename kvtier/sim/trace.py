@@ -108,6 +108,9 @@ class Trace:
     block_tokens: int
     requests: list[Request] = field(default_factory=list)
     hints: list[TraceHint] = field(default_factory=list)
+    #: Hint lines read after the last request (dropped: a hint acts on the requests after
+    #: it, and none came).
+    late_hints: int = 0
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0:
@@ -359,7 +362,8 @@ def read_mooncake(path: str | Path, block_tokens: int = 512, limit: int | None =
     if not rows:
         raise KVTierUsageError(f"trace {p} holds no request (empty file?)")
     hints = [TraceHint(b, t, h) for b, t, h in hint_rows if b < len(rows)]
-    return Trace(_trace_name(p), block_tokens, requests_from_ids(rows, block_tokens), hints)
+    requests = requests_from_ids(rows, block_tokens)
+    return Trace(_trace_name(p), block_tokens, requests, hints, len(hint_rows) - len(hints))
 
 
 @dataclass(frozen=True, slots=True)
