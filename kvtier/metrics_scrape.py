@@ -238,13 +238,20 @@ def _labelled(name: str, labels: dict[str, str]) -> str:
 
 def check_counts(series: Series, source: str = "") -> None:
     """Refuse a value of :data:`STATS_SERIES` that kvtier never exports: negative, NaN,
-    infinite, or not below :data:`MAX_COUNT`. Raises :class:`ScrapeError` naming the
+    infinite, not below :data:`MAX_COUNT`, or a fraction where the series counts (pages,
+    bytes, hits, batches: all but the seconds). Raises :class:`ScrapeError` naming the
     series, its value and ``source``."""
     for short in STATS_SERIES:
         name = PREFIX + short
+        counts = not short.endswith(("seconds_total", "seconds_sum"))
         for labels, value in series.get(name, []):
             if math.isfinite(value) and 0 <= value < MAX_COUNT:
-                continue
+                if not counts or value.is_integer():
+                    continue
+                raise ScrapeError(
+                    f"{_labelled(name, labels)} has value {_shown(value)}{_at(source)}: "
+                    "kvtier exports this series as a whole number (it counts)"
+                )
             raise ScrapeError(
                 f"{_labelled(name, labels)} has value {_shown(value)}{_at(source)}: kvtier "
                 "exports this series as a finite number >= 0 below 2**63"

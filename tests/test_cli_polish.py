@@ -266,3 +266,28 @@ def test_scraped_label_values_read_back_as_written(written: str, value: str) -> 
     pass: a backslash before an ``n`` stays a backslash and an ``n``."""
     text = f'kvtier_pages{{tier="{written}"}} 3\n'
     assert parse_prometheus(text)["kvtier_pages"] == [({"tier": value}, 3.0)]
+
+
+@pytest.mark.parametrize(
+    ("line", "refused"),
+    [
+        ('kvtier_used_pages{tier="dram"} 11.5', True),
+        ('kvtier_hits_total{tier="dram"} 3.25', True),
+        ('kvtier_link_seconds_total{link="dram->nvme"} 0.125', False),
+    ],
+)
+def test_a_fractional_count_is_refused_seconds_are_not(line: str, refused: bool) -> None:
+    """``--json`` promises integer counts; a page count of 11.5 (which kvtier never
+    exports) was passed through, and occupancy computed from it."""
+    base = {
+        "kvtier_used_pages": 'kvtier_used_pages{tier="dram"} 11',
+        "kvtier_capacity_pages": 'kvtier_capacity_pages{tier="dram"} 16',
+        "kvtier_hits_total": 'kvtier_hits_total{tier="dram"} 3',
+    }
+    base[line.split("{")[0]] = line
+    series = parse_prometheus("\n".join(base.values()) + "\n")
+    if refused:
+        with pytest.raises(ScrapeError, match=r"has value \d+\.\d+.*as a whole number"):
+            cache_stats(series, "http://127.0.0.1:1/metrics")
+    else:
+        assert cache_stats(series, "http://127.0.0.1:1/metrics")["tiers"]
