@@ -30,6 +30,7 @@ from kvtier.cli.output import (
     console,
     emit,
     err_console,
+    fmt,
     given_options,
     progress,
     run_guarded,
@@ -252,8 +253,8 @@ def _render(report: dict[str, Any]) -> None:
         rows.append(
             [
                 r["policy"],
-                r["capacity"],
-                "/".join(str(x) for x in r["capacity_pages"]),
+                r["capacity"].strip(),
+                "/".join(fmt(x) for x in r["capacity_pages"]),
                 " ".join(f"{v:.3f}" for v in r["hit_rate_per_tier"].values()),
                 r["hit_rate"],
                 r["min_hit_rate"],
@@ -264,7 +265,8 @@ def _render(report: dict[str, Any]) -> None:
             ]
         )
     title = (
-        f"{report['trace']} ({report['requests']} req, {report['distinct_blocks']} distinct blocks)"
+        f"{report['trace']} ({fmt(report['requests'])} req, "
+        f"{fmt(report['distinct_blocks'])} distinct blocks)"
         f" - {report['model']} on {report['hardware']}, {report['write_policy']}"
     )
     console.print(
