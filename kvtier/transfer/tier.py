@@ -218,11 +218,15 @@ class Tier:
             )
 
     async def record_all_missed(self, op: str, keys: Sequence[PageKey]) -> None:
-        """Every page of a ``get`` of ``keys`` missed: a failure (:meth:`record_failure`)
-        unless the backend says it holds none of them. Pages that vanished (a shared pool's
-        server evicted them or they expired, another client deleted them, a store dropped
-        them after a failed checksum) are misses, not an outage; a ``contains`` that
-        fails, or finds one of them still held, is."""
+        """Every page of a ``get`` of ``keys`` missed: a failure (:meth:`record_failure`),
+        except on a shared store (``Backend.shared``: a pool other servers use) that says
+        it holds none of them. There pages vanish in normal operation (the server evicted
+        them, they expired, another client deleted them): misses, not an outage; a
+        ``contains`` that fails, or finds one of them still held, is one. A local store
+        whose pages all vanished (its directory removed) is failing."""
+        if not self.backend.shared:
+            self.record_failure(op, len(keys))
+            return
         try:
             held = await self.backend.contains(keys)
         except BaseException as exc:
