@@ -156,3 +156,17 @@ def test_close_from_another_thread_mid_generation_is_a_usage_error(tmp_path: Pat
         with bridge.new_cache(model.config) as c:  # the bridge is still sound
             assert _greedy(model, ids, c).tolist() == _greedy(model, ids, None).tolist()
     assert set(outcomes) <= {"completed", "KVTierUsageError: this KVTierCache is closed"}
+
+
+def test_a_closed_cache_given_to_generate_again_is_named_closed(tmp_path: Path) -> None:
+    """A cache closed by its ``with`` block and passed to ``generate`` again was refused
+    for its ``position_ids`` ("needs position_ids that continue the cached tokens (12 to
+    11)"), not for being closed."""
+    model = _llama()
+    ids = _ids(12, 8)
+    with KVTierBridge.start(_config(model, tmp_path / "s"), env={}) as bridge:
+        with bridge.new_cache(model.config) as cache:
+            _greedy(model, ids, cache)
+        for prompt in (ids, ids[:, :5]):
+            with pytest.raises(KVTierUsageError, match="this KVTierCache is closed"):
+                _greedy(model, prompt, cache)

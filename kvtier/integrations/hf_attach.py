@@ -25,6 +25,7 @@ def attach(model: torch.nn.Module) -> None:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not isinstance(cache, KVTierCache):
             return
+        cache.check_open()  # before the checks below, which a closed cache would fail
         ids = kwargs.get("input_ids", args[0] if args else None)
         other = other_inputs(kwargs)
         if other:

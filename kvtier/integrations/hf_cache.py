@@ -146,7 +146,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
         await give_back(self.bridge, self._held)
         self._slot = None
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:  # raises KVTierUsageError once closed
         if self._closed:
             raise KVTierUsageError("this KVTierCache is closed")
 
@@ -182,7 +182,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
         pages are moved toward the top tier now (a prefetch, not awaited); the first
         forward pins them. Returns the number of tokens reused.
         """
-        self._check_open()
+        self.check_open()
         if self._tokens:
             raise KVTierUsageError("load_prefix needs an empty cache (call it before generate)")
         ids = token_list(input_ids)
@@ -213,7 +213,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
 
     def observe_tokens(self, input_ids: Any) -> None:
         """The token ids of the next forward pass (called by the :func:`attach` hook)."""
-        self._check_open()
+        self.check_open()
         self._pending = token_list(input_ids)
 
     # -- the forward pass ---------------------------------------------------------------
@@ -228,7 +228,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this forward's K and V of ``layer_idx``; return the layer's whole K and V
         (``[1, kv_heads, tokens, head_dim]``)."""
-        self._check_open()
+        self.check_open()
         self._check_states(key_states, value_states, layer_idx)
         # no autograd history: with it, the shared arena would need grad (gathers then fail)
         key_states, value_states = key_states.detach(), value_states.detach()
@@ -246,7 +246,7 @@ class KVTierCache(Cache):  # type: ignore[misc]
             if layer_idx == self.spec.num_layers - 1:
                 self._end_forward()
         except (AssertionError, RuntimeError):  # its slot and helper thread gone
-            self._check_open()  # closed from another thread while this forward ran
+            self.check_open()  # closed from another thread while this forward ran
             raise
         return keys, values
 
