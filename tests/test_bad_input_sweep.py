@@ -122,6 +122,7 @@ async def test_every_sequence_call_refuses_bad_values_with_a_kvtier_error(tmp_pa
             "free": lambda a: m.free(a),
             "publish_pending": lambda a: m.publish_pending(a),
             "ensure_resident": lambda a: m.ensure_resident(a),
+            "release": lambda a: m.release(a),
             "page": lambda a: m.page(a),
         }
 

@@ -234,8 +234,42 @@ async def test_versioned_group_keeps_draft_in_step(tmp_path: Path) -> None:
     assert target.stats.pages_published == draft.stats.pages_published == 2
     with pytest.raises(KVTierUsageError, match="kv must be given"):
         await group.append(s, [1], {"target": kv_for(SPEC, [1], 8)})
+    # before: TypeError, KeyError and AttributeError
+    with pytest.raises(KVTierUsageError, match="kv must map each manager's name to its KV"):
+        await group.append(s, [1], None)  # type: ignore[arg-type]
+    with pytest.raises(KVTierUsageError, match=r"no manager named 'nope' in this group"):
+        group.member(s, "nope")
+    with pytest.raises(KVTierUsageError, match="manager 'a' must be a SequenceManager"):
+        VersionedGroup({"a": object()})  # type: ignore[dict-item]
     await group.free(s)
     for m, c in ((target, target_cache), (draft, draft_cache)):
+        await m.close()
+        await c.close()
+
+
+async def test_a_batch_released_through_another_manager_stays_releasable(
+    tmp_path: Path,
+) -> None:
+    """Another manager's ``release`` of a batch raised "not pinned (released twice?)"
+    after marking it released, so its own manager refused it and its pages stayed pinned
+    for good. Now it is refused before anything changes."""
+    caches = [TwoTierCache(SPEC, 24, 100, tmp_path / n) for n in ("a", "b")]
+    for c in caches:
+        await c.open()
+    mine, other = [await SequenceManager.open(c, 4) for c in caches]
+    s = mine.create()
+    tokens = list(range(2 * SPEC.page_tokens))
+    await mine.append(s, tokens, kv_for(SPEC, tokens, 0))
+    await mine.publish_pending(s)
+    batch = await mine.ensure_resident([s])
+    pinned = caches[0].directory.is_pinned
+    assert batch.pinned and all(pinned(k) for k in batch.pinned)
+    with pytest.raises(KVTierUsageError, match="made by another SequenceManager"):
+        await other.release(batch)
+    assert not batch.released and all(pinned(k) for k in batch.pinned)
+    await mine.release(batch)
+    assert not any(pinned(k) for k in batch.pinned)
+    for m, c in zip((mine, other), caches, strict=True):
         await m.close()
         await c.close()
 

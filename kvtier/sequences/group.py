@@ -24,10 +24,18 @@ class VersionedGroup:
     """
 
     def __init__(self, managers: Mapping[str, SequenceManager]) -> None:
-        if not managers:
-            raise KVTierUsageError("VersionedGroup needs at least one manager")
+        if not isinstance(managers, Mapping) or not managers:
+            raise KVTierUsageError(
+                "VersionedGroup needs a mapping of at least one name to a SequenceManager, "
+                f"got {managers!r}"[:200]
+            )
         seen: dict[object, str] = {}
         for name, manager in managers.items():
+            if not isinstance(manager, SequenceManager):
+                raise KVTierUsageError(
+                    f"VersionedGroup manager {name!r} must be a SequenceManager, got "
+                    f"{type(manager).__name__}"
+                )
             for what, thing in (("cache", id(manager.cache)), ("namespace", manager.namespace)):
                 other = seen.setdefault((what, thing), name)
                 if other != name:
@@ -55,7 +63,10 @@ class VersionedGroup:
 
     def member(self, seq_id: int, name: str) -> int:
         """The id of ``seq_id`` in manager ``name``."""
-        return self._members(seq_id)[name]
+        members = self._members(seq_id)
+        if not isinstance(name, str) or name not in members:
+            raise KVTierUsageError(f"no manager named {name!r} in this group: {sorted(members)}")
+        return members[name]
 
     async def append(self, seq_id: int, tokens: Any, kv: Mapping[str, Any]) -> None:
         """Append ``tokens`` to every member, ``kv[name]`` being manager ``name``'s KV.
@@ -63,6 +74,10 @@ class VersionedGroup:
         All-or-nothing across managers: bad input or a full working pool in any of them
         raises before any changes (every manager's lock is held from check to write)."""
         members = self._members(seq_id)
+        if not isinstance(kv, Mapping):
+            raise KVTierUsageError(
+                f"kv must map each manager's name to its KV, got {type(kv).__name__}"
+            )
         if set(kv) != set(members):
             raise KVTierUsageError(f"kv must be given for {sorted(members)}, got {sorted(kv)}")
         work = [(self.managers[name], s, kv[name]) for name, s in members.items()]

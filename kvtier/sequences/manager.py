@@ -388,7 +388,7 @@ class SequenceManager:
 
             table = tables.pack(ids, slot_of)
             self.stats.resident_calls += 1
-            return ResidentBatch(ids, table, [t.num_tokens for t in rows], pinned)
+            return ResidentBatch(ids, table, [t.num_tokens for t in rows], pinned, owner=self)
 
     @contextlib.asynccontextmanager
     async def resident(self, seq_ids: Sequence[int]) -> AsyncIterator[ResidentBatch]:
@@ -401,12 +401,22 @@ class SequenceManager:
             await self.release(batch)
 
     async def release(self, batch: ResidentBatch) -> None:
-        """Unpin what :meth:`ensure_resident` pinned. Releasing twice raises."""
+        """Unpin what :meth:`ensure_resident` pinned. Releasing twice, or through another
+        manager, raises (and changes nothing)."""
+        if not isinstance(batch, ResidentBatch):
+            raise KVTierUsageError(
+                f"release needs the ResidentBatch ensure_resident returned, got "
+                f"{type(batch).__name__}"
+            )
+        if batch.owner is not None and batch.owner is not self:
+            raise KVTierUsageError(
+                "this resident batch was made by another SequenceManager: release it there"
+            )
         if batch.released:
             raise KVTierUsageError("this resident batch was already released")
-        batch.released = True
         if batch.pinned:
             await self.cache.release(batch.pinned)
+        batch.released = True
 
     # -- checks --------------------------------------------------------------------------
 

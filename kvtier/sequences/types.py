@@ -94,6 +94,7 @@ class ResidentBatch:
         block_table: int32 ``[len(seq_ids), max_pages]`` of top-tier slots, padded -1.
         seq_lens: tokens of each sequence.
         pinned: stored keys pinned for this batch (given back by ``release``).
+        owner: the manager that made it (only it may release it).
     """
 
     seq_ids: list[int]
@@ -101,6 +102,7 @@ class ResidentBatch:
     seq_lens: list[int]
     pinned: list[PageKey] = field(default_factory=list)
     released: bool = False
+    owner: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass
