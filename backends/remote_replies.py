@@ -42,10 +42,19 @@ class Pending:
     size: int = 0  # payload bytes in value (page_bytes, or less from write_blobs())
 
 
+#: Errors a client library raises when a reply is not what a Redis-protocol server sends
+#: (something else listens on the port): named as such, not as a bare Python error.
+_NOT_REDIS = (AttributeError, TypeError, IndexError, KeyError, UnicodeDecodeError)
+
+
 def describe(exc: BaseException | ReplyError) -> str:
+    """``exc`` in a log line or an error message: what failed, and why."""
     if isinstance(exc, TimeoutError):
         return "timed out"
-    return f"{type(exc).__name__}: {exc}".strip()
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if isinstance(exc, _NOT_REDIS):
+        return f"the server's reply is not Redis protocol: is it a Redis server? ({text})"
+    return text
 
 
 #: Error codes of a server that refuses this client, not a page: no password given (a

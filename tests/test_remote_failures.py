@@ -11,6 +11,7 @@ about a server that did not answer (``TierIOError``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -389,3 +390,37 @@ def test_a_flapping_connection_logs_one_outage_per_quiet_period(monkeypatch, cap
         now[0] += 60.0
         h.failed("timeout")  # long after the last recovery: logged at once
         assert lines() == (4, 3)
+
+
+async def test_a_port_that_answers_no_redis_protocol_is_named(caplog) -> None:
+    """Something else listening at the pool's address, answering a bulk string to every
+    command: the outage line said only "AttributeError: 'bytes' object has no attribute
+    'get'" (the client's parser); it now says the reply is not Redis protocol."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while conn.recv(65536):
+                conn.sendall(b"$5\r\nhello\r\n")
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.backends.remote"):
+            async with store(f"redis://127.0.0.1:{port}/0") as s:
+                keys = keys_for(2)
+                with pytest.raises(TierIOError, match="no answer for 2 of 2 keys"):
+                    await s.contains(keys)  # the first call opens the outage
+        lines = [r.getMessage() for r in caplog.records if "unavailable (" in r.getMessage()]
+        assert lines and "reply is not Redis protocol" in lines[0], lines
+    finally:
+        listener.close()
