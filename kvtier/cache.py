@@ -465,7 +465,7 @@ class KVCache:
         return await self._calling().prefetch(check_keys(keys), deadline_s)
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
-        """Remove ``keys`` from every tier (pinned keys raise); returns pages removed."""
+        """Remove ``keys`` from every tier (pinned keys raise); returns copies removed."""
         return await self.pipeline.delete(check_keys(keys))
 
     async def flush(self) -> int:

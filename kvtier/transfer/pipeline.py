@@ -249,9 +249,10 @@ class Pipeline:
         return sorted(await self.evictor.evict(tier, here, Priority.EVICT), key=uniq.index)
 
     async def delete(self, keys: Sequence[PageKey]) -> int:
-        """Remove ``keys`` from every tier; returns how many pages were removed. Copies of
-        them under way (a prefetch) land first and are removed too: once this returns no
-        tier holds them (unless a load pinned one meanwhile).
+        """Remove ``keys`` from every tier; returns how many copies were removed (a page
+        held by two tiers counts twice). Copies of them under way (a prefetch) land first
+        and are removed too: once this returns no tier holds them (unless a load pinned
+        one meanwhile).
 
         Raises :class:`KVTierUsageError` (before changing anything) for a pinned key.
         """
