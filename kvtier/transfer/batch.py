@@ -264,16 +264,21 @@ async def forget(mover: Mover, tier: Tier, keys: list[PageKey]) -> set[PageKey]:
     return lingering
 
 
-async def purge_vanished(mover: Mover, tier: Tier, keys: list[PageKey]) -> None:
-    """Forget pages a store no longer holds (e.g. dropped after a failed checksum)."""
+async def purge_vanished(
+    mover: Mover, tier: Tier, keys: list[PageKey], present: list[bool] | None = None
+) -> None:
+    """Forget pages a store no longer holds (e.g. dropped after a failed checksum);
+    ``present``: what the store's ``contains`` just answered for ``keys``, if the caller
+    asked it (else it is asked here)."""
     if tier.is_arena:
         return
-    try:
-        present = await tier.backend.contains(keys)
-    except BaseException as exc:
-        if not backend_failure(exc) and not isinstance(exc, KVTierUsageError):
-            raise
-        return  # the tier is down: keep the entries, they may come back
+    if present is None:
+        try:
+            present = await tier.backend.contains(keys)
+        except BaseException as exc:
+            if not backend_failure(exc) and not isinstance(exc, KVTierUsageError):
+                raise
+            return  # the tier is down: keep the entries, they may come back
     d = mover.directory
     for k, here in zip(keys, present, strict=True):
         entry = d.get(k)

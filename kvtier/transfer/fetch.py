@@ -266,9 +266,8 @@ class Fetcher:
             ok[i] = g
         if bad:
             mover.metrics.failed.inc(tier.name, by=len(bad))
-            if len(bad) == len(items):
-                await tier.record_all_missed("get", bad)
-            await purge_vanished(mover, tier, bad)
+            asked = await tier.record_all_missed("get", bad) if len(bad) == len(items) else None
+            await purge_vanished(mover, tier, bad, asked)
         elif items:
             tier.record_success()
         mover.changed(tier)

@@ -217,25 +217,27 @@ class Tier:
                 cause=repr(cause) if cause is not None else "backend reported failure",
             )
 
-    async def record_all_missed(self, op: str, keys: Sequence[PageKey]) -> None:
+    async def record_all_missed(self, op: str, keys: Sequence[PageKey]) -> list[bool] | None:
         """Every page of a ``get`` of ``keys`` missed: a failure (:meth:`record_failure`),
         except on a shared store (``Backend.shared``: a pool other servers use) that says
         it holds none of them. There pages vanish in normal operation (the server evicted
         them, they expired, another client deleted them): misses, not an outage; a
         ``contains`` that fails, or finds one of them still held, is one. A local store
-        whose pages all vanished (its directory removed) is failing."""
+        whose pages all vanished (its directory removed) is failing. Returns what
+        ``contains`` answered, when it was asked and answered (``None`` otherwise)."""
         if not self.backend.shared:
             self.record_failure(op, len(keys))
-            return
+            return None
         try:
             held = await self.backend.contains(keys)
         except BaseException as exc:
             if not backend_failure(exc):
                 raise
             self.record_failure(op, len(keys), exc)
-            return
+            return None
         if any(held):
             self.record_failure(op, len(keys))
+        return held
 
     def record_success(self) -> None:
         """A call moved pages again: the tier is :attr:`healthy`. Logs "tier recovered"
