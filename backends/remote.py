@@ -131,8 +131,7 @@ class RedisStore(RedisStoreBase):
         )
         self._refuse_denied(found)
         if found and all(failed(r) for r in found):
-            first = found[0]
-            why = describe(first) if isinstance(first, BaseException | ReplyError) else "no reply"
+            why = describe(found[0])
             raise TierIOError(
                 f"remote store {self.health.name}: no answer for {len(keys)} of {len(keys)} "
                 f"keys to reserve ({why})"
@@ -400,8 +399,7 @@ class RedisStore(RedisStoreBase):
         )
         unanswered = [r for r in replies if failed(r)]
         if unanswered:
-            first = unanswered[0]
-            why = describe(first) if isinstance(first, BaseException | ReplyError) else "no reply"
+            why = describe(unanswered[0])
             raise TierIOError(
                 f"remote store {self.health.name}: no answer for {len(unanswered)} of "
                 f"{len(keys)} keys ({why})"

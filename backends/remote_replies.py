@@ -47,8 +47,11 @@ class Pending:
 _NOT_REDIS = (AttributeError, TypeError, IndexError, KeyError, UnicodeDecodeError)
 
 
-def describe(exc: BaseException | ReplyError) -> str:
-    """``exc`` in a log line or an error message: what failed, and why."""
+def describe(exc: Any) -> str:
+    """``exc`` (an exception, a :class:`ReplyError`, or :data:`NO_REPLY`: no answer) in
+    a log line or an error message: what failed, and why."""
+    if not isinstance(exc, BaseException | ReplyError):
+        return "no reply"
     if isinstance(exc, TimeoutError):
         return "timed out"
     text = f"{type(exc).__name__}: {exc}".strip()
