@@ -34,6 +34,7 @@ from .remote_datapath import (
     WireSettings,
     send_pages,
 )
+from .remote_nodes import DownNodes, NodeFailure
 from .remote_options import RemoteOptions, parse_options, pipeline_pages, url_parts
 from .remote_replies import (
     NO_REPLY,
@@ -99,6 +100,8 @@ class RedisStoreBase(StoreBackend):
         self.redirects = 0  # pages re-sent through redis-py after MOVED/ASK
         self._busy = 0  # calls using the client now (close waits for them)
         self._failed_at: float | None = None  # monotonic time of the last failed batch
+        self._batch_failures = 0  # failed batches, not counting one cluster node's failure
+        self._down_nodes = DownNodes()
         self._idle = asyncio.Event()
 
     # -- discovery and lifecycle -----------------------------------------------------------
@@ -305,9 +308,9 @@ class RedisStoreBase(StoreBackend):
 
         async def one(client: Any, start: int) -> None:
             chunk = range(start, min(start + step, n))
-            failures = self.health.failed_batches
+            failures = self._batch_failures
             async with sem:
-                if self.health.failed_batches != failures:
+                if self._batch_failures != failures:
                     return  # a batch failed while this one waited: miss now, not a deadline later
                 if not self._opened:
                     return  # closing: send nothing more
@@ -327,9 +330,10 @@ class RedisStoreBase(StoreBackend):
                 finally:
                     if not sent:  # failed (already reported) or cancelled before an outcome
                         self.health.probe_abandoned()
-            broken = next((r for r in replies if is_connection_error(r)), None)
-            if broken is not None:
-                self._failed(describe(broken))
+            broken = [r for r in replies if is_connection_error(r)]
+            if broken:  # the batch failed, unless only some cluster nodes did
+                self._failed(describe(broken[0]),
+                             batch=not all(isinstance(r, NodeFailure) for r in broken))  # fmt: skip
             else:
                 self.health.succeeded()
             for i, reply in zip(chunk, replies, strict=True):
@@ -344,9 +348,13 @@ class RedisStoreBase(StoreBackend):
             await asyncio.gather(*(one(client, s) for s in range(0, n, step)))
         return results
 
-    def _failed(self, reason: str) -> None:
-        """Record a failed batch (or scan) with :attr:`health` and when it failed."""
-        self._failed_at = time.monotonic()
+    def _failed(self, reason: str, batch: bool = True) -> None:
+        """Record a failure with :attr:`health`; with ``batch`` (the default: not only
+        some cluster nodes failed) also when it failed, and as a failed batch (the batches
+        waiting for a pipeline slot are then skipped)."""
+        if batch:
+            self._failed_at = time.monotonic()
+            self._batch_failures += 1
         self.health.failed(reason)
 
     def _failed_recently(self) -> float | None:
@@ -413,25 +421,33 @@ class RedisStoreBase(StoreBackend):
                                 strict=True):  # fmt: skip
                 out[i] = reply
 
-        if len(groups) == 1:  # one node (always, outside a cluster): no task to create
+        if not self.options.cluster:
             [(address, idx)] = groups.items()
             await node(address, idx)
         else:
-            # Every group runs to its end (or its aborted end) before this returns: no
-            # thread is left writing into the caller's buffers.
-            done = await asyncio.gather(*(node(a, idx) for a, idx in groups.items()),
+            # A node that failed moments ago is not asked again; every node asked runs to
+            # its end (or its aborted end) before this returns: no thread is left writing
+            # into the caller's buffers. A failed node's items get its failure as their
+            # reply (a miss); the other nodes' items keep their replies.
+            down, window = self._down_nodes, self.options.op_timeout_s
+            failures: dict[Address, NodeFailure | None] = {
+                a: down.recent(a, window) for a in groups
+            }
+            asked = [a for a, failure in failures.items() if failure is None]
+            done = await asyncio.gather(*(node(a, groups[a]) for a in asked),
                                         return_exceptions=True)  # fmt: skip
-            failures = [d for d in done if isinstance(d, BaseException)]
-            if len(failures) == len(done) or any(not isinstance(d, Exception) for d in failures):
-                raise failures[0]  # every node failed, or a cancellation
-            # Some nodes answered: their items keep their replies, the failed nodes'
-            # items get the failure as a connection error (a miss, and the store's health
-            # records it); one dead master no longer makes the whole batch a miss.
-            for (address, idx), d in zip(groups.items(), done, strict=True):
+            for d in done:
+                if isinstance(d, BaseException) and not isinstance(d, Exception):
+                    raise d  # a cancellation
+            for address, d in zip(asked, done, strict=True):
                 if isinstance(d, BaseException):
-                    err = node_failure(address, d)
-                    for i in idx:
-                        out[i] = err
+                    failures[address] = failure = node_failure(address, d)
+                    down.failed(failure)
+                else:
+                    down.answered(address)
+            for address, reply in failures.items():
+                for i in groups[address] if reply is not None else ():
+                    out[i] = reply
         again = [i for i, r in enumerate(out) if isinstance(r, ReplyError) and r.redirected]
         if again and self.options.cluster:
             self.redirects += len(again)

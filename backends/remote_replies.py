@@ -19,6 +19,7 @@ from .remote_datapath import (
     Fetched,
     GetItem,
 )
+from .remote_nodes import NodeFailure
 from .remote_wire import ReplyError
 
 
@@ -127,11 +128,11 @@ def is_connection_error(reply: Any) -> bool:
     return isinstance(reply, _CONNECTION_ERRORS)
 
 
-def node_failure(address: tuple[str, int], exc: BaseException) -> ConnectionError:
-    """``exc``, raised for one node of a cluster batch whose other nodes answered, as the
-    per-item reply of that node's items: a connection error naming the node (a miss,
-    and a failed batch for the store's health)."""
-    err = ConnectionError(f"node {address[0]}:{address[1]}: {describe(exc)}")
+def node_failure(address: tuple[str, int], exc: BaseException) -> NodeFailure:
+    """``exc``, raised for one node of a cluster batch, as the per-item reply of that
+    node's items: a :class:`~kvtier.backends.remote_nodes.NodeFailure` naming the node (a
+    miss, and an outage of the store)."""
+    err = NodeFailure(address, describe(exc))
     err.__cause__ = exc
     return err
 
