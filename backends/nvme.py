@@ -408,6 +408,7 @@ class NvmeStore(NvmeReads):
     def _durable_commit(self, rows: list[PageRow]) -> None:
         assert self._slabs is not None and self._index is not None
         assert self._engine is not None
+        self._slabs.check_still_there(r.slab for r in rows)
         if not self._engine.durable_writes:
             self._slabs.sync(r.slab for r in rows)
         self._index.insert(rows)

@@ -168,6 +168,29 @@ class SlabFiles:
                 path.unlink(missing_ok=True)
             raise
 
+    def check_still_there(self, slabs: Iterable[int]) -> None:
+        """Raise :class:`OSError` when one of ``slabs`` (open) was removed, moved or
+        replaced since it was opened (its directory deleted while the store ran, say):
+        writes would go on into a file no name leads to, and every page committed there
+        would be gone once the store closes."""
+        for slab in set(slabs):
+            path = slab_path(self.root, slab)
+            held = os.fstat(self.fd(slab))
+            try:
+                named = os.stat(path)
+            except FileNotFoundError:
+                named = None
+            if (
+                held.st_nlink == 0
+                or named is None
+                or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino)
+            ):
+                raise OSError(
+                    errno.ENOENT,
+                    f"the store's slab file {str(path)!r} was removed, moved or replaced "
+                    "while the store was open; pages committed now would be lost",
+                )
+
     def sync(self, slabs: Iterable[int]) -> None:
         """``fdatasync`` each slab: after it returns, their written bytes are durable."""
         for slab in sorted(set(slabs)):

@@ -3,7 +3,9 @@ naming why, so its tier fails and the cache stores nothing more there. Before, S
 on writing to the index file it held open: every store answered True, the tier stayed
 healthy, and all those pages were gone once the store closed (a docs-only probe lost 64
 pages that way; moved, the store went on writing into the moved directory and the
-configured path reopened as a new, empty store)."""
+configured path reopened as a new, empty store). The same for its slab files alone
+(deleted or replaced): a probe's 160 pages committed into deleted slabs were all gone at
+reopen, the tier healthy all along."""
 
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ def _config(path: Path) -> dict[str, object]:
     return {"model": {"preset": "tiny"}, "tiers": [tier("dram", "dram", 4), nvme]}
 
 
-@pytest.mark.parametrize("how", ["deleted", "moved"])
+def _replace_slabs(store: Path) -> None:
+    """Each slab file replaced by a copy under its name (another inode)."""
+    for slab in (store / "slabs").iterdir():
+        copy = slab.with_suffix(".copy")
+        shutil.copyfile(slab, copy)
+        copy.replace(slab)
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved", "slabs deleted", "slabs replaced"])
 async def test_a_store_whose_directory_went_away_fails_its_commits(
     tmp_path: Path, how: str
 ) -> None:
@@ -32,8 +42,12 @@ async def test_a_store_whose_directory_went_away_fails_its_commits(
         await cache.flush()
         if how == "deleted":
             shutil.rmtree(store)
-        else:
+        elif how == "moved":
             store.rename(tmp_path / "elsewhere")
+        elif how == "slabs deleted":  # the index stays: only the pages' bytes go
+            shutil.rmtree(store / "slabs")
+        else:
+            _replace_slabs(store)
         tokens, data = sequence(rng, 8)
         result = await cache.store(tokens, data)
         await cache.flush()
