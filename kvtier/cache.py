@@ -43,7 +43,7 @@ from kvtier.cache_input import (
     namespace_label,
     namespace_of,
 )
-from kvtier.cache_open import Owner, check_owner, current_owner, open_backends, unwritten_pages
+from kvtier.cache_open import Owner, check_owner, current_owner, open_backends, report_unwritten
 from kvtier.config import KVTierConfig, ResolvedConfig, load_config
 from kvtier.errors import KVTierError, KVTierUsageError
 from kvtier.index.directory import Directory
@@ -289,19 +289,18 @@ class KVCache:
             return
         assert self._pipeline is not None
         self._state = "closing"
+        why = "close was interrupted before its flush: dirty pages are lost"
         try:
             await self.hooks.aclose()  # inside the try: the backends close whatever happens
             await self._pipeline.close()
+            why = "close could not write dirty pages down (the tier below failed): they are lost"
         except BaseException:
             # close itself was cancelled (or failed): stop what is left before the
             # backends go, so nothing runs against a closed backend
             await self._pipeline.cancel_all()
-            if lost := unwritten_pages(self._pipeline.planner, self.tiers, self.directory):
-                _log.warning(
-                    "close was interrupted before its flush: dirty pages are lost", pages=lost
-                )
             raise
         finally:
+            report_unwritten(self._pipeline.planner, self.tiers, self.directory, self.metrics, why)
             for tier in reversed(self.tiers):
                 try:
                     await tier.backend.close()

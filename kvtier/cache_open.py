@@ -13,6 +13,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierUsageError, TierOpenError
 from kvtier.index.directory import Directory
 from kvtier.log import get_logger
+from kvtier.metrics import CacheMetrics
 from kvtier.plan.planner import Planner
 from kvtier.transfer.tier import Tier
 
@@ -81,10 +82,18 @@ def check_owner(owner: Owner | None) -> None:
         )
 
 
-def unwritten_pages(planner: Planner, tiers: Sequence[Tier], directory: Directory) -> int:
-    """Pages of memory tiers that a flush would have written down (:meth:`Planner.dirty`,
-    the pages ``Writer.flush`` picks), lost when the process ends: what a close cut short
-    before its flush leaves behind."""
-    return sum(
-        len(planner.dirty(t.index, directory.keys_in(t.name))) for t in tiers[:-1] if t.is_arena
-    )
+def report_unwritten(
+    planner: Planner, tiers: Sequence[Tier], directory: Directory, metrics: CacheMetrics, why: str
+) -> int:
+    """Count and log the pages of memory tiers that are still dirty (:meth:`Planner.dirty`,
+    the pages ``Writer.flush`` picks) as the cache closes: they are lost with the process.
+    ``why`` says why they were not written down (the log line's event). Each tier's count
+    goes to ``dropped_pages_total``; returns the total."""
+    lost = {t.name: len(planner.dirty(t.index, directory.keys_in(t.name))) for t in tiers[:-1]
+            if t.is_arena}  # fmt: skip
+    lost = {name: n for name, n in lost.items() if n}
+    for name, n in lost.items():
+        metrics.dropped.inc(name, by=n)
+    if lost:
+        _log.warning(why, pages=sum(lost.values()), tiers=lost)
+    return sum(lost.values())

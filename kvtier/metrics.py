@@ -309,7 +309,9 @@ class CacheMetrics(Metrics):
             "evicted_pages_total", "Pages evicted from a tier by watermark pressure", ["tier"]
         )
         self.dropped = self.counter(
-            "dropped_pages_total", "Evicted pages not written to any lower tier", ["tier"]
+            "dropped_pages_total",
+            "Pages that left a tier with no copy below (evicted, or dirty at close)",
+            ["tier"],
         )
         self.failed = self.counter(
             "failed_pages_total", "Page operations a tier failed (treated as misses)", ["tier"]
