@@ -102,11 +102,13 @@ def slab_failure(
     slab, exc = min(failed.items())
     reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
     more = f" (and {len(failed) - 1} more slabs)" if len(failed) > 1 else ""
+    space = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    why = "the file system refused the space" if space else "its slab file could not be made"
     return TierIOError(
         f"NVMe store {root}: cannot allocate slab file {slab_path(Path(root), slab)}{more}: "
         f"{reason}; the file system has {free_space(root)}; none of the {pages} pages of "
-        "this reserve got a slot (the store is below its capacity: the file system refused "
-        "the space, the store is not full)"
+        f"this reserve got a slot (the store is below its capacity: {why}, the store is "
+        "not full)"
     )
 
 

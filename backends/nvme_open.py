@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.backends.fd_limit import make_fd_room
 from kvtier.backends.nvme_dir import page_size_conflict, sqlite_environment_error
 from kvtier.backends.nvme_index import (
     INDEX_FILE,
@@ -129,6 +130,8 @@ def open_store(
                 raise ConfigError(f"nvme: direct_io=true but {root} refuses it: {reason}")
             direct = reason is None
         slabs = SlabFiles(root, layout, direct, dsync=direct and dsync, modes=modes)
+        slab_count = -(-capacity_pages // layout.slots_per_slab)
+        make_fd_room(slab_count, f"NVMe store {root} ({slab_count} slab files)", _log())
         extents = slab_extents(root, layout)
         checked = check_index(index.raw_rows(), index.raw_quarantine(), layout, extents)
         if checked.bad_rows:

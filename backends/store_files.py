@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import resource
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ def describe_os_error(exc: OSError) -> str:
         return "file name too long"
     if exc.errno == errno.EROFS:
         return "read-only file system"
+    if exc.errno == errno.EMFILE:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return f"too many open files (the process's open-file limit, ulimit -n, is {soft})"
     return exc.strerror or str(exc)
 
 
