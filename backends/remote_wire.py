@@ -47,6 +47,13 @@ _DEADLINE_SLACK_S = 0.005
 #: Most buffers per ``sendmsg`` call (Linux ``IOV_MAX`` is 1024).
 _IOV_MAX = 1024
 _CRLF = b"\r\n"
+#: What an error a server sends before closing a connection most likely means.
+_HINTS = {
+    "invalid bulk length": (
+        " (a page value is larger than the server's proto-max-bulk-len: raise it, or use"
+        " smaller pages)"
+    ),
+}
 
 
 class WireError(Exception):
@@ -223,14 +230,31 @@ class WireConnection:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self._timeout_set = left
 
-    def _fail(self, exc: BaseException, what: str) -> WireError:
+    def _fail(self, exc: BaseException, what: str, said: str | None = None) -> WireError:
         self.broken = True
         timed_out = isinstance(exc, TimeoutError | BlockingIOError) or (
             isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
         )
         if timed_out:
             return WireTimeout(f"{what} timed out")
-        return WireError(f"{what} failed: {exc}")
+        if said is None:
+            return WireError(f"{what} failed: {exc}")
+        hint = _HINTS.get(said.split(":")[-1].strip(), "")
+        return WireError(f"{what} failed: {exc}; the server said: {said}{hint}")
+
+    def _error_waiting(self) -> str | None:
+        """The error reply a server sent before it closed the connection (a value over its
+        ``proto-max-bulk-len``, ``maxclients`` reached), read without waiting, else
+        ``None``: a send cut short by the server says why, not only "connection reset"."""
+        if self._tls:
+            return None
+        try:
+            data = self._sock.recv(_MAX_LINE, socket.MSG_DONTWAIT)
+        except OSError:
+            return None
+        if not data.startswith(b"-"):
+            return None
+        return data[1:].split(_CRLF)[0].decode("utf-8", "replace")
 
     # -- sending -------------------------------------------------------------------------
 
@@ -258,7 +282,7 @@ class WireConnection:
         except WireError:
             raise
         except (OSError, ssl.SSLError) as exc:
-            raise self._fail(exc, "send") from exc
+            raise self._fail(exc, "send", self._error_waiting()) from exc
 
     # -- receiving -----------------------------------------------------------------------
 

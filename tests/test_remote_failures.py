@@ -424,3 +424,23 @@ async def test_a_port_that_answers_no_redis_protocol_is_named(caplog) -> None:
         assert lines and "reply is not Redis protocol" in lines[0], lines
     finally:
         listener.close()
+
+
+async def test_a_page_over_the_servers_bulk_limit_is_named_not_only_a_reset(caplog) -> None:
+    """A server whose ``proto-max-bulk-len`` is below the page value closes the connection
+    mid-send: the outage line said only "send failed: [Errno 104] Connection reset by
+    peer", as if the server were down. It now quotes the error the server sent first and
+    says what it means."""
+    reason = unavailable_reason("redis")
+    if reason:
+        pytest.skip(reason)
+    page = 4 << 20
+    with RedisServer("redis", extra=["--proto-max-bulk-len", "1mb"]) as server:
+        with caplog.at_level(logging.WARNING, logger="kvtier.backends.remote"):
+            async with store(server.url, page_bytes=page, capacity_pages=8) as s:
+                pages = [np.ones(page, np.uint8) for _ in range(4)]
+                assert await s.put(keys_for(4), pages) == [False] * 4
+    lines = [r.getMessage() for r in caplog.records if "unavailable (" in r.getMessage()]
+    assert lines, [r.getMessage() for r in caplog.records]
+    assert "the server said: ERR Protocol error: invalid bulk length" in lines[0], lines
+    assert "larger than the server's proto-max-bulk-len" in lines[0]
