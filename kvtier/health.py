@@ -288,7 +288,10 @@ class Health:
             if self._logged:
                 self._back_at = now
                 self.logger.warning(
-                    "remote store %s is back after %.1f s (%s)", self.name, gone, self._reason
+                    "remote store %s is back after %.1f s (it had failed with: %s)",
+                    self.name,
+                    gone,
+                    self._reason,
                 )
 
     def refused(self, pages: int, reason: str) -> None:

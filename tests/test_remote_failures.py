@@ -435,11 +435,13 @@ async def test_a_page_over_the_servers_bulk_limit_is_named_not_only_a_reset(capl
     if reason:
         pytest.skip(reason)
     page = 4 << 20
-    with RedisServer("redis", extra=["--proto-max-bulk-len", "1mb"]) as server:
-        with caplog.at_level(logging.WARNING, logger="kvtier.backends.remote"):
-            async with store(server.url, page_bytes=page, capacity_pages=8) as s:
-                pages = [np.ones(page, np.uint8) for _ in range(4)]
-                assert await s.put(keys_for(4), pages) == [False] * 4
+    with (
+        RedisServer("redis", extra=["--proto-max-bulk-len", "1mb"]) as server,
+        caplog.at_level(logging.WARNING, logger="kvtier.backends.remote"),
+    ):
+        async with store(server.url, page_bytes=page, capacity_pages=8) as s:
+            pages = [np.ones(page, np.uint8) for _ in range(4)]
+            assert await s.put(keys_for(4), pages) == [False] * 4
     lines = [r.getMessage() for r in caplog.records if "unavailable (" in r.getMessage()]
     assert lines, [r.getMessage() for r in caplog.records]
     assert "the server said: ERR Protocol error: invalid bulk length" in lines[0], lines
