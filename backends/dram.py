@@ -30,6 +30,7 @@ import contextlib
 import logging
 import mmap
 import os
+import resource
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -225,9 +226,15 @@ class DramArena(SlotArena):
         except (OSError, OverflowError, MemoryError) as exc:
             available = available_memory()
             have = "unknown" if available is None else size_text(available)
+            limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+            capped = (
+                f"; the process's address-space limit (ulimit -v) is {size_text(limit)}"
+                if limit != resource.RLIM_INFINITY
+                else ""
+            )
             raise ArenaAllocationError(
                 f"cannot allocate a DRAM arena of {size_text(self.nbytes)} ({exc}); memory "
-                f"available: {have}"
+                f"available: {have}{capped}"
             ) from exc
         buf = np.frombuffer(mm, dtype=np.uint8)
         self._bind_memory(buf)

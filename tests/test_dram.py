@@ -398,3 +398,34 @@ async def test_small_batches_copy_on_the_loop_and_large_ones_on_worker_threads(
         out = [np.zeros(small, np.uint8) for _ in keys]
         assert await arena.get(keys, out) == [True] * 8
         assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+
+
+def test_an_allocation_refused_under_an_address_space_limit_names_the_limit(tmp_path) -> None:
+    """Under ``ulimit -v`` an arena that fits the machine's memory cannot be mapped; the
+    error said only how much memory was available (20 GiB, say), which does not explain
+    the refusal. It now names the limit. A child process: limits are per process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent(
+        """
+        import asyncio, resource
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, resource.RLIM_INFINITY))
+        from kvtier.backends.dram import DramArena
+
+        async def main():
+            try:
+                await DramArena(page_bytes=1 << 20, capacity_pages=4096).open()
+            except Exception as exc:
+                print(type(exc).__name__, exc)
+
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert "ArenaAllocationError cannot allocate a DRAM arena of 4.0 GiB" in done.stdout, (
+        done.stdout + done.stderr
+    )
+    assert "the process's address-space limit (ulimit -v) is 3.0 GiB" in done.stdout
