@@ -24,6 +24,7 @@ from kvtier.backends.store_files import (
     UnsafeStoreError,
     check_no_symlink,
     check_path_text,
+    check_single_link,
     check_writable,
     describe_os_error,
     lock_holder,
@@ -218,10 +219,15 @@ class FileStoreBase(StoreBackend):
                 try:
                     key = bytes.fromhex(name)
                     st = entry.stat(follow_symlinks=False)
-                    size = st.st_size
+                except (ValueError, OSError):
+                    skipped += 1
+                    continue
+                check_single_link(Path(entry.path), self.path, st)  # raises, as a symlink does
+                size = st.st_size
+                try:
                     if st.st_mode & 0o777 != self.modes.file:
                         set_mode(Path(entry.path), self.modes.file)
-                except (ValueError, OSError):
+                except OSError:
                     skipped += 1
                     continue
                 if not HEADER_SIZE < size <= largest:  # shorter: a variable-length blob

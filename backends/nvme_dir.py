@@ -31,7 +31,9 @@ STORE_FORMAT_VERSION = 1
 INDEX_FILE = "index.sqlite"
 LOCK_FILE = "lock"
 #: Files that may sit in a store directory; anything else there means it is not a store.
-STORE_FILES = {INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE, "slabs"}
+#: The index and the files SQLite keeps beside it (WAL, shared memory, a rollback journal).
+INDEX_FILES = tuple(INDEX_FILE + suffix for suffix in ("", "-wal", "-shm", "-journal"))
+STORE_FILES = {*INDEX_FILES, LOCK_FILE, "slabs"}
 
 
 class NotAStoreError(KVTierUsageError):
@@ -122,9 +124,9 @@ def _check_new_store(root: Path, create: bool) -> None:
 
 
 def check_store_entries(root: Path) -> None:
-    """Refuse a store whose own files or directories are symlinks or of the wrong type:
-    :class:`~kvtier.backends.store_files.UnsafeStoreError` names the entry."""
-    for name in (INDEX_FILE, f"{INDEX_FILE}-wal", f"{INDEX_FILE}-shm", LOCK_FILE):
+    """Refuse a store whose own files or directories are symlinks, of the wrong type or
+    hard-linked: :class:`~kvtier.backends.store_files.UnsafeStoreError` names the entry."""
+    for name in (*INDEX_FILES, LOCK_FILE):
         check_no_symlink(root / name, root)
     if check_no_symlink(root / "slabs", root, want="dir"):
         try:

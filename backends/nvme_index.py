@@ -181,7 +181,7 @@ class StoreIndex:
             else:
                 # SQLite gives its -wal and -shm files the database file's modes, so the
                 # file is created private first; none of the three may be a symlink.
-                for suffix in ("", "-wal", "-shm"):
+                for suffix in ("", "-wal", "-shm", "-journal"):
                     check_no_symlink(path.with_name(path.name + suffix), path.parent)
                 create_private_file(path, modes or Modes(), path.parent)
                 for suffix in ("-wal", "-shm"):

@@ -101,6 +101,8 @@ class SlabFiles:
         if not private_dir(root / SLAB_DIR, self.modes, root, create=False):
             private_dir(root / SLAB_DIR, self.modes, root)
             fsync_dir(root)
+        for slab in self.existing():  # opened now: each is checked and given private modes
+            self.fd(slab)
 
     def existing(self) -> list[int]:
         """Indices of the slab files present on disk."""

@@ -216,7 +216,19 @@ def check_no_symlink(path: Path, root: Path | None, want: str = "file") -> bool:
         raise _unsafe(
             path, root, f"it should be a {'directory' if want == 'dir' else 'file'} but is {kind}"
         )
+    if want != "dir":
+        check_single_link(path, root, st)
     return True
+
+
+def check_single_link(path: Path, root: Path | None, st: os.stat_result) -> None:
+    """:class:`UnsafeStoreError` when the regular file ``path`` (its stat ``st``) has
+    another name (a hard link, perhaps outside the store): writing or ``chmod``-ing it
+    would change that file too. A store never makes hard links."""
+    if st.st_nlink > 1:
+        raise _unsafe(
+            path, root, f"it has {st.st_nlink} hard links (another name shares its bytes)"
+        )
 
 
 def open_private(
@@ -230,9 +242,10 @@ def open_private(
     """``os.open`` with ``O_NOFOLLOW | O_CLOEXEC``; a file this call creates gets exactly
     ``modes.file``, and so does an existing file of ours with ``fix_mode`` (pass
     ``False`` to only read, e.g. for inspection on read-only media). Raises
-    :class:`UnsafeStoreError` for a symlink, a directory or another non-regular file at
-    ``path`` (its target is never opened, and a FIFO planted there does not block the
-    open: ``O_NONBLOCK`` until the file is known to be regular); ``OSError`` otherwise."""
+    :class:`UnsafeStoreError` for a symlink, a directory, another non-regular file or a
+    file with another hard link at ``path`` (its target is never opened, and a FIFO
+    planted there does not block the open: ``O_NONBLOCK`` until the file is known to be
+    regular); ``OSError`` otherwise."""
     full = flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     existed = (flags & os.O_CREAT) == 0 or os.path.lexists(path)
     try:
@@ -249,6 +262,7 @@ def open_private(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise _unsafe(path, root, "it should be a regular file")
+        check_single_link(path, root, st)
         os.set_blocking(fd, True)
         mine = not existed or (fix_mode and st.st_uid == os.geteuid())
         if stat.S_IMODE(st.st_mode) != modes.file and mine:

@@ -187,6 +187,22 @@ async def test_file_store_refuses_planted_symlinks(tmp_path: Path, entry: str) -
     )
 
 
+@pytest.mark.parametrize("entry", [".lock", "page"])
+async def test_file_store_refuses_a_hard_linked_file(tmp_path: Path, entry: str) -> None:
+    """A page file or the lock hard-linked to a file outside the store: the outside file
+    was ``chmod``-ed to 0600 at open. Now the store refuses it, as it refuses a symlink."""
+    root = tmp_path / "fs"
+    async with filestore(root) as s:
+        assert await s.put([key(1)], [page(1)]) == [True]
+        path = root / ".lock" if entry == ".lock" else s.page_path(key(1))
+    outside = tmp_path / "victim"
+    os.link(path, outside)
+    outside.chmod(0o644)
+    with pytest.raises(UnsafeStoreError, match="2 hard links"):
+        await filestore(root).open()
+    assert outside.stat().st_mode & 0o777 == 0o644
+
+
 async def test_a_page_swapped_for_a_symlink_while_open_is_a_miss(tmp_path: Path) -> None:
     root = tmp_path / "fs"
     target = tmp_path / "victim"

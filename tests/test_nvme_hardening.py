@@ -415,6 +415,39 @@ async def test_an_old_world_readable_store_is_made_private_at_open(tmp_path: Pat
         assert mode in (0o600, 0o700), (name, oct(mode))
 
 
+@pytest.mark.usefixtures("umask_022")
+async def test_slab_files_are_made_private_at_open_before_any_page_io(tmp_path: Path) -> None:
+    """A slab file kept its world-writable mode (0666) through an open and close that
+    read and wrote nothing: slabs were opened (and their modes fixed) on first I/O."""
+    root = tmp_path / "s"
+    await filled(root)
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o777 if p.is_dir() else 0o666)
+    async with store(root):
+        pass
+    for name, mode in modes_under(root).items():
+        assert mode in (0o600, 0o700), (name, oct(mode))
+
+
+@pytest.mark.parametrize("entry", ["lock", "index.sqlite", "slabs/slab-00000.dat"])
+async def test_a_hard_linked_store_file_is_refused_and_the_other_name_untouched(
+    tmp_path: Path, entry: str
+) -> None:
+    """A store file with a second name (a hard link from outside the store) was written
+    through and ``chmod``-ed: a slab hard-linked to an outside file grew it to 1 MiB, wrote
+    pages into it and made it 0600. Now it is refused, like a symlink."""
+    root = tmp_path / "s"
+    await filled(root)
+    outside = tmp_path / "victim"
+    os.link(root / entry, outside)
+    outside.chmod(0o644)
+    before = outside.read_bytes()
+    with pytest.raises(UnsafeStoreError, match=f"{entry}.*2 hard links"):
+        await store(root).open()
+    assert outside.read_bytes() == before
+    assert outside.stat().st_mode & 0o777 == 0o644
+
+
 def test_group_access_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="group_access' must be true or false"):
         store(tmp_path, group_access="yes")
@@ -424,7 +457,15 @@ def test_group_access_must_be_a_bool(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "entry", ["lock", "index.sqlite", "index.sqlite-wal", "slabs", "slabs/slab-00000.dat"]
+    "entry",
+    [
+        "lock",
+        "index.sqlite",
+        "index.sqlite-wal",
+        "index.sqlite-journal",  # SQLite's rollback journal: "unable to open" before
+        "slabs",
+        "slabs/slab-00000.dat",
+    ],
 )
 async def test_a_planted_symlink_is_refused_and_its_target_untouched(
     tmp_path: Path, entry: str
