@@ -11,7 +11,7 @@ Each stored page carries a fixed 64-byte header::
     24     16   page key
     40     16   namespace digest (xxh3-128 of the namespace label)
     56     4    xxh32 of bytes 0..55 (the header's own checksum)
-    60     4    zero padding
+    60     4    zero padding (checked: any other value is damage)
 
 All integers little-endian. A store may place the header before or after the payload (the
 NVMe store puts it after, so that payloads start 4 KiB-aligned); it must verify it, with
@@ -34,6 +34,7 @@ MAGIC = b"KVTP"
 FORMAT_VERSION = 1
 HEADER_SIZE = 64
 _STRUCT = struct.Struct("<4sHHQQ16s16s")  # 56 bytes, then xxh32 and padding
+_PADDING = bytes(HEADER_SIZE - _STRUCT.size - 4)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ def decode_header(raw: BytesLike) -> PageHeader:
     (stored,) = struct.unpack_from("<I", data, _STRUCT.size)
     if xxhash.xxh32_intdigest(data[: _STRUCT.size]) != stored:
         raise IntegrityError("page header checksum mismatch")
+    if data[_STRUCT.size + 4 :] != _PADDING:  # outside the header's checksum: zero, or damaged
+        raise IntegrityError("page header padding (bytes 60-63) is not zero")
     if version > FORMAT_VERSION:
         raise IntegrityError(f"page format version {version} is newer than {FORMAT_VERSION}")
     return PageHeader(version, length, checksum, key, ns)
