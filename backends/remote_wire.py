@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import socket
 import ssl
 import struct
@@ -54,6 +55,29 @@ _HINTS = {
         " smaller pages)"
     ),
 }
+
+
+def _no_password_set(reply: ReplyError) -> bool:
+    """Whether ``reply`` refuses an ``AUTH`` only because the server has no password
+    (``AUTH <password> called without any password configured...``, or Redis < 6's
+    ``Client sent AUTH, but no password is set``): the connection is usable, as redis-py
+    (the store's control path) treats it, and as the URL's password then protects nothing,
+    the first such reply is logged."""
+    text = reply.message
+    if "called without any password configured" not in text and "no password is set" not in text:
+        return False
+    if not _NO_PASSWORD_LOGGED:
+        _NO_PASSWORD_LOGGED.append(True)
+        logging.getLogger("kvtier.backends.remote").warning(
+            "the remote store's URL gives a password but the server has none configured "
+            "(it answered: %s); connecting without authentication",
+            text,
+        )
+    return True
+
+
+#: Set once the "server has no password" line was logged (one per process).
+_NO_PASSWORD_LOGGED: list[bool] = []
 
 
 class WireError(Exception):
@@ -184,7 +208,7 @@ class WireConnection:
                 conn.send(setup)
                 for _ in setup:
                     reply = conn.read_reply()
-                    if isinstance(reply, ReplyError):
+                    if isinstance(reply, ReplyError) and not _no_password_set(reply):
                         raise AuthenticationError(f"Authentication failed: {reply.message}")
         except BaseException:
             conn.close()

@@ -149,3 +149,52 @@ async def test_write_downs_to_a_server_that_is_not_there_mark_the_tier_failing()
         remote = cache.stats()["tiers"][1]
         assert (remote["healthy"], remote["outages"]) == (False, 1), remote
         assert cache.metrics.snapshot()["tiers"]["remote"]["failed_pages"] > 0
+
+
+def _redis() -> None:
+    reason = unavailable_reason("redis")
+    if reason:
+        pytest.skip(reason)
+
+
+async def test_a_url_password_for_a_server_without_one_stores_and_says_so(caplog) -> None:
+    """The URL gives a password, the server has none. redis-py (reserve, contains, scan)
+    connects anyway; the page data path refused ("AUTH called without any password
+    configured"), so nothing reached the pool while the outage opened and closed on every
+    batch and the tier looked healthy. Both paths now connect, and one line says the
+    password protects nothing."""
+    import logging
+
+    _redis()
+    with RedisServer("redis") as server:
+        url = server.url.replace("redis://", "redis://:secretpw@")
+        with caplog.at_level(logging.WARNING, logger="kvtier.backends.remote"):
+            async with KVCache(dram_over_redis(url), env={}, configure_log=False) as cache:
+                tokens = np.arange(6 * cache.spec.page_tokens)
+                data = np.random.default_rng(5).integers(0, 256, (6, cache.spec.page_bytes))
+                assert all((await cache.store(tokens, data.astype(np.uint8))).stored)
+                await cache.flush()
+                remote = cache.metrics.snapshot()["tiers"]["remote"]
+                assert (remote["stored_pages"], remote["failed_pages"]) == (6, 0), remote
+        assert redis.Redis(port=server.port).dbsize() == 6
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("gives a password but the server has none" in m for m in lines) == 1, lines
+    assert not any("unavailable (" in m for m in lines), lines
+
+
+async def test_a_link_counts_pages_the_store_refused_at_commit_as_failed() -> None:
+    """A remote store sends pages at commit. Its link counted every page staged by
+    ``write`` as moved (with GB/s) even when every commit failed; it now counts pages
+    committed, and the rest as ``link_failed_pages``."""
+    _redis()
+    users = ["default on nopass ~* &* +@all", "ro on >ropw ~* &* +@all -set"]
+    with RedisServer("redis", acl_users=users) as server:
+        url = server.url.replace("redis://", "redis://ro:ropw@")
+        async with KVCache(dram_over_redis(url), env={}, configure_log=False) as cache:
+            tokens = np.arange(6 * cache.spec.page_tokens)
+            data = np.ones((6, cache.spec.page_bytes), np.uint8)
+            assert all((await cache.store(tokens, data)).stored)  # DRAM holds them
+            await cache.flush()
+            link = cache.metrics.snapshot()["links"]["dram->remote"]
+            assert link["pages"] == 0 and link["failed_pages"] >= 6, link
+        assert redis.Redis(port=server.port).dbsize() == 0

@@ -94,6 +94,7 @@ async def commit_batch(
                 open_res[i] = r
         if not got:
             return ok
+        started = time.perf_counter()
         if link is not None:
             written = (await link.transfer([keys[i] for i, _ in got], [r for _, r in got])).ok
         else:
@@ -121,6 +122,8 @@ async def commit_batch(
                 await abort_quietly(
                     dst, [r for (_, r), c in zip(to_commit, committed, strict=True) if not c]
                 )
+        if link is not None:
+            link.account(len(got), sum(committed), time.perf_counter() - started)
         for (i, _), c in zip(to_commit, committed, strict=True):
             open_res.pop(i, None)
             k = keys[i]

@@ -175,7 +175,8 @@ class Link:
     async def transfer(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation]
     ) -> TransferResult:
-        """Copy each page into its reservation (``write``, not commit).
+        """Copy each page into its reservation (``write``, not commit); the caller
+        :meth:`account` s for the batch once it is committed.
 
         Never raises for I/O failures (they are ``False`` and mark the tier that failed);
         usage errors (wrong buffers) propagate, since they are bugs.
@@ -216,12 +217,17 @@ class Link:
                     raise
                 self.dst.record_failure("write", len(idx), exc)
                 self.metrics.failed.inc(self.dst.name, by=len(idx))
-        moved = sum(ok)
-        result = TransferResult(ok, moved * page_bytes, time.perf_counter() - start)
-        self.metrics.record_transfer(self.name, moved, result.bytes, result.seconds)
-        if moved < n:
-            self.metrics.link_failed.inc(self.name, by=n - moved)
-        return result
+        return TransferResult(ok, sum(ok) * page_bytes, time.perf_counter() - start)
+
+    def account(self, pages: int, moved: int, seconds: float) -> None:
+        """Record one batch over this link: ``pages`` were sent, ``moved`` of them landed
+        (committed in the destination: a store that sends at commit, as the remote one
+        does, has moved nothing before), in ``seconds`` from the first read to the
+        commit."""
+        nbytes = moved * self.dst.backend.page_bytes
+        self.metrics.record_transfer(self.name, moved, nbytes, seconds)
+        if moved < pages:
+            self.metrics.link_failed.inc(self.name, by=pages - moved)
 
     def _health(self, tier: Tier, op: str, failed: int, total: int) -> None:
         if failed:
