@@ -487,3 +487,24 @@ def test_close_at_exit_runs_before_executors_stop(how: str, printed: str) -> Non
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().startswith(printed), done.stdout
+
+
+def test_copies_of_one_checkpoint_at_two_paths_get_one_config_hash(tmp_path: Path) -> None:
+    """The namespace's hash of the effective HF config included ``_name_or_path``: two
+    byte-identical copies of a model at two paths never shared a page, even with
+    ``namespace.model_id`` set (a docs-only probe: 36 pages loaded at one path, 1 at the
+    copy). The path is left out; what the model computes is not."""
+    from transformers import AutoConfig, LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2).save_pretrained(
+        tmp_path / "a"
+    )
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2).save_pretrained(
+        tmp_path / "b"
+    )
+    a = AutoConfig.from_pretrained(tmp_path / "a").to_json_string(use_diff=False)
+    b = AutoConfig.from_pretrained(tmp_path / "b").to_json_string(use_diff=False)
+    assert a != b  # they differ by the path alone
+    assert identity.config_digest(a) == identity.config_digest(b)
+    other = AutoConfig.from_pretrained(tmp_path / "a", hidden_act="gelu")
+    assert identity.config_digest(other.to_json_string(use_diff=False)) != identity.config_digest(a)

@@ -12,7 +12,8 @@ the kvtier configuration a worker opens.
   pages), else ``main``. Always appended to ``model_id``: the attention
   backend and, on the CPU, its kernel ISA (the byte arrangement inside a block), the KV
   cache dtype as vLLM names it (fp8 variants share one torch dtype), the model dtype, a
-  hash of the effective HF config (``hf_overrides`` included: :func:`kv_variant`) and the
+  hash of the effective HF config (``hf_overrides`` included, the path it was loaded from
+  left out: :func:`kv_variant`) and the
   tensor/pipeline parallel sizes;
   ``rank`` is ``pp_rank * tp_size + tp_rank``. So pages of another model, revision, KV
   dtype, block size, backend, parallel layout or rank never mix.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -155,8 +157,28 @@ def kv_variant(vllm_config: Any) -> str:
         parts.append("dtype=" + torch_dtype_name(dtype))
     hf = getattr(mc, "hf_config", None)
     if hf is not None and callable(getattr(hf, "to_json_string", None)):
-        parts.append("cfg=" + xxhash.xxh3_64_hexdigest(hf.to_json_string(use_diff=False).encode()))
+        parts.append("cfg=" + config_digest(hf.to_json_string(use_diff=False)))
     return ",".join(parts)
+
+
+#: Keys of a Hugging Face config that say where it was loaded from, not what the model
+#: computes: copies of one checkpoint at two paths have the same KV.
+_WHERE_KEYS = frozenset({"_name_or_path", "name_or_path"})
+
+
+def config_digest(config_json: str) -> str:
+    """A hash of a Hugging Face config (its JSON) without the keys that name its path
+    (:data:`_WHERE_KEYS`, at any depth: sub-configs carry their own), keys sorted."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in _WHERE_KEYS}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    canonical = json.dumps(strip(json.loads(config_json)), sort_keys=True)
+    return xxhash.xxh3_64_hexdigest(canonical.encode())
 
 
 def config_origin(settings: ConnectorSettings, env: Mapping[str, str]) -> str:
