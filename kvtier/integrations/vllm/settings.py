@@ -13,7 +13,8 @@ request). Other keys belong to vLLM or to other connectors and are ignored.
 * ``kvtier_load_timeout_s`` (60.0): a forward's wait for loaded KV; past it the blocks are
   load errors (recomputed).
 * ``kvtier_save_backlog_mib`` (1024): bytes of saves waiting for kvtier; past it new saves
-  are dropped (counted).
+  are dropped (counted). One save batch always goes when none is waiting, whatever its
+  size, so a backlog below one step's saves slows saving but never stops it.
 * ``kvtier_prefetch_on_lookup`` (true): a lookup that finds pages below the top tier
   starts moving them up.
 * ``kvtier_load_async`` (``"never"``): which hits load *asynchronously*, across engine

@@ -12,7 +12,8 @@ scheduler's lookups (:mod:`.lookup`). Per step:
 * **saves** (``wait_for_save``): after the forward, the blocks to save are copied into a
   host buffer (on a GPU: a side-stream copy that the next step's compute waits for) and
   handed to ``KVCache.store_pages`` on the loop; the forward does not wait for kvtier.
-  Past ``kvtier_save_backlog_mib`` of saves in flight, new saves are dropped (counted): a
+  Past ``kvtier_save_backlog_mib`` of saves in flight, new saves are dropped (counted; one
+  batch always goes when none is in flight: :func:`.worker_parts.save_admitted`): a
   cache may forget, the engine must not slow down.
 * **holds**: a finished request whose last pages are saved this step is reported in
   ``get_finished`` once its blocks were copied out.
@@ -53,7 +54,7 @@ from .paged import PagedKV
 from .scope import scoped
 from .settings import ConnectorSettings
 from .stats import KVTierConnectorStats, KVTierKVEvents
-from .worker_parts import DirectoryEvents, SaveBatch, label_runs, layer_index
+from .worker_parts import DirectoryEvents, SaveBatch, label_runs, layer_index, save_admitted
 
 _log = get_logger("kvtier.vllm.worker")
 
@@ -277,7 +278,7 @@ class WorkerSide:
         if keys:
             nbytes = len(keys) * self.paged.page_bytes
             with self._stats_lock:
-                full = self._backlog + nbytes > self.settings.save_backlog_bytes
+                full = not save_admitted(self._backlog, nbytes, self.settings.save_backlog_bytes)
                 if full:
                     self._stats.add("saves_dropped", len(keys))
                 else:

@@ -65,6 +65,14 @@ class SaveBatch:
         return out
 
 
+def save_admitted(backlog: int, nbytes: int, limit: int) -> bool:
+    """Whether a save of ``nbytes`` may start with ``backlog`` bytes of saves waiting
+    (``kvtier_save_backlog_mib`` is ``limit``): when it fits, and always when nothing is
+    waiting, so that a limit below one step's saves (or one page) slows saving down to
+    one batch at a time instead of dropping every save for good."""
+    return backlog == 0 or backlog + nbytes <= limit
+
+
 def label_runs(labels: list[str]) -> list[tuple[str, int, int]]:
     """``(label, start, end)`` for each run of equal neighbours in ``labels``."""
     out: list[tuple[str, int, int]] = []
