@@ -294,6 +294,22 @@ async def test_a_one_page_tier_is_refused_at_open_naming_the_minimum(tmp_path, a
     assert result.exit_code == 2 and "needs at least 2 pages" in result.output
 
 
+async def test_a_batch_larger_than_the_only_tier_is_named_not_blamed_on_pins(tmp_path):
+    """A 2-page tier alone, a store of 3 pages: the error told a vLLM operator to release
+    loaded pages and close transformers caches, though nothing was pinned. With nothing
+    pinned or reserved it now says the batch is larger than the tier."""
+    from kvtier.errors import CapacityError
+
+    cfg = config(tmp_path, dram_pages=2)
+    del cfg["tiers"][1:]
+    async with open_cache(cfg) as cache:
+        tokens = np.arange(3 * cache.spec.page_tokens)
+        with pytest.raises(CapacityError) as caught:
+            await cache.store(tokens, np.ones((3, cache.spec.page_bytes), np.uint8))
+    assert "a batch larger than the tier's 2 pages cannot land there whole" in str(caught.value)
+    assert "cache.release" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("dram", "extra"),
     [

@@ -208,11 +208,16 @@ class Room:
                 if used > held
                 else " and nothing else can be evicted"
             )
-            raise CapacityError(
-                f"tier {tier.name!r} cannot make room for {n} page(s): {held} of its "
-                f"{tier.capacity_pages} pages are pinned or reserved{why} "
+            advice = (
                 "(release loaded pages with cache.release(keys); a transformers "
                 "KVTierCache holds a working slot until closed: close the ones done with)"
+                if held
+                else f"(a batch larger than the tier's {tier.capacity_pages} pages cannot "
+                "land there whole: make the tier larger)"
+            )
+            raise CapacityError(
+                f"tier {tier.name!r} cannot make room for {n} page(s): {held} of its "
+                f"{tier.capacity_pages} pages are pinned or reserved{why} {advice}"
             )
 
     def _drains_to_watermark(self, tier: Tier, n: int) -> bool:
