@@ -207,14 +207,19 @@ def bench_run_command(
                     "only to --workload chat "
                     "(the speculative workload has no turns; --sessions sets its sequences)"
                 )
-            spec_params = SpeculativeParams(
-                sequences=sessions,
-                steps=_SPEC_DEFAULTS.steps if steps is None else steps,
-                draft_tokens=_SPEC_DEFAULTS.draft_tokens if draft_tokens is None else draft_tokens,
-                accept_rate=_SPEC_DEFAULTS.accept_rate if accept_rate is None else accept_rate,
-                fork_every=_SPEC_DEFAULTS.fork_every if fork_every is None else fork_every,
-                seed=seed,
-            )
+            try:
+                spec_params = SpeculativeParams(
+                    sequences=sessions,
+                    steps=_SPEC_DEFAULTS.steps if steps is None else steps,
+                    draft_tokens=(
+                        _SPEC_DEFAULTS.draft_tokens if draft_tokens is None else draft_tokens
+                    ),
+                    accept_rate=_SPEC_DEFAULTS.accept_rate if accept_rate is None else accept_rate,
+                    fork_every=_SPEC_DEFAULTS.fork_every if fork_every is None else fork_every,
+                    seed=seed,
+                )
+            except KVTierUsageError as exc:  # named as the flag, not as the field
+                raise KVTierUsageError(_as_flag(str(exc))) from None
             run_speculative_cli(
                 config=config,
                 model=model,
@@ -280,3 +285,24 @@ def bench_run_command(
         report_failures(problems)  # the report is out: exit 1 naming what failed
 
     run_guarded(body, as_json)
+
+
+#: The ``bench run`` flag that sets each field of the speculative workload.
+_SPEC_FLAGS = {
+    "sequences": "--sessions",
+    "steps": "--steps",
+    "draft_tokens": "--draft-tokens",
+    "accept_rate": "--accept-rate",
+    "fork_every": "--fork-every",
+}
+
+
+def _as_flag(message: str) -> str:
+    """A speculative workload's refusal (``speculative workload: accept_rate must ...``)
+    with the field named as the option that sets it (``--accept-rate must ...``)."""
+    prefix = "speculative workload: "
+    if message.startswith(prefix):
+        field, _, rest = message[len(prefix) :].partition(" ")
+        if field in _SPEC_FLAGS:
+            return f"{_SPEC_FLAGS[field]} {rest}"
+    return message

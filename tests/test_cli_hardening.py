@@ -352,7 +352,7 @@ def test_inspect_config_check_opens_each_tier(tmp_path: Path) -> None:
     [
         (["bench", "run", "--model", "tiny", "--turn-tokens", "999999999"], "at most 33,554,432"),
         (["bench", "run", "--workload", "speculative", "--model", "tiny", "--draft-tokens",
-          "999999999"], "draft_tokens must be at most"),
+          "999999999"], "--draft-tokens must be at most"),
         (["bench", "io", "--tier", "dram", "--page-size", "64TiB", "--pages", "2"],
          "GiB is available: lower --pages or --page-size"),
         # a MemoryError reported as 'a kvtier bug' before

@@ -101,7 +101,12 @@ def test_cli_bench_run_speculative_json(tmp_path: Path) -> None:
     bad = CliRunner().invoke(
         get_app(), ["bench", "run", "--workload", "speculative", "--accept-rate", "2"]
     )
-    assert bad.exit_code == 2 and "accept_rate" in bad.output
+    assert bad.exit_code == 2 and "--accept-rate must lie in [0, 1], got 2" in bad.output
+    for flag, value in (("--draft-tokens", "0"), ("--fork-every", "-1")):
+        bad = CliRunner().invoke(
+            get_app(), ["bench", "run", "--workload", "speculative", flag, value]
+        )
+        assert bad.exit_code == 2 and f"error: {flag} must be" in bad.output, bad.output
 
 
 @pytest.mark.parametrize("rate", ["0.5", None, True])
