@@ -368,3 +368,15 @@ def test_two_tiers_on_one_directory_are_refused(tmp_path, monkeypatch) -> None:
         load_config({"model": {"preset": "tiny"}, "tiers": tiers}, env={})
     tiers[2]["options"]["path"] = str(tmp_path / "other")
     assert len(load_config({"model": {"preset": "tiny"}, "tiers": tiers}, env={}).config.tiers) == 3
+
+
+def test_every_default_is_re_exported_from_kvtier_config() -> None:
+    """architecture.md promises every name of ``kvtier.config.defaults`` from
+    ``kvtier.config``; ``DEFAULT_EVICTION``, ``MAX_PAGE_TOKENS`` and ``MAX_RANK`` were
+    missing (a docs probe)."""
+    import kvtier.config as config
+    import kvtier.config.defaults as defaults
+
+    names = [n for n in dir(defaults) if n.isupper()]
+    assert names and [n for n in names if n not in config.__all__] == []
+    assert all(getattr(config, n) is getattr(defaults, n) for n in names)

@@ -59,6 +59,7 @@ the admission registry in :mod:`kvtier.policy.admission`; both are re-exported h
 """
 
 from kvtier.config.defaults import (
+    DEFAULT_EVICTION,
     DEFAULT_HIGH_WATERMARKS,
     DEFAULT_HYSTERESIS,
     DEFAULT_LOWER_HIGH_WATERMARK,
@@ -68,6 +69,8 @@ from kvtier.config.defaults import (
     LAST_HIGH_WATERMARK,
     MAX_BATCH_PAGES,
     MAX_INFLIGHT_PER_LINK,
+    MAX_PAGE_TOKENS,
+    MAX_RANK,
     MIDDLE_HIGH_WATERMARK,
     ON_OPEN_ERROR,
     TOP_HIGH_WATERMARK,
@@ -81,6 +84,7 @@ from kvtier.policy.write import WRITE_POLICIES, WritePolicy
 from kvtier.units import MAX_SIZE_BYTES, format_size, parse_size
 
 __all__ = [
+    "DEFAULT_EVICTION",
     "DEFAULT_HIGH_WATERMARKS",
     "DEFAULT_HYSTERESIS",
     "DEFAULT_LOWER_HIGH_WATERMARK",
@@ -90,6 +94,8 @@ __all__ = [
     "LAST_HIGH_WATERMARK",
     "MAX_BATCH_PAGES",
     "MAX_INFLIGHT_PER_LINK",
+    "MAX_PAGE_TOKENS",
+    "MAX_RANK",
     "MAX_SIZE_BYTES",
     "MIDDLE_HIGH_WATERMARK",
     "ON_OPEN_ERROR",
