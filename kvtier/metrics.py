@@ -24,6 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The queues a link's gate orders batches in (``queue_depth``'s label values).
+QUEUES = ("fetch", "prefetch", "evict")
+
 #: Default latency buckets in seconds (10 us .. 10 s).
 LATENCY_BUCKETS: tuple[float, ...] = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
@@ -332,6 +335,8 @@ class CacheMetrics(Metrics):
         self.queue_depth = self.gauge(
             "queue_depth", "Batches waiting for a link slot, by queue", ["queue"]
         )
+        for queue in QUEUES:  # every queue exported from the start, 0 while empty
+            self.queue_depth.set(0, queue)
         self.fetch_latency = self.histogram(
             "fetch_latency_seconds", "Latency of demand fetches (load) per call"
         )
@@ -379,7 +384,7 @@ class CacheMetrics(Metrics):
         return {
             "tiers": tiers,
             "links": links,
-            "queues": {q: _count(self.queue_depth.get(q)) for q in ("fetch", "prefetch", "evict")},
+            "queues": {q: _count(self.queue_depth.get(q)) for q in QUEUES},
             "fetch_latency_s": self.fetch_latency.summary(),
             "prefetch": {
                 o: _count(self.prefetch_pages.get(o))

@@ -310,3 +310,14 @@ async def test_close_after_a_good_flush_reports_nothing_lost(tmp_path, capsys):
         assert all((await cache.store(*sequence(rng, 6))).stored)
     assert cache.metrics.snapshot()["tiers"]["dram"]["dropped_pages"] == 0
     assert "dirty pages" not in capsys.readouterr().err
+
+
+def test_every_queue_is_exported_from_the_start() -> None:
+    """``kvtier_queue_depth`` had a HELP and TYPE line but no sample until a batch had
+    waited, so ``inspect stats --json`` showed ``"queues": {}`` where ``stats()`` showed
+    three zeros."""
+    from kvtier.metrics import CacheMetrics
+
+    text = CacheMetrics().to_prometheus()
+    for queue in ("fetch", "prefetch", "evict"):
+        assert f'kvtier_queue_depth{{queue="{queue}"}} 0' in text
