@@ -32,5 +32,5 @@ def inspect_backends(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """List the tier backends found through the ``kvtier.backends`` entry-point group."""
+    """List the tier backends found through the "kvtier.backends" entry-point group."""
     run_guarded(lambda: emit(backends_report(), as_json, _render), as_json)

@@ -36,5 +36,5 @@ def inspect_codecs(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """List the page codecs found through the ``kvtier.codecs`` entry-point group."""
+    """List the page codecs found through the "kvtier.codecs" entry-point group."""
     run_guarded(lambda: emit(codecs_report(), as_json, _render), as_json)
