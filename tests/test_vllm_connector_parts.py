@@ -92,8 +92,11 @@ def test_runtime_dir_is_private_and_refuses_a_symlink(tmp_path: Path) -> None:
     d = runtime_dir(ConnectorSettings(runtime_dir=tmp_path / "run"))
     assert d.stat().st_mode & 0o777 == 0o700
     (tmp_path / "link").symlink_to(tmp_path / "run")
-    with pytest.raises(ConfigError, match="not a directory"):
+    with pytest.raises(ConfigError, match=r"is a symlink .*give the directory itself"):
         runtime_dir(ConnectorSettings(runtime_dir=tmp_path / "link"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        runtime_dir(ConnectorSettings(runtime_dir=tmp_path / "file"))
     d2 = runtime_dir(ConnectorSettings(), env={"KVTIER_RUNTIME_DIR": str(tmp_path / "env")})
     assert d2 == tmp_path / "env"
 

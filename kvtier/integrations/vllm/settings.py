@@ -183,12 +183,19 @@ def runtime_dir(settings: ConnectorSettings, env: Mapping[str, str] | None = Non
         path = Path("/tmp") / f"kvtier-{os.getuid()}"
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:
+        pass  # something else is there: named below
     except OSError as exc:
         raise ConfigError(f"kvtier runtime directory {str(path)!r} cannot be made: {exc}") from None
     st = path.lstat()
     import stat
 
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(
+            f"kvtier runtime directory {str(path)!r} is a symlink (to {os.readlink(path)!r}): "
+            "its sockets could be redirected; give the directory itself"
+        )
+    if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"kvtier runtime directory {str(path)!r} is not a directory")
     if st.st_uid != os.getuid():
         raise ConfigError(
