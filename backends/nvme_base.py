@@ -25,7 +25,7 @@ from kvtier.backends.nvme_engines import (
 from kvtier.backends.nvme_index import PageRow, StoreIndex, StoreLock
 from kvtier.backends.nvme_layout import SlotLayout
 from kvtier.backends.nvme_open import OpenedStore, open_store
-from kvtier.backends.nvme_preflight import preflight_store
+from kvtier.backends.nvme_preflight import check_first_slab_room, preflight_store
 from kvtier.backends.nvme_slabs import SlabFiles, slab_path
 from kvtier.backends.store_files import Modes, check_path_text, describe_os_error, free_space
 
@@ -231,8 +231,13 @@ class NvmeStoreBase(StoreBackend):
         """What :meth:`open` would find, creating, locking and changing nothing
         (:func:`~kvtier.backends.nvme_preflight.preflight_store`): raises what open would
         raise, except for a store holding pages of another size
-        (:attr:`~kvtier.backend.Preflight.page_size_conflict`)."""
-        return preflight_store(self.path, self.page_bytes)
+        (:attr:`~kvtier.backend.Preflight.page_size_conflict`), and refuses a new store
+        whose first preallocated slab cannot fit the file system (every write would fail)."""
+        found = preflight_store(self.path, self.page_bytes)
+        if self._preallocate:
+            first = SlotLayout.for_page(self.page_bytes, self._slab_opt, self.capacity_pages)
+            check_first_slab_room(self.path, first.slab_bytes)
+        return found
 
     async def open(self) -> None:
         """Open (creating or recovering) the store. Idempotent.

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvtier.backends.nvme_dir import (
     NotAStoreError,
+    StoreUnavailableError,
     check_only_store_files,
     not_a_directory,
     page_size_conflict,
@@ -46,6 +47,7 @@ from kvtier.backends.store_files import (
 
 from kvtier.backend import Preflight
 from kvtier.errors import ConfigError
+from kvtier.units import format_size
 
 
 def preflight_store(path: str | os.PathLike[str], page_bytes: int) -> Preflight:
@@ -139,3 +141,25 @@ def _read_index(root: Path, page_bytes: int) -> Preflight:
 
 def _pages(n: int) -> str:
     return f"{n} page" if n == 1 else f"{n} pages"
+
+
+def check_first_slab_room(path: str | os.PathLike[str], slab_bytes: int) -> None:
+    """Refuse a store with no slab file yet whose first slab (``slab_bytes``, allocated
+    whole at the first write) cannot fit the file system: every write would then fail
+    with ENOSPC though the store opens fine. :class:`StoreUnavailableError` names the free
+    space and what the slab needs. A store with slab files is left to its own checks."""
+    root = Path(path)
+    slabs = root / SLAB_DIR
+    if slabs.is_dir() and any(p.name.startswith("slab-") for p in slabs.iterdir()):
+        return
+    here = root
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    st = os.statvfs(here)
+    free = st.f_bavail * st.f_frsize
+    if free < slab_bytes:
+        raise StoreUnavailableError(
+            f"NVMe store {root}: the file system has {format_size(free)} free and the first "
+            f"slab file needs {format_size(slab_bytes)}: every write would fail (no space); "
+            "free space, or lower the tier's capacity or the slab_bytes option"
+        )

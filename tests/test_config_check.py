@@ -109,6 +109,24 @@ def test_a_store_that_cannot_be_created_fails_and_names_why(tmp_path: Path) -> N
     assert f"cannot create {where}/nv: {where} exists and is not a directory" in err
 
 
+def test_a_new_store_whose_first_slab_cannot_fit_the_disk_fails(tmp_path: Path) -> None:
+    """``--check`` passed an NVMe tier on a file system with 1 MiB free where its first
+    64 MiB slab could never be allocated, so every write then failed (a probe, on a small
+    tmpfs). A first slab larger than the free space now fails the check, naming both."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    huge = 1 << (free.bit_length() + 1)  # more than the file system has free
+    config = tmp_path / "kvtier.toml"
+    config.write_text(
+        '[model]\npreset = "tiny"\n[[tiers]]\nname = "dram"\nbackend = "dram"\n'
+        'capacity = "64KiB"\n[[tiers]]\nname = "nvme"\nbackend = "nvme"\n'
+        f'capacity = {huge}\noptions = {{path = "{tmp_path / "nv"}", slab_bytes = {huge}}}\n'
+    )
+    code, checks, err = _check(config)
+    assert code == 1 and checks["nvme"]["step"] == "open"
+    assert "free and the first slab file needs" in err and "every write would fail" in err
+    assert not (tmp_path / "nv").exists()
+
+
 def test_existing_stores_are_read_without_a_change(tmp_path: Path) -> None:
     _nvme(tmp_path / "nv", TINY, 3)
 
