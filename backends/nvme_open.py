@@ -129,9 +129,10 @@ def open_store(
             if reason is not None and direct_io is True:
                 raise ConfigError(f"nvme: direct_io=true but {root} refuses it: {reason}")
             direct = reason is None
-        slabs = SlabFiles(root, layout, direct, dsync=direct and dsync, modes=modes)
-        slab_count = -(-capacity_pages // layout.slots_per_slab)
+        # before the slab files are opened (all of them, at once)
+        slab_count = max(-(-capacity_pages // layout.slots_per_slab), len(slab_files(root)))
         make_fd_room(slab_count, f"NVMe store {root} ({slab_count} slab files)", _log())
+        slabs = SlabFiles(root, layout, direct, dsync=direct and dsync, modes=modes)
         extents = slab_extents(root, layout)
         checked = check_index(index.raw_rows(), index.raw_quarantine(), layout, extents)
         if checked.bad_rows:

@@ -101,8 +101,9 @@ class SlabFiles:
         if not private_dir(root / SLAB_DIR, self.modes, root, create=False):
             private_dir(root / SLAB_DIR, self.modes, root)
             fsync_dir(root)
-        for slab in self.existing():  # opened now: each is checked and given private modes
-            self.fd(slab)
+        flags = os.O_RDONLY
+        for slab in self.existing():  # each checked and given private modes now, not at its
+            os.close(open_private(slab_path(root, slab), flags, self.modes, root))  # first I/O
 
     def existing(self) -> list[int]:
         """Indices of the slab files present on disk."""

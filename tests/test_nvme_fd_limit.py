@@ -62,6 +62,16 @@ def test_a_store_with_more_slabs_than_the_soft_limit_raises_it(tmp_path: Path) -
     assert "raised the open-file limit" in done.stderr
 
 
+def test_a_store_reopened_under_a_low_soft_limit_opens_every_slab(tmp_path: Path) -> None:
+    """The probe's case: 300 slabs made without a limit, reopened under ``ulimit -n 64``
+    (soft): the limit is raised before the slab files are opened."""
+    first = _run(tmp_path, 4096, 4096)
+    assert first.returncode == 0 and "stored 300 served 300" in first.stdout, first.stderr
+    again = _run(tmp_path, 64, 4096)
+    assert again.returncode == 0, again.stderr
+    assert "stored 300 served 300" in again.stdout
+
+
 def test_a_hard_limit_too_low_is_named_and_the_error_says_why(tmp_path: Path) -> None:
     done = _run(tmp_path, 64, 64)
     assert done.returncode == 0, done.stderr
