@@ -122,10 +122,12 @@ class RedisStore(RedisStoreBase):
         """``present`` reservations for keys already committed on the server; new ones
         while the client-side capacity lasts; ``None`` when full or the server did not
         answer for the key. Raises :class:`~kvtier.errors.TierIOError` when it answered
-        for none of them (down, frozen, refusing): the cache then counts the pages as
-        failed and the tier as failing, not as a full tier."""
+        for none of them (down, frozen, refusing), or at once, asking nothing, while the
+        server is down and a batch failed less than ``op_timeout_s`` ago: the cache then
+        counts the pages as failed and the tier as failing, not as a full tier."""
         self._check_keys(keys)
         self._check_open()
+        self._refuse_if_failed_recently(len(keys))  # a write-down right after a timeout
         found = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )
@@ -151,6 +153,20 @@ class RedisStore(RedisStoreBase):
             else:
                 out.append(None)
         return out
+
+    def _refuse_if_failed_recently(self, n: int) -> None:
+        """Raise :class:`~kvtier.errors.TierIOError` at once, sending nothing, when the
+        server is down and a batch failed less than ``op_timeout_s`` ago
+        (:meth:`_failed_recently`): a question sent now would wait out a deadline for an
+        answer it cannot use (the batches count as skipped)."""
+        ago = self._failed_recently() if n else None
+        if ago is not None:
+            self.health.skipped_batches += -(-n // self._step)
+            raise TierIOError(
+                f"remote store {self.health.name}: no answer for {n} of {n} keys (not asked: "
+                f"the server is down ({self.health.reason}) and a batch failed {ago:.2f} s "
+                f"ago, within op_timeout_s={self.options.op_timeout_s:g})"
+            )
 
     def _pending_of(self, r: Reservation) -> Pending | None:
         p = self._pending.get(r.handle)
@@ -386,14 +402,7 @@ class RedisStore(RedisStoreBase):
         """
         self._check_keys(keys)
         self._check_open()
-        ago = self._failed_recently() if keys else None
-        if ago is not None:
-            self.health.skipped_batches += -(-len(keys) // self._step)
-            raise TierIOError(
-                f"remote store {self.health.name}: no answer for {len(keys)} of {len(keys)} "
-                f"keys (not asked: the server is down ({self.health.reason}) and a batch "
-                f"failed {ago:.2f} s ago, within op_timeout_s={self.options.op_timeout_s:g})"
-            )
+        self._refuse_if_failed_recently(len(keys))
         replies = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )

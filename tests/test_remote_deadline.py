@@ -135,3 +135,25 @@ async def test_delete_on_a_frozen_server_waits_one_deadline_not_one_per_pass() -
             hits = await cache.read(keys, out)
             assert hits == [True] * (PAGES - 4) + [False] * 4
             np.testing.assert_array_equal(out[:-4], pages[:-4])
+
+
+async def test_close_with_dirty_pages_on_a_frozen_server_waits_one_deadline() -> None:
+    """Write-through pages whose write-down timed out on a frozen server: ``close``'s
+    flush asked the server again (a reserve's ``EXISTS``) and waited a second deadline
+    (2.01 s with a 1 s deadline). A write-down's reserve right after a failed batch is
+    now refused at once, as ``contains`` is; the pages stay dirty in DRAM, and close
+    names them as lost."""
+    rng = np.random.default_rng(5)
+    with RedisServer("valkey") as server:
+        cache = KVCache(_config(server.url), env={}, configure_log=False)
+        await cache.start()
+        server.pause()
+        try:
+            tokens = rng.integers(0, 50_000, 4 * cache.spec.page_tokens)
+            pages = rng.integers(0, 256, (4, cache.spec.page_bytes), dtype=np.uint8)
+            assert all((await cache.store(tokens, pages)).stored)  # DRAM holds them
+            _, took = await _timed(asyncio.wait_for(cache.close(), 30))
+        finally:
+            server.resume()
+        assert took < BOUND, f"close on a frozen server took {took:.2f} s (bound {BOUND})"
+        assert cache.metrics.snapshot()["tiers"]["dram"]["dropped_pages"] == 4
