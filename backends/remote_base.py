@@ -55,6 +55,8 @@ I = TypeVar("I")  # noqa: E741 - an item of a batch
 #: the event loop never spends long on them (design invariant 7); below it an executor hop
 #: (100 us to milliseconds on a loaded machine) costs more than the work.
 _OFFLOAD_BYTES = 4 << 20
+#: Seconds a cluster batch's timeout waits past its deadline (see ``_node_slack``).
+NODE_DEADLINE_SLACK_S = 0.25
 #: Most bytes of idle value buffers kept for reuse between calls.
 _SPARE_BYTES = 64 << 20
 
@@ -102,6 +104,10 @@ class RedisStoreBase(StoreBackend):
         self._failed_at: float | None = None  # monotonic time of the last failed batch
         self._batch_failures = 0  # failed batches, not counting one cluster node's failure
         self._down_nodes = DownNodes()
+        # In a cluster each node's part of a batch stops at the batch's deadline by itself
+        # (a frozen node fails alone, its NodeFailure beside the live nodes' replies); the
+        # batch's own timeout comes this much later, only to catch what hangs past it.
+        self._node_slack = NODE_DEADLINE_SLACK_S if self.options.cluster else 0.0
         self._idle = asyncio.Event()
 
     # -- discovery and lifecycle -----------------------------------------------------------
@@ -321,7 +327,7 @@ class RedisStoreBase(StoreBackend):
                     if before is not None:
                         await before(chunk)
                     timeout = self.options.op_timeout_s
-                    async with asyncio.timeout(timeout):
+                    async with asyncio.timeout(timeout + self._node_slack):
                         replies = await send(client, chunk, time.monotonic() + timeout)
                     sent = True
                 except Exception as exc:  # any failure of the batch makes it a miss

@@ -203,3 +203,38 @@ async def test_one_dead_master_costs_only_its_own_pages_over_many_batches() -> N
             assert hits == live
             assert all(np.array_equal(o, d) for o, d, h in zip(out, data, hits, strict=True) if h)
             assert store.stats()["outages"] >= 1
+
+
+async def test_a_frozen_master_costs_one_deadline_and_only_its_own_pages() -> None:
+    """One master frozen (SIGSTOP): every batch touching it timed out as a whole, so a
+    read of 96 pages served none of them (0 of 96 in 1.0 s, and again 1.0 s on the next
+    call). Each node's part of a batch now stops at the deadline by itself: the live
+    masters' pages are served, and the frozen node is not asked again within
+    ``op_timeout_s``, so the next call costs no deadline."""
+    reason = unavailable_reason("redis", cluster=True)
+    if reason:
+        pytest.skip(reason)
+    rng = np.random.default_rng(13)
+    with RedisClusterServers("redis") as cluster:
+        async with RedisStore(page_bytes=PAGE, capacity_pages=512, url=cluster.url,
+                              cluster=True, key_prefix="frozen", op_timeout_s=1.0,
+                              batch_pages=8, max_inflight=2) as store:  # fmt: skip
+            keys = page_keys(np.arange(96 * NS.page_tokens) + int.from_bytes(os.urandom(3)), NS)
+            data = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in keys]
+            assert await store.put(keys, data) == [True] * 96
+            ports = [owner(cluster, key_slot(store.page_name(k))) for k in keys]
+            frozen = cluster.nodes[1]
+            live = [p != frozen.port for p in ports]
+            frozen.pause()
+            try:
+                for bound in (2.0, 0.5):  # one deadline, then none
+                    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+                    start = time.monotonic()
+                    hits = await store.get(keys, out)
+                    assert time.monotonic() - start < bound
+                    assert hits == live
+                    assert all(
+                        np.array_equal(o, d) for o, d, h in zip(out, data, hits, strict=True) if h
+                    )
+            finally:
+                frozen.resume()
