@@ -5,6 +5,7 @@ leaves unwritten."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -17,8 +18,8 @@ from kvtier.metrics import CacheMetrics
 from kvtier.plan.planner import Planner
 from kvtier.transfer.tier import Tier
 
-#: The event loop and thread that started a cache.
-Owner = tuple[asyncio.AbstractEventLoop, int]
+#: The event loop, thread and process that started a cache.
+Owner = tuple[asyncio.AbstractEventLoop, int, int]
 
 _log = get_logger("kvtier.cache")
 
@@ -58,17 +59,26 @@ async def open_backends(
 
 
 def current_owner() -> Owner:
-    """The running event loop and this thread (call from the loop)."""
-    return asyncio.get_running_loop(), threading.get_ident()
+    """The running event loop, this thread and this process (call from the loop)."""
+    return asyncio.get_running_loop(), threading.get_ident(), os.getpid()
 
 
 def check_owner(owner: Owner | None) -> None:
-    """Raise :class:`KVTierUsageError` when called from another thread or event loop than
-    ``owner``: a cache's directory, policies and futures belong to the loop that started
-    it and have no locks (a call from a foreign loop hung, or marked a tier failing)."""
+    """Raise :class:`KVTierUsageError` when called from a forked child of the process that
+    started the cache (the child's copy used the parent's executors and loop state: a raw
+    "no running event loop"), or from another thread or event loop than ``owner``: a
+    cache's directory, policies and futures belong to the loop that started it and have
+    no locks (a call from a foreign loop hung, or marked a tier failing)."""
     if owner is None:
         return
-    loop, thread = owner
+    loop, thread, pid = owner
+    if os.getpid() != pid:
+        raise KVTierUsageError(
+            f"this KVCache was started in process {pid}, and this is a forked child "
+            f"({os.getpid()}): its loop, threads, locks and connections belong to the parent; "
+            "open a new KVCache in the child (an NVMe store has one writer: give it another "
+            "path), and neither use nor close the parent's"
+        )
     try:
         running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from cache_kit import PAGE, PT, SPEC, config, open_cache, sequence
+from cache_kit import PAGE, PT, SPEC, config, open_cache, sequence, tier
 
 from kvtier.cache import KVCache
 from kvtier.errors import KVTierUsageError
@@ -321,3 +321,66 @@ def test_every_queue_is_exported_from_the_start() -> None:
     text = CacheMetrics().to_prometheus()
     for queue in ("fetch", "prefetch", "evict"):
         assert f'kvtier_queue_depth{{queue="{queue}"}} 0' in text
+
+
+async def test_flush_returns_while_other_callers_keep_storing(tmp_path) -> None:
+    """``flush`` waited for the pipeline to be idle: with four tasks storing every few
+    milliseconds into a full three-tier hierarchy it never was (evictions and write-downs
+    never stop), and a probe's flush timed out after 30 s every time. It now finishes the
+    work in progress when it is called and writes the dirty pages down, whatever other
+    callers start meanwhile."""
+    stop = asyncio.Event()
+    lower = [tier("file2", "file", 256, options={"path": str(tmp_path / "file2")})]
+    cfg = config(tmp_path, dram_pages=16, file_pages=64, extra_tiers=lower)
+    async with open_cache(cfg) as cache:
+
+        async def writer(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            while not stop.is_set():
+                await cache.store(*sequence(rng, int(rng.integers(1, 12))))
+                await asyncio.sleep(0.005)
+
+        writers = [asyncio.create_task(writer(s)) for s in range(4)]
+        try:
+            await asyncio.sleep(1.0)
+            for _ in range(3):
+                await asyncio.wait_for(cache.flush(), 10)
+        finally:
+            stop.set()
+            await asyncio.gather(*writers)
+        await cache.flush()  # alone now: nothing is left dirty
+        dram = cache.tiers[0]
+        assert cache.pipeline.planner.dirty(0, cache.directory.keys_in(dram.name)) == []
+
+
+async def test_a_forked_child_is_told_to_open_its_own_cache(tmp_path) -> None:
+    """A child forked while the cache was open used the parent's copy: ``store`` raised a
+    bare ``RuntimeError: no running event loop`` and ``close`` logged a failure per
+    tier. Both now raise ``KVTierUsageError`` naming the fork; the parent is unharmed."""
+    import os
+
+    rng = np.random.default_rng(34)
+    async with open_cache(config(tmp_path)) as cache:
+        tokens, data = sequence(rng, 2)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what each call raised, then leave at once
+            said = []
+            for call in (lambda: cache.store(tokens, data), cache.close):
+                try:
+                    await call()
+                    said.append("no error")
+                except Exception as exc:
+                    said.append(f"{type(exc).__name__}: {exc}")
+            os.write(write, "\n".join(said).encode())
+            os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        with os.fdopen(read) as pipe:
+            said = pipe.read().splitlines()
+        assert status == 0 and len(said) == 2, said
+        assert all(
+            s.startswith("KVTierUsageError: this KVCache was started in process") for s in said
+        )
+        assert all("forked child" in s for s in said)
+        assert all((await cache.store(tokens, data)).stored)  # the parent goes on

@@ -212,6 +212,16 @@ class Mover:
         while self._tasks:
             await asyncio.shield(asyncio.gather(*list(self._tasks), return_exceptions=True))
 
+    async def finish_started(self) -> None:
+        """Wait for the jobs and page operations in progress now, not for work that
+        starts later: under steady load the background workers are never idle, and a
+        :meth:`drain` by a caller racing other callers' new work could wait for ever (a
+        probe's ``flush`` under four writers timed out after 30 s, every time). Cancelling
+        the caller stops the wait only."""
+        pending = set(self._ops.values()) | {j.task for j in self._jobs if j.task is not None}
+        if pending:
+            await asyncio.wait(pending)
+
     async def cancel_all(self) -> None:
         """Cancel every task, started batches included, and wait for their clean-up
         (reservations aborted, pages left where they were)."""

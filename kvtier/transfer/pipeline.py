@@ -455,3 +455,4 @@ class Pipeline:
         self.mover.cancel_unstarted(Priority.PREFETCH)
         await self.drain()
         await self.flush()
+        await self.drain()  # what the flush set off (no new call can start now)

@@ -328,11 +328,13 @@ class Writer:
             await self.write_through(dst, landed)
 
     async def flush(self) -> int:
-        """Finish background work, then write every dirty page of a memory tier (held
-        there and in no lower tier) down one tier, as the write policy allows. Pages stay
-        where they are. Returns the pages written down."""
+        """Finish the work in progress (:meth:`~kvtier.transfer.mover.Mover.finish_started`:
+        not work other callers start meanwhile), then write every dirty page of a memory
+        tier (held there and in no lower tier) down one tier, as the write policy allows.
+        Pages stay where they are. Returns the pages written down. Background work the
+        flush itself set off (a trim below) may still run when it returns."""
         mover = self.mover
-        await mover.drain()
+        await mover.finish_started()
         written = 0
         d = mover.directory
         for tier in mover.tiers[:-1]:
@@ -357,7 +359,7 @@ class Writer:
                     failed=len(ok) - sum(ok),
                     held_back=held_back,  # lines like this one not logged since the last
                 )
-        await mover.drain()
+        await mover.finish_started()
         return written
 
 
