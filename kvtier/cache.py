@@ -51,6 +51,7 @@ from kvtier.index.prefix_tree import PrefixTree
 from kvtier.keys import ROOT_KEY, Namespace, PageKey, page_keys
 from kvtier.log import configure_logging, get_logger
 from kvtier.metrics import CacheMetrics
+from kvtier.open_watch import watch_open
 from kvtier.policy.admission import make_admission
 from kvtier.policy.base import EvictionPolicy
 from kvtier.policy.eviction import make_policy
@@ -125,13 +126,11 @@ class KVCache:
         self.metrics = CacheMetrics()
         self._input = PageInput(self.spec)
         self.directory = Directory([t.name for t in self.config.tiers])
-        #: Radix tree over the committed pages of every tier, kept in step with the
-        #: directory through its listeners.
+        #: Radix tree over every tier's committed pages (kept in step with the directory).
         self.prefix_tree = PrefixTree([t.name for t in self.config.tiers])
         self.prefix_tree.attach(self.directory)
         self.tiers: list[Tier] = []
-        #: Tiers that could not open and were skipped (``on_open_error = "skip"``): name ->
-        #: the reason. The cache runs without them.
+        #: Tiers skipped at open (``on_open_error = "skip"``): name -> why; run without.
         self.skipped_tiers: dict[str, str] = {}
         self._pipeline: Pipeline | None = None
         self._state = "new"  # -> starting -> open -> closing -> closed
@@ -253,6 +252,7 @@ class KVCache:
             background_eviction=self.config.background_eviction,
         )
         self._state = "open"
+        self._watch = watch_open(self, [(t.name, t.config.backend) for t in self.tiers])
         for tier in self.tiers:
             self.metrics.used.set(0, tier.name)
             self.metrics.capacity.set(tier.capacity_pages, tier.name)
@@ -308,6 +308,7 @@ class KVCache:
                     _log.warning("backend close failed", tier=tier.name, error=repr(exc))
             self._state = "closed"
             self._closed.set()
+            self._watch.closed()
             _log.info("kvtier cache closed", metrics=self.metrics.snapshot()["tiers"])
 
     # -- the API -------------------------------------------------------------------------
@@ -468,7 +469,7 @@ class KVCache:
         return await self.pipeline.delete(check_keys(keys))
 
     async def flush(self) -> int:
-        """Finish background write-downs and write dirty memory-tier pages down."""
+        """Finish the work in progress, write dirty memory-tier pages down; pages written."""
         return await self.pipeline.flush()
 
     def stats(self) -> dict[str, Any]:

@@ -46,10 +46,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import dataclasses
 import json
 import threading
+import weakref
 from collections.abc import Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -301,19 +303,68 @@ class KVTierBridge:
         **kwargs: Any,
     ) -> Iterator[KVTierBridge]:
         """Open a :class:`KVCache` on a new loop thread; close it (and stop the thread) on
-        exit. ``kwargs`` go to :class:`KVCache` (e.g. ``env={}``)."""
+        exit. ``kwargs`` go to :class:`KVCache` (e.g. ``env={}``).
+
+        A ``with`` never left (the script ends inside it) is closed as the interpreter
+        exits, with a warning, while its threads can still run: it hung the exit for good
+        and lost the last pages ("cannot schedule new futures after interpreter
+        shutdown")."""
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name="kvtier-loop", daemon=True)
         thread.start()
+        stop = _LoopStopper(loop, thread)
         try:
             cache = asyncio.run_coroutine_threadsafe(KVCache.open(config, **kwargs), loop).result()
-            try:
-                bridge = cls(cache, loop)
-                bridge._thread = thread
-                yield bridge
-            finally:
-                asyncio.run_coroutine_threadsafe(cache.close(), loop).result()
+            stop.cache = cache
+            _close_at_exit(stop)
+            bridge = cls(cache, loop)
+            bridge._thread = thread
+            yield bridge
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join()
-            loop.close()
+            stop()
+
+
+class _LoopStopper:
+    """Closes a :meth:`KVTierBridge.start` cache and stops its loop thread, once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self.loop, self.thread = loop, thread
+        self.cache: KVCache | None = None
+        self._done = threading.Lock()
+
+    def __call__(self, at_exit: bool = False) -> None:
+        if not self._done.acquire(blocking=False):
+            return  # closed already (or closing in another thread)
+        if at_exit and self.cache is not None:
+            _log.warning(
+                "KVTierBridge.start() was never left (the with block did not end): closing "
+                "its cache as the interpreter exits; leave the with block to close it"
+            )
+        try:
+            if self.cache is not None:
+                asyncio.run_coroutine_threadsafe(self.cache.close(), self.loop).result()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()
+
+
+def _close_at_exit(stop: _LoopStopper) -> None:
+    """Run ``stop(at_exit=True)`` at interpreter exit if it has not run by then: before
+    the executors refuse new work and before non-daemon threads are joined (the hooks of
+    :mod:`threading`, as :mod:`concurrent.futures` uses them), else through
+    :mod:`atexit`. Only a weak reference is kept: a bridge left normally is forgotten."""
+    ref = weakref.ref(stop)
+
+    def hook() -> None:
+        live = ref()
+        if live is not None:
+            live(at_exit=True)
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(hook)
+    except RuntimeError:  # shutting down already, or another Python
+        atexit.register(hook)
