@@ -297,7 +297,7 @@ async def test_a_one_page_tier_is_refused_at_open_naming_the_minimum(tmp_path, a
 async def test_a_batch_larger_than_the_only_tier_is_named_not_blamed_on_pins(tmp_path):
     """A 2-page tier alone, a store of 3 pages: the error told a vLLM operator to release
     loaded pages and close transformers caches, though nothing was pinned. With nothing
-    pinned or reserved it now says the batch is larger than the tier."""
+    pinned or reserved it now says the tier is smaller than what is stored into it."""
     from kvtier.errors import CapacityError
 
     cfg = config(tmp_path, dram_pages=2)
@@ -306,7 +306,8 @@ async def test_a_batch_larger_than_the_only_tier_is_named_not_blamed_on_pins(tmp
         tokens = np.arange(3 * cache.spec.page_tokens)
         with pytest.raises(CapacityError) as caught:
             await cache.store(tokens, np.ones((3, cache.spec.page_bytes), np.uint8))
-    assert "a batch larger than the tier's 2 pages cannot land there whole" in str(caught.value)
+    assert "nothing is pinned" in str(caught.value)
+    assert "smaller than the sequences stored into it at once" in str(caught.value)
     assert "cache.release" not in str(caught.value)
 
 

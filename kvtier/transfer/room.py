@@ -212,8 +212,9 @@ class Room:
                 "(release loaded pages with cache.release(keys); a transformers "
                 "KVTierCache holds a working slot until closed: close the ones done with)"
                 if held
-                else f"(a batch larger than the tier's {tier.capacity_pages} pages cannot "
-                "land there whole: make the tier larger)"
+                else "(nothing is pinned: the pages left are the earlier pages of sequences "
+                "being stored, kept while their later pages stay (leaf-first), so this tier "
+                "is smaller than the sequences stored into it at once: make it larger)"
             )
             raise CapacityError(
                 f"tier {tier.name!r} cannot make room for {n} page(s): {held} of its "
