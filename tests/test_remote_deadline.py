@@ -157,3 +157,25 @@ async def test_close_with_dirty_pages_on_a_frozen_server_waits_one_deadline() ->
             server.resume()
         assert took < BOUND, f"close on a frozen server took {took:.2f} s (bound {BOUND})"
         assert cache.metrics.snapshot()["tiers"]["dram"]["dropped_pages"] == 4
+
+
+async def test_a_delete_the_server_did_not_do_says_so() -> None:
+    """A delete whose pages a frozen server kept returned normally, and the pages stayed
+    readable with nothing said (a soak probe: 316 pages read back after their delete).
+    The return value counts copies removed; a warning now names the pages each failing
+    tier kept."""
+    from structlog.testing import capture_logs
+
+    rng = np.random.default_rng(6)
+    with RedisServer("valkey") as server:
+        async with KVCache(_config(server.url), env={}, configure_log=False) as cache:
+            keys, _ = await sequence_below_dram(cache, rng, PAGES)
+            server.pause()
+            try:
+                with capture_logs() as logs:
+                    removed = await asyncio.wait_for(cache.delete(keys[-4:]), 30)
+            finally:
+                server.resume()
+    assert removed == 0
+    said = [e for e in logs if e["event"].startswith("delete could not remove every page")]
+    assert len(said) == 1 and said[0]["pages"] == {"remote": 4}, logs

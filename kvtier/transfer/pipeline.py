@@ -55,8 +55,10 @@ import numpy as np
 
 from kvtier.backend import ArenaBackend, Reservation
 from kvtier.errors import CapacityError, KVTierUsageError, TierIOError
+from kvtier.health import LogEvery
 from kvtier.index.directory import Directory
 from kvtier.keys import PageKey
+from kvtier.log import get_logger
 from kvtier.metrics import CacheMetrics
 from kvtier.plan.planner import Planner, PlanTier
 from kvtier.policy.base import AdmissionPolicy
@@ -74,6 +76,8 @@ from kvtier.transfer.results import LoadResult, PrefetchResult
 from kvtier.transfer.room import Room
 from kvtier.transfer.store import Writer
 from kvtier.transfer.tier import Tier, backend_failure
+
+_log = get_logger("kvtier.pipeline")
 
 __all__ = ["LoadResult", "Pipeline", "PrefetchResult"]
 
@@ -108,6 +112,8 @@ class Pipeline:
         self.tiers = list(tiers)
         self.directory = directory
         self.metrics = metrics
+        #: one "delete could not remove" line a minute per set of failing tiers
+        self._deletes_kept = LogEvery(60.0)
         self.planner = Planner(
             [PlanTier(t.name, t.limits, t.policy) for t in self.tiers],
             directory,
@@ -276,6 +282,14 @@ class Pipeline:
             left = [k for k in left if not d.is_pinned(k) and self._elsewhere(k, stuck)]
             if not left:
                 break
+        kept = {name: len(keys) for name, keys in stuck.items() if keys}
+        if kept and (held := self._deletes_kept.due(",".join(kept))) is not None:
+            _log.warning(
+                "delete could not remove every page: a tier's backend failed to delete them, "
+                "so they stay indexed and readable; delete them again once it is back",
+                pages=kept,
+                held_back=held,  # lines like this one not logged since the last
+            )
         return removed
 
     def _elsewhere(self, key: PageKey, stuck: dict[str, set[PageKey]]) -> bool:
