@@ -123,11 +123,11 @@ class RedisStore(RedisStoreBase):
         while the client-side capacity lasts; ``None`` when full or the server did not
         answer for the key. Raises :class:`~kvtier.errors.TierIOError` when it answered
         for none of them (down, frozen, refusing), or at once, asking nothing, while the
-        server is down and a batch failed less than ``op_timeout_s`` ago: the cache then
+        server is down and a batch timed out less than ``op_timeout_s`` ago: the cache then
         counts the pages as failed and the tier as failing, not as a full tier."""
         self._check_keys(keys)
         self._check_open()
-        self._refuse_if_failed_recently(len(keys))  # a write-down right after a timeout
+        self._refuse_if_failed_recently(len(keys), self._failed_recently(timed_out=True))
         found = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )
@@ -154,13 +154,13 @@ class RedisStore(RedisStoreBase):
                 out.append(None)
         return out
 
-    def _refuse_if_failed_recently(self, n: int) -> None:
+    def _refuse_if_failed_recently(self, n: int, ago: float | None) -> None:
         """Raise :class:`~kvtier.errors.TierIOError` at once, sending nothing, when the
-        server is down and a batch failed less than ``op_timeout_s`` ago
-        (:meth:`_failed_recently`): a question sent now would wait out a deadline for an
-        answer it cannot use (the batches count as skipped)."""
-        ago = self._failed_recently() if n else None
-        if ago is not None:
+        server is down and a batch failed ``ago`` seconds ago (:meth:`_failed_recently`,
+        or for a write-down's reserve only a timeout, so a
+        restarted server is asked at once): a question sent now would wait out a deadline
+        for an answer it cannot use (the batches count as skipped)."""
+        if n and ago is not None:
             self.health.skipped_batches += -(-n // self._step)
             raise TierIOError(
                 f"remote store {self.health.name}: no answer for {n} of {n} keys (not asked: "
@@ -402,7 +402,7 @@ class RedisStore(RedisStoreBase):
         """
         self._check_keys(keys)
         self._check_open()
-        self._refuse_if_failed_recently(len(keys))
+        self._refuse_if_failed_recently(len(keys), self._failed_recently())
         replies = await self._batched(
             len(keys), self._pipelined(keys, lambda pipe, k: pipe.exists(self.page_name(k)))
         )

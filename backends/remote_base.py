@@ -42,6 +42,7 @@ from .remote_replies import (
     as_reply,
     describe,
     is_connection_error,
+    is_timeout,
     node_failure,
 )
 from .remote_wire import ReplyError, WireConnection
@@ -102,6 +103,7 @@ class RedisStoreBase(StoreBackend):
         self.redirects = 0  # pages re-sent through redis-py after MOVED/ASK
         self._busy = 0  # calls using the client now (close waits for them)
         self._failed_at: float | None = None  # monotonic time of the last failed batch
+        self._timed_out_at: float | None = None  # and of the last one that timed out
         self._batch_failures = 0  # failed batches, not counting one cluster node's failure
         self._down_nodes = DownNodes()
         # In a cluster each node's part of a batch stops at the batch's deadline by itself
@@ -331,7 +333,7 @@ class RedisStoreBase(StoreBackend):
                         replies = await send(client, chunk, time.monotonic() + timeout)
                     sent = True
                 except Exception as exc:  # any failure of the batch makes it a miss
-                    self._failed(describe(exc))
+                    self._failed(describe(exc), timed_out=is_timeout(exc))
                     return
                 finally:
                     if not sent:  # failed (already reported) or cancelled before an outcome
@@ -354,26 +356,30 @@ class RedisStoreBase(StoreBackend):
             await asyncio.gather(*(one(client, s) for s in range(0, n, step)))
         return results
 
-    def _failed(self, reason: str, batch: bool = True) -> None:
+    def _failed(self, reason: str, batch: bool = True, timed_out: bool = False) -> None:
         """Record a failure with :attr:`health`; with ``batch`` (the default: not only
         some cluster nodes failed) also when it failed, and as a failed batch (the batches
-        waiting for a pipeline slot are then skipped)."""
+        waiting for a pipeline slot are then skipped); with ``timed_out`` (the server did
+        not answer within the deadline, as a frozen one does) when that happened."""
         if batch:
             self._failed_at = time.monotonic()
             self._batch_failures += 1
+            if timed_out:
+                self._timed_out_at = self._failed_at
         self.health.failed(reason)
 
-    def _failed_recently(self) -> float | None:
-        """Seconds since the last failed batch, when the server has not answered since
-        and that failure is less than ``op_timeout_s`` old; else ``None``.
-
-        A question sent now would most likely wait out a whole deadline for nothing: this
-        is how :meth:`~kvtier.backends.remote.RedisStore.contains` asked right after a
-        failed read (the cache asks whether the missed pages are gone) answers at once.
-        """
-        if not self.health.down or self._failed_at is None:
+    def _failed_recently(self, timed_out: bool = False) -> float | None:
+        """Seconds since the last failed batch (with ``timed_out``: the last one that
+        timed out), when the server has not answered since and that is less than
+        ``op_timeout_s`` ago; else ``None``. A question sent now would most likely wait
+        out a whole deadline for nothing: :meth:`~kvtier.backends.remote.RedisStore.
+        contains` right after a failed read answers at once, and so does a write-down's
+        reserve right after a timeout (a refused connection costs nothing to retry, and a
+        restarted server is back already)."""
+        at = self._timed_out_at if timed_out else self._failed_at
+        if not self.health.down or at is None:
             return None
-        ago = time.monotonic() - self._failed_at
+        ago = time.monotonic() - at
         return ago if ago < self.options.op_timeout_s else None
 
     def _pipelined(

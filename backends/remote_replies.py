@@ -128,6 +128,14 @@ def is_connection_error(reply: Any) -> bool:
     return isinstance(reply, _CONNECTION_ERRORS)
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server did not answer in time (the built-in, asyncio's or
+    redis-py's timeout), not that it refused or dropped the connection."""
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return isinstance(exc, TimeoutError | RedisTimeoutError)
+
+
 def node_failure(address: tuple[str, int], exc: BaseException) -> NodeFailure:
     """``exc``, raised for one node of a cluster batch, as the per-item reply of that
     node's items: a :class:`~kvtier.backends.remote_nodes.NodeFailure` naming the node (a

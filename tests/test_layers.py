@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvtier.cache_hooks",
             "kvtier.cache_input",
             "kvtier.cache_open",
+            "kvtier.open_watch",
             "kvtier.observers",
             "kvtier.prefetcher",
             "kvtier.tier_check",

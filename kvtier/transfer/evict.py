@@ -142,7 +142,7 @@ class Evictor:
         queue.pending.append(_Group(list(victims), priority, done, watched, spare))
         if queue.workers < self.max_workers:
             queue.workers += 1
-            mover.spawn(self._work(tier, queue))
+            mover.spawn(self._work(tier, queue), service=True)
         return done
 
     async def evict(
@@ -184,7 +184,7 @@ class Evictor:
             self._trim_again[tier.index] = True  # things changed: another round after this
         else:
             self._trimming[tier.index] = True
-            self.mover.spawn(self._background_trim(tier))
+            self.mover.spawn(self._background_trim(tier), service=True)
 
     async def _background_trim(self, tier: Tier) -> None:
         i = tier.index

@@ -74,6 +74,7 @@ class Mover:
         self._links: dict[tuple[int, int], Link] = {}
         self._ops: dict[tuple[PageKey, str], asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._services: set[asyncio.Task[Any]] = set()  # see spawn
         self._jobs: set[Job] = set()
 
     # -- tiers and links -------------------------------------------------------------------
@@ -186,11 +187,17 @@ class Mover:
                 raise r
         return list(results)
 
-    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Run ``coro`` as a background task that :meth:`drain` (and so close) awaits."""
+    def spawn(self, coro: Coroutine[Any, Any, T], *, service: bool = False) -> asyncio.Task[T]:
+        """Run ``coro`` as a background task that :meth:`drain` (and so close) awaits.
+        A ``service`` (an evict worker, a background trim) serves whatever is queued
+        while it runs, so under steady load it may never end: :meth:`finish_started`
+        waits for its page operations, not for it."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if service:
+            self._services.add(task)
+            task.add_done_callback(self._services.discard)
         return task
 
     @property
@@ -213,12 +220,13 @@ class Mover:
             await asyncio.shield(asyncio.gather(*list(self._tasks), return_exceptions=True))
 
     async def finish_started(self) -> None:
-        """Wait for the jobs and page operations in progress now, not for work that
-        starts later: under steady load the background workers are never idle, and a
+        """Wait for the jobs, background tasks (write-throughs) and page operations there
+        are now, not for work that starts later nor for the services (evict workers,
+        trims): under steady load those are never idle, and a
         :meth:`drain` by a caller racing other callers' new work could wait for ever (a
         probe's ``flush`` under four writers timed out after 30 s, every time). Cancelling
         the caller stops the wait only."""
-        pending = set(self._ops.values()) | {j.task for j in self._jobs if j.task is not None}
+        pending = set(self._ops.values()) | (self._tasks - self._services)
         if pending:
             await asyncio.wait(pending)
 
