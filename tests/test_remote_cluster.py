@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,21 +174,34 @@ async def test_one_dead_master_costs_only_its_own_pages() -> None:
             assert store.stats()["outages"] == 1  # the dead node is an outage of the store
 
 
+def _skip_without_cluster() -> None:
+    reason = unavailable_reason("redis", cluster=True)
+    if reason:
+        pytest.skip(reason)
+
+
+def _store(cluster: RedisClusterServers, prefix: str, **options: Any) -> RedisStore:
+    """A store on ``cluster`` holding up to 512 pages, under ``prefix``."""
+    return RedisStore(page_bytes=PAGE, capacity_pages=512, url=cluster.url, cluster=True,
+                      key_prefix=prefix, max_inflight=2, **options)  # fmt: skip
+
+
+def _pages(seed: int, n: int) -> tuple[list[PageKey], list[np.ndarray]]:
+    """``n`` fresh page keys (random tokens) and random page bytes for them."""
+    rng = np.random.default_rng(seed)
+    keys = page_keys(np.arange(n * NS.page_tokens) + int.from_bytes(os.urandom(3)), NS)
+    return keys, [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in keys]
+
+
 async def test_one_dead_master_costs_only_its_own_pages_over_many_batches() -> None:
     """A write and a read of many batches, with one master of three dead: every page the
     live masters own is stored and served, byte-exact. A batch touching the dead node used
     to count as a failed batch of the store, and the batches still waiting for a pipeline
     slot were skipped, live masters' pages included (the probe stored 23 of 47)."""
-    reason = unavailable_reason("redis", cluster=True)
-    if reason:
-        pytest.skip(reason)
-    rng = np.random.default_rng(12)
+    _skip_without_cluster()
     with RedisClusterServers("redis") as cluster:
-        async with RedisStore(page_bytes=PAGE, capacity_pages=512, url=cluster.url,
-                              cluster=True, key_prefix="manydown", op_timeout_s=2.0,
-                              batch_pages=4, max_inflight=2) as store:  # fmt: skip
-            keys = page_keys(np.arange(96 * NS.page_tokens) + int.from_bytes(os.urandom(3)), NS)
-            data = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in keys]
+        async with _store(cluster, "manydown", op_timeout_s=2.0, batch_pages=4) as store:
+            keys, data = _pages(12, 96)
             ports = [owner(cluster, key_slot(store.page_name(k))) for k in keys]
             dead = cluster.nodes[2]
             live = [p != dead.port for p in ports]
@@ -211,16 +225,10 @@ async def test_a_frozen_master_costs_one_deadline_and_only_its_own_pages() -> No
     call). Each node's part of a batch now stops at the deadline by itself: the live
     masters' pages are served, and the frozen node is not asked again within
     ``op_timeout_s``, so the next call costs no deadline."""
-    reason = unavailable_reason("redis", cluster=True)
-    if reason:
-        pytest.skip(reason)
-    rng = np.random.default_rng(13)
+    _skip_without_cluster()
     with RedisClusterServers("redis") as cluster:
-        async with RedisStore(page_bytes=PAGE, capacity_pages=512, url=cluster.url,
-                              cluster=True, key_prefix="frozen", op_timeout_s=1.0,
-                              batch_pages=8, max_inflight=2) as store:  # fmt: skip
-            keys = page_keys(np.arange(96 * NS.page_tokens) + int.from_bytes(os.urandom(3)), NS)
-            data = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in keys]
+        async with _store(cluster, "frozen", op_timeout_s=1.0, batch_pages=8) as store:
+            keys, data = _pages(13, 96)
             assert await store.put(keys, data) == [True] * 96
             ports = [owner(cluster, key_slot(store.page_name(k))) for k in keys]
             frozen = cluster.nodes[1]
