@@ -156,10 +156,10 @@ class RedisStore(RedisStoreBase):
 
     def _refuse_if_failed_recently(self, n: int, ago: float | None) -> None:
         """Raise :class:`~kvtier.errors.TierIOError` at once, sending nothing, when the
-        server is down and a batch failed ``ago`` seconds ago (:meth:`_failed_recently`,
-        or for a write-down's reserve only a timeout, so a
-        restarted server is asked at once): a question sent now would wait out a deadline
-        for an answer it cannot use (the batches count as skipped)."""
+        server is down and a batch failed ``ago`` seconds ago (:meth:`_failed_recently`;
+        for a write-down's reserve only a timeout counts, so a restarted server is asked
+        at once): a question sent now would wait out a deadline for an answer it cannot
+        use (the batches count as skipped)."""
         if n and ago is not None:
             self.health.skipped_batches += -(-n // self._step)
             raise TierIOError(

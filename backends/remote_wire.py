@@ -57,27 +57,28 @@ _HINTS = {
 }
 
 
-def _no_password_set(reply: ReplyError) -> bool:
+def _no_password_set(reply: ReplyError, address: tuple[str, int]) -> bool:
     """Whether ``reply`` refuses an ``AUTH`` only because the server has no password
     (``AUTH <password> called without any password configured...``, or Redis < 6's
     ``Client sent AUTH, but no password is set``): the connection is usable, as redis-py
     (the store's control path) treats it, and as the URL's password then protects nothing,
-    the first such reply is logged."""
+    the first such reply from each server is logged."""
     text = reply.message
     if "called without any password configured" not in text and "no password is set" not in text:
         return False
-    if not _NO_PASSWORD_LOGGED:
-        _NO_PASSWORD_LOGGED.append(True)
+    if address not in _NO_PASSWORD_LOGGED:
+        _NO_PASSWORD_LOGGED.add(address)
         logging.getLogger("kvtier.backends.remote").warning(
-            "the remote store's URL gives a password but the server has none configured "
-            "(it answered: %s); connecting without authentication",
+            "the remote store's URL gives a password but the server %s:%d has none "
+            "configured (it answered: %s); connecting without authentication",
+            *address,
             text,
         )
     return True
 
 
-#: Set once the "server has no password" line was logged (one per process).
-_NO_PASSWORD_LOGGED: list[bool] = []
+#: Servers whose "no password configured" answer was logged (once each per process).
+_NO_PASSWORD_LOGGED: set[tuple[str, int]] = set()
 
 
 class WireError(Exception):
@@ -208,7 +209,7 @@ class WireConnection:
                 conn.send(setup)
                 for _ in setup:
                     reply = conn.read_reply()
-                    if isinstance(reply, ReplyError) and not _no_password_set(reply):
+                    if isinstance(reply, ReplyError) and not _no_password_set(reply, (host, port)):
                         raise AuthenticationError(f"Authentication failed: {reply.message}")
         except BaseException:
             conn.close()
