@@ -175,8 +175,8 @@ class Link:
     async def transfer(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation]
     ) -> TransferResult:
-        """Copy each page into its reservation (``write``, not commit); the caller
-        :meth:`account` s for the batch once it is committed.
+        """Copy each page into its reservation (``write``, not commit); the caller then
+        records the batch with :meth:`account` once it is committed.
 
         Never raises for I/O failures (they are ``False`` and mark the tier that failed);
         usage errors (wrong buffers) propagate, since they are bugs.
