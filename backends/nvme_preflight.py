@@ -43,6 +43,7 @@ from kvtier.backends.store_files import (
     describe_os_error,
     lock_holder,
     missing_store_note,
+    nearest_existing,
 )
 
 from kvtier.backend import Preflight
@@ -152,10 +153,7 @@ def check_first_slab_room(path: str | os.PathLike[str], slab_bytes: int) -> None
     slabs = root / SLAB_DIR
     if slabs.is_dir() and any(p.name.startswith("slab-") for p in slabs.iterdir()):
         return
-    here = root
-    while not here.exists() and here.parent != here:
-        here = here.parent
-    st = os.statvfs(here)
+    st = os.statvfs(nearest_existing(root))
     free = st.f_bavail * st.f_frsize
     if free < slab_bytes:
         raise StoreUnavailableError(

@@ -132,6 +132,12 @@ def _missing_parents(path: Path) -> tuple[list[Path], Path]:
     return missing, p
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists (where a store made there would
+    live: its file system)."""
+    return _missing_parents(path)[1]
+
+
 def make_store_root(path: Path, modes: Modes, what: str, fix_mode: bool = True) -> bool:
     """Create the store directory ``path`` (and missing parents, each with ``modes.dir``)
     or check the existing one; with ``fix_mode``, bring an existing one to ``modes.dir``

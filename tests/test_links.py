@@ -1,5 +1,5 @@
 """Links: the reader chosen per (source, destination) medium, the file -> device path that
-skips the host bounce, and transfer results carrying bytes and seconds."""
+skips the host bounce, and links accounting the bytes and seconds of each batch."""
 
 from __future__ import annotations
 

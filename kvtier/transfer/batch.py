@@ -96,7 +96,7 @@ async def commit_batch(
             return ok
         started = time.perf_counter()
         if link is not None:
-            written = (await link.transfer([keys[i] for i, _ in got], [r for _, r in got])).ok
+            written = await link.transfer([keys[i] for i, _ in got], [r for _, r in got])
         else:
             assert data is not None
             written = await _write_user(mover, dst, [r for _, r in got], [data[i] for i, _ in got])

@@ -15,8 +15,10 @@ pair (:func:`register_link`); the destination's ``write`` is the second step. Bu
 * anything else: through host staging buffers allocated per batch.
 
 Each backend call covers the whole batch (one executor hop per batch, never per page).
-:meth:`Link.transfer` returns a :class:`TransferResult` carrying pages, bytes and seconds,
-and records them in the metrics, so bandwidth per link comes free. A link never raises
+:meth:`Link.transfer` answers per page whether it was written; once the batch is
+committed, :meth:`Link.account` records the pages that landed, their bytes and the
+seconds from the first read to the commit, so bandwidth per link comes free (a remote
+store sends at commit: nothing has moved before). A link never raises
 for I/O trouble: failures are per-page ``False`` results and the failing tier is marked
 (logged once per outage). :class:`~kvtier.transfer.gate.PriorityGate` bounds the batches
 in flight on each link.
@@ -24,9 +26,7 @@ in flight on each link.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,6 @@ __all__ = [
     "Priority",
     "PriorityGate",
     "Reader",
-    "TransferResult",
     "reader_for",
     "register_link",
 ]
@@ -141,19 +140,6 @@ register_link(Medium.FILE, Medium.DEVICE, _file_to_device)
 register_link("store", "store", _staged)
 
 
-@dataclass(frozen=True)
-class TransferResult:
-    """What one batch moved: per-page results, and the bytes and seconds it took."""
-
-    ok: list[bool]
-    bytes: int
-    seconds: float
-
-    @property
-    def pages(self) -> int:
-        return sum(self.ok)
-
-
 class Link:
     """Moves batches of pages from ``src`` to reserved space in ``dst``.
 
@@ -174,18 +160,17 @@ class Link:
 
     async def transfer(
         self, keys: Sequence[PageKey], reservations: Sequence[Reservation]
-    ) -> TransferResult:
-        """Copy each page into its reservation (``write``, not commit); the caller then
-        records the batch with :meth:`account` once it is committed.
+    ) -> list[bool]:
+        """Copy each page into its reservation (``write``, not commit); ``True`` where it
+        was written. The caller then records the batch with :meth:`account` once it is
+        committed.
 
         Never raises for I/O failures (they are ``False`` and mark the tier that failed);
         usage errors (wrong buffers) propagate, since they are bugs.
         """
         n = len(keys)
         if n == 0:
-            return TransferResult([], 0, 0.0)
-        page_bytes = self.dst.backend.page_bytes
-        start = time.perf_counter()
+            return []
         ok = [False] * n
         bufs: list[Any | None] = [None] * n
         try:
@@ -217,7 +202,7 @@ class Link:
                     raise
                 self.dst.record_failure("write", len(idx), exc)
                 self.metrics.failed.inc(self.dst.name, by=len(idx))
-        return TransferResult(ok, sum(ok) * page_bytes, time.perf_counter() - start)
+        return ok
 
     def account(self, pages: int, moved: int, seconds: float) -> None:
         """Record one batch over this link: ``pages`` were sent, ``moved`` of them landed
